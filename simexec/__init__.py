@@ -1,0 +1,16 @@
+"""simexec: plan, simulate and execute parallel training of large models.
+
+`import simexec` stays light (no torch, no ray): the executor lives in `simexec.exec` and is
+imported only when a real run is asked for.
+"""
+from simexec.errors import PlanError, SimexecError, SpecError
+
+__version__ = "0.1.0"
+__all__ = ["PlanError", "SimexecError", "SpecError", "simulate", "__version__"]
+
+
+def simulate(*args, **kwargs):
+    """Predict one training step; see `simexec.simulate.simulate`."""
+    from simexec.simulate import simulate as _simulate
+
+    return _simulate(*args, **kwargs)

@@ -1,0 +1,485 @@
+"""Lowering: (model, cluster, plan) -> Program, the per-rank instruction lists both interpreters run.
+
+`lower()` walks each rank's pipeline schedule (simexec.schedules) and, for every action, emits the
+layer's sub-blocks with the communication each plan dimension adds, in this order of concerns:
+
+1. pipeline: recv the input of a virtual stage, send its output (activations fwd, gradients bwd);
+2. tensor/sequence parallel: Megatron's f/g collectives at sub-block boundaries;
+3. context parallel: K/V all-gather around attention, their gradients reduce-scattered back;
+4. expert parallel: all-to-all dispatch and combine around the experts;
+5. recompute: forward blocks re-run before their backward (selective: attention core; full: layer);
+6. ZeRO-3: per-unit parameter all-gathers (two in flight) and gradient reduce-scatters;
+7. data parallel: gradient buckets during the last backward (every backward for ZeRO-2),
+   HSDP replicate all-reduce, tied-embedding all-reduce, optimizer step, parameter all-gather,
+   host offload copies.
+Memory markers (alloc/free) track model states, activations and gathered buffers.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from simexec.blocks import Anatomy, Block
+from simexec.plan import ResolvedPlan
+from simexec.program import Instr, Program
+from simexec.schedules import Action, pipeline_order
+
+# Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
+_TP_OPS = {
+    "attn_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    "attn_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "mlp_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    "mlp_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "embed_out": (("allreduce", ""), ("reducescatter", "")),
+    "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
+}
+ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
+ADAM_FLOPS_PER_PARAM = 12.0
+
+
+def representatives(rp: ResolvedPlan) -> dict[int, tuple[int, ...]]:
+    """One rank per pipeline stage (tp = cp = dp = 0) stands for all ranks of that stage."""
+    mesh = rp.mesh
+    out: dict[int, list[int]] = {}
+    for r in range(rp.world):
+        c = mesh.coords(r)
+        out.setdefault(mesh.rank(pp=c["pp"]), []).append(r)
+    return {k: tuple(v) for k, v in out.items()}
+
+
+def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
+    """Per-rank programs; in symmetric mode only one representative rank per pipeline stage."""
+    anatomy = Anatomy(rp)
+    order = pipeline_order(rp.plan.schedule_name, rp.plan.pp, rp.micro_batches, rp.plan.vpp)
+    if symmetric:
+        reps = representatives(rp)
+    else:
+        reps = {r: (r,) for r in range(rp.world)}
+    ranks = {r: _RankLowering(rp, anatomy, r, order[rp.mesh.coords(r)["pp"]]).build() for r in sorted(reps)}
+    meta = {
+        "model": rp.model.name, "cluster": rp.cluster.name, "plan": rp.plan.to_string(),
+        "seq_len": rp.seq_len, "world": rp.world, "micro_batches": rp.micro_batches,
+        "symmetric": symmetric,
+    }
+    return Program(meta=meta, ranks=ranks, represents=reps)
+
+
+class _RankLowering:
+    """Builds one rank's instruction list."""
+
+    def __init__(self, rp: ResolvedPlan, an: Anatomy, rank: int, actions: list[Action]):
+        self.rp, self.an, self.rank, self.actions = rp, an, rank, actions
+        p, mesh = rp.plan, rp.mesh
+        self.p = p
+        self.coords = mesh.coords(rank)
+        self.pp_rank = self.coords["pp"]
+        self.m = rp.micro_batches
+        self.L = rp.model.layers
+        self.out: list[Instr] = []
+        self.wait: list[str] = []  # collectives the next compute instruction must wait on
+        self.grad_dt = 4 if p.dtype == "fp32" else 2
+        # groups
+        self.g_tp = mesh.group(rank, "tp")
+        self.g_cp = mesh.group(rank, "cp")
+        self.g_dp = mesh.group(rank, "dp")
+        self.g_ep = mesh.subgroup(rank, "dp", p.ep)
+        self.g_edp = mesh.strided_group(rank, "dp", p.ep)
+        if p.dp_shard:
+            self.zero_axis, self.g_zero = "dp_shard", mesh.subgroup(rank, "dp", p.dp_shard)
+            self.g_rep = mesh.strided_group(rank, "dp", p.dp_shard)
+        else:
+            self.zero_axis, self.g_zero, self.g_rep = "dp", self.g_dp, ()
+        self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": p.pp - 1})}))
+        # gradient buckets: pools keyed by axis, each a list of (unit, bytes)
+        self.bucket_bytes = p.bucket_mb * 1e6
+        self.pools: dict[str, list[tuple[int, float]]] = {}
+        self.pool_after: dict[str, str] = {}
+        self.buckets: list[tuple[str, str, tuple[int, ...], float]] = []  # (name, axis, units, bytes)
+        self.grad_colls: list[str] = []
+        self.gathers: dict[tuple, list[str]] = {}
+
+    # --- emit ----------------------------------------------------------------------------------------
+    def _emit(self, ins: Instr) -> str:
+        self.out.append(ins)
+        return ins.name
+
+    def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block) -> str:
+        fwd = phase != "bwd"
+        name = f"{phase}.{block}.L{layer}.m{mb}"
+        deps, self.wait = tuple(dict.fromkeys(self.wait)), []
+        return self._emit(Instr(
+            self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
+            chunk=chunk, flops=b.flops if fwd else b.bwd_flops, bytes=b.bytes if fwd else b.bwd_bytes, deps=deps,
+        ))
+
+    def coll(self, name: str, verb: str, axis: str, group: tuple[int, ...], nbytes: float, deps=(), *,
+             phase: str = "", block: str = "", layer: int = -1, mb: int = -1, chunk: int = 0,
+             items: tuple[int, ...] = (), wait: bool = True) -> Optional[str]:
+        """A collective on `comm.<axis>`; skipped for groups of one. `wait`: next compute waits on it."""
+        if len(group) <= 1 or nbytes <= 0:
+            return None
+        ins = Instr(self.rank, name, "collective", f"comm.{axis}", f"{verb}@{axis}", phase=phase, block=block,
+                    layer=layer, mb=mb, chunk=chunk, bytes=float(nbytes), deps=tuple(d for d in deps if d),
+                    axis=axis, group=group, items=items)
+        self._emit(ins)
+        if wait:
+            self.wait.append(name)
+        return name
+
+    def memory(self, op: str, category: str, nbytes: float, tag: str, stream: str = "compute",
+               deps: tuple[str, ...] = ()) -> None:
+        if nbytes > 0:
+            self._emit(Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes),
+                             category=category, deps=deps))
+
+    def last_compute(self) -> Optional[str]:
+        for ins in reversed(self.out):
+            if ins.kind == "compute":
+                return ins.name
+        return None
+
+    def tp(self, block: str, phase: str, layer: int, mb: int, chunk: int, nbytes: float) -> None:
+        """One of Megatron's f/g collectives (or nothing where that side is the identity)."""
+        fwd_op, bwd_op = _TP_OPS[block][1 if self.p.sp else 0]
+        verb = bwd_op if phase == "bwd" else fwd_op
+        if verb:
+            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, (self.last_compute(),),
+                      phase=phase, block=block, layer=layer, mb=mb, chunk=chunk)
+
+    # --- the program ---------------------------------------------------------------------------------
+    def build(self) -> list[Instr]:
+        self.setup()
+        for act in self.actions:
+            if act.kind == "F":
+                self.forward(act)
+            else:
+                self.backward(act)
+        self.finish()
+        return self.out
+
+    def units(self, chunk: int) -> list[int]:
+        """Parameter units of a virtual stage in forward order: -1 embedding, layers, L the head."""
+        vs = chunk * self.p.pp + self.pp_rank
+        units = list(self.rp.stage_layers[vs])
+        if vs == 0:
+            units.insert(0, -1)
+        if vs == self.rp.virtual_stages - 1:
+            units.append(self.L)
+        return units
+
+    def unit_params(self, unit: int) -> tuple[float, float]:
+        if unit == -1:
+            return self.an.embed_params(), 0.0
+        if unit == self.L:
+            return self.an.head_params(), 0.0
+        return self.an.layer_param_counts(unit)
+
+    def setup(self) -> None:
+        states = self.rp.model_state_bytes(self.pp_rank)
+        for cat in ("params", "grads", "optimizer"):
+            self.memory("alloc", cat, states[cat], f"{cat}.static")
+        self.memory("alloc", "workspace", self.rp.cluster.costs.workspace_bytes, "workspace")
+        if self.p.zero3_flavour == "yafsdp" and self.zero_size > 1:
+            biggest = max(sum(self.unit_params(u)) for c in range(self.p.vpp) for u in self.units(c))
+            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, "yafsdp.params")
+            self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, "yafsdp.grads")
+
+    @property
+    def zero_size(self) -> int:
+        return len(self.g_zero)
+
+    def is_recompute_layer(self, layer: int, chunk: int) -> bool:
+        if self.p.recompute == "none":
+            return False
+        vs = chunk * self.p.pp + self.pp_rank
+        pos = self.rp.stage_layers[vs].index(layer)
+        return self.p.recompute_layers is None or pos < self.p.recompute_layers
+
+    # --- forward -------------------------------------------------------------------------------------
+    def forward(self, act: Action) -> None:
+        c, mb = act.chunk, act.mb
+        vs = c * self.p.pp + self.pp_rank
+        if vs > 0:
+            self.recv("act", vs - 1, mb)
+        units = self.units(c)
+        self.prefetch(units, "fwd", mb, c)
+        for j, unit in enumerate(units):
+            self.wait_gather(unit, "fwd", mb)
+            if unit == -1:
+                self.compute("fwd", "embed", -1, mb, c, self.an.embed)
+                self.tp("embed_out", "fwd", -1, mb, c, self.an.full_hidden_bytes)
+            elif unit == self.L:
+                self.head_forward(mb, c)
+            else:
+                full = self.is_recompute_layer(unit, c) and self.p.recompute == "full"
+                self.layer_forward(unit, mb, c, "fwd")
+                saved = self.an.hidden_bytes if full else sum(b.saved for b in self.an.layer(unit).values())
+                self.memory("alloc", "activations", saved, f"act.L{unit}.m{mb}")
+            self.release_gather(unit, "fwd", mb)
+            self.prefetch_next(units, j, "fwd", mb, c)
+        if vs < self.rp.virtual_stages - 1:
+            self.send("act", vs, mb, self.an.hidden_bytes)
+
+    def layer_forward(self, l: int, mb: int, c: int, phase: str) -> None:
+        an, blocks = self.an, self.an.layer(l)
+        self.tp("attn_in", phase, l, mb, c, an.full_hidden_bytes)
+        self.compute(phase, "qkv", l, mb, c, blocks["qkv"])
+        if self.p.cp > 1:
+            self.coll(f"{phase}.kv.L{l}.m{mb}", "allgather", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
+                      phase=phase, block="kv", layer=l, mb=mb, chunk=c)
+        self.compute(phase, "attn", l, mb, c, blocks["attn"])
+        self.compute(phase, "proj", l, mb, c, blocks["proj"])
+        self.tp("attn_out", phase, l, mb, c, an.full_hidden_bytes)
+        self.tp("mlp_in", phase, l, mb, c, an.full_hidden_bytes)
+        if "fc1" in blocks:
+            self.compute(phase, "fc1", l, mb, c, blocks["fc1"])
+            self.compute(phase, "fc2", l, mb, c, blocks["fc2"])
+        else:
+            self.compute(phase, "router", l, mb, c, blocks["router"])
+            self.a2a("dispatch", phase, l, mb, c)
+            self.compute(phase, "experts", l, mb, c, blocks["experts"])
+            self.a2a("combine", phase, l, mb, c)
+            self.compute(phase, "moe_out", l, mb, c, blocks["moe_out"])
+        self.tp("mlp_out", phase, l, mb, c, an.full_hidden_bytes)
+
+    def a2a(self, block: str, phase: str, l: int, mb: int, c: int) -> None:
+        self.coll(f"{phase}.{block}.L{l}.m{mb}", "alltoall", "ep", self.g_ep, self.an.dispatch_bytes,
+                  (self.last_compute(),), phase=phase, block=block, layer=l, mb=mb, chunk=c)
+
+    def head_forward(self, mb: int, c: int) -> None:
+        an, L = self.an, self.L
+        self.tp("head_in", "fwd", L, mb, c, an.full_hidden_bytes)
+        head = an.head
+        self.compute("fwd", "head", L, mb, c, head["head"])
+        ce_bytes = 4.0 * an.tokens
+        self.coll(f"fwd.ce_max.L{L}.m{mb}", "allreduce", "tp", self.g_tp, ce_bytes, (self.last_compute(),),
+                  phase="fwd", block="ce_max", layer=L, mb=mb, chunk=c)
+        self.compute("fwd", "xent", L, mb, c, head["xent"])
+        self.coll(f"fwd.ce_sum.L{L}.m{mb}", "allreduce", "tp", self.g_tp, 2 * ce_bytes, (self.last_compute(),),
+                  phase="fwd", block="ce_sum", layer=L, mb=mb, chunk=c)
+        self.compute("fwd", "loss", L, mb, c, head["loss"])
+        self.memory("alloc", "activations", head["head"].saved, f"act.L{L}.m{mb}")
+
+    # --- backward ------------------------------------------------------------------------------------
+    def backward(self, act: Action) -> None:
+        c, mb = act.chunk, act.mb
+        vs = c * self.p.pp + self.pp_rank
+        if vs < self.rp.virtual_stages - 1:
+            self.recv("grad", vs + 1, mb)
+        units = list(reversed(self.units(c)))
+        self.prefetch(units, "bwd", mb, c)
+        for j, unit in enumerate(units):
+            self.wait_gather(unit, "bwd", mb)
+            if unit == self.L:
+                head = self.an.head
+                self.compute("bwd", "loss", unit, mb, c, head["loss"])
+                self.compute("bwd", "xent", unit, mb, c, head["xent"])
+                self.compute("bwd", "head", unit, mb, c, head["head"])
+                self.memory("free", "activations", head["head"].saved, f"act.L{unit}.m{mb}")
+                self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
+            elif unit == -1:
+                self.compute("bwd", "embed", -1, mb, c, self.an.embed)
+            else:
+                self.layer_backward(unit, mb, c)
+            self.grads_ready(unit, mb, c)
+            self.release_gather(unit, "bwd", mb)
+            self.prefetch_next(units, j, "bwd", mb, c)
+        self.flush_all(final=mb == self.m - 1)
+        if vs > 0:
+            self.send("grad", vs, mb, self.an.hidden_bytes)
+
+    def layer_backward(self, l: int, mb: int, c: int) -> None:
+        an, blocks = self.an, self.an.layer(l)
+        rc = self.is_recompute_layer(l, c)
+        full = rc and self.p.recompute == "full"
+        saved = sum(b.saved for b in blocks.values())
+        if full:
+            self.layer_forward(l, mb, c, "recompute")
+            self.memory("alloc", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
+        self.tp("mlp_out", "bwd", l, mb, c, an.full_hidden_bytes)
+        if "fc1" in blocks:
+            self.compute("bwd", "fc2", l, mb, c, blocks["fc2"])
+            self.compute("bwd", "fc1", l, mb, c, blocks["fc1"])
+        else:
+            self.compute("bwd", "moe_out", l, mb, c, blocks["moe_out"])
+            self.a2a("combine", "bwd", l, mb, c)
+            self.compute("bwd", "experts", l, mb, c, blocks["experts"])
+            self.a2a("dispatch", "bwd", l, mb, c)
+            self.compute("bwd", "router", l, mb, c, blocks["router"])
+        self.tp("mlp_in", "bwd", l, mb, c, an.full_hidden_bytes)
+        self.tp("attn_out", "bwd", l, mb, c, an.full_hidden_bytes)
+        self.compute("bwd", "proj", l, mb, c, blocks["proj"])
+        if rc and self.p.recompute == "selective":
+            self.compute("recompute", "attn", l, mb, c, blocks["attn"])
+        self.compute("bwd", "attn", l, mb, c, blocks["attn"])
+        if self.p.cp > 1:
+            self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
+                      phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
+        self.compute("bwd", "qkv", l, mb, c, blocks["qkv"])
+        self.memory("free", "activations", an.hidden_bytes if full else saved, f"act.L{l}.m{mb}")
+        if full:
+            self.memory("free", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
+        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes)
+
+    # --- pipeline ------------------------------------------------------------------------------------
+    def _peer(self, vs: int) -> int:
+        return self.rp.mesh.rank(**{**self.coords, "pp": vs % self.p.pp})
+
+    def send(self, what: str, vs: int, mb: int, nbytes: float) -> None:
+        """Send the output of virtual stage vs (activations forward, gradients backward)."""
+        dest = vs + 1 if what == "act" else vs - 1
+        self._emit(Instr(self.rank, f"p2p.{what}.v{vs}.m{mb}", "send", "p2p.send", "send", phase="fwd" if what == "act" else "bwd",
+                         block=what, mb=mb, chunk=vs // self.p.pp, bytes=nbytes, deps=(self.last_compute(),),
+                         peer=self._peer(dest)))
+
+    def recv(self, what: str, src_vs: int, mb: int) -> None:
+        name = f"p2p.{what}.v{src_vs}.m{mb}"
+        dest = src_vs + 1 if what == "act" else src_vs - 1
+        self._emit(Instr(self.rank, name, "recv", "p2p.recv", "recv", phase="fwd" if what == "act" else "bwd",
+                         block=what, mb=mb, chunk=dest // self.p.pp, bytes=self.an.hidden_bytes,
+                         peer=self._peer(src_vs)))
+        self.wait.append(name)
+
+    # --- ZeRO-3 parameter gathers --------------------------------------------------------------------
+    def _zero3(self) -> bool:
+        return self.p.zero == 3 and (self.zero_size > 1 or (self.rp.model.moe is not None and len(self.g_edp) > 1))
+
+    def gather(self, unit: int, phase: str, mb: int, c: int, deps: tuple) -> None:
+        dense, expert = self.unit_params(unit)
+        dt = self.rp.dtype_bytes
+        names = []
+        tag = f"{phase}.gather.L{unit}.m{mb}"
+        if self.p.zero3_flavour == "fsdp":
+            gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
+            self.memory("alloc", "buffers", gathered, tag, stream=f"comm.{self.zero_axis}", deps=deps)
+        n = self.coll(tag, "allgather", self.zero_axis, self.g_zero, dense * dt, deps, phase=phase, block="gather",
+                      layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+        names.append(n)
+        n = self.coll(tag + ".experts", "allgather", "edp", self.g_edp, expert * dt, deps, phase=phase,
+                      block="gather", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+        names.append(n)
+        self.gathers[(unit, phase, mb)] = [n for n in names if n]
+
+    def prefetch(self, units: list[int], phase: str, mb: int, c: int) -> None:
+        """Gather the first two units of a pass (two buffers in flight, as YaFSDP and FSDP's limit)."""
+        if self._zero3():
+            for u in units[:2]:
+                self.gather(u, phase, mb, c, ())
+
+    def prefetch_next(self, units: list[int], j: int, phase: str, mb: int, c: int) -> None:
+        """Once unit j is done with its buffer, gather unit j+2 into it."""
+        if self._zero3() and j + 2 < len(units):
+            self.gather(units[j + 2], phase, mb, c, (self.last_compute(),))
+
+    def wait_gather(self, unit: int, phase: str, mb: int) -> None:
+        self.wait.extend(self.gathers.get((unit, phase, mb), ()))
+
+    def release_gather(self, unit: int, phase: str, mb: int) -> None:
+        if self._zero3() and self.p.zero3_flavour == "fsdp":
+            dense, expert = self.unit_params(unit)
+            dt = self.rp.dtype_bytes
+            gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
+            self.memory("free", "buffers", gathered, f"{phase}.gather.L{unit}.m{mb}")
+
+    # --- gradients -----------------------------------------------------------------------------------
+    def grads_ready(self, unit: int, mb: int, c: int) -> None:
+        """Unit's gradients for micro-batch mb are complete: reduce them as the plan says."""
+        dense, expert = self.unit_params(unit)
+        last = mb == self.m - 1
+        after = self.last_compute()
+        gdt = self.grad_dt
+        if self.p.zero == 3:
+            if not self._zero3():
+                return self.bucket_if(last, unit, dense, expert, after)
+            tag = f"bwd.grads.L{unit}.m{mb}"
+            if self.p.zero3_flavour == "fsdp":
+                full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
+                self.memory("alloc", "buffers", full, f"{tag}.unsharded", deps=(after,))
+            a = self.coll(tag, "reducescatter", self.zero_axis, self.g_zero, dense * gdt, (after,), phase="bwd",
+                          block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+            b = self.coll(tag + ".experts", "reducescatter", "edp", self.g_edp, expert * gdt, (after,), phase="bwd",
+                          block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+            self.grad_colls += [n for n in (a, b) if n]
+            if self.p.zero3_flavour == "fsdp":
+                self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
+                            deps=tuple(n for n in (a, b) if n))
+            if last and self.g_rep and a:
+                r = self.coll(f"bwd.grads_rep.L{unit}", "allreduce", "dp_replicate", self.g_rep,
+                              dense * gdt / self.zero_size, (a,), phase="bwd", block="grads_rep", layer=unit,
+                              items=(unit,), wait=False)
+                self.grad_colls.append(r)
+            return None
+        return self.bucket_if(last or self.p.zero == 2, unit, dense, expert, after, final=last)
+
+    def bucket_if(self, now: bool, unit: int, dense: float, expert: float, after: str, final: bool = True) -> None:
+        """Add the unit's gradients to the open bucket of each axis; reduce a bucket once it is full."""
+        if not now:
+            return
+        for axis, group, n in ((self.zero_axis, self.g_zero, dense), ("edp", self.g_edp, expert)):
+            if len(group) <= 1 or n <= 0:
+                continue
+            pool = self.pools.setdefault(axis, [])
+            pool.append((unit, n * self.grad_dt))
+            self.pool_after[axis] = after
+            if sum(b for _, b in pool) >= self.bucket_bytes:
+                self.flush(axis, group, final)
+
+    def flush_all(self, final: bool = True) -> None:
+        for axis in list(self.pools):
+            group = self.g_zero if axis == self.zero_axis else self.g_edp
+            self.flush(axis, group, final)
+
+    def flush(self, axis: str, group: tuple[int, ...], final: bool) -> None:
+        pool = self.pools.get(axis)
+        if not pool:
+            return
+        k = len(self.buckets)
+        units = tuple(u for u, _ in pool)
+        nbytes = sum(b for _, b in pool)
+        verb = "allreduce" if self.p.zero == 0 else "reducescatter"
+        name = f"bwd.grads{k}"
+        self.coll(name, verb, axis, group, nbytes, (self.pool_after[axis],), phase="bwd", block=f"grads{k}",
+                  items=units, wait=False)
+        self.grad_colls.append(name)
+        if final:
+            self.buckets.append((name, axis, units, nbytes))
+            if self.g_rep and axis == self.zero_axis:
+                r = self.coll(f"bwd.grads_rep{k}", "allreduce", "dp_replicate", self.g_rep, nbytes / len(group),
+                              (name,), phase="bwd", block=f"grads_rep{k}", items=units, wait=False)
+                self.grad_colls.append(r)
+        else:
+            self.buckets.append((name, "", units, 0.0))  # numbered, but no parameter gather follows
+        self.pools[axis] = []
+
+    # --- end of step ---------------------------------------------------------------------------------
+    def finish(self) -> None:
+        self.flush_all()
+        deps = list(self.grad_colls)
+        m = self.rp.model
+        if m.tied_embeddings and self.p.pp > 1 and self.pp_rank in (0, self.p.pp - 1):
+            n = self.coll("bwd.tied", "allreduce", "embed", self.g_embed, self.an.embed_params() * self.grad_dt,
+                          tuple(deps) + (self.last_compute(),), phase="bwd", block="tied", wait=False)
+            deps.append(n)
+        params = self.rp.params_on_pp_rank(self.pp_rank)
+        shard = params["dense"] / (self.zero_size if self.p.zero >= 1 else 1)
+        shard += params["expert"] / (max(1, len(self.g_edp)) if self.p.zero >= 1 else 1)
+        deps = [d for d in deps if d]
+        if self.p.offload != "none":
+            d2h = self._emit(Instr(self.rank, "copy.grads_d2h", "copy", "copy.d2h", "d2h", phase="optim",
+                                   block="grads_d2h", bytes=shard * self.grad_dt, deps=tuple(deps) + (self.last_compute(),)))
+            cpu = self._emit(Instr(self.rank, "host.optim", "compute", "host", "cpu_optimizer", phase="optim",
+                                   block="cpu_optim", flops=shard, bytes=shard * ADAM_BYTES_PER_PARAM, deps=(d2h,)))
+            opt = self._emit(Instr(self.rank, "copy.params_h2d", "copy", "copy.h2d", "h2d", phase="optim",
+                                   block="params_h2d", bytes=shard * self.rp.dtype_bytes, deps=(cpu,)))
+        else:
+            self.wait.extend(deps)
+            opt = self.compute("optim", "optim", -1, -1, 0,
+                               Block("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * ADAM_BYTES_PER_PARAM, 0.0))
+        if self.p.zero in (1, 2):
+            dt = self.rp.dtype_bytes
+            for name, axis, units, nbytes in self.buckets:
+                if not axis:
+                    continue
+                k = name.removeprefix("bwd.grads")
+                group = self.g_zero if axis == self.zero_axis else self.g_edp
+                self.coll(f"optim.params{k}", "allgather", axis, group, nbytes / self.grad_dt * dt, (opt,),
+                          phase="optim", block=f"params{k}", items=units, wait=False)

@@ -1,0 +1,411 @@
+"""Parallel plans: the split of one training step over ranks, parsed from a short string or a file.
+
+`Plan` holds what the user wrote; `resolve()` checks it against a model and a cluster and returns a
+`ResolvedPlan` with every derived fact (world size, micro-batches, layers per stage, mesh). Each
+rule a plan can break has its own message naming the rule and the values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from simexec.cluster import ClusterSpec, one_line, read_mapping
+from simexec.errors import PlanError
+from simexec.model import ModelSpec
+
+AXES = ("tp", "cp", "dp", "pp")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+class Plan(BaseModel):
+    """How one training step is split. Axes left out are 1; `dp` left out is derived from the world size."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dp: Optional[int] = Field(None, gt=0, description="data-parallel degree; None = world / (tp*cp*pp)")
+    tp: int = Field(1, gt=0, description="tensor-parallel degree (Megatron 1D)")
+    sp: bool = Field(False, description="sequence parallel on top of tp (Korthikanti et al. 2022)")
+    cp: int = Field(1, gt=0, description="context-parallel degree: the sequence split across ranks")
+    cp_impl: Literal["allgather", "ring"] = Field("allgather", description="K/V exchange: all-gather (Llama 3) or ring")
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
+    ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
+    zero_impl: Optional[Literal["fsdp", "yafsdp"]] = Field(None, description="flavour of ZeRO-3; default fsdp")
+    dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
+    gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b"]] = Field(
+        None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1"
+    )
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")
+    rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
+    stages: Optional[tuple[int, ...]] = Field(None, description="layers per (virtual) stage, in order")
+
+    @field_validator("rank_order")
+    @classmethod
+    def _order(cls, v: str) -> str:
+        axes = v.split("-")
+        if sorted(axes) != sorted(AXES):
+            raise ValueError(f"rank_order {v!r} must order exactly the axes {'-'.join(AXES)}")
+        return v
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
+
+    @property
+    def zero3_flavour(self) -> Optional[str]:
+        return (self.zero_impl or "fsdp") if self.zero == 3 else None
+
+    def to_string(self) -> str:
+        """The short form `parse_plan` reads back: only fields that differ from their defaults."""
+        parts = []
+        for name, field in type(self).model_fields.items():
+            val = getattr(self, name)
+            if val == field.default:
+                continue
+            if name == "stages":
+                parts.append("stages=" + ",".join(str(x) for x in val))
+            elif isinstance(val, bool):
+                parts.append(f"{name}={int(val)}")
+            else:
+                parts.append(f"{name}={val:g}" if isinstance(val, float) else f"{name}={val}")
+        return ",".join(parts) or "dp=1"
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+_BOOL = {"1": True, "0": False, "true": True, "false": False}
+
+
+def parse_plan(text: str) -> Plan:
+    """`dp=2,tp=4,pp=2,zero=1,mbs=1,gbs=64`; `stages=` takes every following bare integer."""
+    fields: dict[str, object] = {}
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if "=" not in item:
+            raise PlanError(f"plan {text!r}: expected key=value, got {item!r}")
+        key, val = (s.strip() for s in item.split("=", 1))
+        if key in fields:
+            raise PlanError(f"plan {text!r}: {key} given twice")
+        if key == "stages":
+            vals = [val]
+            while i + 1 < len(items) and "=" not in items[i + 1]:
+                i += 1
+                vals.append(items[i])
+            fields[key] = tuple(_int(key, v, text) for v in vals)
+        elif key not in Plan.model_fields:
+            raise PlanError(f"plan {text!r}: unknown key {key!r}; keys: {', '.join(Plan.model_fields)}")
+        elif Plan.model_fields[key].annotation is bool:
+            if val.lower() not in _BOOL:
+                raise PlanError(f"plan {text!r}: {key} must be 1/0/true/false, got {val!r}")
+            fields[key] = _BOOL[val.lower()]
+        else:
+            fields[key] = val
+        i += 1
+    return _validate_fields(fields, f"plan {text!r}")
+
+
+def _int(key: str, val: str, text: str) -> int:
+    try:
+        return int(val)
+    except ValueError:
+        raise PlanError(f"plan {text!r}: {key} takes integers, got {val!r}") from None
+
+
+def _validate_fields(fields: dict, where: str) -> Plan:
+    if isinstance(fields.get("stages"), list):
+        fields["stages"] = tuple(fields["stages"])
+    for key in ("sp", "flash_attention"):
+        if isinstance(fields.get(key), str):
+            fields[key] = _BOOL.get(fields[key].lower(), fields[key])
+    try:
+        return Plan.model_validate(fields)
+    except ValidationError as exc:
+        raise PlanError(f"{where}: {one_line(exc)}") from None
+
+
+def load_plan(text_or_path: str) -> Plan:
+    """A plan string, or a YAML/JSON file of plan fields."""
+    path = Path(text_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        data = read_mapping(path, "plan")
+        return _validate_fields(data, f"plan file {path}")
+    return parse_plan(text_or_path)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Rank layout: rank <-> coordinates on (tp, cp, dp, pp), fastest-varying axis first."""
+
+    sizes: dict[str, int]
+    order: tuple[str, ...]
+
+    @cached_property
+    def _strides(self) -> dict[str, int]:
+        strides, acc = {}, 1
+        for axis in self.order:
+            strides[axis] = acc
+            acc *= self.sizes[axis]
+        return strides
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for s in self.sizes.values():
+            out *= s
+        return out
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return {a: (rank // self._strides[a]) % self.sizes[a] for a in self.order}
+
+    def rank(self, **coords: int) -> int:
+        return sum(coords.get(a, 0) * self._strides[a] for a in self.order)
+
+    def group(self, rank: int, axis: str) -> tuple[int, ...]:
+        """Ranks that differ from `rank` only along `axis`, in axis order."""
+        c = self.coords(rank)
+        base = rank - c[axis] * self._strides[axis]
+        return tuple(base + i * self._strides[axis] for i in range(self.sizes[axis]))
+
+    def subgroup(self, rank: int, axis: str, size: int) -> tuple[int, ...]:
+        """Consecutive blocks of `size` along `axis` (ep groups, HSDP shard groups)."""
+        full = self.group(rank, axis)
+        i = full.index(rank) // size
+        return full[i * size : (i + 1) * size]
+
+    def strided_group(self, rank: int, axis: str, size: int) -> tuple[int, ...]:
+        """Ranks at the same position of every `size`-block along `axis` (HSDP replicate groups)."""
+        full = self.group(rank, axis)
+        pos = full.index(rank) % size
+        return full[pos::size]
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan checked against its model and cluster, with every derived number."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: Plan
+    seq_len: int
+    dp: int
+    micro_batches: int
+    stage_layers: tuple[tuple[int, ...], ...]  # layer indices of each virtual stage
+    mesh: Mesh
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.plan.pp * self.plan.vpp
+
+    def stages_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
+        """Virtual stage indices held by pipeline rank `pp_rank` (Megatron's interleaved assignment)."""
+        return tuple(v * self.plan.pp + pp_rank for v in range(self.plan.vpp))
+
+    def layers_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(l for s in self.stages_of_pp_rank(pp_rank) for l in self.stage_layers[s])
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.plan.dtype]
+
+    @property
+    def tokens_per_step(self) -> int:
+        return (self.plan.gbs or 0) * self.seq_len
+
+    @property
+    def zero_group_size(self) -> int:
+        """Ranks that shard model states (dp, or dp_shard under HSDP)."""
+        return self.plan.dp_shard or self.dp
+
+    def params_on_pp_rank(self, pp_rank: int) -> dict[str, float]:
+        """Parameters held by one rank of pipeline rank `pp_rank` before ZeRO sharding.
+
+        Dense weights are split by tp; expert weights by tp and ep. Norms are replicated.
+        """
+        m, p = self.model, self.plan
+        dense = expert = 0.0
+        for layer in self.layers_of_pp_rank(pp_rank):
+            if m.is_moe_layer(layer):
+                dense += m.attention_params() / p.tp + m.norm_params_per_layer() + m.router_params()
+                shared = m.moe_mlp_params() - m.router_params() - m.moe.experts * m.expert_params()
+                dense += shared / p.tp
+                expert += m.moe.experts * m.expert_params() / (p.tp * p.ep)
+            else:
+                dense += (m.layer_params(layer) - m.norm_params_per_layer()) / p.tp + m.norm_params_per_layer()
+        if pp_rank == 0:
+            dense += m.embedding_params() / p.tp
+        if pp_rank == p.pp - 1:
+            dense += m.lm_head_params() / p.tp + m.final_norm_params()
+            if m.tied_embeddings and p.pp > 1:
+                dense += m.embedding_params() / p.tp  # a copy of the tied embedding on the last stage
+        return {"dense": dense, "expert": expert, "total": dense + expert}
+
+    def model_state_bytes(self, pp_rank: int) -> dict[str, float]:
+        """Mixed-precision Adam model states per rank (ZeRO paper: 2+2+12 bytes per parameter).
+
+        Expert parameters are sharded by ZeRO over dp/ep ranks, as Megatron's expert data parallel.
+        """
+        p = self.plan
+        params = self.params_on_pp_rank(pp_rank)
+        n_dense, n_expert = params["dense"], params["expert"]
+        shard_dense = self.zero_group_size
+        shard_expert = max(1, self.zero_group_size // p.ep)
+        w = self.dtype_bytes if p.dtype != "fp8" else 2  # fp8 training keeps bf16 weights
+        k = 12 if p.dtype != "fp32" else 8  # fp32 training: Adam m, v only (no master copy)
+        grad_b = w if p.dtype != "fp32" else 4
+
+        def split(n: float, shard: int) -> tuple[float, float, float]:
+            wt = n * w / (shard if p.zero >= 3 else 1)
+            gr = n * grad_b / (shard if p.zero >= 2 else 1)
+            op = n * k / (shard if p.zero >= 1 else 1)
+            return wt, gr, op
+
+        a = split(n_dense, shard_dense)
+        b = split(n_expert, shard_expert)
+        out = {"params": a[0] + b[0], "grads": a[1] + b[1], "optimizer": a[2] + b[2]}
+        if p.offload != "none":
+            out["optimizer"] = 0.0
+        if p.offload == "optimizer+params":
+            out["params"] = 0.0
+        return out
+
+
+def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optional[int] = None) -> ResolvedPlan:
+    """Check every rule; return the plan with derived numbers, or raise PlanError naming the rule."""
+    p = plan
+    seq = seq_len or model.seq_len
+    if seq <= 0:
+        raise PlanError(f"sequence length must be positive, got {seq}")
+    inner = p.tp * p.cp * p.pp
+    if cluster.sized_to_plan:
+        dp = p.dp or 1
+        cluster = cluster.with_world_size(dp * inner)
+    world = cluster.world_size
+    if p.dp is None:
+        if world % inner:
+            raise PlanError(f"world size {world} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {inner}")
+        dp = world // inner
+    else:
+        dp = p.dp
+        if dp * inner != world:
+            raise PlanError(
+                f"world size {world} != dp*tp*cp*pp = {dp}*{p.tp}*{p.cp}*{p.pp} = {dp * inner}"
+                f" (cluster {cluster.name}: {cluster.nodes} node(s) x {cluster.node.gpus_per_node})"
+            )
+    gbs = p.gbs if p.gbs is not None else p.mbs * dp * p.pp
+    _check(model, cluster, p, dp, gbs, seq)
+    micro = gbs // (p.mbs * dp)
+    stage_layers = _stage_layers(model, p)
+    if p.recompute_layers is not None and p.recompute_layers > min(len(s) for s in _per_pp_rank(stage_layers, p)):
+        raise PlanError(
+            f"recompute_layers={p.recompute_layers} exceeds the {min(len(s) for s in _per_pp_rank(stage_layers, p))}"
+            " layers of the smallest pipeline stage"
+        )
+    plan = p.model_copy(update={"dp": dp, "gbs": gbs})
+    mesh = Mesh(sizes={"tp": p.tp, "cp": p.cp, "dp": dp, "pp": p.pp}, order=tuple(p.rank_order.split("-")))
+    return ResolvedPlan(model, cluster, plan, seq, dp, micro, stage_layers, mesh)
+
+
+def _per_pp_rank(stage_layers, p: Plan) -> list[list[int]]:
+    return [[l for v in range(p.vpp) for l in stage_layers[v * p.pp + r]] for r in range(p.pp)]
+
+
+def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:
+    n = p.pp * p.vpp
+    if p.stages is not None:
+        counts = list(p.stages)
+    else:
+        counts = [model.layers // n] * n
+    out, start = [], 0
+    for c in counts:
+        out.append(tuple(range(start, start + c)))
+        start += c
+    return tuple(out)
+
+
+def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, seq: int) -> None:
+    """The rules of parallel training, one `if` each."""
+    def fail(msg: str) -> None:
+        raise PlanError(msg)
+
+    if model.heads % p.tp:
+        fail(f"attention heads {model.heads} not divisible by tp={p.tp}")
+    if model.kv_heads % p.tp:
+        fail(f"KV heads {model.kv_heads} not divisible by tp={p.tp}")
+    if model.ffn % p.tp:
+        fail(f"FFN size {model.ffn} not divisible by tp={p.tp}")
+    if p.sp and p.tp == 1:
+        fail("sp=1 needs tp > 1 (sequence parallel splits along the tensor-parallel group)")
+    if p.sp and seq % p.tp:
+        fail(f"sequence length {seq} not divisible by tp={p.tp} (needed by sp)")
+    if p.cp > 1 and seq % (2 * p.cp):
+        fail(f"sequence length {seq} not divisible by 2*cp = {2 * p.cp} (causal load balancing)")
+    if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:
+        fail(f"sequence chunk {seq // p.cp} per cp rank not divisible by tp={p.tp} (needed by sp)")
+    n_stages = p.pp * p.vpp
+    if p.stages is not None:
+        if len(p.stages) != n_stages:
+            fail(f"stages has {len(p.stages)} entries, expected pp*vpp = {p.pp}*{p.vpp} = {n_stages}")
+        if any(s <= 0 for s in p.stages):
+            fail(f"stages {','.join(map(str, p.stages))}: every stage needs at least one layer")
+        if sum(p.stages) != model.layers:
+            fail(f"stages sum to {sum(p.stages)}, but the model has {model.layers} layers")
+    elif model.layers % n_stages:
+        fail(f"layers {model.layers} not divisible by pp*vpp = {p.pp}*{p.vpp} = {n_stages} (give stages=... for an uneven split)")
+    if gbs % (p.mbs * dp):
+        fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
+    micro = gbs // (p.mbs * dp)
+    sched = p.schedule_name
+    if p.vpp > 1 and sched != "interleaved-1f1b":
+        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, got {sched}")
+    if sched == "interleaved-1f1b":
+        if p.vpp < 2:
+            fail("schedule=interleaved-1f1b needs vpp >= 2")
+        if p.pp < 2:
+            fail("schedule=interleaved-1f1b needs pp >= 2")
+        if micro % p.pp:
+            fail(f"interleaved-1f1b needs micro-batches ({micro}) divisible by pp={p.pp}")
+    if model.moe is None and p.ep > 1:
+        fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")
+    if model.moe is not None:
+        if model.moe.experts % p.ep:
+            fail(f"experts {model.moe.experts} not divisible by ep={p.ep}")
+        if model.moe.expert_ffn % p.tp:
+            fail(f"expert FFN size {model.moe.expert_ffn} not divisible by tp={p.tp}")
+    if dp % p.ep:
+        fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks)")
+    if p.zero_impl is not None and p.zero != 3:
+        fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
+    if p.dp_shard is not None:
+        if p.zero == 0:
+            fail(f"dp_shard={p.dp_shard} (HSDP) needs zero >= 1")
+        if dp % p.dp_shard:
+            fail(f"dp_shard={p.dp_shard} does not divide dp={dp}")
+        if p.ep > 1 and p.dp_shard % p.ep:
+            fail(f"dp_shard={p.dp_shard} not divisible by ep={p.ep}")
+    if p.offload == "optimizer+params" and p.zero != 3:
+        fail(f"offload=optimizer+params needs zero=3, got zero={p.zero}")
+    if p.recompute_layers is not None and p.recompute == "none":
+        fail(f"recompute_layers={p.recompute_layers} needs recompute=selective or full")
+    if not cluster.device.supports(p.dtype):
+        fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
+    if p.pp > 1 and n_stages > model.layers:
+        fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")

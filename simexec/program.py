@@ -24,7 +24,7 @@ COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "workspace")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Instr:
     """One step of one rank's program.
 

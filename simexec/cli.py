@@ -1,0 +1,234 @@
+"""The `simexec` command line. Each command is one small function; user errors exit 2 with one line."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Callable, Optional
+
+from simexec.errors import SimexecError
+
+EXAMPLES = {
+    "models": "simexec models --json",
+    "clusters": "simexec clusters",
+    "plan check": "simexec plan check --model llama2-7b --cluster 1xdgx-a100-80g --plan dp=2,tp=4,zero=1,gbs=64",
+    "simulate": "simexec simulate --model llama3-70b --cluster 128xdgx-h100 --plan dp=16,tp=8,pp=8,gbs=1024 --json out.json",
+    "search": "simexec search --model llama3-8b --cluster 4xdgx-h100 --gbs 256 --top 5",
+    "execute": "simexec execute --model gpt-tiny --cluster local --plan dp=2,tp=2,gbs=8,dtype=fp32 --steps 3 --json result.json",
+}
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line and exit 2 (no usage dump)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"simexec: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def _sub(subs, name: str, help: str, key: Optional[str] = None) -> argparse.ArgumentParser:
+    return subs.add_parser(name, help=help, description=help, epilog=f"example:\n  {EXAMPLES[key or name]}",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def _spec_args(p: argparse.ArgumentParser, plan: bool = True) -> None:
+    p.add_argument("--model", required=True, help="preset name, or a Hugging Face config.json / YAML / JSON file")
+    p.add_argument("--cluster", required=True, help="preset (dgx-h100), N nodes of one (4xdgx-h100), or a YAML/JSON file")
+    if plan:
+        p.add_argument("--plan", default="dp=1", help="plan string (dp=2,tp=4,pp=2,zero=1,gbs=64) or YAML/JSON file")
+    p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="simexec", description="Plan, simulate and execute parallel training of large models.")
+    subs = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = _sub(subs, "models", "list model presets with their sizes")
+    p.add_argument("--json", action="store_true", help="print JSON: [{name, params, active_params}]")
+    p.set_defaults(func=cmd_models)
+
+    p = _sub(subs, "clusters", "list cluster presets")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_clusters)
+
+    plan = subs.add_parser("plan", help="work with plans", description="work with plans")
+    plan_subs = plan.add_subparsers(dest="plan_command", required=True, parser_class=_Parser)
+    p = _sub(plan_subs, "check", "validate a plan and print its derived numbers", key="plan check")
+    _spec_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(func=cmd_plan_check)
+
+    p = _sub(subs, "simulate", "predict step time, memory and a timeline of one training step")
+    _spec_args(p)
+    p.add_argument("--profile", default=None, help="hardware profile JSON from `simexec calibrate`")
+    p.add_argument("--full", action="store_true", help="simulate every rank (default: one per pipeline stage)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
+    p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
+    p.set_defaults(func=cmd_simulate)
+
+    _add_optional_commands(subs)
+    return parser
+
+
+def _add_optional_commands(subs) -> None:
+    """Commands whose modules exist in this build (each registers itself when present)."""
+    import importlib.util
+
+    if importlib.util.find_spec("simexec.search") is not None:
+        p = _sub(subs, "search", "find the fastest plan that fits")
+        _spec_args(p, plan=False)
+        p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences)")
+        p.add_argument("--top", type=int, default=10, help="how many plans to print")
+        p.add_argument("--objective", choices=("throughput", "memory"), default="throughput")
+        p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4")
+        p.add_argument("--profile", default=None, help="hardware profile JSON")
+        p.add_argument("--ray-address", default=None, help="spread the sweep over a Ray cluster")
+        p.add_argument("--workers", type=int, default=None, help="local worker processes")
+        p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
+        p.set_defaults(func=cmd_search)
+    if importlib.util.find_spec("simexec.exec.api") is not None:
+        p = _sub(subs, "execute", "run a plan for real on Ray actors with torch.distributed")
+        _spec_args(p)
+        p.add_argument("--steps", type=int, default=3, help="training steps (the first is a warm-up)")
+        p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
+        p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+        p.add_argument("--timeout", type=float, default=60.0, help="seconds before a hung rank ends the run")
+        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--json", dest="json_path", default=None, help="write losses, step times and memory here")
+        p.add_argument("--trace", dest="trace_path", default=None, help="write the measured trace here")
+        p.add_argument("--profile", dest="profile_dir", default=None, help="write a torch.profiler trace per rank here")
+        p.set_defaults(func=cmd_execute)
+
+
+# --- commands ---------------------------------------------------------------------------------------
+def _gb(x: float) -> str:
+    return f"{x / 1e9:.2f} GB"
+
+
+def cmd_models(args) -> int:
+    from simexec.model import list_models
+
+    models = list_models()
+    if args.json:
+        print(json.dumps([{"name": m.name, "params": m.params, "active_params": m.active_params} for m in models], indent=1))
+        return 0
+    print(f"{'name':<18}{'params':>12}{'active':>12}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>4} {'seq':>6}")
+    for m in models:
+        print(f"{m.name:<18}{m.params / 1e9:>11.2f}B{m.active_params / 1e9:>11.2f}B  {m.layers:>6} {m.hidden:>6} "
+              f"{m.heads:>5} {m.kv_heads:>4} {m.seq_len:>6}")
+    return 0
+
+
+def cmd_clusters(args) -> int:
+    from simexec.cluster import list_clusters
+
+    clusters = list_clusters()
+    if args.json:
+        print(json.dumps([c.model_dump() for c in clusters], indent=1))
+        return 0
+    print(f"{'name':<14}{'device':<18}{'bf16 TFLOP/s':>13}{'memory':>10}{'gpus/node':>10}{'fabric GB/s':>12}{'NICs':>6}")
+    for c in clusters:
+        gpn = c.node.gpus_per_node or "plan"
+        print(f"{c.name:<14}{c.device.name:<18}{c.device.peak_flops.get('bf16', 0) / 1e12:>13.0f}"
+              f"{c.device.memory_bytes / 2**30:>8.0f}Gi{gpn:>10}{c.node.intra_bw / 1e9:>12.0f}"
+              f"{c.network.nics_per_node:>3}x{c.network.nic_bw * 8 / 1e9:.0f}G")
+    print("NxNAME means N nodes, e.g. 4xdgx-h100; --cluster also takes a YAML/JSON file (docs/cluster.md).")
+    return 0
+
+
+def _resolve(args):
+    from simexec.cluster import get_cluster
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+
+    model = get_model(args.model)
+    cluster = get_cluster(args.cluster)
+    plan = load_plan(args.plan)
+    return resolve(model, cluster, plan, seq_len=args.seq_len)
+
+
+def cmd_plan_check(args) -> int:
+    rp = _resolve(args)
+    p = rp.plan
+    rows = []
+    for pp_rank in range(p.pp):
+        states = rp.model_state_bytes(pp_rank)
+        params = rp.params_on_pp_rank(pp_rank)
+        rows.append({"pp_rank": pp_rank, "layers": len(rp.layers_of_pp_rank(pp_rank)), "params": params["total"],
+                     "model_state_bytes": sum(states.values()), **{f"{k}_bytes": v for k, v in states.items()}})
+    out = {"plan": p.to_string(), "world_size": rp.world, "dp": rp.dp, "micro_batches": rp.micro_batches,
+           "tokens_per_step": rp.tokens_per_step, "seq_len": rp.seq_len, "schedule": p.schedule_name,
+           "per_stage": rows}
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(f"plan {p.to_string()}  ({rp.model.name} on {rp.cluster.name})")
+    print(f"world size {rp.world} = dp {rp.dp} x tp {p.tp} x cp {p.cp} x pp {p.pp};  schedule {p.schedule_name}")
+    print(f"global batch {p.gbs} x seq {rp.seq_len} = {rp.tokens_per_step:,} tokens; "
+          f"{rp.micro_batches} micro-batches of {p.mbs} per data-parallel rank")
+    print(f"{'stage':>5} {'layers':>6} {'params/rank':>12} {'weights':>10} {'grads':>10} {'optimizer':>10} {'states':>10}")
+    for r in rows:
+        print(f"{r['pp_rank']:>5} {r['layers']:>6} {r['params'] / 1e9:>11.3f}B {_gb(r['params_bytes']):>10} "
+              f"{_gb(r['grads_bytes']):>10} {_gb(r['optimizer_bytes']):>10} {_gb(r['model_state_bytes']):>10}")
+    return 0
+
+
+def cmd_simulate(args) -> int:
+    from simexec.cluster import get_cluster
+    from simexec.model import get_model
+    from simexec.plan import load_plan
+    from simexec.simulate import simulate
+    from simexec.trace import save_json
+
+    result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
+                      seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
+                      trace=args.trace_path is not None)
+    print(result.format())
+    if args.json_path:
+        save_json(result.to_json(), args.json_path)
+    if args.trace_path:
+        result.trace.save(args.trace_path)
+    return 0
+
+
+def cmd_search(args) -> int:
+    from simexec.search import parse_fix, search
+    from simexec.trace import save_json
+
+    result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
+                    objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
+                    profile=args.profile, ray_address=args.ray_address, workers=args.workers)
+    print(result.format())
+    if args.json_path:
+        save_json(result.to_json(), args.json_path)
+    return 0
+
+
+def cmd_execute(args) -> int:
+    from simexec.exec.api import execute
+
+    result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
+                     ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
+                     trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+    print(result.format())
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    func: Callable = args.func
+    try:
+        return func(args)
+    except SimexecError as exc:
+        sys.stderr.write(f"simexec: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("simexec: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -14,6 +14,8 @@ EXAMPLES = {
     "plan check": "simexec plan check --model llama2-7b --cluster 1xdgx-a100-80g --plan dp=2,tp=4,zero=1,gbs=64",
     "simulate": "simexec simulate --model llama3-70b --cluster 128xdgx-h100 --plan dp=16,tp=8,pp=8,gbs=1024 --json out.json",
     "search": "simexec search --model llama3-8b --cluster 4xdgx-h100 --gbs 256 --top 5",
+    "compare": "simexec compare predicted.json measured.json --json errors.json --plot compare.png",
+    "plot": "simexec plot predicted.json measured.json -o timeline.png",
     "execute": "simexec execute --model gpt-tiny --cluster local --plan dp=2,tp=2,gbs=8,dtype=fp32 --steps 3 --json result.json",
 }
 
@@ -65,6 +67,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
     p.set_defaults(func=cmd_simulate)
+
+    p = _sub(subs, "compare", "match a predicted and a measured trace op by op and report the errors")
+    p.add_argument("predicted", help="predicted trace (simexec simulate --trace)")
+    p.add_argument("measured", help="measured trace (simexec execute --trace)")
+    p.add_argument("--json", dest="json_path", default=None, help="write the errors as JSON here")
+    p.add_argument("--plot", dest="plot_path", default=None, help="write the two timelines here (PNG or SVG)")
+    p.set_defaults(func=cmd_compare)
+
+    p = _sub(subs, "plot", "draw the timeline (and memory) of one or more traces")
+    p.add_argument("traces", nargs="+", help="trace files in the simexec/Chrome schema")
+    p.add_argument("-o", "--out", required=True, help="output image (.png or .svg)")
+    p.set_defaults(func=cmd_plot)
 
     _add_optional_commands(subs)
     return parser
@@ -188,6 +202,29 @@ def cmd_simulate(args) -> int:
         save_json(result.to_json(), args.json_path)
     if args.trace_path:
         result.trace.save(args.trace_path)
+    return 0
+
+
+def cmd_compare(args) -> int:
+    from simexec.compare import compare_files
+    from simexec.trace import save_json
+
+    result = compare_files(args.predicted, args.measured)
+    print(result.format())
+    if args.json_path:
+        save_json(result.to_json(), args.json_path)
+    if args.plot_path:
+        from simexec.plot import plot_traces
+
+        plot_traces([args.predicted, args.measured], args.plot_path)
+    return 0
+
+
+def cmd_plot(args) -> int:
+    from simexec.plot import plot_traces
+
+    plot_traces(args.traces, args.out)
+    print(f"wrote {args.out}")
     return 0
 
 

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from simexec.errors import SpecError
 
@@ -21,7 +21,7 @@ GiB = 1024**3
 
 
 class _Spec(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
 
 class DeviceSpec(_Spec):
@@ -32,6 +32,16 @@ class DeviceSpec(_Spec):
     memory_bytes: float = Field(gt=0, description="device memory capacity")
     memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
     launch_overhead_s: float = Field(ge=0, description="fixed cost per kernel launch")
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _peaks(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("needs at least one dtype, e.g. {bf16: 312e12}")
+        bad = {k: x for k, x in v.items() if not x > 0 or x == float("inf")}
+        if bad:
+            raise ValueError(f"peak FLOP/s must be positive and finite, got {bad}")
+        return v
 
     def supports(self, dtype: str) -> bool:
         return dtype in self.peak_flops
@@ -94,6 +104,17 @@ class ClusterSpec(_Spec):
     network: NetworkSpec
     costs: CostParams
     source: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        if self.nodes > 1 and self.node.gpus_per_node == 0:
+            raise ValueError(f"nodes={self.nodes}: a cluster sized to the plan (node.gpus_per_node 0) is one host")
+        if self.nodes > 1 and (self.network.nics_per_node == 0 or self.network.nic_bw == 0):
+            raise ValueError(
+                f"nodes={self.nodes} needs a network: network.nics_per_node and network.nic_bw must be positive,"
+                f" got {self.network.nics_per_node} and {self.network.nic_bw:g}"
+            )
+        return self
 
     @property
     def sized_to_plan(self) -> bool:
@@ -228,17 +249,27 @@ def list_clusters() -> list[ClusterSpec]:
     return list(PRESETS.values())
 
 
+def _preset(name: str) -> Optional[ClusterSpec]:
+    """A preset by name, or N nodes of one (`4xdgx-h100`); None if `name` is neither."""
+    if name in PRESETS:
+        return PRESETS[name]
+    m = _MULTI.match(name)
+    if not (m and m.group(2) in PRESETS):
+        return None
+    nodes = int(m.group(1))
+    if nodes < 1:
+        raise SpecError(f"cluster {name!r}: node count must be at least 1")
+    base = PRESETS[m.group(2)]
+    if base.sized_to_plan and nodes > 1:
+        raise SpecError(f"cluster {name!r}: {m.group(2)} is one host sized to the plan; it takes no node count")
+    return base.model_copy(update={"nodes": nodes, "name": name})
+
+
 def get_cluster(name_or_path: str) -> ClusterSpec:
     """A preset (`dgx-h100`), N nodes of one (`4xdgx-h100`), or a YAML/JSON file (see docs/cluster.md)."""
-    if name_or_path in PRESETS:
-        return PRESETS[name_or_path]
-    m = _MULTI.match(name_or_path)
-    if m and m.group(2) in PRESETS:
-        nodes = int(m.group(1))
-        if nodes < 1:
-            raise SpecError(f"cluster {name_or_path!r}: node count must be at least 1")
-        base = PRESETS[m.group(2)]
-        return base.model_copy(update={"nodes": nodes, "name": name_or_path})
+    preset = _preset(name_or_path)
+    if preset is not None:
+        return preset
     path = Path(name_or_path)
     if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
         return load_cluster_file(path)
@@ -251,7 +282,10 @@ def read_mapping(path: Path, what: str) -> dict:
     """Read a YAML or JSON file holding one mapping, with one-line errors."""
     if not path.is_file():
         raise SpecError(f"{what} file not found: {path}")
-    text = path.read_text()
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read {what} file {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         if path.suffix.lower() == ".json":
             data = json.loads(text)
@@ -270,8 +304,9 @@ def read_mapping(path: Path, what: str) -> dict:
 def one_line(exc: ValidationError) -> str:
     """The first pydantic error as `field.path: message`."""
     err = exc.errors()[0]
-    loc = ".".join(str(p) for p in err["loc"]) or "(root)"
-    return f"{loc}: {err['msg']}" + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return (f"{loc}: {msg}" if loc else msg) + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
 
 
 def _merge(base: dict, over: dict) -> dict:
@@ -284,12 +319,15 @@ def _merge(base: dict, over: dict) -> dict:
 def load_cluster_file(path: Path) -> ClusterSpec:
     """A cluster file: either every section in full, or `base: <preset>` plus the fields to change."""
     data = read_mapping(Path(path), "cluster")
+    data.setdefault("name", Path(path).stem)  # the file's name, also over a base preset's
     base_name = data.pop("base", None)
     if base_name is not None:
-        if base_name not in PRESETS:
-            raise SpecError(f"cluster file {path}: unknown base preset {base_name!r}; presets: {', '.join(PRESETS)}")
-        data = _merge(PRESETS[base_name].model_dump(), data)
-    data.setdefault("name", Path(path).stem)
+        base = _preset(base_name) if isinstance(base_name, str) else None
+        if base is None:
+            raise SpecError(
+                f"cluster file {path}: base: unknown preset {base_name!r}; presets: {', '.join(PRESETS)} (or NxPRESET)"
+            )
+        data = _merge(base.model_dump(), data)
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as exc:

@@ -24,7 +24,7 @@ DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
 class Plan(BaseModel):
     """How one training step is split. Axes left out are 1; `dp` left out is derived from the world size."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     dp: Optional[int] = Field(None, gt=0, description="data-parallel degree; None = world / (tp*cp*pp)")
     tp: int = Field(1, gt=0, description="tensor-parallel degree (Megatron 1D)")
@@ -49,7 +49,7 @@ class Plan(BaseModel):
     flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")
     rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
-    stages: Optional[tuple[int, ...]] = Field(None, description="layers per (virtual) stage, in order")
+    stages: Optional[tuple[int, ...]] = Field(None, min_length=1, description="layers per (virtual) stage, in order")
 
     @field_validator("rank_order")
     @classmethod
@@ -78,9 +78,12 @@ class Plan(BaseModel):
                 parts.append("stages=" + ",".join(str(x) for x in val))
             elif isinstance(val, bool):
                 parts.append(f"{name}={int(val)}")
+            elif isinstance(val, float):
+                short = f"{val:g}"
+                parts.append(f"{name}={short if float(short) == val else repr(val)}")
             else:
-                parts.append(f"{name}={val:g}" if isinstance(val, float) else f"{name}={val}")
-        return ",".join(parts) or "dp=1"
+                parts.append(f"{name}={val}")
+        return ",".join(parts) or "tp=1"  # all defaults (dp derived): any default key reads back the same
 
     def __str__(self) -> str:
         return self.to_string()
@@ -291,9 +294,13 @@ class ResolvedPlan:
 def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optional[int] = None) -> ResolvedPlan:
     """Check every rule; return the plan with derived numbers, or raise PlanError naming the rule."""
     p = plan
-    seq = seq_len or model.seq_len
+    seq = model.seq_len if seq_len is None else seq_len
     if seq <= 0:
         raise PlanError(f"sequence length must be positive, got {seq}")
+    if model.learned_pos and model.max_positions is not None and seq > model.max_positions:
+        raise PlanError(
+            f"sequence length {seq} exceeds the learned position table of {model.name} (max_positions {model.max_positions})"
+        )
     inner = p.tp * p.cp * p.pp
     if cluster.sized_to_plan:
         dp = p.dp or 1
@@ -381,6 +388,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             fail("schedule=interleaved-1f1b needs vpp >= 2")
         if p.pp < 2:
             fail("schedule=interleaved-1f1b needs pp >= 2")
+        if micro < p.pp:
+            fail(f"interleaved-1f1b needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
         if micro % p.pp:
             fail(f"interleaved-1f1b needs micro-batches ({micro}) divisible by pp={p.pp}")
     if model.moe is None and p.ep > 1:

@@ -2,7 +2,7 @@
 
 A cluster is data only. Every number in a preset is a datasheet figure or a published
 micro-benchmark, cited beside it; the simulator's algorithms hold no constants of their own, and
-calibration rewrites `CostParams` (see `simexec.profile`), never code.
+calibration rewrites `CostParams` (see `simexec.sim.profile`), never code.
 """
 from __future__ import annotations
 

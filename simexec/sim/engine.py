@@ -1,0 +1,423 @@
+"""The discrete-event interpreter of a Program: one SimPy process per (rank, stream).
+
+A stream runs its instructions in order; each waits for its `deps` (same rank, other streams).
+Collectives start when every present member of the group has issued them (matched by name and
+group); sends are eager; a recv ends when its send's transfer has arrived. Memory instructions take
+no time. Every instruction's start and end are recorded in two flat arrays.
+
+What an instruction costs is not decided here: a `Machine` (see `simexec.sim.machine`) prices
+compute and turns transfers into phases over shared links (`simexec.sim.network.Fluid`).
+
+Speed, without approximation:
+- a chain of compute instructions that nothing on another stream waits on, and whose own
+  cross-stream deps have already finished, runs as one timeout; each instruction's times follow by
+  arithmetic. Compute slows by the machine's `overlap_slowdown` while a transfer of the same rank is
+  in flight: the running chain is re-rated in place (its timeout swapped), so the times stay exact;
+- memory instructions that wait on nothing are not visited: they happen when their stream
+  predecessor ends;
+- an instruction's completion wakes the processes waiting on it at once, at the same simulated
+  time, instead of through one more scheduled event.
+Swapping a timeout and waking at once touch SimPy 4's event internals (`Event.callbacks`, `_ok`, `_value`,
+`Process._resume`, `_target`); they are confined to `_fire` and `Engine._rerate`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import simpy
+from simpy.events import Event, Timeout
+
+from simexec.program import Instr, Program, ProgramError
+
+COMPUTE, COLLECTIVE, SEND, RECV, COPY, MEMORY, HOST = range(7)
+_KIND = {"compute": COMPUTE, "collective": COLLECTIVE, "send": SEND, "recv": RECV, "copy": COPY, "memory": MEMORY}
+
+
+def _fire(ev: Event) -> None:
+    """Trigger `ev` and run its callbacks now (what `succeed()` does one scheduler step later)."""
+    ev._ok, ev._value = True, None
+    callbacks, ev.callbacks = ev.callbacks, None
+    for cb in callbacks:
+        cb(ev)
+
+
+class _Run:
+    """A chain of compute instructions running as one timeout on one rank."""
+
+    __slots__ = ("proc", "timer", "t", "rate", "left", "marks")
+
+
+class _Match:
+    """One collective instance or one send/recv pair: who has arrived, and when the data is there."""
+
+    __slots__ = ("arrived", "needed", "done", "xfer_start")
+
+    def __init__(self, needed: int):
+        self.arrived = 0
+        self.needed = needed
+        self.done: Optional[Event] = None
+        self.xfer_start = -1.0
+
+
+class _Transfer:
+    """Phases of one transfer run back to back on the fluid network; then `done` fires."""
+
+    __slots__ = ("eng", "phases", "i", "ranks", "done")
+
+    def __init__(self, eng: "Engine", phases, ranks, done: Event):
+        self.eng, self.phases, self.i, self.ranks, self.done = eng, phases, 0, ranks, done
+        amount, links, cap, lat = phases[0]
+        eng.fluid.start(amount, links, cap, lat, self)
+
+    def __call__(self) -> None:
+        self.i += 1
+        if self.i < len(self.phases):
+            amount, links, cap, lat = self.phases[self.i]
+            self.eng.fluid.start(amount, links, cap, lat, self)
+            return
+        self.eng._comm_end(self.ranks)
+        _fire(self.done)
+
+
+class Engine:
+    """Run one program against one machine; `run()` returns the step time."""
+
+    def __init__(self, program: Program, machine):
+        self.program = program
+        self.machine = machine
+        self.env = simpy.Environment()
+        self._load(program)
+
+    # --- preparation -----------------------------------------------------------------------------
+
+    def _load(self, program: Program) -> None:
+        """Flatten the program: global index per instruction, cross-stream deps, matches, costs."""
+        m = self.machine
+        instrs: list[Instr] = []
+        for rank in sorted(program.ranks):
+            instrs.extend(program.ranks[rank])
+        n = len(instrs)
+        # Defaults cover most instructions; only the exceptions are written below.
+        kind = [COMPUTE] * n
+        xdeps: list[tuple[int, ...]] = [()] * n
+        match = [-1] * n
+        work = [0.0] * n
+        streams: dict[tuple[int, str], list[int]] = {}
+        matches: list[_Match] = []
+        coll_ids: dict[tuple[str, tuple[int, ...]], int] = {}
+        p2p_ids: dict[tuple[str, int, int], int] = {}
+        present = set(program.ranks)
+        needed_of: dict[tuple[int, ...], int] = {}
+        memory: list[int] = []  # memory instructions, in program order
+        anchor_of: dict[int, int] = {}  # memory instr not visited -> its stream predecessor (-1: none)
+        signals: set[int] = set()
+        cost_cache: dict[tuple[str, float, float], float] = {}
+        work_of, host_work = m.work, m.host_work
+        kinds = _KIND
+        base = 0
+        for rank in sorted(program.ranks):
+            rank_instrs = program.ranks[rank]
+            local: dict[str, int] = {}
+            seqs: dict[str, list[int]] = {}
+            for k, ins in enumerate(rank_instrs, base):
+                local[ins.name] = k
+                st = ins.stream
+                seq = seqs.get(st)
+                if seq is None:
+                    seq = seqs[st] = streams[(rank, st)] = []
+                deps = ins.deps
+                if deps:
+                    out = None
+                    for dname in deps:
+                        d = local.get(dname)
+                        if d is None:
+                            raise ProgramError(
+                                f"rank {rank}: {ins.name} waits on {dname}, which does not come before it")
+                        if d in anchor_of:  # an unvisited memory instruction ends with its predecessor
+                            d = anchor_of[d]
+                            if d < 0:
+                                continue
+                        if instrs[d].stream != st:
+                            if out is None:
+                                out = [d]
+                            else:
+                                out.append(d)
+                            signals.add(d)
+                    if out is not None:
+                        xdeps[k] = tuple(out)
+                kd = kinds.get(ins.kind, -1)
+                if kd == COMPUTE:
+                    if ins.op == "cpu_optimizer" or st == "host":
+                        kind[k] = HOST
+                        work[k] = host_work(ins)
+                    else:
+                        key = (ins.op, ins.flops, ins.bytes)
+                        w = cost_cache.get(key)
+                        if w is None:
+                            w = cost_cache[key] = work_of(ins)
+                        work[k] = w
+                    seq.append(k)
+                    continue
+                kind[k] = kd
+                if kd == MEMORY:
+                    memory.append(k)
+                    if xdeps[k]:
+                        seq.append(k)
+                    else:
+                        anchor_of[k] = seq[-1] if seq else -1
+                    continue
+                if kd == COLLECTIVE:
+                    need = needed_of.get(ins.group)
+                    if need is None:
+                        need = needed_of[ins.group] = sum(1 for r in ins.group if r in present)
+                    if need > 1:  # else (symmetric mode) this rank alone issues it: nothing to match
+                        ckey = (ins.name, ins.group)
+                        mid = coll_ids.get(ckey)
+                        if mid is None:
+                            mid = coll_ids[ckey] = len(matches)
+                            matches.append(_Match(need))
+                        match[k] = mid
+                elif kd == SEND or kd == RECV:
+                    pkey = (ins.name, rank, ins.peer) if kd == SEND else (ins.name, ins.peer, rank)
+                    mid = p2p_ids.get(pkey)
+                    if mid is None:
+                        mid = p2p_ids[pkey] = len(matches)
+                        matches.append(_Match(2 if ins.peer in present else 1))
+                    match[k] = mid
+                elif kd < 0:
+                    raise ProgramError(f"{ins.id}: unknown instruction kind {ins.kind!r}")
+                seq.append(k)
+            base += len(rank_instrs)
+        self.instrs, self.kind, self.xdeps, self.match, self.work = instrs, kind, xdeps, match, work
+        self.streams, self.matches, self.anchor_of, self.memory = streams, matches, anchor_of, memory
+        self.signals = [False] * n
+        for d in signals:
+            self.signals[d] = True
+        self.start = [-1.0] * n
+        self.end = [-1.0] * n
+        self._waiters: dict[int, Event] = {}
+        self._runs: dict[int, list[_Run]] = {r: [] for r in program.ranks}
+        self._inflight: dict[int, int] = dict.fromkeys(program.ranks, 0)
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def run(self) -> float:
+        """Simulate; return the time the last instruction ends."""
+        env = self.env
+        self.fluid = self.machine.bind(env)
+        self._slow = self.machine.compute_rate(1)
+        for (rank, _), seq in sorted(self.streams.items()):
+            if seq:
+                holder: list = []
+                holder.append(env.process(self._stream(rank, seq, holder)))
+        env.run()
+        self._check_finished()
+        end = self.end
+        for k, pred in self.anchor_of.items():
+            self.start[k] = end[k] = end[pred] if pred >= 0 else 0.0
+        return max(end, default=0.0)
+
+    def _check_finished(self) -> None:
+        stuck = []
+        for (rank, stream), seq in sorted(self.streams.items()):
+            if not seq or self.end[seq[-1]] >= 0.0:  # a stream that ran its last instruction ran them all
+                continue
+            for k in seq:
+                if self.end[k] < 0:
+                    ins = self.instrs[k]
+                    waits = [self.instrs[d].name for d in self.xdeps[k] if self.end[d] < 0]
+                    why = f"waits on {', '.join(waits)}" if waits else (
+                        "waits for its group / peer" if self.kind[k] in (COLLECTIVE, RECV, SEND) else "blocked")
+                    stuck.append(f"{ins.id} on {stream} ({why})")
+                    break
+        if stuck:
+            more = f" (and {len(stuck) - 8} more streams)" if len(stuck) > 8 else ""
+            raise ProgramError("program deadlocks: " + "; ".join(stuck[:8]) + more)
+
+    def _finished(self, k: int) -> None:
+        self.end[k] = self.env.now
+        ev = self._waiters.pop(k, None)
+        if ev is not None:
+            _fire(ev)
+
+    def _stream(self, rank: int, seq: list[int], holder: list):
+        env, kind, xdeps, end, start = self.env, self.kind, self.xdeps, self.end, self.start
+        signals, waiters, matches, match = self.signals, self._waiters, self.matches, self.match
+        machine, instrs, work, inflight = self.machine, self.instrs, self.work, self._inflight
+        runs = self._runs[rank]
+        slow = self._slow
+        proc = holder[0]
+        i, n = 0, len(seq)
+        while i < n:
+            k = seq[i]
+            for d in xdeps[k]:
+                if end[d] < 0.0:
+                    ev = waiters.get(d)
+                    if ev is None:
+                        ev = waiters[d] = Event(env)
+                    yield ev
+            kd = kind[k]
+            if kd == COMPUTE:
+                # A chain: following compute instructions that nobody else waits on and whose
+                # cross-stream deps are done already run in the same timeout.
+                total = work[k]
+                j = i + 1
+                if not signals[k]:
+                    while j < n:
+                        k2 = seq[j]
+                        if kind[k2] != COMPUTE:
+                            break
+                        ready = True
+                        for d in xdeps[k2]:
+                            if end[d] < 0.0:
+                                ready = False
+                                break
+                        if not ready:
+                            break
+                        total += work[k2]
+                        j += 1
+                        if signals[k2]:
+                            break
+                run = _Run()
+                run.proc = proc
+                run.t = t0 = env.now
+                run.rate = rate0 = slow if inflight[rank] else 1.0
+                run.left = total
+                run.marks = None
+                run.timer = Timeout(env, total / rate0)
+                runs.append(run)
+                yield run.timer
+                runs.remove(run)
+                if run.marks is None:
+                    t = t0
+                    for x in range(i, j):
+                        k = seq[x]
+                        start[k] = t
+                        t += work[k] / rate0
+                        end[k] = t
+                else:
+                    self._place(run, seq, i, j, t0, rate0)
+                k = seq[j - 1]
+                end[k] = env.now
+                if signals[k]:
+                    self._finished(k)
+                i = j
+                continue
+            now = env.now
+            start[k] = now
+            if kd == MEMORY:
+                self._finished(k)
+                i += 1
+                continue
+            ins = instrs[k]
+            if kd == COLLECTIVE:
+                mid = match[k]
+                if mid < 0:  # the only present member
+                    done = Event(env)
+                    ranks = (rank,)
+                    self._comm_begin(ranks)
+                    _Transfer(self, machine.collective(ins), ranks, done)
+                else:
+                    mt = matches[mid]
+                    done = mt.done
+                    if done is None:
+                        done = mt.done = Event(env)
+                    mt.arrived += 1
+                    if mt.arrived == mt.needed:
+                        mt.xfer_start = now
+                        ranks = machine.comm_ranks(ins)
+                        self._comm_begin(ranks)
+                        _Transfer(self, machine.collective(ins), ranks, done)
+            elif kd == SEND:
+                mt = matches[match[k]]
+                done = mt.done
+                if done is None:
+                    done = mt.done = Event(env)
+                mt.xfer_start = now
+                ranks = machine.p2p_ranks(ins)
+                self._comm_begin(ranks)
+                _Transfer(self, machine.p2p(ins.rank, ins.peer, ins.bytes), ranks, done)
+            elif kd == RECV:
+                mt = matches[match[k]]
+                done = mt.done
+                if done is None:
+                    done = mt.done = Event(env)
+                if mt.needed == 1:  # the sender is a symmetric copy that is not simulated
+                    mt.xfer_start = now
+                    ranks = (rank,)
+                    self._comm_begin(ranks)
+                    _Transfer(self, machine.p2p(ins.peer, rank, ins.bytes), ranks, done)
+            elif kd == COPY:
+                done = Event(env)
+                ranks = (rank,)
+                self._comm_begin(ranks)
+                _Transfer(self, machine.copy(ins), ranks, done)
+            else:  # HOST
+                done = Event(env)
+                _Transfer(self, machine.cpu_step(ins, work[k]), (), done)
+            yield done
+            self._finished(k)
+            i += 1
+
+    # --- compute chains --------------------------------------------------------------------------
+
+    def _place(self, run: _Run, seq: list[int], i: int, j: int, t0: float, rate0: float) -> None:
+        """Times of a chain whose rate changed while it ran: walk the (time, rate) breakpoints."""
+        marks = [(t0, rate0, 0.0)] + run.marks  # (time, rate from then on, work done by then)
+        start, end, work = self.start, self.end, self.work
+        seg = 0
+
+        def at(w: float) -> float:
+            nonlocal seg
+            while seg + 1 < len(marks) and marks[seg + 1][2] <= w:
+                seg += 1
+            t, r, w0 = marks[seg]
+            return t + (w - w0) / r
+
+        done = 0.0
+        for x in range(i, j):
+            k = seq[x]
+            start[k] = at(done)
+            done += work[k]
+            end[k] = at(done)
+
+    def _rerate(self, rank: int) -> None:
+        """The rank's transfers in flight changed: chains running there continue at the new rate."""
+        env = self.env
+        now = env.now
+        rate = self._slow if self._inflight[rank] else 1.0
+        for run in self._runs[rank]:
+            if run.rate == rate:
+                continue
+            moved = (now - run.t) * run.rate
+            run.left -= moved
+            if run.left < 0.0:
+                run.left = 0.0
+            if run.marks is None:
+                run.marks = []
+            done = (run.marks[-1][2] if run.marks else 0.0) + moved
+            run.marks.append((now, rate, done))
+            run.t = now
+            run.rate = rate
+            # Swap the timeout the process waits on for one at the new finishing time.
+            resume = run.proc._resume
+            run.timer.callbacks.remove(resume)
+            run.timer = Timeout(env, run.left / rate)
+            run.timer.callbacks.append(resume)
+            run.proc._target = run.timer
+
+    # --- transfers -------------------------------------------------------------------------------
+
+    def _comm_begin(self, ranks) -> None:
+        inflight, runs = self._inflight, self._runs
+        for r in ranks:
+            inflight[r] += 1
+            if inflight[r] == 1 and runs[r]:
+                self._rerate(r)
+
+    def _comm_end(self, ranks) -> None:
+        inflight, runs = self._inflight, self._runs
+        for r in ranks:
+            inflight[r] -= 1
+            if inflight[r] == 0 and runs[r]:
+                self._rerate(r)

@@ -1,0 +1,65 @@
+"""Live device memory per rank over the step, from the program's alloc/free instructions.
+
+The total at any time is the live bytes of every category, plus the caching allocator's waste
+(`allocator_overhead` x the dynamic bytes: activations, buffers, workspace, the tensors that come and
+go) plus the fixed `workspace_bytes` (CUDA context, cuBLAS/NCCL workspaces). The peak and the
+breakdown at the peak say whether a plan fits and, if not, what to cut.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from simexec.cluster import CostParams
+from simexec.program import MEMORY_CATEGORIES
+
+DYNAMIC = ("activations", "buffers", "workspace")
+BREAKDOWN_KEYS = MEMORY_CATEGORIES + ("allocator",)
+
+
+@dataclass
+class MemoryReport:
+    """Peaks and breakdowns of the simulated ranks; `timeline` holds (time, category, live bytes)."""
+
+    peak: dict[int, float]
+    breakdown: dict[int, dict[str, float]]
+    peak_time: dict[int, float]
+    capacity: float
+    timeline: dict[int, list[tuple[float, str, float]]] = field(default_factory=dict)
+
+    def fits(self) -> bool:
+        return max(self.peak.values(), default=0.0) <= self.capacity
+
+
+def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]], costs: CostParams,
+                  capacity: float, keep_timeline: bool = False, fixed: bool = True) -> MemoryReport:
+    """`events_by_rank[r]`: (time, program order, category, +bytes for alloc / -bytes for free).
+
+    fixed: add `workspace_bytes`; False when the program allocates the runtime workspace itself.
+    """
+    overhead = costs.allocator_overhead
+    fixed = costs.workspace_bytes if fixed else 0.0
+    peak, breakdown, peak_time, timeline = {}, {}, {}, {}
+    for rank, events in events_by_rank.items():
+        events.sort()
+        live = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+        static = dynamic = 0.0
+        best, best_t, best_live = fixed, 0.0, dict(live)
+        line = [] if keep_timeline else None
+        for t, _, cat, delta in events:
+            live[cat] = live.get(cat, 0.0) + delta
+            if cat in DYNAMIC:
+                dynamic += delta
+            else:
+                static += delta
+            total = static + dynamic * (1.0 + overhead) + fixed
+            if total > best:
+                best, best_t, best_live = total, t, dict(live)
+            if line is not None:
+                line.append((t, cat, live[cat]))
+        bd = {c: best_live.get(c, 0.0) for c in MEMORY_CATEGORIES}
+        bd["workspace"] += fixed
+        bd["allocator"] = overhead * sum(best_live.get(c, 0.0) for c in DYNAMIC)
+        peak[rank], peak_time[rank], breakdown[rank] = best, best_t, bd
+        if line is not None:
+            timeline[rank] = line
+    return MemoryReport(peak, breakdown, peak_time, capacity, timeline)

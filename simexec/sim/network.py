@@ -1,0 +1,424 @@
+"""Links, fair sharing between concurrent transfers, and collective algorithms with alpha-beta costs.
+
+Links (each one direction, capacities after the cluster's efficiency factors):
+
+- per device: NVLink port out / in (`node.intra_bw * intra_bw_eff`); PCIe device-to-host and
+  host-to-device (`node.host_link_bw * host_link_eff`);
+- per node: the NICs together (`nics_per_node * nic_bw * inter_bw_eff`), out / in; one device can
+  drive only its own share of them (its rail: NICs / GPUs per node), a cap on each of its flows;
+- per pod (when `network.pod_nodes` splits the cluster): the uplinks, the pod's NIC total divided by
+  `oversubscription`, for traffic that leaves the pod;
+- per node: the host CPU (Adam steps per second) for `cpu_optimizer`.
+
+Sharing is a fluid model: a transfer advances at the rate of its most loaded link, where a link's
+capacity is split in proportion to the bytes each transfer puts on it per unit of progress ("each of
+n equal flows gets bw/n"); rates are recomputed whenever a transfer starts or ends.
+
+Symmetric programs simulate one rank per pipeline rank. A collective's group keeps all its ranks,
+and the ranks a present rank stands for run the same collective over their own groups at the same
+time. Per-device links are private to one group member, so only present members' ports are modelled;
+a node's (pod's) links are shared by every group of that axis with members there: |R ∩ node| /
+|G ∩ node| groups, R the ranks the present members stand for, G the group. That multiplicity
+multiplies the transfer's demand on the node's links, so 8 GPUs of a node each running a
+data-parallel all-reduce share the node's NICs in symmetric and full mode alike.
+"""
+from __future__ import annotations
+
+import math
+from collections import Counter
+from typing import Callable, Iterable, Optional
+
+from simpy.events import Timeout
+
+from simexec.cluster import ClusterSpec
+
+INF = math.inf
+
+# A phase of a transfer: (amount, ((link, demand), ...), rate cap, latency after it).
+# `amount` is in units of progress (bytes); `demand` the bytes it puts on the link per unit.
+Phase = tuple[float, tuple[tuple[int, float], ...], float, float]
+
+
+BYTES, SOLO, TAIL = 0, 1, 2  # flow states: sharing links; alone (one timer to the end); latency only
+
+
+class Flow:
+    """One transfer phase on the fluid network: `left` bytes at `rate`, then `tail` seconds of latency.
+
+    A flow alone on all its links needs no event when its bytes end: one timer covers bytes and
+    latency (state SOLO). If another flow joins meanwhile, the time is split again; if the bytes
+    had already ended, the flow leaves its links at once (state TAIL) and keeps its timer.
+    """
+
+    __slots__ = ("fluid", "left", "rate", "t", "links", "cap", "tail", "timer", "done", "seq", "state")
+
+    def __init__(self, fluid, seq, amount, links, cap, tail, done):
+        self.fluid = fluid
+        self.seq = seq
+        self.left = amount
+        self.rate = 0.0
+        self.t = fluid.env.now
+        self.links = links
+        self.cap = cap
+        self.tail = tail
+        self.timer = None
+        self.done = done
+        self.state = BYTES
+
+    def __call__(self, _event) -> None:  # the timer's callback
+        self.fluid._timer(self)
+
+
+class Fluid:
+    """Links as shared resources: concurrent flows split each link; rates change as flows come and go."""
+
+    def __init__(self, env, capacity: list[float]):
+        self.env = env
+        self.cap = capacity  # shared with the Network, which appends links as it meets them
+        self.load: dict[int, float] = {}
+        self.on: dict[int, dict[int, Flow]] = {}
+        self._seq = 0
+
+    def start(self, amount: float, links, cap: float, tail: float, done: Callable[[], None]) -> Flow:
+        """Start a flow of `amount` bytes over `links`; `done()` runs `tail` seconds after its bytes end."""
+        self._seq += 1
+        if amount <= 0.0:
+            links = ()
+        f = Flow(self, self._seq, amount, links, cap, tail, done)
+        if not links:
+            self._set(f, cap, True)
+            return f
+        load, on = self.load, self.on
+        shared = False
+        for lid, d in links:
+            load[lid] = load.get(lid, 0.0) + d
+            flows = on.get(lid)
+            if flows is None:
+                on[lid] = {f.seq: f}
+            else:
+                if flows:
+                    shared = True
+                flows[f.seq] = f
+        if not shared:  # the common case: nothing else on these links
+            r = cap
+            cap_ = self.cap
+            for lid, d in links:
+                x = cap_[lid] / d
+                if x < r:
+                    r = x
+            self._set(f, r, True)
+            return f
+        affected: dict[int, Flow] = {}
+        for lid, _ in links:
+            affected.update(on[lid])
+        self._rerate(affected.values())
+        return f
+
+    def _set(self, f: Flow, rate: float, alone: bool) -> None:
+        """(Re)schedule f's timer for its new rate."""
+        if f.timer is not None:
+            f.timer.callbacks.clear()  # the old timer is stale: it will fire into nothing
+        f.rate = rate
+        left = f.left if f.left > 0.0 else 0.0
+        dt = left / rate if rate < INF else 0.0
+        if alone:
+            f.state = SOLO
+            dt += f.tail
+        else:
+            f.state = BYTES
+        f.timer = Timeout(self.env, dt)
+        f.timer.callbacks.append(f)
+
+    def _leave(self, f: Flow) -> dict[int, Flow]:
+        """Take f off its links; return the flows left on them."""
+        load, on = self.load, self.on
+        affected: dict[int, Flow] = {}
+        for lid, d in f.links:
+            flows = on[lid]
+            del flows[f.seq]
+            if flows:
+                load[lid] -= d
+                affected.update(flows)
+            else:
+                load[lid] = 0.0  # drop float residue once a link is idle
+        f.links = ()
+        return affected
+
+    def _rerate(self, flows: Iterable[Flow]) -> None:
+        now, cap, load, on = self.env.now, self.cap, self.load, self.on
+        live = []
+        for f in flows:
+            el = now - f.t
+            if el > 0.0:
+                moved = f.rate * el
+                if f.state == SOLO and moved >= f.left:
+                    # Its bytes ended while it was alone; only latency is left: free the links now.
+                    f.left = 0.0
+                    f.state = TAIL
+                    self._leave(f)
+                    continue
+                f.left -= moved
+                f.t = now
+            live.append(f)
+        for f in live:
+            r = f.cap
+            alone = True
+            for lid, _ in f.links:
+                x = cap[lid] / load[lid]
+                if x < r:
+                    r = x
+                if alone and len(on[lid]) > 1:
+                    alone = False
+            if r != f.rate or alone != (f.state == SOLO) or f.timer is None:
+                self._set(f, r, alone)
+
+    def _timer(self, f: Flow) -> None:
+        if f.state == BYTES:  # bytes done, others speed up; then the latency
+            f.left = 0.0
+            f.t = self.env.now
+            affected = self._leave(f)
+            if affected:
+                self._rerate(affected.values())
+            if f.tail > 0.0:
+                f.state = TAIL
+                f.timer = Timeout(self.env, f.tail)
+                f.timer.callbacks.append(f)
+                return
+        elif f.links:  # SOLO: bytes and latency both over
+            affected = self._leave(f)
+            if affected:
+                self._rerate(affected.values())
+        f.done()
+
+
+class _Geometry:
+    """Where a group's members sit, and how many concurrent copies of it share each node and pod."""
+
+    __slots__ = ("n", "nodes", "k", "present", "node_mult", "pods", "pod_mult", "pod_k")
+
+
+class Network:
+    """Topology of one cluster and the transfers (phases over links) of collectives, p2p and copies."""
+
+    def __init__(self, cluster: ClusterSpec, present: Iterable[int], represents: dict[int, tuple[int, ...]]):
+        c, node, net = cluster.costs, cluster.node, cluster.network
+        self.gpn = max(1, node.gpus_per_node)
+        self.nodes = cluster.nodes
+        self.pod_nodes = net.pod_nodes if 0 < net.pod_nodes < cluster.nodes else 0
+        self.nvl_bw = node.intra_bw * c.intra_bw_eff
+        self.pcie_bw = node.host_link_bw * c.host_link_eff
+        self.node_nic_bw = net.nics_per_node * net.nic_bw * c.inter_bw_eff
+        self.rail_bw = self.node_nic_bw / self.gpn if self.node_nic_bw > 0 else self.nvl_bw
+        if self.node_nic_bw <= 0:
+            self.node_nic_bw = self.nvl_bw * self.gpn  # no NICs: only ever one node (the `local` cluster)
+        self.pod_bw = self.pod_nodes * self.node_nic_bw / net.oversubscription
+        self.a_intra = node.intra_latency_s
+        self.a_inter = net.latency_s
+        self.call_latency = c.collective_latency_s
+        self.cpu_rate = node.cpu_optimizer_params_per_s
+        self.present = set(present)
+        self.represents = {r: tuple(v) for r, v in represents.items() if v}
+        self.capacity: list[float] = []
+        self._ids: dict[tuple[str, int], int] = {}
+        self._geo: dict[tuple[int, ...], _Geometry] = {}
+        self._cache: dict[tuple, tuple[Phase, ...]] = {}
+
+    # --- links ---------------------------------------------------------------------------------
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.gpn
+
+    def pod_of(self, node: int) -> int:
+        return node // self.pod_nodes if self.pod_nodes else 0
+
+    def link(self, kind: str, where: int) -> int:
+        key = (kind, where)
+        lid = self._ids.get(key)
+        if lid is None:
+            lid = self._ids[key] = len(self.capacity)
+            self.capacity.append({
+                "nvl_tx": self.nvl_bw, "nvl_rx": self.nvl_bw, "nic_tx": self.node_nic_bw,
+                "nic_rx": self.node_nic_bw, "pod_tx": self.pod_bw, "pod_rx": self.pod_bw,
+                "d2h": self.pcie_bw, "h2d": self.pcie_bw, "cpu": self.cpu_rate,
+            }[kind])
+        return lid
+
+    def _stands_for(self, rank: int) -> tuple[int, ...]:
+        return self.represents.get(rank, (rank,))
+
+    def geometry(self, group: tuple[int, ...]) -> _Geometry:
+        g = self._geo.get(group)
+        if g is not None:
+            return g
+        g = _Geometry()
+        g.n = len(group)
+        per_node = Counter(self.node_of(r) for r in group)
+        g.nodes = len(per_node)
+        g.k = max(per_node.values())
+        g.present = tuple(r for r in group if r in self.present) or (group[0],)
+        stood = Counter()
+        for r in g.present:
+            stood.update(self.node_of(x) for x in self._stands_for(r))
+        g.node_mult = {}
+        for r in g.present:
+            nd = self.node_of(r)
+            g.node_mult[nd] = max(1.0, stood[nd] / per_node[nd])
+        per_pod = Counter(self.pod_of(nd) for nd in per_node.elements())
+        g.pods = len(per_pod) if self.pod_nodes else 1
+        g.pod_k = dict(per_pod)
+        stood_pod = Counter()
+        for nd, cnt in stood.items():
+            stood_pod[self.pod_of(nd)] += cnt
+        g.pod_mult = {self.pod_of(nd): max(1.0, stood_pod[self.pod_of(nd)] / per_pod[self.pod_of(nd)])
+                      for nd in g.node_mult}
+        self._geo[group] = g
+        return g
+
+    def _nvl(self, ranks: Iterable[int], demand: float) -> list[tuple[int, float]]:
+        out = []
+        for r in ranks:
+            out.append((self.link("nvl_tx", r), demand))
+            out.append((self.link("nvl_rx", r), demand))
+        return out
+
+    def _nic(self, g: _Geometry, demand: float) -> list[tuple[int, float]]:
+        out = []
+        for nd, mult in g.node_mult.items():
+            out.append((self.link("nic_tx", nd), demand * mult))
+            out.append((self.link("nic_rx", nd), demand * mult))
+        if g.pods > 1:
+            for pod, mult in g.pod_mult.items():
+                out.append((self.link("pod_tx", pod), demand * mult))
+                out.append((self.link("pod_rx", pod), demand * mult))
+        return out
+
+    # --- phases --------------------------------------------------------------------------------
+
+    def _ring(self, g: _Geometry, amount: float, steps: int) -> Phase:
+        """A ring step pattern over the whole group: every rank sends `amount` to its successor.
+
+        Rings are laid out node by node (as NCCL builds them), so a ring enters and leaves each node
+        once; inside a node a device forwards (k-1)/k of the data over NVLink, the rest crosses the NICs.
+        """
+        if g.nodes == 1:
+            return (amount, tuple(self._nvl(g.present, 1.0)), INF, steps * self.a_intra)
+        links = self._nvl(g.present, (g.k - 1) / g.k) if g.k > 1 else []
+        links += self._nic(g, 1.0)
+        return (amount, tuple(links), g.k * self.rail_bw, steps * self.a_inter)
+
+    def _intra(self, g: _Geometry, amount: float, steps: int) -> Phase:
+        """A ring inside each node (the k members of one node), all nodes at once."""
+        return (amount, tuple(self._nvl(g.present, 1.0)), INF, steps * self.a_intra)
+
+    def _inter(self, g: _Geometry, amount: float, steps: int) -> Phase:
+        """k parallel rings across nodes, one per local rank; `amount` is what each node sends."""
+        return (amount, tuple(self._nic(g, 1.0)), g.k * self.rail_bw, steps * self.a_inter)
+
+    def collective(self, verb: str, group: tuple[int, ...], nbytes: float) -> tuple[Phase, ...]:
+        """Phases of the fastest algorithm for this collective (NCCL picks by a cost model too)."""
+        key = (verb, group, nbytes)
+        out = self._cache.get(key)
+        if out is None:
+            g = self.geometry(group)
+            cands = self._candidates(verb, g, float(nbytes))
+            out = min(cands, key=self.estimate)
+            amount, links, cap, lat = out[-1]
+            out = out[:-1] + ((amount, links, cap, lat + self.call_latency),)
+            self._cache[key] = out
+        return out
+
+    def _candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[Phase, ...]]:
+        n, N, k = g.n, g.nodes, g.k
+        if n == 1:
+            return [((0.0, (), INF, 0.0),)]
+        if verb == "allreduce":
+            # Ring: 2(n-1)/n * S per rank in 2(n-1) steps (Patarasuk & Yuan 2009; Thakur et al. 2005).
+            cands = [(self._ring(g, 2 * (n - 1) / n * S, 2 * (n - 1)),)]
+            if N > 1:
+                # Double binary tree: ~2S per rank, 2 log2(N) inter-node steps (NCCL 2.4, Sanders et al. 2009).
+                lat = 2 * math.ceil(math.log2(N)) * self.a_inter + 2 * (k - 1) * self.a_intra
+                links = (self._nvl(g.present, 1.0) if k > 1 else []) + self._nic(g, 1.0)
+                cands.append(((2 * S, tuple(links), k * self.rail_bw, lat),))
+                if k > 1:
+                    # Hierarchical: reduce-scatter in the node, all-reduce of each 1/k share across
+                    # nodes (k rings at once), all-gather in the node (Jia et al. 2018; Horovod/NCCL).
+                    cands.append((
+                        self._intra(g, (k - 1) / k * S, k - 1),
+                        self._inter(g, 2 * (N - 1) / N * S, 2 * (N - 1)),
+                        self._intra(g, (k - 1) / k * S, k - 1),
+                    ))
+            return cands
+        if verb in ("allgather", "reducescatter"):
+            # Ring: (n-1)/n * S per rank in n-1 steps; S is the full (gathered / unreduced) tensor.
+            cands = [(self._ring(g, (n - 1) / n * S, n - 1),)]
+            if N > 1 and k > 1:
+                intra = self._intra(g, (k - 1) / k * S, k - 1)
+                inter = self._inter(g, (N - 1) / N * S, N - 1)
+                cands.append((intra, inter) if verb == "reducescatter" else (inter, intra))
+            return cands
+        if verb == "alltoall":
+            return [(self._alltoall(g, S),)]
+        if verb == "broadcast":
+            # Pipelined ring (chain) broadcast: S / B + (n-1) alpha for large messages.
+            return [(self._ring(g, S, n - 1),)]
+        raise ValueError(f"unknown collective {verb!r}")
+
+    def _alltoall(self, g: _Geometry, S: float) -> Phase:
+        """Pairwise exchange: each rank sends S/n to every other rank in n-1 steps."""
+        n, k = g.n, g.k
+        links = self._nvl(g.present, (k - 1) / n) if k > 1 else []
+        if g.nodes == 1:
+            return (S, tuple(links), INF, (n - 1) * self.a_intra)
+        out_frac = (n - k) / n  # of each rank's data, what leaves its node
+        for nd, mult in g.node_mult.items():
+            links.append((self.link("nic_tx", nd), k * out_frac * mult))
+            links.append((self.link("nic_rx", nd), k * out_frac * mult))
+        if g.pods > 1:
+            for pod, mult in g.pod_mult.items():
+                kp = g.pod_k[pod]
+                links.append((self.link("pod_tx", pod), kp * (n - kp) / n * mult))
+                links.append((self.link("pod_rx", pod), kp * (n - kp) / n * mult))
+        return (S, tuple(links), self.rail_bw / out_frac, (n - 1) * self.a_inter)
+
+    def p2p(self, src: int, dst: int, nbytes: float) -> tuple[Phase, ...]:
+        """One point-to-point message (pipeline activations or gradients)."""
+        key = ("p2p", src, dst, nbytes)
+        out = self._cache.get(key)
+        if out is None:
+            a, b = self.node_of(src), self.node_of(dst)
+            if a == b:
+                links = ((self.link("nvl_tx", src), 1.0), (self.link("nvl_rx", dst), 1.0))
+                out = ((float(nbytes), links, INF, self.a_intra),)
+            else:
+                ma, mb = self._node_share(src), self._node_share(dst)
+                links = [(self.link("nic_tx", a), ma), (self.link("nic_rx", b), mb)]
+                if self.pod_nodes and self.pod_of(a) != self.pod_of(b):
+                    links += [(self.link("pod_tx", self.pod_of(a)), ma), (self.link("pod_rx", self.pod_of(b)), mb)]
+                out = ((float(nbytes), tuple(links), self.rail_bw, self.a_inter),)
+            self._cache[key] = out
+        return out
+
+    def _node_share(self, rank: int) -> float:
+        """Concurrent copies of one rank's traffic on its node: the ranks it stands for there."""
+        nd = self.node_of(rank)
+        return float(max(1, sum(1 for x in self._stands_for(rank) if self.node_of(x) == nd)))
+
+    def copy(self, rank: int, direction: str, nbytes: float) -> tuple[Phase, ...]:
+        """A host<->device copy over the device's own PCIe link (`d2h` or `h2d`)."""
+        return ((float(nbytes), ((self.link(direction, rank), 1.0),), INF, 0.0),)
+
+    def cpu_step(self, rank: int, params: float) -> tuple[Phase, ...]:
+        """A CPU optimizer step: the node's cores are shared by the ranks stepping at once."""
+        return ((float(params), ((self.link("cpu", self.node_of(rank)), self._node_share(rank)),), INF, 0.0),)
+
+    def estimate(self, phases: Iterable[Phase]) -> float:
+        """Seconds of the phases on an otherwise idle network."""
+        t = 0.0
+        cap = self.capacity
+        for amount, links, rcap, lat in phases:
+            r = rcap
+            for lid, d in links:
+                if d > 0:
+                    r = min(r, cap[lid] / d)
+            t += (amount / r if amount > 0 and r < INF else 0.0) + lat
+        return t

@@ -1,0 +1,104 @@
+"""The event engine on hand-built programs: order, deps, overlap slowdown, deadlocks."""
+import pytest
+
+from simexec.cluster import get_cluster
+from simexec.program import Instr, Program, ProgramError
+from simexec.sim.compute import ComputeModel
+from simexec.sim.engine import Engine
+from simexec.sim.machine import Machine
+
+A100 = get_cluster("dgx-a100-80g")
+NVL = A100.node.intra_bw * A100.costs.intra_bw_eff
+SLOW = A100.costs.overlap_slowdown
+
+
+def gemm(rank, name, flops=1e13, **kw):
+    return Instr(rank=rank, name=name, kind="compute", stream="compute", op="gemm", flops=flops, bytes=0.0, **kw)
+
+
+def engine(ranks, cluster=A100):
+    prog = Program(meta={}, ranks=ranks)
+    eng = Engine(prog, Machine(cluster, prog))
+    eng.run()
+    return eng, {i.id: (eng.start[k], eng.end[k]) for k, i in enumerate(eng.instrs)}
+
+
+def t_gemm(flops=1e13):
+    return ComputeModel(A100, "bf16").time("gemm", flops, 0.0)
+
+
+def test_stream_runs_in_order_back_to_back():
+    """Instructions of one stream run one after another with no gaps."""
+    _, times = engine({0: [gemm(0, "a"), gemm(0, "b", 2e13), gemm(0, "c")]})
+    assert times["0:a"] == (0.0, pytest.approx(t_gemm()))
+    assert times["0:b"][0] == times["0:a"][1]
+    assert times["0:c"] == (pytest.approx(t_gemm() + t_gemm(2e13)), pytest.approx(2 * t_gemm() + t_gemm(2e13)))
+
+
+def test_deps_across_streams():
+    """A compute waiting on a collective starts when the collective ends."""
+    def ar(r):
+        return Instr(rank=r, name="ar", kind="collective", stream="comm.tp", op="allreduce@tp", bytes=1e9,
+                     group=(0, 1), axis="tp", deps=("a",))
+
+    ranks = {r: [gemm(r, "a"), ar(r), gemm(r, "b", deps=("ar",))] for r in (0, 1)}
+    _, times = engine(ranks)
+    assert times["0:ar"][0] == times["0:a"][1]
+    assert times["0:b"][0] == times["0:ar"][1]
+
+
+def test_memory_instructions_take_no_time():
+    """alloc/free sit at the end of their stream predecessor."""
+    mem = Instr(rank=0, name="m", kind="memory", stream="compute", op="alloc", bytes=1e9, category="activations")
+    _, times = engine({0: [gemm(0, "a"), mem, gemm(0, "b")]})
+    assert times["0:m"] == (times["0:a"][1], times["0:a"][1])
+    assert times["0:b"][0] == times["0:a"][1]
+
+
+def test_compute_slows_while_a_transfer_overlaps_it():
+    """Compute overlapped by communication of its rank runs `overlap_slowdown` times slower, only
+    for the overlapped part: the chain is re-rated when the transfer starts and ends."""
+    S = 2e9  # long enough to start and end inside the compute
+    ranks = {}
+    for r in (0, 1):
+        ranks[r] = [
+            gemm(r, "a", 2e12),
+            Instr(rank=r, name="ar", kind="collective", stream="comm.dp", op="allreduce@dp", bytes=S,
+                  group=(0, 1), axis="dp", deps=("a",)),
+            gemm(r, "b", 1e15),
+        ]
+    _, times = engine(ranks)
+    a_end = times["0:a"][1]
+    ar_start, ar_end = times["0:ar"]
+    overlap = ar_end - ar_start
+    work_b = t_gemm(1e15)
+    # during the transfer b advances at 1/SLOW; afterwards at full speed
+    expected_end = ar_end + (work_b - overlap / SLOW)
+    assert ar_start == a_end
+    assert times["0:b"][1] == pytest.approx(expected_end, rel=1e-12)
+
+
+def test_deadlock_names_the_stuck_instructions():
+    """A collective whose peer never issues it leaves the program stuck; the error says where."""
+    a = Instr(rank=0, name="x", kind="collective", stream="comm.tp", op="allreduce@tp", bytes=1.0,
+              group=(0, 1), axis="tp")
+    b = Instr(rank=1, name="y", kind="collective", stream="comm.tp", op="allreduce@tp", bytes=1.0,
+              group=(0, 1), axis="tp")
+    with pytest.raises(ProgramError, match="deadlocks: 0:x on comm.tp"):
+        engine({0: [a], 1: [b]})
+
+
+def test_unknown_dep_is_an_error():
+    with pytest.raises(ProgramError, match="waits on nope"):
+        engine({0: [gemm(0, "a", deps=("nope",))]})
+
+
+def test_waiting_on_a_memory_instruction_waits_on_its_predecessor():
+    """A memory marker ends with the instruction before it, so waiting on it waits on that one."""
+    mem = Instr(rank=0, name="m", kind="memory", stream="compute", op="free", bytes=1e9, category="buffers")
+    ar = Instr(rank=0, name="ar", kind="collective", stream="comm.dp", op="allreduce@dp", bytes=1e6,
+               group=(0, 1), axis="dp", deps=("m",))
+    peer = Instr(rank=1, name="ar", kind="collective", stream="comm.dp", op="allreduce@dp", bytes=1e6,
+                 group=(0, 1), axis="dp")
+    _, times = engine({0: [gemm(0, "a"), mem, ar], 1: [peer]})
+    assert times["0:ar"][0] == times["0:a"][1] == times["0:m"][0]

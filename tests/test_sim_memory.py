@@ -1,0 +1,41 @@
+"""Peak memory: ZeRO model states against the ZeRO paper, and OOM plans reported, not refused."""
+import pytest
+
+from simexec.cluster import GiB
+from simexec.model import get_model
+from simexec.simulate import simulate
+
+MODEL = get_model("gpt3-125m")
+N = 4
+
+
+@pytest.mark.parametrize("zero,states", [
+    (0, lambda P: 16 * P),
+    (1, lambda P: 4 * P + 12 * P / N),
+    (2, lambda P: 2 * P + 14 * P / N),
+    (3, lambda P: 16 * P / N),
+])
+def test_zero_model_states_match_the_paper(zero, states):
+    """Mixed-precision Adam: 2+2+12 bytes per parameter, sharded by stage (Rajbhandari et al. 2020, Fig. 1)."""
+    r = simulate(MODEL, "local", f"dp={N},zero={zero},gbs={N}", seq_len=256)
+    b = r.memory_breakdown_bytes
+    assert b["params"] + b["grads"] + b["optimizer"] == pytest.approx(states(MODEL.params), rel=1e-9)
+
+
+def test_oom_plan_is_reported_with_peak_and_capacity():
+    """Llama-3-70B with tp=8 alone needs ~140 GB of model states per GPU: it does not fit in 80 GB."""
+    r = simulate("llama3-70b", "dgx-a100-80g", "tp=8,gbs=1", seq_len=2048)
+    assert not r.fits
+    assert r.memory_capacity_bytes == 80 * GiB
+    assert r.peak_memory_bytes > 140e9
+    assert r.step_time_s > 0
+    assert "DOES NOT FIT" in r.format()
+
+
+def test_peak_includes_allocator_overhead_and_workspace():
+    r = simulate("gpt3-125m", "dgx-a100-80g", "dp=8,gbs=8")
+    b = r.memory_breakdown_bytes
+    assert b["workspace"] == pytest.approx(2 * GiB)
+    assert b["allocator"] == pytest.approx(0.05 * (b["activations"] + b["buffers"] + b["workspace"]), rel=1e-9)
+    assert sum(b.values()) == pytest.approx(r.peak_memory_bytes, rel=1e-9)
+    assert r.fits

@@ -1,0 +1,50 @@
+"""Pipeline bubbles against the closed forms, with uniform stages and free communication."""
+import pytest
+
+from simexec.cluster import get_cluster
+from simexec.model import ModelSpec
+from simexec.simulate import simulate
+
+# Free communication: unbounded links, no latency, no launch cost, no overlap penalty.
+_LOCAL = get_cluster("local")
+FREE = _LOCAL.model_copy(update={
+    "device": _LOCAL.device.model_copy(update={"launch_overhead_s": 0.0}),
+    "node": _LOCAL.node.model_copy(update={"intra_bw": 1e20, "intra_latency_s": 0.0}),
+    "costs": _LOCAL.costs.model_copy(update={"collective_latency_s": 0.0, "overlap_slowdown": 1.0}),
+})
+# 16 identical layers; a vocabulary of 64 makes the embedding and head negligible.
+UNIFORM = ModelSpec(name="uniform", layers=16, hidden=1024, heads=8, kv_heads=8, head_dim=128, ffn=4096,
+                    gated=False, vocab=64, seq_len=1024)
+
+
+def bubble(plan: str) -> tuple[float, float]:
+    """Seconds of pipeline bubble, and its fraction of bubble + compute, on the slowest rank."""
+    b = simulate(UNIFORM, FREE, plan).breakdown_s
+    idle = b.get("pipeline_bubble", 0.0)
+    return idle, idle / (idle + b["compute"])
+
+
+def bubble_fraction(plan: str) -> float:
+    return bubble(plan)[1]
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
+def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
+    """GPipe and 1F1B idle (p-1)/(m+p-1) of the time (Huang et al. 2019; Narayanan et al. 2021)."""
+    assert bubble_fraction(f"pp={p},gbs={m},schedule={schedule}") == pytest.approx((p - 1) / (m + p - 1), rel=0.02)
+
+
+@pytest.mark.parametrize("v", [2, 4])
+def test_interleaving_shrinks_the_bubble_by_vpp(v):
+    """Interleaved 1F1B with v chunks per rank: bubble (p-1)/(v m + p - 1) (Megatron-LM SC'21 §2.2.2)."""
+    p, m = 4, 8
+    seconds, fraction = bubble(f"pp={p},vpp={v},gbs={m}")
+    assert fraction == pytest.approx((p - 1) / (v * m + p - 1), rel=0.02)
+    assert seconds == pytest.approx(bubble(f"pp={p},gbs={m}")[0] / v, rel=0.03)
+
+
+def test_breakdown_adds_up_to_the_step_time():
+    r = simulate("gpt3-125m", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16")
+    assert sum(r.breakdown_s.values()) == pytest.approx(r.step_time_s, rel=1e-9)
+    assert {"compute", "comm.tp", "pipeline_bubble"} <= set(r.breakdown_s)

@@ -1,0 +1,46 @@
+"""What `simulate` returns: derived figures, JSON, summary text, the predicted trace."""
+import json
+
+import pytest
+
+from simexec.model import get_model
+from simexec.simulate import simulate
+
+
+@pytest.fixture(scope="module")
+def result():
+    return simulate("gpt3-1.3b", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16", trace=True)
+
+
+def test_throughput_and_mfu_follow_from_the_step_time(result):
+    m = get_model("gpt3-1.3b")
+    tokens = 16 * 2048
+    assert result.tokens_per_s == pytest.approx(tokens / result.step_time_s)
+    flops = m.training_flops_per_token(2048) * tokens
+    assert result.tflops_per_gpu == pytest.approx(flops / 16 / result.step_time_s / 1e12)
+    assert result.mfu == pytest.approx(result.tflops_per_gpu * 1e12 / 312e12)
+
+
+def test_per_rank_peaks_cover_every_real_rank(result):
+    assert sorted(result.peak_memory_bytes_per_rank) == list(range(16))
+    assert max(result.peak_memory_bytes_per_rank.values()) == result.peak_memory_bytes
+
+
+def test_json_and_summary(result):
+    data = json.loads(json.dumps(result.to_json()))
+    assert data["step_time_s"] == result.step_time_s
+    assert "trace" not in data
+    text = result.format()
+    assert "step time" in text and "peak memory" in text and "pipeline_bubble" in text
+
+
+def test_trace_is_predicted_and_matches_the_program(result):
+    t = result.trace
+    assert t.kind == "predicted"
+    assert t.meta["model"] == "gpt3-1.3b" and t.meta["cluster"] == "2xdgx-a100-80g"
+    assert len(t.meta["program_fingerprint"]) == 16
+    assert t.summary["step_time_s"] == result.step_time_s
+    assert max(e.end_us for e in t.events) == pytest.approx(result.step_time_s * 1e6)
+    assert len({e.id for e in t.events}) == len(t.events)
+    peaks = t.peak_memory_per_rank()
+    assert {0, 8} <= set(peaks)

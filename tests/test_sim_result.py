@@ -38,7 +38,7 @@ def test_trace_is_predicted_and_matches_the_program(result):
     t = result.trace
     assert t.kind == "predicted"
     assert t.meta["model"] == "gpt3-1.3b" and t.meta["cluster"] == "2xdgx-a100-80g"
-    assert len(t.meta["program_fingerprint"]) == 16
+    assert len(t.meta["program"]) == 16
     assert t.summary["step_time_s"] == result.step_time_s
     assert max(e.end_us for e in t.events) == pytest.approx(result.step_time_s * 1e6)
     assert len({e.id for e in t.events}) == len(t.events)

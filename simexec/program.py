@@ -76,8 +76,8 @@ class Instr:
                 continue
             if isinstance(val, tuple):
                 val = ",".join(str(v) for v in val)
-            elif isinstance(val, float):
-                val = repr(val)
+            elif f.name in ("flops", "bytes"):
+                val = repr(float(val))
             parts.append(f"{f.name}={val}")
         return " ".join(parts)
 

@@ -1,0 +1,173 @@
+"""Lowering: each plan dimension issues what the real technique issues, and programs are well formed."""
+import os
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from simexec.cluster import get_cluster
+from simexec.lower import lower
+from simexec.model import get_model
+from simexec.plan import parse_plan, resolve
+from simexec.program import Instr, Program
+
+GOLDEN = Path(__file__).parent / "data" / "golden"
+
+PLANS = [
+    ("gpt-tiny", "dp=2,tp=2,gbs=8"),
+    ("gpt-tiny", "tp=2,sp=1,pp=2,gbs=4"),
+    ("gpt-tiny", "pp=2,vpp=2,gbs=4"),
+    ("gpt-tiny", "pp=4,gbs=8,schedule=gpipe"),
+    ("gpt-tiny", "dp=4,zero=1,gbs=8"),
+    ("gpt-tiny", "dp=4,zero=2,gbs=8"),
+    ("gpt-tiny", "dp=4,zero=3,gbs=8"),
+    ("gpt-tiny", "dp=4,zero=3,zero_impl=yafsdp,gbs=8"),
+    ("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=8"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,recompute=full,recompute_layers=1"),
+    ("gpt-tiny", "cp=2,tp=2,gbs=2"),
+    ("gpt-tiny", "dp=2,zero=1,offload=optimizer,gbs=4"),
+    ("gpt-tiny", "pp=2,stages=1,3,gbs=4"),
+    ("moe-tiny", "dp=2,ep=2,tp=2,gbs=4,recompute=selective"),
+]
+
+
+def _program(model: str, plan: str, symmetric: bool = False) -> Program:
+    rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
+    return lower(rp, symmetric=symmetric)
+
+
+@pytest.mark.parametrize("model,plan", PLANS)
+def test_programs_are_well_formed_in_both_modes(model, plan):
+    for symmetric in (False, True):
+        _program(model, plan, symmetric).validate()
+
+
+@pytest.mark.parametrize("model,plan", PLANS)
+def test_activation_memory_is_freed_by_the_end_of_the_step(model, plan):
+    prog = _program(model, plan)
+    for rank, instrs in prog.ranks.items():
+        live = Counter()
+        for i in instrs:
+            if i.kind == "memory" and i.category in ("activations", "buffers") and "yafsdp" not in i.name:
+                live[i.category] += i.bytes if i.op == "alloc" else -i.bytes
+        assert all(abs(v) < 1e-6 for v in live.values()), (rank, live)
+
+
+def test_lowering_is_deterministic_and_text_round_trips():
+    a, b = _program("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8"), _program("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8")
+    assert a.to_text() == b.to_text()
+    back = Program.from_text(a.to_text())
+    assert back.to_text() == a.to_text()
+    assert all(Instr.from_text(i.to_text()) == i for i in a)
+
+
+def test_golden_program_text():
+    """A reviewed program for a small plan; regenerate with SIMEXEC_REGEN_GOLDEN=1 after a deliberate change."""
+    text = _program("gpt-tiny", "tp=2,pp=2,gbs=2").to_text() + "\n"
+    path = GOLDEN / "gpt-tiny_tp2_pp2_gbs2.txt"
+    if os.environ.get("SIMEXEC_REGEN_GOLDEN"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    assert text == path.read_text()
+
+
+def test_tensor_parallel_issues_two_allreduces_per_layer_each_way():
+    prog = _program("gpt-tiny", "tp=2,gbs=1")
+    ops = Counter((i.phase, i.op) for i in prog.ranks[0] if i.axis == "tp" and i.block not in ("ce_max", "ce_sum"))
+    layers = get_model("gpt-tiny").layers
+    assert ops[("fwd", "allreduce@tp")] == 2 * layers + 1  # attention, MLP per layer, + embedding
+    assert ops[("bwd", "allreduce@tp")] == 2 * layers + 1  # conjugates: attention, MLP inputs, + head input
+
+
+def test_sequence_parallel_swaps_allreduce_for_allgather_and_reducescatter():
+    prog = _program("gpt-tiny", "tp=2,sp=1,gbs=1")
+    ops = Counter(i.op for i in prog.ranks[0] if i.axis == "tp" and i.block not in ("ce_max", "ce_sum"))
+    assert "allreduce@tp" not in ops
+    assert ops["allgather@tp"] == ops["reducescatter@tp"] - 1  # the embedding's reduce-scatter has no conjugate
+
+
+def test_data_parallel_reduces_gradients_only_in_the_last_micro_batch():
+    prog = _program("gpt-tiny", "dp=2,gbs=8")
+    grads = [i for i in prog.ranks[0] if i.block.startswith("grads")]
+    assert grads and all(i.op == "allreduce@dp" for i in grads)
+    bwd_last = {i.name for i in prog.ranks[0] if i.phase == "bwd" and i.mb == 3 and i.kind == "compute"}
+    assert all(set(i.deps) <= bwd_last for i in grads)
+    units = sorted(u for i in grads for u in i.items)
+    assert units == list(range(-1, get_model("gpt-tiny").layers + 1))  # every parameter unit once
+
+
+def test_zero2_reduce_scatters_every_micro_batch_and_zero1_only_the_last():
+    z1 = _program("gpt-tiny", "dp=2,zero=1,gbs=8").ranks[0]
+    z2 = _program("gpt-tiny", "dp=2,zero=2,gbs=8").ranks[0]
+    rs1 = [i for i in z1 if i.op == "reducescatter@dp"]
+    rs2 = [i for i in z2 if i.op == "reducescatter@dp"]
+    assert len(rs2) == 4 * len(rs1)
+    assert [i.op for i in z1 if i.block.startswith("params")] == ["allgather@dp"] * len(rs1)
+
+
+def test_zero3_gathers_each_unit_before_forward_and_backward_with_two_in_flight():
+    prog = _program("gpt-tiny", "dp=2,zero=3,gbs=4")
+    rank0 = prog.ranks[0]
+    gathers = [i for i in rank0 if i.block == "gather"]
+    units = get_model("gpt-tiny").layers + 2
+    assert len(gathers) == 2 * 2 * units  # two micro-batches, forward and backward
+    pos = {i.name: n for n, i in enumerate(rank0)}
+    # the third gather of a pass waits for the first unit's compute: at most two buffers in flight
+    third = [g for g in gathers if g.phase == "fwd" and g.mb == 0][2]
+    assert third.deps and all(rank0[pos[d]].kind == "compute" for d in third.deps)
+
+
+def test_yafsdp_preallocates_two_buffers_and_fsdp_allocates_per_unit():
+    fsdp = _program("gpt-tiny", "dp=2,zero=3,gbs=2").ranks[0]
+    yafsdp = _program("gpt-tiny", "dp=2,zero=3,zero_impl=yafsdp,gbs=2").ranks[0]
+    assert sum(1 for i in fsdp if i.kind == "memory" and i.category == "buffers") > 20
+    ya = [i for i in yafsdp if i.kind == "memory" and i.category == "buffers"]
+    assert [i.name for i in ya] == ["mem.alloc.yafsdp.params", "mem.alloc.yafsdp.grads"]
+
+
+def test_full_recompute_reruns_the_forward_of_recompute_layers_only():
+    prog = _program("gpt-tiny", "pp=2,gbs=2,recompute=full,recompute_layers=1")
+    for rank, instrs in prog.ranks.items():
+        layers = {i.layer for i in instrs if i.phase == "recompute"}
+        assert len(layers) == 1
+
+
+def test_selective_recompute_reruns_attention_core_only():
+    prog = _program("gpt-tiny", "gbs=1,recompute=selective")
+    assert {i.block for i in prog.ranks[0] if i.phase == "recompute"} == {"attn"}
+
+
+def test_pipeline_sends_match_receives_and_uneven_stages_hold_their_layers():
+    prog = _program("gpt-tiny", "pp=2,stages=1,3,gbs=2")
+    layers = [{i.layer for i in prog.ranks[r] if i.kind == "compute" and 0 <= i.layer < 4} for r in (0, 1)]
+    assert layers == [{0}, {1, 2, 3}]
+    sends = {i.name for i in prog.ranks[0] if i.kind == "send"}
+    recvs = {i.name for i in prog.ranks[1] if i.kind == "recv"}
+    assert sends == recvs
+
+
+def test_moe_layers_dispatch_and_combine_over_the_expert_group():
+    prog = _program("moe-tiny", "dp=2,ep=2,gbs=2")
+    a2a = [i for i in prog.ranks[0] if i.op == "alltoall@ep"]
+    assert len(a2a) == 4 * get_model("moe-tiny").layers  # dispatch + combine, forward and backward, per mb
+    assert all(i.group == (0, 1) for i in a2a)
+
+
+def test_context_parallel_gathers_kv_forward_and_scatters_their_grads_backward():
+    prog = _program("gpt-tiny", "cp=2,gbs=1")
+    kv = Counter((i.phase, i.op) for i in prog.ranks[0] if i.block == "kv")
+    layers = get_model("gpt-tiny").layers
+    assert kv == {("fwd", "allgather@cp"): layers, ("bwd", "reducescatter@cp"): layers}
+
+
+def test_offload_copies_gradients_out_steps_on_the_host_and_copies_parameters_back():
+    prog = _program("gpt-tiny", "dp=2,zero=1,offload=optimizer,gbs=2")
+    names = [i.block for i in prog.ranks[0] if i.stream in ("copy.d2h", "host", "copy.h2d")]
+    assert names == ["grads_d2h", "cpu_optim", "params_h2d"]
+    assert not any(i.block == "optim" for i in prog.ranks[0])
+
+
+def test_symmetric_mode_keeps_one_rank_per_pipeline_stage():
+    prog = _program("gpt-tiny", "dp=2,tp=2,pp=2,gbs=4", symmetric=True)
+    assert sorted(prog.ranks) == [0, 4]
+    assert sorted(r for reps in prog.represents.values() for r in reps) == list(range(8))

@@ -1,0 +1,63 @@
+"""Pipeline schedules: every unit once, forward before backward, warm-up depths as published."""
+import pytest
+
+from simexec.errors import PlanError
+from simexec.schedules import Action, format_order, pipeline_order
+
+
+@pytest.mark.parametrize("schedule,pp,m,vpp", [
+    ("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 2, 1, 1), ("interleaved-1f1b", 2, 4, 2),
+    ("interleaved-1f1b", 4, 8, 3),
+])
+def test_every_unit_runs_once_and_forward_precedes_backward(schedule, pp, m, vpp):
+    order = pipeline_order(schedule, pp, m, vpp)
+    for rank, actions in order.items():
+        assert sorted(actions) == sorted(Action(c, k, i) for c in range(vpp) for k in "FB" for i in range(m))
+        pos = {a: n for n, a in enumerate(actions)}
+        for c in range(vpp):
+            for i in range(m):
+                assert pos[Action(c, "F", i)] < pos[Action(c, "B", i)]
+
+
+def test_1f1b_warmup_is_p_minus_rank_minus_1():
+    order = pipeline_order("1f1b", 4, 8)
+    for rank, actions in order.items():
+        first_b = next(n for n, a in enumerate(actions) if a.kind == "B")
+        assert first_b == (4 - rank - 1) + 1  # warm-up forwards, then one steady-state forward
+
+
+def test_1f1b_keeps_at_most_p_micro_batches_in_flight():
+    for rank, actions in pipeline_order("1f1b", 4, 16).items():
+        live = peak = 0
+        for a in actions:
+            live += 1 if a.kind == "F" else -1
+            peak = max(peak, live)
+        assert peak == 4 - rank
+
+
+def test_gpipe_keeps_every_micro_batch_in_flight():
+    actions = pipeline_order("gpipe", 4, 16)[0]
+    assert [a.kind for a in actions] == ["F"] * 16 + ["B"] * 16
+
+
+def test_interleaved_matches_megatron_order_for_two_ranks_two_chunks():
+    # Megatron-LM's forward_backward_pipelining_with_interleaving, p=2, v=2, m=4, rank 0:
+    # warm-up 2*(p-1-0) + (v-1)*p = 4 forwards: chunk 0 mb 0,1 then chunk 1 mb 0,1.
+    actions = pipeline_order("interleaved-1f1b", 2, 4, 2)[0]
+    assert [str(a) for a in actions[:6]] == ["0F0", "0F1", "1F0", "1F1", "0F2", "1B0"]
+
+
+def test_interleaved_needs_micro_batches_divisible_by_pp():
+    with pytest.raises(PlanError, match="divisible by pp=4"):
+        pipeline_order("interleaved-1f1b", 4, 6, 2)
+
+
+def test_unknown_schedule_is_refused():
+    with pytest.raises(PlanError, match="unknown schedule"):
+        pipeline_order("zigzag", 2, 2)
+
+
+def test_format_order_prints_one_line_per_rank():
+    text = format_order(pipeline_order("1f1b", 2, 2))
+    assert text.splitlines()[0].startswith("rank 0: 0F0")
+    assert len(text.splitlines()) == 2

@@ -1,0 +1,41 @@
+"""Per-layer activation memory equals Korthikanti et al. 2022 (Table 2) in each of its variants."""
+import pytest
+
+from simexec.blocks import Anatomy
+from simexec.cluster import get_cluster
+from simexec.model import get_model
+from simexec.plan import parse_plan, resolve
+
+MODEL = get_model("gpt3-1.3b")  # GPT: MHA, GeLU MLP of 4h, dropout after attention and MLP
+S, B, H, A = MODEL.seq_len, 2, MODEL.hidden, MODEL.heads
+
+
+def saved_per_layer(plan: str) -> float:
+    rp = resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan(plan))
+    return sum(b.saved for b in Anatomy(rp).dense.values())
+
+
+def test_no_parallelism_keeps_sbh_34_plus_5as_over_h():
+    assert saved_per_layer("dp=8,mbs=2,flash_attention=0") == pytest.approx(S * B * H * (34 + 5 * A * S / H))
+
+
+def test_tensor_parallel_splits_24_of_the_34():
+    t = 2
+    expected = S * B * H * (10 + 24 / t + 5 * A * S / (H * t))
+    assert saved_per_layer(f"tp={t},dp=4,mbs=2,flash_attention=0") == pytest.approx(expected)
+
+
+def test_sequence_parallel_splits_everything():
+    t = 4
+    expected = S * B * H / t * (34 + 5 * A * S / H)
+    assert saved_per_layer(f"tp={t},sp=1,dp=2,mbs=2,flash_attention=0") == pytest.approx(expected)
+
+
+def test_selective_recompute_with_sequence_parallel_keeps_34_over_t():
+    t = 8
+    expected = S * B * H * 34 / t
+    assert saved_per_layer(f"tp={t},sp=1,mbs=2,recompute=selective,flash_attention=0") == pytest.approx(expected)
+
+
+def test_fused_attention_keeps_no_scores():
+    assert saved_per_layer("dp=8,mbs=2") == pytest.approx(S * B * H * 34)

@@ -102,9 +102,9 @@ class _RankLowering:
         self.out.append(ins)
         return ins.name
 
-    def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block) -> str:
+    def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "") -> str:
         fwd = phase != "bwd"
-        name = f"{phase}.{block}.L{layer}.m{mb}"
+        name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
         deps, self.wait = tuple(dict.fromkeys(self.wait)), []
         return self._emit(Instr(
             self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
@@ -223,10 +223,13 @@ class _RankLowering:
         an, blocks = self.an, self.an.layer(l)
         self.tp("attn_in", phase, l, mb, c, an.full_hidden_bytes)
         self.compute(phase, "qkv", l, mb, c, blocks["qkv"])
-        if self.p.cp > 1:
-            self.coll(f"{phase}.kv.L{l}.m{mb}", "allgather", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
-                      phase=phase, block="kv", layer=l, mb=mb, chunk=c)
-        self.compute(phase, "attn", l, mb, c, blocks["attn"])
+        if self.p.cp > 1 and self.p.cp_impl == "ring":
+            self.ring_attention(phase, l, mb, c, blocks["attn"])
+        else:
+            if self.p.cp > 1:
+                self.coll(f"{phase}.kv.L{l}.m{mb}", "allgather", "cp", self.g_cp, an.kv_bytes,
+                          (self.last_compute(),), phase=phase, block="kv", layer=l, mb=mb, chunk=c)
+            self.compute(phase, "attn", l, mb, c, blocks["attn"])
         self.compute(phase, "proj", l, mb, c, blocks["proj"])
         self.tp("attn_out", phase, l, mb, c, an.full_hidden_bytes)
         self.tp("mlp_in", phase, l, mb, c, an.full_hidden_bytes)
@@ -240,6 +243,38 @@ class _RankLowering:
             self.a2a("combine", phase, l, mb, c)
             self.compute(phase, "moe_out", l, mb, c, blocks["moe_out"])
         self.tp("mlp_out", phase, l, mb, c, an.full_hidden_bytes)
+
+    def ring_attention(self, phase: str, l: int, mb: int, c: int, attn: Block) -> None:
+        """Ring attention over the cp group: K/V chunks hop to the next rank while each rank attends
+        to the chunk it holds (forward: cp-1 hops). Backward: K/V travel with their partial
+        gradients (cp-1 hops), and a last hop brings each dK/dV home."""
+        cp, me = self.p.cp, self.coords["cp"]
+        chunk = self.an.kv_bytes / cp
+        part = Block(attn.op, attn.flops / cp, attn.bytes / cp, 0.0)
+        nxt = self.rp.mesh.rank(**{**self.coords, "cp": (me + 1) % cp})
+        prv = self.rp.mesh.rank(**{**self.coords, "cp": (me - 1) % cp})
+        bwd = phase == "bwd"
+        hops = cp if bwd else cp - 1
+        for i in range(cp):
+            if i < hops:
+                nbytes = chunk if (bwd and i == cp - 1) else chunk * (2 if bwd else 1)
+                name = f"{phase}.kv.L{l}.m{mb}.o{(me - i) % cp}.h{i}"
+                dep = self.last_compute() if i == 0 else self.out[-1].name
+                if i > 0 and not bwd:
+                    dep = f"{phase}.kv.L{l}.m{mb}.o{(me - i) % cp}.h{i - 1}"
+                if bwd:
+                    self.compute(phase, "attn", l, mb, c, part, suffix=f".r{i}")
+                    dep = self.last_compute()
+                self._emit(Instr(self.rank, name, "send", "p2p.send", "send", phase=phase, block="kv", layer=l,
+                                 mb=mb, chunk=c, bytes=nbytes, deps=(dep,), peer=nxt))
+                if not bwd:
+                    self.compute(phase, "attn", l, mb, c, part, suffix=f".r{i}")
+                rname = f"{phase}.kv.L{l}.m{mb}.o{(me - 1 - i) % cp}.h{i}"
+                self._emit(Instr(self.rank, rname, "recv", "p2p.recv", "recv", phase=phase, block="kv", layer=l,
+                                 mb=mb, chunk=c, bytes=nbytes, peer=prv))
+                self.wait.append(rname)
+            else:
+                self.compute(phase, "attn", l, mb, c, part, suffix=f".r{i}")
 
     def a2a(self, block: str, phase: str, l: int, mb: int, c: int) -> None:
         self.coll(f"{phase}.{block}.L{l}.m{mb}", "alltoall", "ep", self.g_ep, self.an.dispatch_bytes,
@@ -308,10 +343,17 @@ class _RankLowering:
         self.tp("mlp_in", "bwd", l, mb, c, an.full_hidden_bytes)
         self.tp("attn_out", "bwd", l, mb, c, an.full_hidden_bytes)
         self.compute("bwd", "proj", l, mb, c, blocks["proj"])
+        ring = self.p.cp > 1 and self.p.cp_impl == "ring"
         if rc and self.p.recompute == "selective":
-            self.compute("recompute", "attn", l, mb, c, blocks["attn"])
-        self.compute("bwd", "attn", l, mb, c, blocks["attn"])
-        if self.p.cp > 1:
+            if ring:
+                self.ring_attention("recompute", l, mb, c, blocks["attn"])
+            else:
+                self.compute("recompute", "attn", l, mb, c, blocks["attn"])
+        if ring:
+            self.ring_attention("bwd", l, mb, c, blocks["attn"])
+        else:
+            self.compute("bwd", "attn", l, mb, c, blocks["attn"])
+        if self.p.cp > 1 and not ring:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
         self.compute("bwd", "qkv", l, mb, c, blocks["qkv"])
@@ -348,6 +390,12 @@ class _RankLowering:
         dt = self.rp.dtype_bytes
         names = []
         tag = f"{phase}.gather.L{unit}.m{mb}"
+        if self.p.offload == "optimizer+params":
+            # ZeRO-Infinity: the parameter shard lives in host memory and comes over PCIe first
+            shard = (dense / self.zero_size + expert / max(1, len(self.g_edp))) * dt
+            deps = (self._emit(Instr(self.rank, f"copy.{tag}", "copy", "copy.h2d", "h2d", phase=phase,
+                                     block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
+                                     deps=tuple(d for d in deps if d), items=(unit,))),)
         if self.p.zero3_flavour == "fsdp":
             gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
             self.memory("alloc", "buffers", gathered, tag, stream=f"comm.{self.zero_axis}", deps=deps)

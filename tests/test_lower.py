@@ -171,3 +171,21 @@ def test_symmetric_mode_keeps_one_rank_per_pipeline_stage():
     prog = _program("gpt-tiny", "dp=2,tp=2,pp=2,gbs=4", symmetric=True)
     assert sorted(prog.ranks) == [0, 4]
     assert sorted(r for reps in prog.represents.values() for r in reps) == list(range(8))
+
+
+def test_ring_context_parallel_passes_kv_around_the_ring():
+    prog = _program("gpt-tiny", "cp=4,gbs=1,cp_impl=ring")
+    prog.validate()
+    fwd_sends = [i for i in prog.ranks[0] if i.kind == "send" and i.phase == "fwd" and i.layer == 0]
+    bwd_sends = [i for i in prog.ranks[0] if i.kind == "send" and i.phase == "bwd" and i.layer == 0]
+    assert len(fwd_sends) == 3 and len(bwd_sends) == 4  # cp-1 hops forward; backward brings dK/dV home
+    assert {i.peer for i in fwd_sends} == {1}
+    partials = [i for i in prog.ranks[0] if i.block == "attn" and i.phase == "fwd" and i.layer == 0]
+    assert len(partials) == 4
+
+
+def test_parameter_offload_copies_each_shard_in_before_its_gather():
+    prog = _program("gpt-tiny", "dp=2,zero=3,offload=optimizer+params,gbs=2")
+    rank0 = prog.ranks[0]
+    for g in (i for i in rank0 if i.block == "gather"):
+        assert g.deps == (f"copy.{g.name}",)

@@ -29,7 +29,7 @@ _TP_OPS = {
     "attn_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "mlp_in": (("", "allreduce"), ("allgather", "reducescatter")),
     "mlp_out": (("allreduce", ""), ("reducescatter", "allgather")),
-    "embed_out": (("allreduce", ""), ("reducescatter", "")),
+    "embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
 }
 ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
@@ -80,12 +80,19 @@ class _RankLowering:
         # groups
         self.g_tp = mesh.group(rank, "tp")
         self.g_cp = mesh.group(rank, "cp")
-        self.g_dp = mesh.group(rank, "dp")
+        # Gradients are reduced, and ZeRO shards, over dp x cp: context-parallel ranks hold the same
+        # parameters. HSDP shards within blocks of dp_shard dp ranks (all of their cp ranks) and
+        # replicates across blocks; expert parameters are data-parallel over the ranks that hold the
+        # same experts (same position in the ep group).
+        me = self.coords
+        self.g_dp = mesh.span(rank, ("dp", "cp"))
         self.g_ep = mesh.subgroup(rank, "dp", p.ep)
-        self.g_edp = mesh.strided_group(rank, "dp", p.ep)
+        self.g_edp = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep)
         if p.dp_shard:
-            self.zero_axis, self.g_zero = "dp_shard", mesh.subgroup(rank, "dp", p.dp_shard)
-            self.g_rep = mesh.strided_group(rank, "dp", p.dp_shard)
+            block = me["dp"] // p.dp_shard
+            self.zero_axis = "dp_shard"
+            self.g_zero = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] // p.dp_shard == block)
+            self.g_rep = mesh.span(rank, ("dp",), keep=lambda c: c["dp"] % p.dp_shard == me["dp"] % p.dp_shard)
         else:
             self.zero_axis, self.g_zero, self.g_rep = "dp", self.g_dp, ()
         self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": p.pp - 1})}))
@@ -312,6 +319,7 @@ class _RankLowering:
                 self.memory("free", "activations", head["head"].saved, f"act.L{unit}.m{mb}")
                 self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
             elif unit == -1:
+                self.tp("embed_out", "bwd", -1, mb, c, self.an.full_hidden_bytes)
                 self.compute("bwd", "embed", -1, mb, c, self.an.embed)
             else:
                 self.layer_backward(unit, mb, c)

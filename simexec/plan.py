@@ -184,6 +184,14 @@ class Mesh:
         base = rank - c[axis] * self._strides[axis]
         return tuple(base + i * self._strides[axis] for i in range(self.sizes[axis]))
 
+    def span(self, rank: int, axes: tuple[str, ...], keep=None) -> tuple[int, ...]:
+        """Ranks that differ from `rank` only along `axes` (sorted), optionally filtered by `keep(coords)`."""
+        mine = self.coords(rank)
+        out = [rank - sum(mine[a] * self._strides[a] for a in axes)]
+        for a in axes:
+            out = [r + i * self._strides[a] for r in out for i in range(self.sizes[a])]
+        return tuple(sorted(r for r in out if keep is None or keep(self.coords(r))))
+
     def subgroup(self, rank: int, axis: str, size: int) -> tuple[int, ...]:
         """Consecutive blocks of `size` along `axis` (ep groups, HSDP shard groups)."""
         full = self.group(rank, axis)
@@ -235,8 +243,9 @@ class ResolvedPlan:
 
     @property
     def zero_group_size(self) -> int:
-        """Ranks that shard model states (dp, or dp_shard under HSDP)."""
-        return self.plan.dp_shard or self.dp
+        """Ranks that shard model states: dp (or dp_shard under HSDP) times cp, since context-parallel
+        ranks hold the same parameters and reduce their gradients together (Megatron's dp-cp group)."""
+        return (self.plan.dp_shard or self.dp) * self.plan.cp
 
     def params_on_pp_rank(self, pp_rank: int) -> dict[str, float]:
         """Parameters held by one rank of pipeline rank `pp_rank` before ZeRO sharding.

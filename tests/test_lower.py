@@ -83,7 +83,7 @@ def test_sequence_parallel_swaps_allreduce_for_allgather_and_reducescatter():
     prog = _program("gpt-tiny", "tp=2,sp=1,gbs=1")
     ops = Counter(i.op for i in prog.ranks[0] if i.axis == "tp" and i.block not in ("ce_max", "ce_sum"))
     assert "allreduce@tp" not in ops
-    assert ops["allgather@tp"] == ops["reducescatter@tp"] - 1  # the embedding's reduce-scatter has no conjugate
+    assert ops["allgather@tp"] == ops["reducescatter@tp"]  # every one has its conjugate
 
 
 def test_data_parallel_reduces_gradients_only_in_the_last_micro_batch():
@@ -189,3 +189,16 @@ def test_parameter_offload_copies_each_shard_in_before_its_gather():
     rank0 = prog.ranks[0]
     for g in (i for i in rank0 if i.block == "gather"):
         assert g.deps == (f"copy.{g.name}",)
+
+
+def test_context_parallel_ranks_reduce_gradients_together_with_data_parallel_ones():
+    prog = _program("gpt-tiny", "dp=2,cp=2,gbs=2")
+    grads = [i for i in prog.ranks[0] if i.block.startswith("grads")]
+    assert grads and all(set(i.group) == {0, 1, 2, 3} for i in grads)  # cp is the fastest axis after tp
+
+
+def test_hsdp_shards_within_blocks_and_replicates_across():
+    prog = _program("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=4")
+    rank0 = prog.ranks[0]
+    assert {i.group for i in rank0 if i.block == "gather"} == {(0, 1)}
+    assert {i.group for i in rank0 if i.block == "grads_rep"} == {(0, 2)}

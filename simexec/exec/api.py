@@ -1,0 +1,191 @@
+"""`execute`: run a plan for real and measure it.
+
+resolve -> lower (the simulator's very program, every rank spelled out) -> refuse what the
+interpreter cannot run yet (before any actor starts) -> Ray -> one actor per rank -> results,
+a measured trace in the shared schema, and `--json` / `--trace` / `--profile` files.
+
+The trace holds the last step (a measured step after the warm-up), so its instruction ids match
+the simulator's one step one to one; `step_times_s` has every step. A failed run still writes the
+trace (the last step with any events) and the JSON (with `error`) before raising `ExecError`.
+"""
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Union
+
+from simexec.errors import ExecError
+from simexec.trace import Trace, save_json
+
+
+@dataclass
+class ExecResult:
+    losses: list[float]  # per step: mean over the ranks that report a loss
+    step_time_s: Optional[float]  # median over the steps after the warm-up step (None: no step finished)
+    step_times_s: list[float]  # per step: the slowest rank's
+    peak_memory_bytes_per_rank: dict[int, int]
+    trace: Trace
+    losses_per_rank: dict[int, list[float]] = field(default_factory=dict)
+    params: Optional[dict[int, dict]] = None  # rank -> {name: cpu tensor}, with return_params=True
+    placement: dict[int, str] = field(default_factory=dict)  # rank -> Ray node id
+    timings: dict[str, float] = field(default_factory=dict)  # ray_start_s, actors_s, rendezvous_s, run_s, ...
+    fingerprint: str = ""
+    error: Optional[str] = None
+    extra: dict[int, object] = field(default_factory=dict)  # rank -> a runner's "extra" result
+
+    def format(self) -> str:
+        """A few lines for the terminal."""
+        mib = {r: f"{b / 2**20:.1f}" for r, b in self.peak_memory_bytes_per_rank.items()}
+        st = f"{self.step_time_s * 1e3:.1f} ms" if self.step_time_s is not None else "n/a"
+        lines = [f"losses        {', '.join(f'{x:.4f}' for x in self.losses) or 'n/a'}",
+                 f"step time     {st} (median after warm-up; steps: "
+                 f"{', '.join(f'{t * 1e3:.1f}' for t in self.step_times_s)} ms)",
+                 f"peak memory   {', '.join(f'r{r} {v}' for r, v in mib.items())} MiB",
+                 f"events        {len(self.trace.events)} (program {self.fingerprint})",
+                 "wall times    " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.timings.items())]
+        if self.error:
+            lines.append(f"error         {self.error}")
+        return "\n".join(lines)
+
+    def to_json(self, rp=None) -> dict:
+        out = {"losses": self.losses, "step_time_s": self.step_time_s, "step_times_s": self.step_times_s,
+               "peak_memory_bytes_per_rank": {str(r): b for r, b in self.peak_memory_bytes_per_rank.items()},
+               "losses_per_rank": {str(r): v for r, v in self.losses_per_rank.items()},
+               "placement": {str(r): n for r, n in self.placement.items()}, "timings": self.timings,
+               "program_fingerprint": self.fingerprint, "error": self.error}
+        if rp is not None:
+            out.update(_describe(rp))
+        return out
+
+
+def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = None,
+            ray_address: Optional[str] = None, backend: str = "gloo", seed: int = 0, timeout_s: float = 60.0,
+            trace_path: Optional[Union[str, os.PathLike]] = None, json_path: Optional[Union[str, os.PathLike]] = None,
+            profile_dir: Optional[Union[str, os.PathLike]] = None, trace: bool = True, fault=None,
+            runner: Optional[Union[str, Callable]] = None, return_params: bool = False,
+            on_start: Optional[Callable[[list[dict]], None]] = None, pool=None) -> ExecResult:
+    """Run `steps` training steps of `plan` on real ranks and measure them.
+
+    model / cluster / plan: specs or their names (`gpt-tiny`, `local`, `dp=2,tp=2`).
+    timeout_s: a run in which no rank makes progress for this long is a hang; it ends with an
+    `ExecError` naming the rank and instruction (so do a dead rank and one that raises).
+    trace=False: no events (to measure the tracer's overhead). fault: a `Fault` or its text
+    (default: the SIMEXEC_FAULT environment variable), for fault tests. runner: a stand-in for
+    `simexec.exec.interpreter.run_rank` with the same signature (tests, custom interpreters).
+    on_start: called with every rank's {rank, pid, node_id, ip, host} once all are set up.
+    pool: rank actors kept alive across runs (`simexec.calibrate_runs.RankPool`): its `launch`
+    replaces `Launch`, so several plans run without starting actors each time.
+    """
+    from simexec.cluster import ClusterSpec, get_cluster
+    from simexec.exec.launcher import Launch, RankFailure, start_ray, stop_ray
+    from simexec.exec.tracer import FAULT_ENV, Fault
+    from simexec.lower import lower
+    from simexec.model import ModelSpec, get_model
+    from simexec.plan import Plan, load_plan, resolve
+
+    if backend not in ("gloo", "nccl"):
+        raise ExecError(f"backend must be gloo or nccl, got {backend!r}")
+    if steps < 1:
+        raise ExecError(f"steps must be at least 1, got {steps}")
+    model = model if isinstance(model, ModelSpec) else get_model(model)
+    cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    rp = resolve(model, cluster, plan, seq_len)
+    program = lower(rp, symmetric=False)
+    if runner is None:
+        from simexec.exec.interpreter import unsupported
+
+        missing = unsupported(rp)
+        if missing:
+            raise ExecError(missing if missing.startswith("the executor") else
+                            f"the executor cannot run plan {rp.plan} yet: {missing}")
+    if fault is None and os.environ.get(FAULT_ENV):
+        fault = os.environ[FAULT_ENV]
+    if isinstance(fault, str):
+        fault = Fault.parse(fault)
+
+    timings: dict[str, float] = {}
+    owned = False
+    launch = (pool.launch if pool is not None else Launch)(
+        rp, program, backend=backend, timeout_s=timeout_s, trace=trace, fault=fault,
+        profile=profile_dir is not None, on_start=on_start)
+    try:
+        t0 = time.perf_counter()
+        owned = start_ray(ray_address)
+        timings["ray_start_s"] = time.perf_counter() - t0
+        with launch:
+            timings.update(launch.timings)
+            t0 = time.perf_counter()
+            try:
+                outs = launch.run(steps=steps, seed=seed, runner=runner, return_params=return_params,
+                                  profile_dir=str(profile_dir) if profile_dir else None)
+            except RankFailure as exc:
+                timings["run_s"] = time.perf_counter() - t0
+                result = _result(rp, program, exc.partial["outs"], launch.infos, timings, error=str(exc))
+                exc.partial["result"] = result
+                _write(result, rp, trace_path, json_path, profile_dir, exc.partial["outs"])
+                raise
+            timings["run_s"] = time.perf_counter() - t0
+        timings["teardown_s"] = launch.timings.get("teardown_s", 0.0)
+    finally:
+        t0 = time.perf_counter()
+        stop_ray(owned)
+        if owned:
+            timings["ray_stop_s"] = time.perf_counter() - t0
+    result = _result(rp, program, outs, launch.infos, timings)
+    _write(result, rp, trace_path, json_path, profile_dir, outs)
+    return result
+
+
+def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict, error: Optional[str] = None) -> ExecResult:
+    from simexec.exec.tracer import build_events, pick_step
+
+    exports = {r: o["trace"] for r, o in outs.items() if o.get("trace")}
+    step = pick_step(exports.values())
+    events, counters = build_events(program, exports, step) if exports else ([], [])
+    per_rank = {r: o["losses"] for r, o in sorted(outs.items()) if o.get("losses")}
+    n_steps = max((len(v) for v in per_rank.values()), default=0)
+    losses = [statistics.fmean(v[s] for v in per_rank.values() if len(v) > s) for s in range(n_steps)]
+    times = [o["step_times_s"] for o in outs.values() if o.get("step_times_s")]
+    step_times = [max(t[s] for t in times if len(t) > s) for s in range(max(map(len, times), default=0))]
+    measured = step_times[1:] or step_times
+    step_time = statistics.median(measured) if measured else None
+    peak = {r: o["peak_memory_bytes"] for r, o in sorted(outs.items()) if "peak_memory_bytes" in o}
+    params = {r: o["params"] for r, o in sorted(outs.items()) if "params" in o} or None
+    summary = {"step_time_s": step_time, "step_times_s": step_times,
+               "peak_memory_bytes_per_rank": {str(r): b for r, b in peak.items()}, "losses": losses}
+    if error:
+        summary["error"] = error
+    meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,
+            "trace_step": step, "timings": timings, **_describe(rp)}
+    return ExecResult(losses=losses, step_time_s=step_time, step_times_s=step_times, peak_memory_bytes_per_rank=peak,
+                      trace=Trace(meta=meta, events=events, counters=counters), losses_per_rank=per_rank,
+                      params=params, placement={i["rank"]: i["node_id"] for i in infos}, timings=dict(timings),
+                      fingerprint=program.fingerprint(), error=error,
+                      extra={r: o["extra"] for r, o in sorted(outs.items()) if "extra" in o})
+
+
+def _describe(rp) -> dict:
+    """Names as the simulator's traces give them (so `compare` can match the two), plus full specs."""
+    return {"model": rp.model.name, "cluster": rp.cluster.name, "plan": rp.plan.to_string(), "world": rp.world,
+            "seq_len": rp.seq_len, "symmetric": False, "model_spec": rp.model.model_dump(),
+            "cluster_spec": rp.cluster.model_dump(), "plan_fields": rp.plan.model_dump()}
+
+
+def _write(result: ExecResult, rp, trace_path, json_path, profile_dir, outs: dict[int, dict]) -> None:
+    """Write each requested file atomically (`save_json` renames a temp file into place)."""
+    if trace_path:
+        result.trace.save(trace_path)
+    if json_path:
+        save_json(result.to_json(rp), json_path)
+    if profile_dir:
+        Path(profile_dir).mkdir(parents=True, exist_ok=True)
+        for r, o in outs.items():
+            if o.get("profile"):
+                path = Path(profile_dir) / f"rank{r}.pt.trace.json"
+                tmp = path.with_name(f".{path.name}.tmp")
+                tmp.write_text(o["profile"])
+                os.replace(tmp, path)

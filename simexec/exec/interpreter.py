@@ -1,0 +1,1106 @@
+"""The executor's interpreter: one rank runs its program, instruction by instruction, with real tensors.
+
+The loop is torch pipelining's `_step_microbatches` in spirit: walk this rank's instructions in program
+order and dispatch on the kind. Every instruction is one call:
+
+- compute: one block of `simexec.exec.model.GPT` (forward, recompute or backward) or the optimizer;
+- collective: issued with `async_op=True` on the real process group of its axis, waited on by the
+  instructions that name it in `deps` or that read what it produces;
+- send / recv: `isend` eagerly, `irecv` posted when the recv comes, waited on like collectives;
+- copy: offload copies between separate device and host buffers; memory: markers, skipped.
+
+Per-block autograd. A forward block takes detached copies of its inputs that require grad, runs the
+block, keeps (inputs, outputs) in a record; its backward calls `torch.autograd.backward(outputs,
+grad_outputs)` and hands the inputs' `.grad` on. Activations and their gradients live in two dicts
+keyed by (name, layer, micro-batch); the names and which block or collective makes each are in
+`_BLOCKS` and `_COLLS`. Where the program has no collective between two names (tp = 1, or the
+identity side of an f/g pair), a read falls through to the name before it (forward) or after it
+(backward).
+
+Gradients are sums: every micro-batch loss is scaled by 1 / (tokens of the global batch), so summing
+over micro-batches and ranks gives the gradient of the global mean loss, as the single-process
+reference computes it.
+
+Parameter storage per plan: plain tensors (ZeRO 0); plus one flat shard per gradient bucket, updated
+by Adam and all-gathered back (ZeRO 1-2); or one flat shard per unit (embedding, layer, head) and
+class (dense, expert), all-gathered into a buffer before each use (ZeRO-3: `fsdp` allocates it on
+demand and frees it after the unit's last use; `yafsdp` uses two buffers preallocated at start,
+even units in one and odd units in the other).
+"""
+from __future__ import annotations
+
+import math
+import time
+import weakref
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from simexec.exec import data
+from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard
+from simexec.exec.optim import Adam
+from simexec.program import Instr
+
+# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ---------------------------------------------------------------------------------------------------
+# What each block reads and writes (env names; every key is (name, layer, micro-batch))
+# ---------------------------------------------------------------------------------------------------
+
+# block: (inputs, outputs). x: residual stream entering a layer; xa / xma: after the f-conjugate
+# (gathered under sp); yp / y2p: partial sums before the g-conjugate; xm: residual after attention.
+_BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "embed": ((), ("emb",)),
+    "qkv": (("xa",), ("q", "kv")),
+    "attn": (("q", "kvf"), ("o",)),
+    "proj": (("o", "xa"), ("yp",)),
+    "fc1": (("xma",), ("a",)),
+    "fc2": (("a", "xma"), ("y2p",)),
+    "router": (("xma",), ("h", "w", "xs", "route")),
+    "experts": (("xr",), ("yr",)),
+    "moe_out": (("xma", "h", "w", "yc"), ("y2p",)),
+    "head": (("xh",), ("logits", "lmax")),
+    "xent": (("logits", "gmax"), ("ce",)),
+    "loss": (("ceg",), ("loss",)),
+}
+
+# collective block: (input name, output name, dimension it gathers/scatters along).
+# Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C).
+_COLLS: dict[str, tuple[str, str, Optional[int]]] = {
+    "embed_out": ("emb", "x", 1),
+    "attn_in": ("x", "xa", 1),
+    "attn_out": ("yp", "xm", 1),
+    "mlp_in": ("xm", "xma", 1),
+    "mlp_out": ("y2p", "x", 1),
+    "head_in": ("x", "xh", 1),
+    "ce_max": ("lmax", "gmax", None),
+    "ce_sum": ("ce", "ceg", None),
+    "kv": ("kv", "kvf", 3),
+    "dispatch": ("xs", "xr", 0),
+    "combine": ("yr", "yc", 0),
+}
+_TP_PARTIAL = ("attn_in", "mlp_in", "head_in")  # their backward also sums replicated params' grads
+
+
+def _coll_keys(block: str, layer: int, mb: int) -> tuple[tuple, tuple]:
+    src, dst, _ = _COLLS[block]
+    out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
+    return (src, layer, mb), (dst, out_layer, mb)
+
+
+def _upstream(key: tuple) -> Optional[tuple]:
+    """The name a collective turns into `key`, for reads where that collective is absent."""
+    name, l, mb = key
+    if name == "x":
+        return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
+    for src, dst, _ in _COLLS.values():
+        if dst == name and name != "x":
+            return (src, l, mb)
+    return None
+
+
+def _downstream(key: tuple, layers: int) -> Optional[tuple]:
+    """The name `key` turns into through a collective, for gradient reads where it is absent."""
+    name, l, mb = key
+    if name == "emb":
+        return ("x", 0, mb)
+    if name == "y2p":
+        return ("x", l + 1, mb)
+    if name == "x":
+        return ("xh", l, mb) if l == layers else ("xa", l, mb)
+    for src, dst, _ in _COLLS.values():
+        if src == name:
+            return (dst, l, mb)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Plans the interpreter cannot run yet
+# ---------------------------------------------------------------------------------------------------
+
+
+def unsupported(rp) -> Optional[str]:
+    """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
+    m, p = rp.model, rp.plan
+    missing = []
+    if m.is_mla:
+        missing.append(f"multi-head latent attention ({m.name}: kv_lora_rank={m.kv_lora_rank})")
+    if m.tied_embeddings:
+        missing.append(f"tied embeddings ({m.name}: the LM head sharing the token embedding)")
+    if m.moe is not None and m.moe.capacity_factor is not None:
+        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
+    if p.cp > 1 and p.cp_impl == "ring":
+        missing.append("context parallel with cp_impl=ring (all-gather is supported)")
+    if p.dtype == "fp8":
+        missing.append("dtype=fp8")
+    if not missing and (p.sp or p.cp > 1):
+        missing += _lowering_gaps(rp)
+    if not missing:
+        return None
+    return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
+
+
+def _lowering_gaps(rp) -> list[str]:
+    """Communication the math needs that the lowering does not emit (checked on the program of the
+    first pipeline stage's representative rank, so that a fixed lowering is picked up by itself)."""
+    from simexec.lower import lower
+
+    p = rp.plan
+    prog = lower(rp, symmetric=True)
+    rank = rp.mesh.rank()
+    instrs = prog.ranks[rank]
+    gaps = []
+    if p.sp and p.tp > 1 and not any(i.block == "embed_out" and i.phase == "bwd" for i in instrs):
+        gaps.append("sp: no backward embed_out (the vocab-parallel embedding needs the gradient of its whole "
+                    "sequence: the all-gather conjugate of the forward reduce-scatter)")
+    if p.cp > 1:
+        peers = set(rp.mesh.group(rank, "cp"))
+        reduces = [i for i in instrs if i.kind == "collective" and i.block.startswith("grads")]
+        if not any(peers <= set(i.group) for i in reduces):
+            gaps.append("cp: gradients are reduced over dp only; parameters replicated over cp need their "
+                        "gradients summed over dp x cp")
+    return gaps
+
+
+# ---------------------------------------------------------------------------------------------------
+# Asynchronous work
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Inflight:
+    """An issued collective / send / recv: waited once, then `finish` stores its result."""
+
+    __slots__ = ("ins", "works", "finish", "done", "rank")
+
+    def __init__(self, rank: "_Rank", ins: Instr, works: list, finish: Optional[Callable[[], None]]):
+        self.rank, self.ins, self.works, self.finish, self.done = rank, ins, works, finish, False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        self.done = True
+        tracker = _TRACKER[0]
+        if tracker is not None:
+            tracker.in_backend += 1
+        try:
+            for w in self.works:
+                w.wait()
+        finally:
+            if tracker is not None:
+                tracker.in_backend -= 1
+        if self.finish is not None:
+            self.finish()
+        self.rank.tracer.end(self.ins, self.rank.step_no)
+        self.rank.inflight.pop(self.ins.name, None)
+
+
+class _NullTracer:
+    def begin(self, ins, step):
+        pass
+
+    def end(self, ins, step):
+        pass
+
+    def counter(self, category, nbytes):
+        pass
+
+
+# ---------------------------------------------------------------------------------------------------
+# Peak memory on CPU: live tensor storages
+# ---------------------------------------------------------------------------------------------------
+
+
+_TRACKER: list = [None]  # the active _LiveBytes, if any (read by _Inflight.wait)
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Counts the bytes of every storage an op creates until that storage dies (CPU has no
+    max_memory_allocated). Storages are tracked once, by identity, with a weakref finaliser."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # else torch wraps __torch_dispatch__ in a dynamo guard whose first call imports torch._dynamo
+        # (seconds per rank); this mode never runs under torch.compile
+        return False
+
+    def __init__(self):
+        super().__init__()
+        self.live = 0
+        self.peak = 0
+        self.largest = 0  # the largest single storage the interpreter's own ops created
+        self.in_backend = 0  # > 0 inside Work.wait(): what appears there is the backend's (gloo's temporaries)
+        self._seen: dict[int, weakref.finalize] = {}
+
+    def track(self, t: Any, created: bool = False) -> None:
+        if not isinstance(t, Tensor) or t.device.type == "meta":
+            return
+        try:
+            st = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return
+        key = id(st)
+        if key in self._seen and self._seen[key].alive:
+            return
+        n = st.nbytes()
+        if created and not self.in_backend:
+            self.largest = max(self.largest, n)
+        self.live += n
+        self.peak = max(self.peak, self.live)
+        self._seen[key] = weakref.finalize(st, self._free, key, n)
+
+    def _free(self, key: int, n: int) -> None:
+        self.live -= n
+        self._seen.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self.track(t, created=True)
+        return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# Flat layouts: buckets and ZeRO units
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Flat:
+    """Parameters laid end to end, padded to a multiple of the group size; this rank owns one shard."""
+
+    names: list[str]
+    numels: list[int]
+    shapes: list[torch.Size]
+    group_size: int
+    index: int  # this rank's position in the group
+    total: int = 0
+    shard: int = 0
+
+    def __post_init__(self):
+        self.total = sum(self.numels)
+        self.shard = -(-self.total // self.group_size) if self.total else 0
+
+    @property
+    def padded(self) -> int:
+        return self.shard * self.group_size
+
+    def flatten(self, tensors: list[Tensor]) -> Tensor:
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
+        return torch.nn.functional.pad(flat, (0, self.padded - self.total))
+
+    def views(self, flat: Tensor) -> list[Tensor]:
+        out, off = [], 0
+        for n, s in zip(self.numels, self.shapes):
+            out.append(flat[off : off + n].view(s))
+            off += n
+        return out
+
+    def my_slice(self, flat: Tensor) -> Tensor:
+        return flat[self.index * self.shard : (self.index + 1) * self.shard]
+
+
+# ---------------------------------------------------------------------------------------------------
+# One rank
+# ---------------------------------------------------------------------------------------------------
+
+
+class _Rank:
+    def __init__(self, rp, instrs: list[Instr], groups, tracer, device: torch.device, seed: int):
+        self.rp, self.instrs, self.groups, self.device, self.seed = rp, instrs, groups, device, seed
+        self.tracer = tracer if tracer is not None else _NullTracer()
+        self.rank = instrs[0].rank
+        m, p = rp.model, rp.plan
+        self.m, self.plan = m, p
+        self.coords = rp.mesh.coords(self.rank)
+        self.lay = Layout.of(rp, self.rank)
+        self.L = m.layers
+        self.step_no = -1
+        self.inflight: dict[str, _Inflight] = {}
+        self.loss_scale = 1.0 / (p.gbs * rp.seq_len)
+        self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
+        self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
+        self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
+
+        # which units (embedding -1, layers, head L) this rank holds
+        units = set(rp.layers_of_pp_rank(self.coords["pp"]))
+        if self.coords["pp"] == 0:
+            units.add(-1)
+        if self.coords["pp"] == p.pp - 1:
+            units.add(self.L)
+        self.specs = {s.name: s for s in param_specs(m) if s.unit in units and holds(s, m, self.lay)}
+        full = init_full(m, seed)
+        self.p: dict[str, Tensor] = {
+            n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()
+            for n, s in self.specs.items()
+        }
+        del full
+        self.shapes = {n: t.shape for n, t in self.p.items()}
+        self.model = GPT(m, self.lay, self.p)
+        self.g: dict[str, Tensor] = {}  # gradients moved out of .grad (tp-reduced, zero-0 reduced)
+        self.g_pending: dict[str, _Inflight] = {}  # params whose gradient a collective still computes
+        self.reduced: dict[str, Tensor] = {}  # ZeRO-0 bucket results: final gradients
+
+        # what the program asks for: recompute, buckets, ZeRO-3 gathers
+        self.recomputed = {(i.block, i.layer, i.mb) for i in instrs if i.phase == "recompute" and i.kind == "compute"}
+        self.full_recompute_layers = {(i.layer, i.mb) for i in instrs if i.phase == "recompute" and i.block == "qkv"}
+        self.layer_end = {}  # (layer, mb) -> index of the layer's last forward instruction
+        for k, i in enumerate(instrs):
+            if i.phase == "fwd" and 0 <= i.layer < self.L and i.kind in ("compute", "collective"):
+                self.layer_end[(i.layer, i.mb)] = k
+        self._setup_zero()
+        self._setup_grad_buffers()
+        self._setup_optimizer()
+
+    # --- parameters per unit and class ------------------------------------------------------------
+    def unit_names(self, unit: int, cls: str) -> list[str]:
+        return [n for n, s in self.specs.items() if s.unit == unit and (s.expert is not None) == (cls == "expert")]
+
+    @staticmethod
+    def _cls(axis: str) -> str:
+        return "expert" if axis == "edp" else "dense"
+
+    def _flat(self, names: list[str], group: tuple[int, ...]) -> _Flat:
+        shapes = [self.shapes[n] for n in names]
+        return _Flat(names, [math.prod(s) for s in shapes], shapes, len(group), group.index(self.rank))
+
+    def _setup_zero(self) -> None:
+        """ZeRO-1/2: a flat shard per parameter bucket (`params<k>`); ZeRO-3: per gathered unit."""
+        self.buckets: dict[tuple, _Flat] = {}  # (cls, items) -> layout; master shards in self.shards
+        self.shards: dict[tuple, Tensor] = {}
+        self.gshard: dict[tuple, Tensor] = {}  # reduce-scattered gradient shards
+        self.gshard_pending: dict[tuple, _Inflight] = {}
+        self.z3: dict[tuple, _Flat] = {}  # (cls, unit) -> layout
+        self.z3_pending: dict[tuple, _Inflight] = {}
+        self.z3_free_after: dict[int, list[tuple]] = {}
+        self.z3_buffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated parameter buffer
+        self.z3_gbuffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated gradient buffer
+        self.z3_gbusy: dict[tuple, _Inflight] = {}  # yafsdp: the reduce-scatter still reading a gradient buffer
+        self.z3_live: dict[tuple, Tensor] = {}  # fsdp: (cls, unit) -> gathered buffer in use
+        for i in self.instrs:
+            if i.kind == "collective" and i.block.startswith("params"):
+                key = (self._cls(i.axis), tuple(i.items))
+                names = [n for u in i.items for n in self.unit_names(u, key[0])]
+                self.buckets[key] = fl = self._flat(names, i.group)
+                self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
+            if i.kind == "collective" and i.block == "gather":
+                key = (self._cls(i.axis), i.layer)
+                if key not in self.z3:
+                    names = self.unit_names(i.layer, key[0])
+                    self.z3[key] = fl = self._flat(names, i.group)
+                    self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
+        if self.z3:
+            empty = torch.empty(0, device=self.device, dtype=self.dtype)
+            for (cls, unit), fl in self.z3.items():
+                for n in fl.names:
+                    self.p[n].data = empty  # parameters live as shards until gathered
+            if self.flavour == "yafsdp":
+                for cls in {c for c, _ in self.z3}:
+                    size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)
+                    for parity in (0, 1):
+                        self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
+                        self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
+            # a unit's buffer is released after its last compute before its next gather
+            last: dict[tuple, Optional[int]] = {}
+
+            def close(key):
+                if last.get(key) is not None:
+                    self.z3_free_after.setdefault(last[key], []).append(key)
+
+            for k, i in enumerate(self.instrs):
+                if i.kind == "collective" and i.block == "gather":
+                    key = (self._cls(i.axis), i.layer)
+                    close(key)
+                    last[key] = None
+                elif i.kind == "compute" and i.block not in ("optim", "cpu_optim"):
+                    for key in last:
+                        if key[1] == i.layer:
+                            last[key] = k
+            for key in last:
+                close(key)
+
+    def _setup_grad_buffers(self) -> None:
+        """One flat gradient buffer per bucket (`grads<k>`), each parameter's `.grad` a view into it:
+        autograd accumulates in place and the bucket's collective runs on the buffer without a copy
+        (Megatron's contiguous gradient buffer; DDP's gradient_as_bucket_view). Not for ZeRO-2, whose
+        point is that full gradients are freed once reduce-scattered: there `.grad` is allocated by
+        autograd and dropped at its bucket."""
+        self.gbuf: dict[tuple, Tensor] = {}
+        self.gview: dict[str, Tensor] = {}
+        if self.plan.zero >= 2:
+            return
+        for i in self.instrs:
+            if not (i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()):
+                continue
+            key = (self._cls(i.axis), tuple(i.items))
+            names = [n for u in i.items for n in self.unit_names(u, key[0])]
+            if key in self.gbuf or any(n in self.gview for n in names):
+                continue  # the same bucket on another micro-batch (or another grouping: copied then)
+            fl = self.buckets.get(key) or self._flat(names, i.group)
+            self.buckets.setdefault(key, fl)
+            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
+            for n, v in zip(names, fl.views(buf)):
+                self.gview[n] = v
+
+    def _attach_grads(self, key: Optional[tuple] = None) -> None:
+        """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
+        for k, buf in self.gbuf.items():
+            if key is None or k == key:
+                buf.zero_()
+                for n in self.buckets[k].names:
+                    if self.p[n].grad is None:
+                        self.p[n].grad = self.gview[n]
+
+    def _setup_optimizer(self) -> None:
+        """Adam over: bucket / unit shards (ZeRO), and every parameter no shard covers."""
+        sharded = [fl for k, fl in self.buckets.items() if k in self.shards] + list(self.z3.values())
+        covered = {n for fl in sharded for n in fl.names}
+        self.opt_keys: list = list(self.shards) + [n for n in self.p if n not in covered]
+        tensors = [self.shards[k] if isinstance(k, tuple) else self.p[k].detach() for k in self.opt_keys]
+        self.offload = self.plan.offload != "none"
+        if self.offload:  # host copies: the optimizer's parameters and states live in host memory
+            self.host = [t.detach().to("cpu", copy=True) for t in tensors]
+            self.host_grads = [torch.empty_like(h) for h in self.host]
+            self.opt = Adam(self.host)
+        else:
+            self.opt = Adam(tensors)
+        self.opt_tensors = tensors
+
+    # --- env reads and writes ---------------------------------------------------------------------
+    def resolve(self, key: tuple) -> Optional[tuple]:
+        """The key that holds `key`'s value: itself, or the name before an absent collective."""
+        k = key
+        while k is not None and k not in self.env:
+            k = _upstream(k)
+        return k
+
+    def read(self, key: tuple) -> Any:
+        k = self.resolve(key)
+        if k is None:
+            raise KeyError(f"rank {self.rank}: no value for {key[0]} of layer {key[1]} micro-batch {key[2]}")
+        v = self.env[k]
+        if isinstance(v, _Inflight):
+            v.wait()
+            v = self.env[k]
+        return v
+
+    def take_grad(self, key: tuple) -> Optional[Tensor]:
+        k = key
+        while k is not None:
+            if k in self.d:
+                v = self.d[k]
+                if isinstance(v, _Inflight):
+                    v.wait()
+                return self.d.pop(k)
+            k = _downstream(k, self.L)
+        return None
+
+    def add_grad(self, key: tuple, t: Tensor) -> None:
+        cur = self.d.get(key)
+        if isinstance(cur, _Inflight):
+            cur.wait()
+            cur = self.d.get(key)
+        self.d[key] = t if cur is None else cur + t
+
+    def wait_name(self, name: str) -> None:
+        w = self.inflight.get(name)
+        if w is not None:
+            w.wait()
+
+    def reap(self) -> None:
+        """Finish what has completed without blocking, so its event ends near when it did (not at the
+        instruction that happens to wait for it; an eager send is waited by nobody until the step ends)."""
+        for w in list(self.inflight.values()):
+            if all(x.is_completed() for x in w.works):
+                w.wait()
+
+    def wait_all(self) -> None:
+        for w in list(self.inflight.values()):
+            w.wait()
+
+    def group(self, ins: Instr):
+        return self.groups.get(ins.axis, ins.group)
+
+    def batch(self, mb: int) -> data.Batch:
+        b = self._batches.get(mb)
+        if b is None:
+            b = data.micro_batch(self.rp, self.seed, self.step_no, self.coords["dp"], mb, self.coords["cp"])
+            b = data.Batch(b.tokens.to(self.device), b.targets.to(self.device), b.pos.to(self.device))
+            self._batches[mb] = b
+        return b
+
+    # --- the step ---------------------------------------------------------------------------------
+    def run_step(self, step: int) -> Optional[float]:
+        self.step_no = step
+        self.env: dict[tuple, Any] = {}
+        self.d: dict[tuple, Any] = {}
+        self.records: dict[tuple, tuple] = {}
+        self._batches: dict[int, data.Batch] = {}
+        self.loss: Optional[Tensor] = None
+        self._attach_grads()
+        for k, ins in enumerate(self.instrs):
+            for dep in ins.deps:
+                self.wait_name(dep)
+            kind = ins.kind
+            if kind == "compute":
+                self.reap()
+                self.tracer.begin(ins, step)
+                self.compute(ins)
+                self.tracer.end(ins, step)
+                for key in self.z3_free_after.get(k, ()):
+                    self.z3_release(key)
+                if (ins.layer, ins.mb) in self.full_recompute_layers and self.layer_end.get((ins.layer, ins.mb)) == k:
+                    self.drop_layer(ins.layer, ins.mb)
+            elif kind == "collective":
+                self.tracer.begin(ins, step)
+                self.collective(ins)
+                if (ins.layer, ins.mb) in self.full_recompute_layers and self.layer_end.get((ins.layer, ins.mb)) == k:
+                    self.drop_layer(ins.layer, ins.mb)
+            elif kind in ("send", "recv"):
+                self.tracer.begin(ins, step)
+                self.p2p(ins)
+            elif kind == "copy":
+                self.tracer.begin(ins, step)
+                self.copy(ins)
+                self.tracer.end(ins, step)
+            # memory: the simulator's accounting, not traced (no time; memory is measured independently)
+        self.wait_all()
+        return None if self.loss is None else float(self.loss)
+
+    # --- compute ----------------------------------------------------------------------------------
+    def compute(self, ins: Instr) -> None:
+        if ins.block in ("optim", "cpu_optim"):
+            return self.optimizer_step(ins)
+        for cls in ("dense", "expert"):
+            w = self.z3_pending.get((cls, ins.layer))
+            if w is not None:
+                w.wait()
+        if ins.phase == "bwd":
+            return self.backward(ins)
+        record = ins.phase == "recompute" or (ins.block, ins.layer, ins.mb) not in self.recomputed
+        self.forward(ins, record)
+
+    def _run_block(self, block: str, l: int, mb: int, xs: list) -> tuple:
+        M = self.model
+        if block == "embed":
+            b = self.batch(mb)
+            return (M.embed(b.tokens, b.pos),)
+        if block == "qkv":
+            return M.qkv(l, xs[0], self.batch(mb).pos)
+        if block == "attn":
+            pos = self.batch(mb).pos
+            kpos = self._kpos if xs[1].shape[3] != xs[0].shape[2] else pos
+            return (M.attn(l, xs[0], xs[1], pos, kpos),)
+        if block == "proj":
+            return (M.proj(l, xs[0], xs[1]),)
+        if block == "fc1":
+            return (M.fc1(l, xs[0]),)
+        if block == "fc2":
+            return (M.fc2(l, xs[0], xs[1]),)
+        if block == "router":
+            return M.router(l, xs[0])
+        if block == "experts":
+            counts = self.env.get(("rcounts", l, mb))
+            if counts is None:  # no dispatch (ep = 1): every routed token is here
+                counts = self.read(("route", l, mb)).counts.view(1, -1)
+            return (M.experts(l, xs[0], counts),)
+        if block == "moe_out":
+            return (M.moe_out(l, *xs, self.read(("route", l, mb))),)
+        if block == "head":
+            return M.head(xs[0])
+        if block == "xent":
+            return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
+        if block == "loss":
+            return (M.loss(xs[0], self.loss_scale),)
+        raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")
+
+    @property
+    def _kpos(self) -> Tensor:
+        """Positions of the K/V gathered over cp, in cp-rank order."""
+        return torch.cat([data.cp_positions(self.rp.seq_len, self.plan.cp, r) for r in range(self.plan.cp)]).to(self.device)
+
+    def forward(self, ins: Instr, record: bool) -> None:
+        l, mb = ins.layer, ins.mb
+        ins_names, out_names = _BLOCKS[ins.block]
+        vals = [self.read((n, l, mb)) for n in ins_names]
+        if record:
+            vals = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v for v in vals]
+        with torch.set_grad_enabled(record):
+            outs = self._run_block(ins.block, l, mb, vals)
+        for n, o in zip(out_names, outs):
+            self.env[(n, l, mb)] = o
+        if record:
+            self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
+        if ins.block == "loss":
+            self.loss = outs[0].detach() if self.loss is None else self.loss + outs[0].detach()
+
+    def backward(self, ins: Instr) -> None:
+        l, mb = ins.layer, ins.mb
+        rec = self.records.pop((ins.block, l, mb), None)
+        if rec is None:
+            raise RuntimeError(f"rank {self.rank}: {ins.name} has no forward record (forward not run, or run without grad)")
+        ins_names, vals, out_names, outs = rec
+        ts, gs = [], []
+        for n, o in zip(out_names, outs):
+            if isinstance(o, Tensor) and o.requires_grad:
+                g = torch.ones_like(o) if ins.block == "loss" else self.take_grad((n, l, mb))
+                if g is not None:
+                    ts.append(o)
+                    gs.append(g)
+        if ts:
+            torch.autograd.backward(ts, gs)
+        for n, v in zip(ins_names, vals):
+            if isinstance(v, Tensor) and v.grad is not None:
+                self.add_grad((n, l, mb), v.grad)
+        for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
+            k = self.resolve((n, l, mb))
+            if k is not None:
+                del self.env[k]
+
+    def drop_layer(self, l: int, mb: int) -> None:
+        """Full recompute: after the layer's forward keep only its input (recompute rebuilds the rest)."""
+        keep = {("x", l, mb), ("x", l + 1, mb)}
+        if ("x", l + 1, mb) not in self.env and ("y2p", l, mb) in self.env:
+            self.env[("x", l + 1, mb)] = self.env[("y2p", l, mb)]  # the next layer reads it
+        for key in [k for k in self.env if k[1] == l and k[2] == mb and k not in keep]:
+            del self.env[key]
+
+    # --- collectives ------------------------------------------------------------------------------
+    def collective(self, ins: Instr) -> None:
+        block = ins.block
+        verb = ins.collective
+        g = self.group(ins)
+        if block in _COLLS:
+            return self.activation_collective(ins, verb, g)
+        if block == "grads":
+            return self.z3_grads(ins, g)
+        if block.startswith("grads_rep"):
+            return self.grads_rep(ins, g)
+        if block.startswith("grads"):
+            return self.grads_bucket(ins, verb, g)
+        if block.startswith("params"):
+            return self.params_gather(ins, g)
+        if block == "gather":
+            return self.z3_gather(ins, g)
+        raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
+
+    def _issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> _Inflight:
+        w = _Inflight(self, ins, works, finish)
+        self.inflight[ins.name] = w
+        return w
+
+    def activation_collective(self, ins: Instr, verb: str, g) -> None:
+        src, dst = _coll_keys(ins.block, ins.layer, ins.mb)
+        dim = _COLLS[ins.block][2]
+        n = len(ins.group)
+        backward = ins.phase == "bwd"
+        if ins.block in ("dispatch", "combine"):
+            return self.alltoall(ins, g, src, dst, backward)
+        if backward:
+            x = self.take_grad(dst)
+            extras = self._tp_partial_grads(ins) if ins.block in _TP_PARTIAL else []
+            target = src
+        else:
+            x = self.read(src).detach()
+            extras = []
+            target = dst
+        if x is None:
+            raise RuntimeError(f"rank {self.rank}: {ins.name}: nothing to {verb} (no gradient arrived)")
+        x = x.detach()
+        shape = x.shape
+        flat_extras = [e.reshape(-1) for _, e in extras]
+        n_extra = sum(e.numel() for e in flat_extras)
+
+        if verb == "allreduce":
+            buf = torch.cat([x.reshape(-1)] + flat_extras) if extras else x.clone()
+            op = dist.ReduceOp.MAX if ins.block == "ce_max" else dist.ReduceOp.SUM
+            work = dist.all_reduce(buf, op=op, group=g, async_op=True)
+
+            def finish():
+                self._deliver(target, buf[: x.numel()].view(shape), backward)
+                self._deliver_extras(extras, buf[x.numel() :])
+        elif verb == "allgather":
+            xt = x.movedim(dim, 0).contiguous()
+            out = torch.empty((n * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+            work = _all_gather(out, xt, group=g, async_op=True)
+
+            def finish():
+                self._deliver(target, out.movedim(0, dim), backward)
+        elif verb == "reducescatter":
+            xt = x.movedim(dim, 0).contiguous()
+            chunks = xt.chunk(n, dim=0)
+            # with extras (replicated params' grads) every slot carries them: each rank gets the full sum
+            buf = torch.cat([torch.cat([c.reshape(-1)] + flat_extras) for c in chunks])
+            out = torch.empty(buf.numel() // n, dtype=x.dtype, device=x.device)
+            work = _reduce_scatter(out, buf, group=g, async_op=True)
+            cshape = chunks[0].shape
+
+            def finish():
+                self._deliver(target, out[: chunks[0].numel()].view(cshape).movedim(0, dim), backward)
+                self._deliver_extras(extras, out[chunks[0].numel() :])
+        else:
+            raise ValueError(f"rank {self.rank}: {ins.name}: {verb} is not an activation collective")
+        w = self._issue(ins, [work], finish)
+        if backward:
+            self.d[target] = w
+            for name, _ in extras:
+                self.g_pending[name] = w
+        else:
+            self.env[target] = w
+
+    def _deliver(self, key: tuple, t: Tensor, backward: bool) -> None:
+        if backward:
+            if self.d.get(key) is not None and isinstance(self.d[key], _Inflight):
+                del self.d[key]
+            self.add_grad(key, t)
+        else:
+            self.env[key] = t
+
+    def _tp_partial_grads(self, ins: Instr) -> list[tuple[str, Tensor]]:
+        """Gradients of parameters replicated over tp but computed partially (norms, router): taken
+        out of .grad here and summed by this collective (zeros where a rank has none yet, so every
+        rank sends the same layout)."""
+        if len(ins.group) == 1:
+            return []
+        unit = ins.layer
+        out = []
+        for n, s in self.specs.items():
+            if s.unit == unit and s.tp_partial == ins.block:
+                p = self.p[n]
+                g = p.grad if p.grad is not None else torch.zeros(self.shapes[n], dtype=p.dtype, device=self.device)
+                p.grad = None
+                out.append((n, g))
+        return out
+
+    def _deliver_extras(self, extras: list[tuple[str, Tensor]], flat: Tensor) -> None:
+        off = 0
+        for name, e in extras:
+            r = flat[off : off + e.numel()].view(e.shape).clone()
+            off += e.numel()
+            self.g[name] = r if name not in self.g else self.g[name] + r
+            if self.g_pending.get(name) is not None and self.g_pending[name].done:
+                del self.g_pending[name]
+
+    def alltoall(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
+        """MoE dispatch / combine over ep. Dispatch first exchanges the per-expert counts (a small
+        blocking all-to-all), so every rank knows how many tokens it receives from each peer."""
+        l, mb = ins.layer, ins.mb
+        n = len(ins.group)
+        if ins.block == "dispatch" and not backward:
+            route: Route = self.read(("route", l, mb))
+            counts = route.counts.to(torch.int64)
+            rc = torch.empty_like(counts)
+            dist.all_to_all_single(rc, counts, group=g)  # counts for my local experts from each source
+            rc = rc.view(n, -1)
+            send = counts.view(n, -1).sum(1).tolist()
+            recv = rc.sum(1).tolist()
+            self.env[("rcounts", l, mb)] = rc
+            self.env[("splits", l, mb)] = (send, recv)
+        send, recv = self.env[("splits", l, mb)]
+        # dispatch fwd and combine bwd move tokens to the experts; the other two move them back
+        to_experts = (ins.block == "dispatch") != backward
+        in_split, out_split = (send, recv) if to_experts else (recv, send)
+        x = (self.take_grad(dst) if backward else self.read(src)).detach().contiguous()
+        out = torch.empty((sum(out_split), x.shape[1]), dtype=x.dtype, device=x.device)
+        work = dist.all_to_all_single(out, x, out_split, in_split, group=g, async_op=True)
+        target = src if backward else dst
+        w = self._issue(ins, [work], lambda: self._deliver(target, out, backward))
+        (self.d if backward else self.env)[target] = w
+
+    # --- pipeline ---------------------------------------------------------------------------------
+    def _boundary(self, ins: Instr) -> int:
+        """The layer whose input crosses this send/recv: a virtual stage's first layer, or the one
+        after its last (L = the head's input)."""
+        stage = ins.chunk * self.plan.pp + self.coords["pp"]
+        layers = self.rp.stage_layers[stage]
+        outgoing = (ins.kind == "send") == (ins.block == "act")  # act sent / grad received: stage output
+        return layers[-1] + 1 if outgoing else layers[0]
+
+    def p2p(self, ins: Instr) -> None:
+        key = ("x", self._boundary(ins), ins.mb)
+        tag = zlib.crc32(ins.name.encode()) & 0x7FFFFFFF  # same name on both ends; crc32 is stable across processes
+        if ins.kind == "send":
+            t = (self.read(key) if ins.block == "act" else self.take_grad(key)).detach().contiguous()
+            self._issue(ins, [dist.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
+            if ins.block == "act":
+                k = self.resolve(key)
+                if k is not None:
+                    del self.env[k]
+        else:
+            shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            work = dist.irecv(buf, ins.peer, tag=tag)
+            grad = ins.block == "grad"
+            w = self._issue(ins, [work], lambda: self._deliver(key, buf, grad))
+            (self.d if grad else self.env)[key] = w
+
+    # --- gradients --------------------------------------------------------------------------------
+    def local_grad(self, name: str) -> Tensor:
+        """This rank's gradient of `name` so far (moved out of .grad), zeros if none."""
+        w = self.g_pending.pop(name, None)
+        if w is not None:
+            w.wait()
+        p = self.p[name]
+        g = self.g.pop(name, None)
+        if p.grad is not None:
+            g = p.grad if g is None else g + p.grad
+            p.grad = None
+        if g is None:
+            g = torch.zeros(self.shapes[name], dtype=p.dtype, device=self.device)
+        return g
+
+    def grads_bucket(self, ins: Instr, verb: str, g) -> None:
+        """`grads<k>`: flatten the gradients of the bucket's units; all-reduce (ZeRO-0) or
+        reduce-scatter into the bucket's shard (ZeRO-1/2, accumulated over micro-batches)."""
+        cls = self._cls(ins.axis)
+        key = (cls, tuple(ins.items))
+        names = [n for u in ins.items for n in self.unit_names(u, cls)]
+        fl = self.buckets.get(key) or self._flat(names, ins.group)
+        flat = self.gbuf.get(key)
+        if flat is None:
+            flat = fl.flatten([self.local_grad(n) for n in names])
+        else:  # gradients are in the buffer already, but for those moved out (tp-reduced, see local_grad)
+            for n, v in zip(names, fl.views(flat)):
+                gr = self.local_grad(n)
+                if gr.data_ptr() != v.data_ptr():
+                    v.copy_(gr)
+        if verb == "allreduce":
+            work = dist.all_reduce(flat, group=g, async_op=True)
+
+            def finish():
+                for n, v in zip(names, fl.views(flat)):
+                    self.reduced[n] = v
+        elif verb == "reducescatter":
+            out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
+            work = _reduce_scatter(out, flat, group=g, async_op=True)
+
+            if key not in self.shards:
+                raise RuntimeError(f"rank {self.rank}: {ins.name}: reduce-scattered bucket {key} has no params<k> gather")
+            accumulate = self._accumulate_shard(key, out)
+
+            def finish():
+                accumulate()
+                if key in self.gbuf:  # consumed: ready for the next micro-batch
+                    self._attach_grads(key)
+        else:
+            raise ValueError(f"rank {self.rank}: {ins.name}: gradient bucket with {verb}")
+        w = self._issue(ins, [work], finish)
+        for n in names:
+            self.g_pending[n] = w
+        if verb == "reducescatter":
+            self.gshard_pending[key] = w
+
+    def _accumulate_shard(self, key: tuple, out: Tensor) -> Callable[[], None]:
+        def finish():
+            prev = self.gshard.get(key)
+            self.gshard[key] = out if prev is None else prev + out
+        return finish
+
+    def grads_rep(self, ins: Instr, g) -> None:
+        """HSDP: all-reduce a gradient shard across the replicate groups (`grads_rep<k>` a bucket's,
+        `grads_rep` a ZeRO-3 unit's)."""
+        # the lowering replicates only dense gradients (experts are sharded over edp, not dp_shard)
+        key = ("dense", ins.layer) if ins.block == "grads_rep" else ("dense", tuple(ins.items))
+        w = self.gshard_pending.pop(key, None)
+        if w is not None:
+            w.wait()
+        buf = self.gshard[key]
+        self._issue(ins, [dist.all_reduce(buf, group=g, async_op=True)], None)
+
+    # --- ZeRO-3 -----------------------------------------------------------------------------------
+    def z3_gather(self, ins: Instr, g) -> None:
+        key = (self._cls(ins.axis), ins.layer)
+        fl = self.z3[key]
+        parity = (key[0], ins.layer % 2)
+        yafsdp = self.flavour == "yafsdp"
+        if yafsdp:
+            out = self.z3_buffers[parity][: fl.padded]
+        else:
+            out = self.z3_live.get(key)
+            if out is None:
+                out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)  # allocated on demand
+        work = _all_gather(out, self.shards[key], group=g, async_op=True)
+
+        def finish():
+            self.z3_live[key] = out
+            for n, v in zip(fl.names, fl.views(out)):
+                self.p[n].data = v
+            if yafsdp and ins.phase == "bwd":  # autograd accumulates straight into the gradient buffer
+                busy = self.z3_gbusy.pop(parity, None)
+                if busy is not None:
+                    busy.wait()
+                gbuf = self.z3_gbuffers[parity][: fl.padded]
+                gbuf.zero_()
+                for n, v in zip(fl.names, fl.views(gbuf)):
+                    self.p[n].grad = v
+
+        self.z3_pending[key] = self._issue(ins, [work], finish)
+
+    def z3_grads(self, ins: Instr, g) -> None:
+        """ZeRO-3: reduce-scatter the unit's gradients (this micro-batch's) into its shard."""
+        key = (self._cls(ins.axis), ins.layer)
+        fl = self.z3[key]
+        if self.flavour == "yafsdp":  # the unit's gradients are (mostly) in its buffer already
+            parity = (key[0], ins.layer % 2)
+            flat = self.z3_gbuffers[parity][: fl.padded]
+            for n, v in zip(fl.names, fl.views(flat)):
+                gr = self.local_grad(n)
+                if gr.data_ptr() != v.data_ptr():
+                    v.copy_(gr)
+        else:
+            flat = fl.flatten([self.local_grad(n) for n in fl.names])  # allocated on demand
+        out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
+        work = _reduce_scatter(out, flat, group=g, async_op=True)
+        w = self._issue(ins, [work], self._accumulate_shard(key, out))
+        self.gshard_pending[key] = w
+        if self.flavour == "yafsdp":
+            self.z3_gbusy[parity] = w
+
+    def z3_release(self, key: tuple) -> None:
+        """fsdp: the unit's gathered buffer is freed after its last use (yafsdp keeps its two)."""
+        w = self.z3_pending.pop(key, None)
+        if w is not None:
+            w.wait()
+        if self.flavour == "yafsdp":
+            return
+        empty = torch.empty(0, dtype=self.dtype, device=self.device)
+        for n in self.z3[key].names:
+            self.p[n].data = empty
+        self.z3_live.pop(key, None)
+
+    # --- optimizer --------------------------------------------------------------------------------
+    def optimizer_step(self, ins: Instr) -> None:
+        """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
+        whose gradients `grads_d2h` brought."""
+        if ins.block == "cpu_optim":
+            self.opt.step(self.host_grads)
+            return
+        self.wait_all()
+        self.opt.step(self._optimizer_grads())
+
+    def _optimizer_grads(self) -> list[Tensor]:
+        out = []
+        for k in self.opt_keys:
+            if isinstance(k, tuple):
+                g = self.gshard.get(k)
+                if g is None:
+                    g = torch.zeros_like(self.shards[k])
+                out.append(g)
+            else:
+                out.append(self.reduced.pop(k) if k in self.reduced else self.local_grad(k))
+        self.gshard = {}
+        self.reduced = {}
+        return out
+
+    def copy(self, ins: Instr) -> None:
+        """Offload: gradients to host buffers (d2h), updated parameters back to device (h2d)."""
+        if ins.block == "grads_d2h":
+            self.wait_all()
+            for h, gdev in zip(self.host_grads, self._optimizer_grads()):
+                h.copy_(gdev)
+        elif ins.block == "params_h2d":  # all updated parameters, or (ZeRO-Infinity) one unit's before its gather
+            with torch.no_grad():
+                for k, t, h in zip(self.opt_keys, self.opt_tensors, self.host):
+                    if not ins.items or (isinstance(k, tuple) and isinstance(k[1], int) and k[1] in ins.items):
+                        t.copy_(h)
+        else:
+            raise ValueError(f"rank {self.rank}: {ins.name}: unknown copy {ins.block!r}")
+
+    def params_gather(self, ins: Instr, g) -> None:
+        """ZeRO-1/2: all-gather the updated shards of bucket k back into the parameters."""
+        key = (self._cls(ins.axis), tuple(ins.items))
+        fl = self.buckets[key]
+        out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
+        work = _all_gather(out, self.shards[key], group=g, async_op=True)
+
+        def finish():
+            with torch.no_grad():
+                for n, v in zip(fl.names, fl.views(out)):
+                    self.p[n].copy_(v)
+
+        self._issue(ins, [work], finish)
+
+    # --- results ----------------------------------------------------------------------------------
+    def final_params(self) -> dict[str, Tensor]:
+        """This rank's tensor-/expert-parallel shard of every parameter it holds. ZeRO-3 shards are
+        all-gathered once more (after the last step, outside the program) so that every plan returns
+        the same shapes."""
+        for key, fl in self.z3.items():
+            ins = next(i for i in self.instrs if i.block == "gather" and (self._cls(i.axis), i.layer) == key)
+            out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
+            _all_gather(out, self.shards[key], group=self.group(ins))
+            for n, v in zip(fl.names, fl.views(out)):
+                self.p[n].data = v.clone()
+        return {n: t.detach().to("cpu", copy=True) for n, t in self.p.items()}
+
+    def global_loss(self, loss: Optional[float]) -> Optional[float]:
+        """The step's loss summed over data- and context-parallel ranks (outside the program): every
+        rank that computes the loss reports the loss of the whole global batch."""
+        if loss is None:
+            return None
+        t = torch.tensor([loss], dtype=torch.float64)
+        for axis in ("dp", "cp"):
+            grp = self.rp.mesh.group(self.rank, axis)
+            if len(grp) > 1:
+                dist.all_reduce(t, group=self.groups.get(axis, grp))
+        return float(t.item())
+
+
+# ---------------------------------------------------------------------------------------------------
+# Entry point
+# ---------------------------------------------------------------------------------------------------
+
+
+def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "torch.device", seed: int = 0) -> dict:
+    """Run `steps` training steps of this rank's program. Returns {"losses": [float per step] (on the
+    rank(s) that compute the loss; others return []), "step_times_s": [...], "params": {name: tensor
+    (cpu, this rank's shard)}, "peak_memory_bytes": int}. Peak memory is that of the first step
+    (optimizer states exist from the start, so it is the steady state): on CUDA
+    `max_memory_allocated`, on CPU the live tensor storages; there also `largest_alloc_bytes`, the
+    largest single tensor storage the interpreter's ops created in that step (the communication
+    backend's temporaries, such as gloo's copy inside reduce-scatter, count in the peak only)."""
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    r = _Rank(rp, instrs, groups, tracer, device, seed)
+    losses, times = [], []
+    peak = largest = 0
+    for step in range(steps):
+        tracker = None
+        if step == 0:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats(device)
+            else:
+                tracker = _LiveBytes()
+                held = [r.p, r.shards, r.z3_buffers, r.z3_gbuffers, r.gbuf]
+                for t in [t for d in held for t in d.values()] + r.opt.state_tensors():
+                    tracker.track(t)
+                tracker.__enter__()
+                _TRACKER[0] = tracker
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        try:
+            loss = r.run_step(step)
+        finally:
+            if tracker is not None:
+                tracker.__exit__(None, None, None)
+                _TRACKER[0] = None
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+        if step == 0:
+            peak = int(torch.cuda.max_memory_allocated(device)) if cuda else tracker.peak
+            largest = 0 if cuda else tracker.largest
+        loss = r.global_loss(loss)
+        if loss is not None:
+            losses.append(loss)
+    return {"losses": losses, "step_times_s": times, "params": r.final_params(), "peak_memory_bytes": peak,
+            "largest_alloc_bytes": largest}

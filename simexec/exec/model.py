@@ -1,0 +1,388 @@
+"""The executor's GPT, cut into the sub-blocks of docs/program.md and sharded for one rank.
+
+Reading order, nanoGPT's: the parameters of the full model (one list, one seeded init), the rule that
+slices them to one rank, then the blocks in forward order, then `forward`, which chains the blocks of
+an unsharded model (the single-process reference). Tensors are (B, T, C): batch, time, channels.
+
+Tensor parallelism is Megatron's (Shoeybi et al. 2019): Q/K/V and the up/gate projections are split by
+columns (heads, FFN units), the output and down projections by rows, the embedding and the LM head by
+vocabulary. A block never communicates: row-parallel blocks return *partial sums* that the next
+collective instruction (`attn_out`, `mlp_out`, `embed_out`) adds up. For that sum to come out right,
+anything a row-parallel block adds that is not itself partial (the residual, the bias, the position
+embedding) is added by each tensor-parallel rank on its own 1/tp slice of the hidden dimension only;
+such biases and the position table are therefore stored split along the hidden dimension, which is
+also what `ResolvedPlan.params_on_pp_rank` counts (every non-norm parameter divided by tp).
+
+Norms (and the MoE router) are replicated over tp, but the gradient a rank computes for them is only
+its share (the heads / FFN units it holds): `ParamSpec.tp_partial` names the f-conjugate collective
+whose backward sums them over tp together with the activation gradient (see interpreter).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from simexec.model import ModelSpec
+
+
+# ---------------------------------------------------------------------------------------------------
+# Where a rank sits
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One rank's place in the plan, as far as the model's tensors are concerned."""
+
+    tp: int = 1
+    tp_rank: int = 0
+    ep: int = 1
+    ep_rank: int = 0
+    cp: int = 1
+    cp_rank: int = 0
+    sp: bool = False
+
+    @staticmethod
+    def of(rp, rank: int) -> "Layout":
+        """The layout of `rank` in a ResolvedPlan. ep groups are consecutive blocks of the dp axis."""
+        c = rp.mesh.coords(rank)
+        p = rp.plan
+        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=c["dp"] % p.ep, cp=p.cp, cp_rank=c["cp"], sp=p.sp)
+
+
+def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
+    """[lo, hi) of part i when n is split as torch.tensor_split splits it."""
+    q, r = divmod(n, parts)
+    lo = i * q + min(i, r)
+    return lo, lo + q + (1 if i < r else 0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Parameters: the full model's list, its seeded init, and the slice one rank holds
+# ---------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """One parameter of the full model and how it is split."""
+
+    name: str
+    shape: tuple[int, ...]
+    std: float  # normal(0, std) init; 0.0: zeros; -1.0: ones (norm weights)
+    unit: int  # -1 embedding, l a layer, L the head: the `items` of buckets and ZeRO-3 gathers
+    tp_dim: Optional[int] = None  # dimension split over tp; None: replicated over tp
+    expert: Optional[int] = None  # routed expert index (held by one ep rank); None: a dense parameter
+    tp_partial: str = ""  # replicated over tp, grads partial: summed by this collective's backward
+
+
+def param_specs(m: ModelSpec) -> list[ParamSpec]:
+    """Every parameter of the full model, in init order. Weights are (in, out): y = x @ W."""
+    H, L, hd = m.hidden, m.layers, m.head_dim
+    std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by 1/sqrt(2L)
+    out: list[ParamSpec] = []
+
+    def add(name, shape, s, unit, tp_dim=None, expert=None, tp_partial=""):
+        out.append(ParamSpec(name, tuple(shape), s, unit, tp_dim, expert, tp_partial))
+
+    def norm(prefix, unit, partial):
+        add(f"{prefix}.w", (H,), -1.0, unit, tp_partial=partial)
+        if m.norm == "layernorm":
+            add(f"{prefix}.b", (H,), 0.0, unit, tp_partial=partial)
+
+    def ffn(prefix, unit, width, expert=None):
+        add(f"{prefix}.w1", (H, width), std, unit, 1, expert)  # up: column-parallel
+        if m.bias:
+            add(f"{prefix}.b1", (width,), 0.0, unit, 0, expert)
+        if m.gated:
+            add(f"{prefix}.wg", (H, width), std, unit, 1, expert)  # gate: column-parallel
+            if m.bias:
+                add(f"{prefix}.bg", (width,), 0.0, unit, 0, expert)
+        add(f"{prefix}.w2", (width, H), resid_std, unit, 0, expert)  # down: row-parallel
+        if m.bias:
+            add(f"{prefix}.b2", (H,), 0.0, unit, 0, expert)  # hidden slice per tp rank
+
+    add("embed.wte", (m.vocab, H), std, -1, 0)  # vocab-parallel
+    if m.learned_pos:
+        add("embed.wpe", (m.max_positions or m.seq_len, H), std, -1, 1)  # hidden slice per tp rank
+    qkv_bias = m.bias or m.qkv_bias
+    for l in range(L):
+        p = f"layers.{l}"
+        norm(f"{p}.norm1", l, "attn_in")
+        add(f"{p}.attn.wq", (H, m.heads * hd), std, l, 1)
+        add(f"{p}.attn.wk", (H, m.kv_heads * hd), std, l, 1)
+        add(f"{p}.attn.wv", (H, m.kv_heads * hd), std, l, 1)
+        if qkv_bias:
+            add(f"{p}.attn.bq", (m.heads * hd,), 0.0, l, 0)
+            add(f"{p}.attn.bk", (m.kv_heads * hd,), 0.0, l, 0)
+            add(f"{p}.attn.bv", (m.kv_heads * hd,), 0.0, l, 0)
+        add(f"{p}.attn.wo", (m.heads * hd, H), resid_std, l, 0)
+        if m.bias:
+            add(f"{p}.attn.bo", (H,), 0.0, l, 0)
+        norm(f"{p}.norm2", l, "mlp_in")
+        if m.is_moe_layer(l):
+            add(f"{p}.moe.router", (H, m.moe.experts), std, l, tp_partial="mlp_in")
+            for e in range(m.moe.experts):
+                ffn(f"{p}.moe.e{e}", l, m.moe.expert_ffn, expert=e)
+            for s in range(m.moe.shared_experts):
+                ffn(f"{p}.moe.s{s}", l, m.moe.shared_expert_ffn or m.moe.expert_ffn)
+        else:
+            ffn(f"{p}.mlp", l, m.ffn)
+    norm("head.norm", L, "head_in")
+    add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
+    return out
+
+
+def init_full(m: ModelSpec, seed: int) -> dict[str, Tensor]:
+    """The full model's parameters, drawn in `param_specs` order from one seeded generator: every rank
+    and the reference draw the same numbers, then keep their slice."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for s in param_specs(m):
+        if s.std > 0:
+            out[s.name] = torch.randn(s.shape, generator=g) * s.std
+        else:
+            out[s.name] = torch.ones(s.shape) if s.std < 0 else torch.zeros(s.shape)
+    return out
+
+
+def local_experts(m: ModelSpec, lay: Layout) -> range:
+    """Routed experts held by this rank's ep index (contiguous blocks)."""
+    if m.moe is None:
+        return range(0)
+    lo, hi = split_range(m.moe.experts, lay.ep, lay.ep_rank)
+    return range(lo, hi)
+
+
+def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:
+    return spec.expert is None or spec.expert in local_experts(m, lay)
+
+
+def shard(spec: ParamSpec, full: Tensor, lay: Layout) -> Tensor:
+    """This rank's slice of one full parameter (contiguous copy)."""
+    if spec.tp_dim is None or lay.tp == 1:
+        return full.clone()
+    return full.tensor_split(lay.tp, dim=spec.tp_dim)[lay.tp_rank].contiguous()
+
+
+# ---------------------------------------------------------------------------------------------------
+# Small pieces
+# ---------------------------------------------------------------------------------------------------
+
+
+def add_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
+    """y + t placed at [lo, lo + t.shape[-1]) of the last dimension (zeros elsewhere)."""
+    return y + F.pad(t, (lo, y.shape[-1] - lo - t.shape[-1]))
+
+
+def rope(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
+    """Rotary embedding (Su et al. 2021, rotate-half form) of x (B, nh, T, hd) at positions pos (T,)."""
+    hd = x.shape[-1]
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # (T, hd/2)
+    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
+    return x * cos + torch.cat([-x2, x1], -1) * sin
+
+
+@dataclass
+class Route:
+    """A MoE layer's routing of its N tokens (no gradients): the dispatch order and counts."""
+
+    order: Tensor  # (N*k,) assignment (token*k + slot) at each position of the expert-sorted list
+    counts: Tensor  # (E,) assignments per expert
+
+
+# ---------------------------------------------------------------------------------------------------
+# The blocks
+# ---------------------------------------------------------------------------------------------------
+
+
+class GPT:
+    """One rank's shard of the model: `p` maps parameter names to this rank's tensors (which the
+    interpreter may swap, e.g. for ZeRO-3 gathered views); each method is one block of docs/program.md.
+
+    Shapes per rank: B micro-batch, T this rank's tokens (the sequence / cp, and / tp in the residual
+    stream under sp), C = hidden, nh / nkv the heads held (heads / tp), V the vocabulary slice.
+    """
+
+    def __init__(self, m: ModelSpec, lay: Layout, params: dict[str, Tensor]):
+        self.m, self.lay, self.p = m, lay, params
+        H = m.hidden
+        self.hlo, self.hhi = split_range(H, lay.tp, lay.tp_rank)  # this rank's hidden slice
+        self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
+        self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
+
+    def _norm(self, prefix: str, x: Tensor) -> Tensor:
+        w = self.p[f"{prefix}.w"]
+        if self.m.norm == "layernorm":
+            return F.layer_norm(x, (x.shape[-1],), w, self.p[f"{prefix}.b"], eps=1e-5)
+        return F.rms_norm(x, (x.shape[-1],), w, eps=1e-5)
+
+    def _lin(self, x: Tensor, prefix: str, w: str, b: str) -> Tensor:
+        y = x @ self.p[f"{prefix}.{w}"]
+        bias = self.p.get(f"{prefix}.{b}")
+        return y if bias is None else y + bias
+
+    def _ffn_up(self, prefix: str, h: Tensor) -> Tensor:
+        """Up (and gate) projection + activation: column-parallel, no communication."""
+        up = self._lin(h, prefix, "w1", "b1")
+        if self.m.gated:
+            return F.silu(self._lin(h, prefix, "wg", "bg")) * up  # SwiGLU (Shazeer 2020)
+        return F.gelu(up, approximate="tanh")  # GPT-2's GELU
+
+    def _ffn_down(self, prefix: str, a: Tensor) -> Tensor:
+        """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice."""
+        y = a @ self.p[f"{prefix}.w2"]
+        b = self.p.get(f"{prefix}.b2")
+        return y if b is None else add_slice(y, b, self.hlo)
+
+    # -- embedding ----------------------------------------------------------------------------------
+
+    def embed(self, tokens: Tensor, pos: Tensor) -> Tensor:
+        """(B, T) token ids at positions pos (T,) -> (B, T, C), partial over tp: this rank's vocabulary
+        rows (others read as zero) plus its hidden slice of the position embedding."""
+        wte = self.p["embed.wte"]
+        mine = (tokens >= self.vlo) & (tokens < self.vhi)
+        x = F.embedding((tokens - self.vlo).clamp(0, wte.shape[0] - 1), wte) * mine.unsqueeze(-1)
+        if self.m.learned_pos:
+            x = add_slice(x, self.p["embed.wpe"][pos].unsqueeze(0), self.hlo)  # (1, T, C/tp) -> (B, T, C)
+        return x
+
+    # -- attention ----------------------------------------------------------------------------------
+
+    def qkv(self, l: int, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """First norm + Q/K/V (column-parallel by heads). x (B, T, C) -> q (B, nh, T, hd) and
+        kv (2, B, nkv, T, hd); RoPE at positions pos (T,) unless the model learns positions."""
+        B, T, _ = x.shape
+        pre, hd = f"layers.{l}.attn", self.m.head_dim
+        h = self._norm(f"layers.{l}.norm1", x)
+        q = self._lin(h, pre, "wq", "bq").view(B, T, self.nh, hd).transpose(1, 2)
+        k = self._lin(h, pre, "wk", "bk").view(B, T, self.nkv, hd).transpose(1, 2)
+        v = self._lin(h, pre, "wv", "bv").view(B, T, self.nkv, hd).transpose(1, 2)
+        if not self.m.learned_pos:
+            q, k = rope(q, pos), rope(k, pos)
+        return q, torch.stack([k, v])
+
+    def attn(self, l: int, q: Tensor, kv: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
+        """Causal attention of this rank's heads: q (B, nh, T, hd) against kv (2, B, nkv, S, hd) at
+        positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd)."""
+        k, v = kv[0], kv[1]
+        gqa = self.nh != self.nkv
+        if qpos.shape == kpos.shape and bool((qpos == kpos).all()):
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=self.m.causal, enable_gqa=gqa)
+        else:  # context parallel: local queries against the gathered keys, masked by position
+            mask = kpos[None, :] <= qpos[:, None] if self.m.causal else None  # (T, S)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        B, _, T, _ = q.shape
+        return o.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
+
+    def proj(self, l: int, o: Tensor, x: Tensor) -> Tensor:
+        """Output projection (row-parallel) + residual: o (B, T, nh*hd), x (B, T, C) -> (B, T, C)
+        partial; residual and bias on this rank's hidden slice."""
+        y = o @ self.p[f"layers.{l}.attn.wo"]
+        r = x[..., self.hlo : self.hhi]
+        b = self.p.get(f"layers.{l}.attn.bo")
+        return add_slice(y, r if b is None else r + b, self.hlo)
+
+    # -- dense MLP ----------------------------------------------------------------------------------
+
+    def fc1(self, l: int, x: Tensor) -> Tensor:
+        """Second norm + up (and gate) projection + activation: (B, T, C) -> (B, T, ffn/tp)."""
+        return self._ffn_up(f"layers.{l}.mlp", self._norm(f"layers.{l}.norm2", x))
+
+    def fc2(self, l: int, a: Tensor, x: Tensor) -> Tensor:
+        """Down projection (row-parallel) + residual: (B, T, ffn/tp), (B, T, C) -> (B, T, C) partial."""
+        return add_slice(self._ffn_down(f"layers.{l}.mlp", a), x[..., self.hlo : self.hhi], self.hlo)
+
+    # -- MoE MLP ------------------------------------------------------------------------------------
+
+    def router(self, l: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Route]:
+        """Second norm + gate + top-k, no token dropped. x (B, T, C) -> h (N, C) normed tokens,
+        w (N, k) routing weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies
+        sorted by expert (what dispatch sends), and the Route."""
+        moe = self.m.moe
+        h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
+        probs = torch.softmax(h @ self.p[f"layers.{l}.moe.router"], dim=-1)  # (N, E)
+        top, idx = probs.topk(moe.top_k, dim=-1)  # (N, k)
+        w = top / top.sum(-1, keepdim=True)
+        flat = idx.reshape(-1)  # (N*k,) expert of each assignment
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=moe.experts)
+        return h, w, h[order // moe.top_k], Route(order, counts)
+
+    def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
+        """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
+        rank, then by local expert; counts (sources, local experts) says how many -> (R, C) partial
+        over tp, in the same order."""
+        mine = local_experts(self.m, self.lay)
+        n_local = len(mine)
+        expert_of_row = torch.repeat_interleave(
+            torch.arange(n_local, device=xr.device).repeat(counts.shape[0]), counts.reshape(-1)
+        )
+        perm = torch.argsort(expert_of_row, stable=True)  # rows grouped by expert
+        groups = xr[perm].split(torch.bincount(expert_of_row, minlength=n_local).tolist())
+        ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g)) for e, g in zip(mine, groups)]
+        y = torch.cat(ys) if ys else xr[:0]
+        return y[torch.argsort(perm)]  # back to arrival order
+
+    def moe_out(self, l: int, x: Tensor, h: Tensor, w: Tensor, yc: Tensor, route: Route) -> Tensor:
+        """Weighted sum of the k expert outputs per token (yc (N*k, C), expert-sorted, as combine
+        returns them), plus the shared experts on h (N, C), plus the residual x (B, T, C) on this
+        rank's hidden slice -> (B, T, C) partial over tp."""
+        N, k = w.shape
+        per_slot = yc[torch.argsort(route.order)].view(N, k, -1)  # (N, k, C) in token order
+        y = (w.unsqueeze(-1) * per_slot).sum(1)  # (N, C)
+        for s in range(self.m.moe.shared_experts):
+            pre = f"layers.{l}.moe.s{s}"
+            y = y + self._ffn_down(pre, self._ffn_up(pre, h))
+        y = y.view(x.shape)
+        return add_slice(y, x[..., self.hlo : self.hhi], self.hlo)
+
+    # -- head and loss ------------------------------------------------------------------------------
+
+    def head(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Final norm + LM head (vocab-parallel): (B, T, C) -> logits (B, T, V/tp) in fp32 (the cross
+        entropy's precision, whatever the model's) and their local max (B, T), which carries no
+        gradient (softmax does not depend on the shift)."""
+        logits = (self._norm("head.norm", x) @ self.p["head.w"]).float()
+        return logits, logits.detach().amax(-1)
+
+    def xent(self, logits: Tensor, gmax: Tensor, targets: Tensor) -> Tensor:
+        """Local half of the vocab-parallel cross entropy (Megatron): with z = logits - global max,
+        returns (2, B, T): sum of exp(z) over this rank's vocabulary, and z at the target if this rank
+        holds the target (else 0). Summed over tp by `ce_sum`."""
+        z = logits - gmax.unsqueeze(-1)
+        mine = (targets >= self.vlo) & (targets < self.vhi)
+        at = z.gather(-1, (targets - self.vlo).clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
+        return torch.stack([z.exp().sum(-1), at * mine])
+
+    @staticmethod
+    def loss(ce: Tensor, scale: float) -> Tensor:
+        """Sum over tokens of log(sum exp z) - z_target, times scale = 1 / tokens of the global batch,
+        so that the losses of all micro-batches and ranks add up to the global mean."""
+        return (ce[0].log() - ce[1]).sum() * scale
+
+    # -- the whole model, unsharded ------------------------------------------------------------------
+
+    def forward(self, tokens: Tensor, targets: Tensor, pos: Tensor) -> Tensor:
+        """Mean cross entropy of a whole (B, T) batch: the blocks chained without communication. Only
+        valid for an unsharded layout (tp = ep = cp = 1), where every collective is the identity."""
+        assert self.lay == Layout(), "forward() chains blocks without their collectives"
+        x = self.embed(tokens, pos)
+        for l in range(self.m.layers):
+            q, kv = self.qkv(l, x, pos)
+            x = self.proj(l, self.attn(l, q, kv, pos, pos), x)
+            if self.m.is_moe_layer(l):
+                h, w, xs, route = self.router(l, x)
+                ys = self.experts(l, xs, route.counts.view(1, -1))
+                x = self.moe_out(l, x, h, w, ys, route)
+            else:
+                x = self.fc2(l, self.fc1(l, x), x)
+        logits, lmax = self.head(x)
+        return self.loss(self.xent(logits, lmax, targets), 1.0 / targets.numel())

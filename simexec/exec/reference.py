@@ -1,0 +1,30 @@
+"""The ground truth: the same model, data and seed in one process, plain autograd, no parallelism.
+
+`reference(rp, steps)` trains the unsharded model on the whole global batch at once (all micro-batches
+of all data-parallel ranks) with the same Adam, and returns the loss of every step and the final
+parameters. Every plan's losses and parameters must match these (fp32: relative 1e-4).
+"""
+from __future__ import annotations
+
+import torch
+
+from simexec.exec import data
+from simexec.exec.model import GPT, Layout, init_full
+from simexec.exec.optim import Adam
+
+
+def reference(rp, steps: int, seed: int = 0) -> dict:
+    """{"losses": [float per step], "params": {name: full tensor}}."""
+    params = {k: v.requires_grad_() for k, v in init_full(rp.model, seed).items()}
+    model = GPT(rp.model, Layout(), params)
+    opt = Adam(params.values())
+    losses = []
+    for step in range(steps):
+        b = data.whole_batch(rp, seed, step)
+        loss = model.forward(b.tokens, b.targets, b.pos)
+        loss.backward()
+        opt.step([p.grad if p.grad is not None else torch.zeros_like(p) for p in params.values()])
+        for p in params.values():
+            p.grad = None
+        losses.append(loss.item())
+    return {"losses": losses, "params": {k: v.detach().clone() for k, v in params.items()}}

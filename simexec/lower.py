@@ -474,6 +474,8 @@ class _RankLowering:
             if len(group) <= 1 or n <= 0:
                 continue
             pool = self.pools.setdefault(axis, [])
+            if self.p.zero == 2:  # full gradients live until their bucket is reduce-scattered
+                self.memory("alloc", "grads", n * self.grad_dt, f"grads.{axis}.L{unit}.b{len(self.buckets)}")
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
@@ -496,6 +498,8 @@ class _RankLowering:
         self.coll(name, verb, axis, group, nbytes, (self.pool_after[axis],), phase="bwd", block=f"grads{k}",
                   items=units, wait=False)
         self.grad_colls.append(name)
+        if self.p.zero == 2:
+            self.memory("free", "grads", nbytes, f"grads.{axis}.b{k}", stream=f"comm.{axis}", deps=(name,))
         if final:
             self.buckets.append((name, axis, units, nbytes))
             if self.g_rep and axis == self.zero_axis:

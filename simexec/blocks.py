@@ -6,11 +6,23 @@ Activation bytes follow Korthikanti et al. 2022 ("Reducing Activation Recomputat
 Transformer Models", §4, Table 2): per layer s·b·h·(34 + 5·a·s/h) bytes with 2-byte activations,
 10 + 24/t under tensor parallelism, 34/t with sequence parallelism; with a fused (Flash) attention
 kernel the 5·a·s²·b term of the materialised softmax disappears.
+
+A block is a chain of kernels: tensor-core GEMMs (`flops`, priced at the GEMM efficiency for their
+size, which holds their operand traffic) and the memory-bound kernels around them (`bytes`: norms,
+bias adds, activation functions, dropout, residual adds, softmax, layout copies, rotary embedding,
+weight-gradient accumulation), the kernels of Megatron-LM's GPT layer (Shoeybi et al. 2019;
+Narayanan et al. 2021: fused bias+GeLU, fused bias+dropout+add, fused scale-mask-softmax, apex
+LayerNorm). Each memory-bound kernel is counted by what it reads and writes once from HBM; the
+backward bytes are counted kernel by kernel, not as a multiple of the forward. Without a fused
+attention kernel (`flash_attention=0`, Megatron-LM 2021) the attention core is two batched GEMMs
+over the full s x s scores (the causal mask does not skip work) around a softmax and a dropout that
+each stream the a·s²·b scores through HBM (Dao et al. 2022, §2.2).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
+from typing import Optional
 
 from simexec.plan import ResolvedPlan
 
@@ -21,8 +33,9 @@ class Block:
 
     op: str  # op class: gemm, attention, elementwise, embedding, loss
     flops: float
-    bytes: float  # memory traffic of the forward
+    bytes: float  # memory traffic of the forward's memory-bound kernels
     saved: float  # activation bytes kept from forward to backward
+    bwd: Optional[float] = None  # memory traffic of the backward's memory-bound kernels; None: 2x forward
 
     @property
     def bwd_flops(self) -> float:
@@ -31,12 +44,17 @@ class Block:
 
     @property
     def bwd_bytes(self) -> float:
-        return 2.0 * self.bytes
+        return 2.0 * self.bytes if self.bwd is None else self.bwd
 
 
 def _gemm(m: float, k: float, n: float, dt: int) -> tuple[float, float]:
-    """FLOPs and bytes of an (m x k) @ (k x n) matmul."""
+    """FLOPs and operand bytes of an (m x k) @ (k x n) matmul."""
     return 2.0 * m * k * n, dt * (m * k + k * n + m * n)
+
+
+def ln_bytes(tokens: float, h: float, dt: int, sp: int) -> float:
+    """One [tokens, h] activation on this rank (split by sequence parallelism)."""
+    return tokens * h * dt / sp
 
 
 class Anatomy:
@@ -51,6 +69,35 @@ class Anatomy:
         self.tokens = p.mbs * rp.seq_len // p.cp  # tokens of one micro-batch on one cp rank
         self.sp_div = p.tp if p.sp else 1  # what sequence parallelism divides replicated activations by
         self.h = m.hidden
+        self.grad_dt = 4 if p.dtype == "fp32" else 2
+        # GPT-2/3-style models (biases, learned positions: Megatron's GPT) train with dropout 0.1 on
+        # the attention probabilities and the residual branches; Llama-style models with neither.
+        self.dropout = m.bias
+
+    # --- memory-bound kernels (bytes read + written) ----------------------------------------------
+    def _norm_fwd(self) -> float:
+        """LayerNorm / RMSNorm: read x, write y (replicated over tp unless sp)."""
+        return 2 * self.dt * self.tokens * self.h / self.sp_div
+
+    def _norm_bwd(self) -> float:
+        """Norm backward (read x, dy; write dx) + the residual stream's gradient sum (read 2, write 1)."""
+        return 6 * self.dt * self.tokens * self.h / self.sp_div
+
+    def _residual_fwd(self) -> float:
+        """(bias +) dropout + residual add: read branch and residual, write the sum (+ a 1-byte mask)."""
+        n = self.tokens * self.h / self.sp_div
+        return 3 * self.dt * n + (n if self.dropout else 0.0)
+
+    def _residual_bwd(self, bias: bool) -> float:
+        """Dropout backward (read dy and the mask, write dx); the bias gradient reads dy once more."""
+        n = self.tokens * self.h / self.sp_div
+        if not self.dropout:
+            return self.dt * n if bias else 0.0
+        return (2 * self.dt + 1) * n + (self.dt * n if bias else 0.0)
+
+    def _wgrad(self, params: float) -> float:
+        """Accumulating a weight gradient over micro-batches: read the sum and the new one, write the sum."""
+        return 3 * self.grad_dt * params
 
     # --- activations crossing block boundaries -------------------------------------------------------
     @cached_property
@@ -94,39 +141,73 @@ class Anatomy:
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
         f_qkv = 2.0 * T * qkv_params / t
-        b_qkv = dt * (T * h + qkv_params / t + T * (m.heads * qk + 2 * m.kv_heads * max(qk, v)) / t)
-        # attention core over the whole context: causal halves the work (load-balanced over cp)
-        ctx = self.seq * (0.5 if m.causal else 1.0)
-        f_attn = 2.0 * T * ctx * m.heads * (qk + v) / t
+        qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
+        has_bias = m.bias or m.qkv_bias
+        # qkv: norm, GEMM, bias add (matmul then add: read + write the output), rotary on q and k
+        b_qkv = self._norm_fwd() + (2 * dt * T * qkv_out if has_bias else 0.0)
+        bb_qkv = self._norm_bwd() + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
+        if not m.learned_pos:
+            rope = 2 * dt * T * (m.heads + (m.kv_heads if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk) / t
+            b_qkv += rope
+            bb_qkv += rope
         q_bytes = T * m.heads * qk * dt / t
         kv_local = T * m.kv_heads * (qk + v) * dt / t if not m.is_mla else T * m.heads * (qk + v) * dt / t
-        b_attn = 2 * q_bytes + kv_local * self.cp  # read q, k, v of the context, write o
         saved_attn = q_bytes + kv_local
-        if not self.rp.plan.flash_attention and not self._selective:
-            # softmax output (2 B), dropout mask (1 B), dropout output (2 B) per score: 5·a·s²·b
-            saved_attn += 5.0 * m.heads * T * self.seq / t * (dt / 2)
-        f_proj, b_proj = _gemm(T, m.heads * v / t, h, dt)
+        ctx_bytes = T * m.heads * v * dt / t
+        if self.rp.plan.flash_attention:
+            # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
+            # attention skips the masked half of the scores (load-balanced over cp)
+            ctx = self.seq * (0.5 if m.causal else 1.0)
+            f_attn = 2.0 * T * ctx * m.heads * (qk + v) / t
+            attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
+        else:
+            # unfused (Megatron-LM 2021): baddbmm Q.K^T over all s x s scores, fused scale-mask-softmax,
+            # dropout, bmm with V, then the context is made contiguous again ([b, a, s, d] -> [s, b, h])
+            scores = T * self.seq * m.heads / t  # score elements of this rank
+            f_attn = 2.0 * T * self.seq * m.heads * (qk + v) / t
+            drop_f = (2 * dt + 1) if self.dropout else 0.0
+            b_attn = scores * (dt + 2 * dt + drop_f + dt) + 2 * ctx_bytes  # QK^T out, softmax, dropout, PV in
+            # PV backward: write dP, read P; dropout bwd; softmax bwd (y, dy -> dx); Q.K^T bwd reads dS twice
+            bb_attn = scores * (dt + dt + drop_f + 3 * dt + 2 * dt) + 2 * ctx_bytes
+            if not self._selective:
+                # softmax output (2 B), dropout mask (1 B), dropout output (2 B) per score: 5·a·s²·b
+                saved_attn += 5.0 * m.heads * T * self.seq / t * (dt / 2)
+            attn = Block("gemm", f_attn, b_attn, saved_attn, bb_attn)
+        f_proj, _ = _gemm(T, m.heads * v / t, h, dt)
+        b_proj = self._residual_fwd()
+        bb_proj = self._residual_bwd(m.bias) + self._wgrad(o_params / t)
         ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         mask = T * h / sp  # dropout mask, 1 byte per element
         return {
-            "qkv": Block("gemm", f_qkv, b_qkv, 2 * ln),
-            "attn": Block("attention", f_attn, b_attn, saved_attn),
-            "proj": Block("gemm", f_proj, b_proj, T * m.heads * v * dt / t + mask),
+            "qkv": Block("gemm", f_qkv, b_qkv, 2 * ln, bb_qkv),
+            "attn": attn,
+            "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj),
         }
 
     @property
     def _selective(self) -> bool:
         return self.rp.plan.recompute == "selective"
 
+    def _act(self, width: float) -> tuple[float, float]:
+        """Activation function over `width` features per token on this rank: GeLU (fused with its
+        bias, Megatron) or SwiGLU (silu(gate) * up); (forward, backward) bytes."""
+        T, dt, m = self.tokens, self.dt, self.rp.model
+        if m.gated:
+            return 3 * dt * T * width, 5 * dt * T * width
+        return 2 * dt * T * width, (3 + (1 if m.bias else 0)) * dt * T * width
+
     def _mlp(self) -> dict[str, Block]:
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         width = m.ffn * (2 if m.gated else 1)
-        f1, b1 = _gemm(T, h, width / t, dt)
-        f2, b2 = _gemm(T, m.ffn / t, h, dt)
+        f1, _ = _gemm(T, h, width / t, dt)
+        f2, _ = _gemm(T, m.ffn / t, h, dt)
+        a_f, a_b = self._act(m.ffn / t)
         ln = T * h * dt / sp
         return {
-            "fc1": Block("gemm", f1, b1, 2 * ln + T * width * dt / t),
-            "fc2": Block("gemm", f2, b2, T * m.ffn * dt / t + T * h / sp),
+            "fc1": Block("gemm", f1, self._norm_fwd() + a_f, 2 * ln + T * width * dt / t,
+                         self._norm_bwd() + a_b + self._wgrad(h * width / t)),
+            "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + T * h / sp,
+                         self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t)),
         }
 
     def _moe(self) -> dict[str, Block]:
@@ -134,33 +215,59 @@ class Anatomy:
         moe = m.moe
         width = moe.expert_ffn * (2 if m.gated else 1)
         routed = T * moe.top_k  # token-expert pairs this rank's experts see (balanced routing)
-        fr, br = _gemm(T, h, moe.experts, dt)
-        fe1, be1 = _gemm(routed, h, width / t, dt)
-        fe2, be2 = _gemm(routed, moe.expert_ffn / t, h, dt)
+        local_experts = moe.experts / self.ep
+        fr, _ = _gemm(T, h, moe.experts, dt)
+        fe1, _ = _gemm(routed, h, width / t, dt)
+        fe2, _ = _gemm(routed, moe.expert_ffn / t, h, dt)
         shared_ffn = (moe.shared_expert_ffn or moe.expert_ffn) * moe.shared_experts
-        fs1, bs1 = _gemm(T, h, shared_ffn * (2 if m.gated else 1) / t, dt)
-        fs2, bs2 = _gemm(T, shared_ffn / t, h, dt)
-        ln = T * h * dt / sp
+        fs1, _ = _gemm(T, h, shared_ffn * (2 if m.gated else 1) / t, dt)
+        fs2, _ = _gemm(T, shared_ffn / t, h, dt)
+        # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
+        gate = 3 * 4 * T * moe.experts
+        permute = 2 * dt * routed * h
+        b_router = self._norm_fwd() + gate + permute
+        bb_router = self._norm_bwd() + 2 * gate + permute + self._wgrad(h * moe.experts)
+        ea_f, ea_b = self._act(moe.expert_ffn / t)
+        ea_f, ea_b = ea_f * moe.top_k, ea_b * moe.top_k
+        expert_w = local_experts * (h * width + moe.expert_ffn * h) / t
+        sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
+        # combine: un-permute, weight and sum the top_k outputs, then the residual add
+        combine = 2 * dt * routed * h + dt * routed * h
         return {
-            "router": Block("gemm", fr, br, 2 * ln + T * moe.experts * 4),
-            "experts": Block("gemm", fe1 + fe2, be1 + be2, routed * (h + width / t + moe.expert_ffn / t) * dt),
-            "moe_out": Block("gemm", fs1 + fs2, bs1 + bs2 + routed * h * dt,
-                             T * (h + shared_ffn * (3 if m.gated else 2) / t) * dt + T * h / sp),
+            "router": Block("gemm", fr, b_router, 2 * ln_bytes(T, h, dt, sp) + T * moe.experts * 4, bb_router),
+            "experts": Block("gemm", fe1 + fe2, ea_f, routed * (h + width / t + moe.expert_ffn / t) * dt,
+                             ea_b + self._wgrad(expert_w)),
+            "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
+                             T * (h + shared_ffn * (3 if m.gated else 2) / t) * dt + T * h / sp,
+                             sa_b + 2 * combine + self._residual_bwd(False)
+                             + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t)),
         }
 
     # --- embedding and head --------------------------------------------------------------------------
     @cached_property
     def embed(self) -> Block:
-        return Block("embedding", 0.0, 2 * self.full_hidden_bytes, 0.0)
+        """Lookup (read rows, write), + learned positions, + dropout; backward scatters into a dense
+        vocab x hidden gradient (zeroed, then accumulated) of this rank's vocab shard."""
+        m, T, h, dt = self.rp.model, self.tokens, self.h, self.dt
+        n = T * h
+        fwd = 2 * dt * n + (3 * dt * n if m.learned_pos else 0.0) + ((2 * dt + 1) * n if self.dropout else 0.0)
+        bwd = 2 * dt * n + 2 * self.grad_dt * self.embed_params()
+        return Block("embedding", 0.0, fwd, 0.0, bwd)
 
     @cached_property
     def head(self) -> dict[str, Block]:
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
-        f, b = _gemm(T, h, m.vocab / t, dt)
-        logits = T * m.vocab / t * 4  # fp32 logits for the cross entropy
+        f, _ = _gemm(T, h, m.vocab / t, dt)
+        n_logits = T * m.vocab / t
+        logits = n_logits * 4  # fp32 logits for the cross entropy
+        # final norm, GEMM, logits cast to fp32 (read dt, write 4)
+        b_head = self._norm_fwd() + (dt + 4) * n_logits
+        bb_head = 3 * dt * T * h / self.sp_div + self._wgrad(h * m.vocab / t)
+        # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
+        # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
         return {
-            "head": Block("gemm", f, b, T * h * dt / self.sp_div + T * h * dt + logits),
-            "xent": Block("loss", 0.0, 2 * logits, 0.0),
+            "head": Block("gemm", f, b_head, T * h * dt / self.sp_div + T * h * dt + logits, bb_head),
+            "xent": Block("loss", 0.0, 32.0 * n_logits, 0.0, (8.0 + 4.0 + dt) * n_logits),
             "loss": Block("loss", 0.0, 8.0 * T, 0.0),
         }
 

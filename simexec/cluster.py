@@ -92,6 +92,14 @@ class CostParams(_Spec):
     )
     workspace_bytes: float = Field(ge=0, description="runtime context + library workspaces per device")
     allocator_overhead: float = Field(ge=0, description="caching-allocator fragmentation, fraction of dynamic bytes")
+    # --- CPU ranks sharing one host's cores (the `local` cluster; simexec.sim.host). Off unless
+    # `cores_shared`, so GPU clusters and the uncalibrated `local` preset are priced as before. ---
+    cores_shared: bool = Field(
+        False, description="ranks are CPU processes time-sharing node.cpu_cores cores (simexec.sim.host)")
+    instr_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: interpreter cost per instruction")
+    bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
+    sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
+    background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
 
 
 class ClusterSpec(_Spec):
@@ -136,9 +144,15 @@ class ClusterSpec(_Spec):
 
 # --- presets ------------------------------------------------------------------------------------
 # Efficiency defaults, shared by every GPU preset of a generation:
-# - GEMM: cuBLAS reaches ~80-85% of dense peak on large bf16 GEMMs on A100 (NVIDIA "Deep Learning
-#   Performance" GEMM guide; Megatron-LM SC'21 §5.9 reports 60-75% of peak per transformer layer
-#   at h >= 8192). Half efficiency near 1 GFLOP: a 1024^3 GEMM (2.1 GFLOP) reaches ~2/3 of peak.
+# - GEMM on A100: the best bf16 matmul shape reaches 271 of 312 TFLOP/s (0.87, at boost clock:
+#   S. Bekman, ml-engineering "Maximum Achievable Matmul FLOPS" table, mamf-finder); under a
+#   training load the A100 holds ~1305 of its 1410 MHz at its 400 W cap (the clock NVIDIA rates
+#   A100 Rpeak at for HPL: 0.926), and the GEMMs of a training step are not the best shape (tile
+#   and wave quantization, ~0.93: NVIDIA "Matrix Multiplication Background" guide; Anthony et al.
+#   2024, "The Case for Co-Designing Model Architectures with Hardware"): 0.87 x 0.926 x 0.93 ~ 0.75
+#   of peak for a large GEMM in steady state. (0.82, the boost-clock best-shape figure, made
+#   Megatron-LM's large models ~10% too fast; docs/validation.md.) Half efficiency near 1 GFLOP:
+#   a 1024^3 GEMM (2.1 GFLOP) reaches ~2/3 of that.
 # - Attention: FlashAttention-2 forward reaches ~70% of A100 peak, backward ~55% (Dao 2023, Fig. 4);
 #   we take their mean.
 # - Memory-bound kernels reach ~85% of HBM bandwidth (STREAM-like copy on A100/H100).
@@ -147,7 +161,7 @@ class ClusterSpec(_Spec):
 # - InfiniBand: ~90% of line rate (nccl-tests busbw across nodes, ~23 GB/s per HDR 200 Gb/s NIC).
 # - PCIe pinned copies ~80% of link rate (cudaMemcpy bandwidthTest).
 _A100_COSTS = CostParams(
-    gemm_eff=0.82, gemm_half_flops=1.0e9, attention_eff=0.62, attention_half_flops=1.0e9,
+    gemm_eff=0.75, gemm_half_flops=1.0e9, attention_eff=0.62, attention_half_flops=1.0e9,
     memory_eff=0.85, intra_bw_eff=0.78, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )

@@ -1,11 +1,20 @@
-"""Roofline cost of one compute instruction.
+"""Cost of one compute instruction.
 
-time = max(flops / (peak[dtype] * eff(op, flops)), bytes / (memory_bw * memory_eff)) + launch overhead,
-with eff(f) = max_eff * f / (f + half_flops): small kernels run below peak. The saturating curve is
-the usual one for GEMM efficiency against size (NVIDIA "GEMM performance" guide, fig. "tile
-quantization" / "wave quantization"); its two parameters per op class are what calibration fits.
-Everything hardware-specific comes from `ClusterSpec` (Calculon's split: algorithms hold no
-constants).
+A compute instruction is a chain of kernels (simexec.blocks): tensor-core GEMMs doing `flops` and
+memory-bound kernels (norms, bias, activation, dropout, residual, softmax, copies) moving `bytes`.
+They run one after the other on the device, each bound by its own resource, so for the FLOP-bound
+op classes (gemm, attention)
+
+    time = flops / (peak[dtype] * eff(op, flops)) + bytes / (memory_bw * memory_eff) + launch overhead,
+
+with eff(f) = max_eff * f / (f + half_flops): small GEMMs run below peak. The saturating curve is the
+usual one for GEMM efficiency against size (NVIDIA "GEMM performance" guide, fig. "tile
+quantization" / "wave quantization"); a GEMM's own operand traffic is inside eff. Taking the max of
+the two terms instead (one roofline over the whole chain) would hide the memory-bound kernels behind
+the GEMMs, which they never overlap (validation against Megatron-LM, docs/validation.md).
+Memory-bound classes (one streaming kernel) keep the roofline: max(flops / peak, bytes / bandwidth).
+The two parameters per op class are what calibration fits. Everything hardware-specific comes from
+`ClusterSpec` (Calculon's split: algorithms hold no constants).
 """
 from __future__ import annotations
 
@@ -51,10 +60,10 @@ class ComputeModel:
     def _time(self, op: str, flops: float, nbytes: float) -> float:
         t_mem = nbytes / self.mem_bw
         if op in MEMORY_BOUND or flops <= 0:
-            t_flop = flops / self.peak
-        else:  # gemm, attention, and any unknown op that carries FLOPs
-            t_flop = flops / (self.peak * self.efficiency(op, flops))
-        return (max(t_flop, t_mem) + self.launch) * self.contention
+            return (max(flops / self.peak, t_mem) + self.launch) * self.contention
+        # gemm, attention, and any unknown op that carries FLOPs: GEMMs, then the memory-bound kernels
+        t_flop = flops / (self.peak * self.efficiency(op, flops))
+        return (t_flop + t_mem + self.launch) * self.contention
 
     def cpu_optimizer_params(self, flops: float, nbytes: float) -> float:
         """Parameters a `cpu_optimizer` step updates: its `flops` field, else bytes / 16 (Adam states)."""

@@ -1,0 +1,210 @@
+"""Calibrate a one-GPU hardware profile from real kernels, and score the datasheet preset against it.
+
+Two steps, because the GPU host needs nothing but torch:
+
+    python scripts/gpu_profile.py measure --out gpu_raw.json            # on the GPU machine (CUDA events)
+    python scripts/gpu_profile.py fit gpu_raw.json --cluster dgx-h100 \
+        --out traces/profiles/h100.json --report docs/gpu_profile.md     # here: fit and compare
+
+`measure` times bf16 GEMMs over a sweep of shapes, causal fused attention (SDPA, forward and
+forward+backward), memory-bound element-wise kernels, pinned host<->device copies and an empty
+kernel, each as the median of repeated CUDA-event timings. `fit` fits the cost model's parameters
+(GEMM and attention efficiency curves, memory and PCIe efficiency, launch overhead) with
+scipy.optimize.least_squares on log durations (soft-L1 loss), writes the profile, and reports how the
+datasheet preset's predictions for the same kernels compare with the measurements before and after.
+No NCCL: one GPU calibrates compute, memory and host-copy costs only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+GEMM_SHAPES = [(m, k, n) for m, k, n in [
+    (256, 256, 256), (512, 512, 512), (1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096),
+    (8192, 8192, 8192), (16384, 8192, 8192), (4096, 4096, 14336), (4096, 14336, 4096), (8192, 4096, 12288),
+    (2048, 8192, 28672), (8192, 28672, 8192), (1024, 4096, 4096), (512, 8192, 8192), (4096, 128, 4096),
+    (8192, 1024, 1024), (16384, 4096, 4096),
+]]
+ATTN = [(1, 32, s, 128) for s in (512, 1024, 2048, 4096, 8192)] + [(4, 16, 2048, 64), (2, 64, 4096, 128)]
+ELEMENTWISE_MB = [1, 8, 64, 256, 1024]
+COPY_MB = [1, 16, 128, 512]
+FINDINGS = "## Findings"
+
+
+def _time_cuda(fn, reps: int = 20, warmup: int = 5) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def measure(out: str) -> None:
+    import torch
+    import torch.nn.functional as F
+
+    dev = torch.device("cuda")
+    dt = torch.bfloat16
+    rows = []
+    for m, k, n in GEMM_SHAPES:
+        a, b = torch.randn(m, k, device=dev, dtype=dt), torch.randn(k, n, device=dev, dtype=dt)
+        t = _time_cuda(lambda: a @ b)
+        rows.append({"kind": "gemm", "shape": [m, k, n], "flops": 2.0 * m * k * n,
+                     "bytes": 2.0 * (m * k + k * n + m * n), "seconds": t})
+    for bsz, heads, s, d in ATTN:
+        q, k_, v = (torch.randn(bsz, heads, s, d, device=dev, dtype=dt, requires_grad=True) for _ in range(3))
+        flops = 4.0 * bsz * heads * s * s * d * 0.5  # QK^T and PV, causal half
+        t = _time_cuda(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True))
+        rows.append({"kind": "attention_fwd", "shape": [bsz, heads, s, d], "flops": flops,
+                     "bytes": 4.0 * 2 * bsz * heads * s * d, "seconds": t})
+        grad = torch.randn(bsz, heads, s, d, device=dev, dtype=dt)
+        t = _time_cuda(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True).backward(grad))
+        rows.append({"kind": "attention_fwdbwd", "shape": [bsz, heads, s, d], "flops": 3.0 * flops,
+                     "bytes": 3 * 4.0 * 2 * bsz * heads * s * d, "seconds": t})
+    for mb in ELEMENTWISE_MB:
+        x = torch.randn(int(mb * 2**20 // 2), device=dev, dtype=dt)
+        y = torch.empty_like(x)
+        t = _time_cuda(lambda: torch.mul(x, 1.5, out=y))
+        rows.append({"kind": "elementwise", "shape": [x.numel()], "flops": float(x.numel()),
+                     "bytes": 2.0 * x.numel() * 2, "seconds": t})
+    for mb in COPY_MB:
+        host = torch.empty(int(mb * 2**20), dtype=torch.uint8, pin_memory=True)
+        gpu = torch.empty(int(mb * 2**20), dtype=torch.uint8, device=dev)
+        rows.append({"kind": "h2d", "shape": [host.numel()], "flops": 0.0, "bytes": float(host.numel()),
+                     "seconds": _time_cuda(lambda: gpu.copy_(host, non_blocking=True))})
+        rows.append({"kind": "d2h", "shape": [host.numel()], "flops": 0.0, "bytes": float(host.numel()),
+                     "seconds": _time_cuda(lambda: host.copy_(gpu, non_blocking=True))})
+    tiny = torch.zeros(1, device=dev)
+    t = _time_cuda(lambda: tiny.add_(1.0), reps=200)
+    rows.append({"kind": "launch", "shape": [1], "flops": 0.0, "bytes": 8.0, "seconds": t})
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "host": platform.node(), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    Path(out).write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    print(f"wrote {len(rows)} measurements to {out} ({meta['gpu']})")
+
+
+# --- fitting (here, with the project installed) ------------------------------------------------------
+def _predict(rows, cluster):
+    """The cost model's seconds for each measured kernel (simexec.sim.compute with the cluster's costs)."""
+    from simexec.sim.compute import ComputeModel
+
+    model = ComputeModel(cluster, "bf16")
+    d, c = cluster.device, cluster.costs
+    out = []
+    for r in rows:
+        kind = r["kind"]
+        if kind == "gemm":
+            # the measured GEMM has no separate memory-bound kernels: its operand traffic is inside eff
+            out.append(r["flops"] / (model.peak * model.efficiency("gemm", r["flops"])) + d.launch_overhead_s)
+        elif kind.startswith("attention"):
+            out.append(r["flops"] / (model.peak * model.efficiency("attention", r["flops"])) + d.launch_overhead_s)
+        elif kind == "elementwise":
+            out.append(model.time("elementwise", r["flops"], r["bytes"]))
+        elif kind in ("h2d", "d2h"):
+            out.append(r["bytes"] / (cluster.node.host_link_bw * c.host_link_eff) + d.launch_overhead_s)
+        elif kind == "launch":
+            out.append(d.launch_overhead_s + r["bytes"] / (d.memory_bw * c.memory_eff))
+    return out
+
+
+def _mape(pred, rows) -> float:
+    return statistics.mean(abs(p - r["seconds"]) / r["seconds"] for p, r in zip(pred, rows))
+
+
+def fit(raw_path: str, cluster_name: str, out: str, report: str | None) -> None:
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    from simexec.cluster import get_cluster
+    from simexec.sim.profile import apply_profile
+    from simexec.trace import save_json
+
+    raw = json.loads(Path(raw_path).read_text())
+    rows = raw["rows"]
+    base = get_cluster(cluster_name)
+    names = ["gemm_eff", "gemm_half_flops", "attention_eff", "attention_half_flops", "memory_eff",
+             "host_link_eff", "launch_overhead_s"]
+    c, d = base.costs, base.device
+    x0 = np.log([c.gemm_eff, c.gemm_half_flops, c.attention_eff, c.attention_half_flops, c.memory_eff,
+                 c.host_link_eff, d.launch_overhead_s])
+    lo = np.log([1e-3, 1e3, 1e-3, 1e3, 1e-2, 1e-2, 1e-7])
+    hi = np.log([1.0, 1e13, 1.0, 1e13, 1.0, 1.0, 1e-3])
+    measured = np.log([r["seconds"] for r in rows])
+
+    def profile_of(x) -> dict:
+        v = dict(zip(names, np.exp(x).tolist()))
+        launch = v.pop("launch_overhead_s")
+        return {"costs": v, "device": {"launch_overhead_s": launch}}
+
+    def residuals(x):
+        return np.log(_predict(rows, apply_profile(base, profile_of(x)))) - measured
+
+    sol = least_squares(residuals, np.clip(x0, lo + 1e-9, hi - 1e-9), bounds=(lo, hi), loss="soft_l1", f_scale=0.1)
+    prof = profile_of(sol.x)
+    fitted = apply_profile(base, prof)
+    before, after = _predict(rows, base), _predict(rows, fitted)
+    profile = {"name": Path(out).stem, "machine": raw["machine"], "measured_at": raw["machine"]["measured_at"],
+               "method": "micro-benchmarks (scripts/gpu_profile.py): bf16 GEMM sweep, SDPA causal attention, "
+                         "element-wise, pinned copies, empty kernel; least_squares soft_l1 on log durations",
+               "base_cluster": cluster_name, **prof,
+               "fit": {"mape_datasheet": _mape(before, rows), "mape_fitted": _mape(after, rows)}}
+    save_json(profile, out)
+    lines = [f"# {raw['machine']['gpu']}: datasheet preset `{cluster_name}` against measured kernels", "",
+             f"Measured {raw['machine']['measured_at']} with torch {raw['machine']['torch']}, CUDA "
+             f"{raw['machine']['cuda']}; regenerate with the two commands in `scripts/gpu_profile.py`.", "",
+             "| kernel | shape | measured ms | datasheet ms | error | fitted ms | error |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r, b, a in zip(rows, before, after):
+        m = r["seconds"]
+        lines.append(f"| {r['kind']} | {'x'.join(map(str, r['shape']))} | {m * 1e3:.4f} | {b * 1e3:.4f} | "
+                     f"{(b - m) / m:+.1%} | {a * 1e3:.4f} | {(a - m) / m:+.1%} |")
+    lines += ["", f"Mean absolute percentage error: datasheet {_mape(before, rows):.1%}, fitted "
+                  f"{_mape(after, rows):.1%}.", "", "Fitted parameters (datasheet value in brackets):", ""]
+    for k, v in prof["costs"].items():
+        lines.append(f"- `{k}` = {v:.4g} ({getattr(c, k):.4g})")
+    lines.append(f"- `launch_overhead_s` = {prof['device']['launch_overhead_s']:.3g} ({d.launch_overhead_s:.3g})")
+    text = "\n".join(lines) + "\n"
+    if report:
+        old = Path(report).read_text() if Path(report).exists() else ""
+        keep = old[old.index(FINDINGS):] if FINDINGS in old else ""  # hand-written analysis survives a re-run
+        Path(report).write_text(text + ("\n" + keep if keep else ""))
+    print(text)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure")
+    m.add_argument("--out", required=True)
+    f = sub.add_parser("fit")
+    f.add_argument("raw")
+    f.add_argument("--cluster", default="dgx-h100")
+    f.add_argument("--out", required=True)
+    f.add_argument("--report", default=None)
+    args = ap.parse_args()
+    t0 = time.time()
+    if args.cmd == "measure":
+        measure(args.out)
+    else:
+        fit(args.raw, args.cluster, args.out, args.report)
+    print(f"({time.time() - t0:.1f} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

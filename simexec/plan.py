@@ -330,18 +330,16 @@ def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optiona
     _check(model, cluster, p, dp, gbs, seq)
     micro = gbs // (p.mbs * dp)
     stage_layers = _stage_layers(model, p)
-    if p.recompute_layers is not None and p.recompute_layers > min(len(s) for s in _per_pp_rank(stage_layers, p)):
+    smallest = min(len(s) for s in stage_layers)
+    if p.recompute_layers is not None and p.recompute_layers > smallest:
         raise PlanError(
-            f"recompute_layers={p.recompute_layers} exceeds the {min(len(s) for s in _per_pp_rank(stage_layers, p))}"
-            " layers of the smallest pipeline stage"
+            f"recompute_layers={p.recompute_layers} exceeds the {smallest} layers of the smallest"
+            f" {'virtual ' if p.vpp > 1 else ''}pipeline stage (it counts layers per stage, as Megatron's"
+            " recompute-num-layers)"
         )
     plan = p.model_copy(update={"dp": dp, "gbs": gbs})
     mesh = Mesh(sizes={"tp": p.tp, "cp": p.cp, "dp": dp, "pp": p.pp}, order=tuple(p.rank_order.split("-")))
     return ResolvedPlan(model, cluster, plan, seq, dp, micro, stage_layers, mesh)
-
-
-def _per_pp_rank(stage_layers, p: Plan) -> list[list[int]]:
-    return [[l for v in range(p.vpp) for l in stage_layers[v * p.pp + r]] for r in range(p.pp)]
 
 
 def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:

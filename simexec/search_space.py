@@ -1,0 +1,255 @@
+"""The space of plans `simexec search` walks: every plan for one model, cluster and global batch.
+
+The space is the product of the plan's knobs, each over a short list of sensible values; `resolve`
+then drops the combinations that break a rule (heads not divisible by tp, micro-batches not divisible
+by pp under interleaving, ...). What "sensible" means, knob by knob:
+
+=================  ============================================================================
+knob               values tried
+=================  ============================================================================
+tp                 powers of two up to the GPUs of one node (TP all-reduces every layer: it stays
+                   on NVLink, as Megatron-LM and every published large run keep it)
+sp                 off, on (tp > 1 only)
+cp                 powers of two, keeping at least 1,024 tokens per rank (shorter chunks starve
+                   the attention kernel), at most 32
+cp_impl            allgather, ring (cp > 1 only)
+pp                 every divisor of world/(tp*cp) that divides the layers evenly (no uneven
+                   `stages`: pass them with --fix)
+vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B)
+schedule           pp = 1: none; vpp = 1: 1f1b, gpipe; vpp > 1: interleaved-1f1b
+dp                 what is left: world / (tp*cp*pp)
+ep                 MoE only: powers of two dividing the experts and dp
+zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
+                   data-parallel rank they shard over nobody and equal zero=0)
+dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
+                   node, replicate across), when that is a proper divisor of dp
+offload            none; optimizer (zero >= 1, ZeRO-Offload builds on ZeRO); optimizer+params
+                   (zero = 3)
+mbs                1, 2, 4, 8 (dividing gbs/dp)
+recompute          none, selective, full
+recompute_layers   all layers, or half of the layers of a virtual stage (recompute only as much
+                   as memory needs, as YaFSDP advises; the lowering counts them per stage)
+=================  ============================================================================
+
+Kept at the plan's defaults (they change the arithmetic, not just the split): dtype (bf16),
+flash_attention, bucket_mb, rank_order. `fix` pins any field of `Plan` to one value, inside or
+outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...).
+
+The space factors into *structures* (everything that shapes the compute and the activations: tp,
+sp, cp, pp, vpp, schedule, ep, mbs, recompute) times *state variants* (how model states are kept:
+zero, its flavour, dp_shard, offload). Search bounds a structure once and each variant cheaply.
+
+Validation: every structure is checked by `resolve` with its first state variant that passes; every
+state variant by `resolve` once per (dp, ep) it occurs with. The rules of `resolve` each read either
+structure fields or state fields with dp and ep, never both, so the two checks together accept
+exactly what `resolve` accepts plan by plan (tests/test_search.py holds the space to that); a plan
+is resolved again, in full, when it is simulated.
+
+A cluster sized to the plan (`local`) has no world size of its own: the search uses one rank per
+host core unless `fix` pins dp, tp, cp and pp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterator, Optional
+
+from simexec.cluster import ClusterSpec
+from simexec.errors import PlanError
+from simexec.model import ModelSpec
+from simexec.plan import Plan, ResolvedPlan, resolve
+
+MBS = (1, 2, 4, 8)
+MIN_CP_CHUNK = 1024
+MAX_CP = 32
+MAX_VPP = 8
+ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None), (3, "yafsdp"))
+RECOMPUTE = ("none", "selective", "full")
+STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
+# Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
+ENUMERATED = {
+    "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
+    "offload", "mbs", "recompute", "recompute_layers", "gbs",
+}
+
+
+@dataclass
+class SpaceStats:
+    """How many combinations the space held and how many `resolve` refused."""
+
+    combinations: int = 0
+    invalid: int = 0
+
+
+@dataclass
+class Structure:
+    """One structure and its valid state variants. `rp` is the structure resolved with `states[0]`."""
+
+    fields: dict
+    states: list[tuple]  # (zero, zero_impl, dp_shard, offload), each valid with this structure
+    rp: ResolvedPlan
+    extra: dict = field(default_factory=dict)  # fields passed through from `fix`
+
+    def plan(self, state: tuple) -> Plan:
+        return Plan(**self.fields, **dict(zip(STATE_KEYS, state)), **self.extra)
+
+    def plan_string(self, state: tuple) -> str:
+        return self.plan(state).to_string()
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def search_world(cluster: ClusterSpec, fix: dict) -> int:
+    """World size the search fills: the cluster's, or for a cluster sized to the plan, what `fix` pins
+    (dp*tp*cp*pp) or one rank per host core."""
+    if not cluster.sized_to_plan:
+        return cluster.world_size
+    if all(fix.get(k) is not None for k in ("dp", "tp", "cp", "pp")):
+        return fix["dp"] * fix["tp"] * fix["cp"] * fix["pp"]
+    return cluster.node.cpu_cores
+
+
+def _choices(fix: dict, key: str, default: list) -> list:
+    return [fix[key]] if key in fix else default
+
+
+def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
+               stats: Optional[SpaceStats] = None) -> Iterator[Structure]:
+    """Every structure of the space with the state variants `resolve` accepts, in a fixed order."""
+    fix = dict(fix or {})
+    stats = stats if stats is not None else SpaceStats()
+    world = search_world(cluster, fix)
+    gpn = cluster.node.gpus_per_node or world
+    extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
+    state_ok: dict[tuple, bool] = {}
+    for tp in _choices(fix, "tp", _pow2_upto(gpn)):
+        cps = [c for c in _pow2_upto(MAX_CP) if c == 1 or seq_len // c >= MIN_CP_CHUNK]
+        for cp in _choices(fix, "cp", cps):
+            if tp <= 0 or cp <= 0 or world % (tp * cp):
+                continue
+            rest = world // (tp * cp)
+            pps = [p for p in _divisors(rest) if p <= model.layers and model.layers % p == 0]
+            for pp in _choices(fix, "pp", pps):
+                if pp <= 0 or rest % pp:
+                    continue
+                dp = rest // pp
+                if fix.get("dp") is not None and fix["dp"] != dp:
+                    continue
+                for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                    states = _state_variants(fix, dp, tp, cp, gpn)
+                    stats.combinations += len(states)
+                    st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats)
+                    if st is not None:
+                        yield st
+
+
+def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -> Optional[Structure]:
+    """Resolve the structure with its first passing state; check the other states once per (dp, ep)."""
+    rp, first = None, None
+    failed = []
+    for i, state in enumerate(states):
+        try:
+            rp = resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+            first = i
+            break
+        except (PlanError, ValueError):
+            failed.append(state)
+    if rp is None:
+        stats.invalid += len(states)
+        return None
+    key0 = (fields["dp"], fields["ep"])
+    for state in failed:
+        state_ok[key0 + state] = False
+    state_ok[key0 + states[first]] = True
+    good = []
+    for state in states[first:]:
+        key = key0 + state
+        ok = state_ok.get(key)
+        if ok is None:
+            try:
+                resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+                ok = True
+            except (PlanError, ValueError):
+                ok = False
+            state_ok[key] = ok
+        if ok:
+            good.append(state)
+    stats.invalid += len(states) - len(good)
+    return Structure(fields, good, rp, extra)
+
+
+def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
+    layers_per_rank = model.layers // pp
+    vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 else [1]
+    for vpp in _choices(fix, "vpp", vpps):
+        if pp == 1:
+            scheds = [None]
+        elif vpp == 1:
+            scheds = [None, "gpipe"]  # None: 1f1b, the default
+        else:
+            scheds = [None]  # interleaved-1f1b, the default when vpp > 1
+        per_stage = model.layers // (pp * vpp) if pp * vpp > 0 else 0
+        for schedule in _choices(fix, "schedule", scheds):
+            for sp in _choices(fix, "sp", [False, True] if tp > 1 else [False]):
+                for cp_impl in _choices(fix, "cp_impl", ["allgather", "ring"] if cp > 1 else ["allgather"]):
+                    for ep in _choices(fix, "ep", _eps(model, dp)):
+                        for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
+                            for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
+                                if "recompute_layers" in fix:
+                                    rls = [fix["recompute_layers"]]
+                                elif recompute == "none":
+                                    rls = [None]
+                                else:
+                                    half = per_stage // 2
+                                    rls = [None] + ([half] if 1 <= half < per_stage else [])
+                                for rl in rls:
+                                    yield dict(dp=dp, tp=tp, sp=sp, cp=cp, cp_impl=cp_impl, pp=pp, vpp=vpp,
+                                               schedule=schedule, ep=ep, mbs=mbs, gbs=gbs, recompute=recompute,
+                                               recompute_layers=rl)
+
+
+def _eps(model: ModelSpec, dp: int) -> list[int]:
+    if model.moe is None:
+        return [1]
+    return [e for e in _pow2_upto(dp) if model.moe.experts % e == 0 and dp % e == 0]
+
+
+def _state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
+    if "zero" in fix:
+        zeros = [(fix["zero"], fix.get("zero_impl"))]
+    elif "zero_impl" in fix:
+        zeros = [(3, fix["zero_impl"])]
+    else:
+        zeros = [zv for zv in ZERO_VARIANTS if zv[0] == 0 or dp > 1]
+    node_shard = gpn // (tp * cp) if gpn % (tp * cp) == 0 else 0
+    out = []
+    for zero, zero_impl in zeros:
+        if "dp_shard" in fix:
+            shards = [fix["dp_shard"]]
+        else:
+            shards = [None] + ([node_shard] if zero == 3 and 1 < node_shard < dp and dp % node_shard == 0 else [])
+        if "offload" in fix:
+            offloads = [fix["offload"]]
+        else:
+            offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
+        for dp_shard in shards:
+            for offload in offloads:
+                out.append((zero, zero_impl, dp_shard, offload))
+    return out
+
+
+def plans(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
+          stats: Optional[SpaceStats] = None) -> Iterator[Plan]:
+    """Every valid plan of the space, structure by structure (for brute force and tests)."""
+    for st in structures(model, cluster, gbs, seq_len, fix, stats):
+        for state in st.states:
+            yield st.plan(state)

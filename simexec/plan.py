@@ -92,34 +92,46 @@ class Plan(BaseModel):
 _BOOL = {"1": True, "0": False, "true": True, "false": False}
 
 
-def parse_plan(text: str) -> Plan:
-    """`dp=2,tp=4,pp=2,zero=1,mbs=1,gbs=64`; `stages=` takes every following bare integer."""
-    fields: dict[str, object] = {}
+def split_pairs(text: str, where: str) -> dict[str, str]:
+    """`a=1,b=x,stages=1,2,3` -> {"a": "1", "b": "x", "stages": "1,2,3"}: `stages=` takes every
+    following bare item. Shared by plan strings and `search --fix`."""
+    pairs: dict[str, str] = {}
     items = [p.strip() for p in text.split(",") if p.strip()]
     i = 0
     while i < len(items):
         item = items[i]
         if "=" not in item:
-            raise PlanError(f"plan {text!r}: expected key=value, got {item!r}")
+            raise PlanError(f"{where}: expected key=value, got {item!r}")
         key, val = (s.strip() for s in item.split("=", 1))
-        if key in fields:
-            raise PlanError(f"plan {text!r}: {key} given twice")
+        if key in pairs:
+            raise PlanError(f"{where}: {key} given twice")
         if key == "stages":
             vals = [val]
             while i + 1 < len(items) and "=" not in items[i + 1]:
                 i += 1
                 vals.append(items[i])
-            fields[key] = tuple(_int(key, v, text) for v in vals)
+            val = ",".join(vals)
+        pairs[key] = val
+        i += 1
+    return pairs
+
+
+def parse_plan(text: str) -> Plan:
+    """`dp=2,tp=4,pp=2,zero=1,mbs=1,gbs=64`; `stages=` takes every following bare integer."""
+    where = f"plan {text!r}"
+    fields: dict[str, object] = {}
+    for key, val in split_pairs(text, where).items():
+        if key == "stages":
+            fields[key] = tuple(_int(key, v, text) for v in val.split(","))
         elif key not in Plan.model_fields:
-            raise PlanError(f"plan {text!r}: unknown key {key!r}; keys: {', '.join(Plan.model_fields)}")
+            raise PlanError(f"{where}: unknown key {key!r}; keys: {', '.join(Plan.model_fields)}")
         elif Plan.model_fields[key].annotation is bool:
             if val.lower() not in _BOOL:
-                raise PlanError(f"plan {text!r}: {key} must be 1/0/true/false, got {val!r}")
+                raise PlanError(f"{where}: {key} must be 1/0/true/false, got {val!r}")
             fields[key] = _BOOL[val.lower()]
         else:
             fields[key] = val
-        i += 1
-    return _validate_fields(fields, f"plan {text!r}")
+    return _validate_fields(fields, where)
 
 
 def _int(key: str, val: str, text: str) -> int:

@@ -51,7 +51,7 @@ from simexec.errors import PlanError, SimexecError
 # _TP_OPS: (forward op, backward op) of Megatron's f/g conjugates, as the lowering emits them
 from simexec.lower import _TP_OPS, ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, representatives
 from simexec.model import ModelSpec, get_model
-from simexec.plan import Plan, ResolvedPlan, _validate_fields, parse_plan
+from simexec.plan import Plan, ResolvedPlan, _validate_fields, parse_plan, split_pairs
 from simexec.search_space import SpaceStats, Structure, search_world, structures
 
 WAVE = 16  # plans simulated between two pruning decisions (fixed: results must not depend on workers)
@@ -76,25 +76,7 @@ def parse_fix(text: str) -> dict:
     """
     if not isinstance(text, str):
         raise PlanError(f"--fix takes key=value pairs, got {text!r}")
-    items = [p.strip() for p in text.split(",") if p.strip()]
-    raw: dict[str, Any] = {}
-    i = 0
-    while i < len(items):
-        item = items[i]
-        if "=" not in item:
-            raise PlanError(f"--fix {text!r}: expected key=value, got {item!r}")
-        key, val = (s.strip() for s in item.split("=", 1))
-        if key in raw:
-            raise PlanError(f"--fix {text!r}: {key} given twice")
-        if key == "stages":
-            vals = [val]
-            while i + 1 < len(items) and "=" not in items[i + 1]:
-                i += 1
-                vals.append(items[i])
-            raw[key] = ",".join(vals)
-        else:
-            raw[key] = val
-        i += 1
+    raw = split_pairs(text, f"--fix {text!r}")
     if not raw:
         raise PlanError(f"--fix {text!r}: no key=value pairs")
     return normalize_fix(raw, where=f"--fix {text!r}")

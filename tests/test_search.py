@@ -18,7 +18,9 @@ from simexec.cluster import get_cluster
 from simexec.errors import PlanError
 from simexec.model import get_model
 from simexec.plan import Plan, parse_plan, resolve
-from simexec.search import Bounds, SearchResult, parse_fix, pareto_front, search
+from simexec.search import SearchResult, parse_fix, search
+from simexec.search_bounds import Bounds
+from simexec.search_report import pareto_front
 from simexec.search_space import SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
 from simexec.simulate import simulate
 

@@ -1,0 +1,745 @@
+"""Lower bounds on the step time and peak memory of a plan, without simulating it.
+
+Priced by the simulator's own `ComputeModel` and `Network` (idle network), with the process groups
+the lowering itself builds:
+
+- memory: model states (`ResolvedPlan.model_state_bytes`) + workspace + YaFSDP's buffers + the
+  activations the schedule holds before a rank's first backward, with the allocator's overhead.
+  Each term is memory the lowering allocates and nothing frees before that moment, so the
+  simulated peak cannot be lower; a bound over capacity counts the plan as `oom` unsimulated.
+- time: a closed-form critical path of the pipeline: micro-batch 0 through every stage and
+  back, then the rank's remaining forwards and backwards, each costing its compute plus the
+  collectives the compute stream waits on (tensor-parallel f/g, context-parallel K/V, expert
+  all-to-all) and the pipeline messages; then the last gradient reduction, the optimizer step
+  (or its offload round trip) and the ZeRO-1/2 parameter all-gather. Also: the ZeRO stream's
+  collectives run one after another, and compute runs `overlap_slowdown` slower while they are
+  in flight. At least total FLOPs / (world x peak x best efficiency).
+- refined time (for plans the first bound does not rule out): the schedule replayed action by
+  action (`simexec.schedules.pipeline_order`), under ZeRO-3 unit by unit with the parameter
+  gathers (two ahead) and gradient reduce-scatters taking turns on their stream.
+
+Contention, slowdowns and every wait the bounds leave out only add time, so they stay below the
+simulator (tests/test_search.py holds them to that on hundreds of plans).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+from simexec.cluster import ClusterSpec
+# _TP_OPS: (forward op, backward op) of Megatron's f/g conjugates, as the lowering emits them
+from simexec.lower import _TP_OPS, ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, representatives
+from simexec.model import ModelSpec
+from simexec.plan import ResolvedPlan
+from simexec.search_space import Structure
+
+
+
+@dataclass
+class Candidate:
+    """One plan of the space with its bounds; `order` is its place in the enumeration."""
+
+    est: float
+    time_lb: float
+    mem_lb: float
+    order: int
+    structure: Structure = field(repr=False)
+    state: tuple = ()
+    sb: Any = field(default=None, repr=False)  # the structure's bounds, for refining
+    refined: bool = False
+
+    @property
+    def plan_string(self) -> str:
+        return self.structure.plan_string(self.state)
+
+
+class _Mesh:
+    """Network and representative ranks of one mesh (tp, cp, dp, pp), shared by its structures."""
+
+    def __init__(self, rp: ResolvedPlan):
+        from simexec.sim.network import Network
+
+        self.rp = rp
+        self.reps = representatives(rp)
+        self.net = Network(rp.cluster, list(self.reps), self.reps)
+        self.mesh = rp.mesh
+        self.rank_of_stage = {rp.mesh.coords(r)["pp"]: r for r in self.reps}
+        self._memo: dict[tuple, float] = {}
+
+    def coll(self, verb: str, rank: int, axis: str, nbytes: float, ep: int = 1, dp_shard: Optional[int] = None) -> float:
+        """Idle-network seconds of one collective of `rank`'s group `axis` (tp, cp, ep, edp: experts'
+        data-parallel group, zero: the group ZeRO shards over), 0 for groups of one."""
+        if not verb or nbytes <= 0:
+            return 0.0
+        group = self.groups(rank, ep, dp_shard)[axis]
+        if len(group) <= 1:
+            return 0.0
+        key = (verb, group, nbytes)
+        t = self._memo.get(key)
+        if t is None:
+            t = self._memo[key] = self.net.estimate(self.net.collective(verb, group, nbytes))
+        return t
+
+    def groups(self, rank: int, ep: int, dp_shard: Optional[int]) -> dict[str, tuple[int, ...]]:
+        """The process groups of `rank`, as the lowering builds them (its own code, so they agree)."""
+        key = ("groups", rank, ep, dp_shard)
+        g = self._memo.get(key)
+        if g is None:
+            from simexec.lower import _RankLowering
+
+            plan = self.rp.plan.model_copy(update=dict(ep=ep, dp_shard=dp_shard))
+            rl = _RankLowering(replace(self.rp, plan=plan), None, rank, [])
+            g = self._memo[key] = {"tp": rl.g_tp, "cp": rl.g_cp, "ep": rl.g_ep, "edp": rl.g_edp, "zero": rl.g_zero}
+        return g
+
+    def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:
+        """Idle-network seconds of one pipeline message: what `Network.estimate` gives for it, from
+        the message's rate and latency found once per pair of stages."""
+        rl = self._memo.get(("p2p", src_stage, dst_stage))
+        if rl is None:
+            a, b = self.rank_of_stage[src_stage], self.rank_of_stage[dst_stage]
+            rl = self._memo[("p2p", src_stage, dst_stage)] = self._rate(self.net.p2p(a, b, 1.0))
+        rate, lat = rl
+        return (nbytes / rate if nbytes > 0 and rate < math.inf else 0.0) + lat
+
+    def copy(self, rank: int, direction: str, nbytes: float) -> float:
+        return self.net.estimate(self.net.copy(rank, direction, nbytes))
+
+    def cpu(self, rank: int, params: float) -> float:
+        """Idle seconds of a CPU optimizer step of `params` parameters (the node's cores shared by
+        the ranks this one stands for there), as `Network.estimate` gives it."""
+        rate = self._memo.get(("cpu", rank))
+        if rate is None:
+            rate = self._memo[("cpu", rank)] = self._rate(self.net.cpu_step(rank, 1.0))[0]
+        return params / rate if params > 0 and rate < math.inf else 0.0
+
+    def _rate(self, flows: list) -> tuple[float, float]:
+        """(rate, latency) of a single-flow transfer: its cap, or the tightest of its links."""
+        (_, links, rate, lat), = flows
+        for lid, d in links:
+            if d > 0:
+                rate = min(rate, self.net.capacity[lid] / d)
+        return rate, lat
+
+
+class Bounds:
+    """Lower bounds on step time and peak memory of the plans of one search (see the module doc).
+
+    Costs are cached at the level they depend on: a layer's forward/backward by (mesh, tp, sp, cp,
+    ep, mbs, recompute), model states by (layout, state variant), so a structure costs a few dict
+    look-ups per stage and a state variant a few per pipeline rank."""
+
+    def __init__(self, model: ModelSpec, cluster: ClusterSpec, seq_len: int):
+        from simexec.sim.compute import ComputeModel
+
+        self.model, self.cluster, self.seq_len = model, cluster, seq_len
+        self.ComputeModel = ComputeModel
+        self._cm: dict[str, Any] = {}
+        self._meshes: dict[tuple, _Mesh] = {}
+        self.layers: dict[tuple, tuple] = {}
+        self.states: dict[tuple, tuple] = {}
+        self.memory: dict[tuple, tuple] = {}
+        self.params: dict[tuple, list[dict]] = {}
+        self.workspace = cluster.costs.workspace_bytes
+        self.dyn = 1.0 + cluster.costs.allocator_overhead
+        self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
+
+    def cm(self, dtype: str):
+        cm = self._cm.get(dtype)
+        if cm is None:
+            cm = self._cm[dtype] = self.ComputeModel(self.cluster, dtype)
+        return cm
+
+    def mesh(self, rp: ResolvedPlan) -> tuple[tuple, _Mesh]:
+        p = rp.plan
+        key = (p.tp, p.cp, rp.dp, p.pp, p.rank_order)
+        m = self._meshes.get(key)
+        if m is None:
+            m = self._meshes[key] = _Mesh(rp)
+        return key, m
+
+    def candidates(self, st: Structure, start: int) -> list[Candidate]:
+        sb = _StructureBounds(self, st)
+        return [Candidate(*sb.bounds(state), start + i, st, state, sb) for i, state in enumerate(st.states)]
+
+    def refine(self, c: Candidate) -> float:
+        """A tighter time bound for a plan the first one did not prune: the same prices, but the
+        pipeline schedule replayed action by action (every micro-batch's messages and waits)."""
+        if not c.refined:
+            c.time_lb = max(c.time_lb, c.sb.replay_bound(c.state))
+            c.refined = True
+        return c.time_lb
+
+
+def _zero3_pass(units: list, te: float, tt: float, cf: float, arr: float) -> tuple[float, float, float]:
+    """One forward or backward pass under ZeRO-3 (see `_StructureBounds._replay`): `te` the end of
+    the rank's previous compute, `tt` the collective closing it, `cf` when the ZeRO stream is free,
+    `arr` when the pass's pipeline message arrives. Returns the three after the pass."""
+    n = len(units)
+    g_end = [0.0] * n
+    for j in range(min(2, n)):  # prefetched at the start of the pass: no dependency
+        cf += units[j][3]
+        g_end[j] = cf
+    for j, (opening, body, closing, _, rs) in enumerate(units):
+        start = te + tt + opening
+        if arr > start:
+            start = arr
+        if g_end[j] > start:
+            start = g_end[j]
+        arr = 0.0
+        te = start + body
+        tt = closing
+        if rs > 0.0:  # this unit's gradients
+            cf = (cf if cf > te else te) + rs
+        if j + 2 < n:  # the gather two units ahead, into the buffer this unit frees
+            cf = (cf if cf > te else te) + units[j + 2][3]
+            g_end[j + 2] = cf
+    return te, tt, cf
+
+
+class _MemoParams:
+    """A ResolvedPlan whose `params_on_pp_rank` answers from the search's cache, so that
+    `ResolvedPlan.model_state_bytes` (called unbound on it) costs a few multiplications."""
+
+    def __init__(self, rp: ResolvedPlan, params: list[dict]):
+        self._rp, self._params = rp, params
+
+    def __getattr__(self, name: str):
+        return getattr(self._rp, name)
+
+    def params_on_pp_rank(self, pp_rank: int) -> dict[str, float]:
+        prm = self._params[pp_rank]
+        return {"dense": prm["dense"], "expert": prm["expert"], "total": prm["dense"] + prm["expert"]}
+
+
+class _StructureBounds:
+    """Per-stage forward/backward costs and activations of one structure; bounds per state variant."""
+
+    def __init__(self, b: Bounds, st: Structure):
+        from simexec.blocks import Anatomy
+
+        self.b = b
+        self.rp = rp = st.rp
+        self.p = p = rp.plan
+        self.cm = b.cm(p.dtype)
+        self.mesh_key, self.mesh = b.mesh(rp)
+        self.an = an = Anatomy(rp)
+        self.pp, self.vpp, self.m = p.pp, p.vpp, rp.micro_batches
+        self.V = p.pp * p.vpp
+        self.L = rp.model.layers
+        self.sp = 1 if p.sp else 0
+        self.dt, self.gdt = rp.dtype_bytes, (4 if p.dtype == "fp32" else 2)  # parameters, gradients
+        model = rp.model
+        ranks = self.mesh.rank_of_stage
+        self.F, self.B, self.saved, self.Ft, self.Bt = [], [], [], [], []
+        self.Fx, self.Bx = [], []  # the compute alone (F and B less the collectives they wait on)
+        self.Fh, self.Bh = [], []  # the collective that opens F and B (it may run before the recv)
+        self._k = 0.0
+        dense: dict[int, tuple] = {}
+        for vs in range(self.V):
+            r = ranks[vs % p.pp]
+            layers = rp.stage_layers[vs]
+            n = len(layers)
+            n_rc = self._n_recomputed(n)
+            if model.moe is None:
+                pair = dense.get(r)
+                if pair is None:
+                    pair = dense[r] = (self._layer(layers[0], True, r), self._layer(layers[0], False, r))
+                lr, ln = pair
+                f = n * ln[0]
+                b_ = n_rc * lr[1] + (n - n_rc) * ln[1]
+                saved = n_rc * lr[2] + (n - n_rc) * ln[2]
+                kf = n * ln[5]
+                kb = n_rc * lr[6] + (n - n_rc) * ln[6]
+                ft, bt = ln[3], ln[4]
+            else:
+                f = b_ = saved = kf = kb = 0.0
+                for pos, l in enumerate(layers):
+                    c = self._layer(l, pos < n_rc, r)
+                    f += c[0]
+                    b_ += c[1]
+                    saved += c[2]
+                    kf += c[5]
+                    kb += c[6]
+                ft, bt = c[3], self._layer(layers[0], 0 < n_rc, r)[4]
+            if vs == 0:
+                ef, eb = self._tp("embed_out", 0, r), self._tp("embed_out", 1, r)
+                f += self._fwd(an.embed) + ef
+                b_ += self._bwd(an.embed) + eb  # eb runs before the embedding's backward compute
+                kf += ef
+                kb += eb
+                bt = 0.0
+            # opening collectives: waiting only for the rank's previous compute, they may overlap
+            # the wait for the pipeline message
+            fh = 0.0 if vs == 0 else self._tp("attn_in", 0, r)
+            last_rc = n_rc >= n  # the stage's last layer recomputes (positions < n_rc do)
+            bh = self._tp("attn_in", 0, r) if (last_rc and p.recompute == "full") else self._tp("mlp_out", 1, r)
+            if vs == self.V - 1:
+                bh = 0.0
+                hf, hb, hs, hkf, hkb = self._head(r)
+                f += hf
+                b_ += hb
+                saved += hs
+                kf += hkf
+                kb += hkb
+                ft = 0.0
+            self.F.append(f)
+            self.B.append(b_)
+            self.Fx.append(f - kf)
+            self.Bx.append(b_ - kb)
+            self.Fh.append(fh)
+            self.Bh.append(bh)
+            self.saved.append(saved)
+            self.Ft.append(ft)
+            self.Bt.append(bt)
+        self._pipeline()
+        self._replayed: Optional[list] = None
+        self._zero3_replays: dict = {}
+
+    def _n_recomputed(self, n: int) -> int:
+        """How many of a stage's n layers recompute (the first ones)."""
+        p = self.p
+        return 0 if p.recompute == "none" else (n if p.recompute_layers is None else min(n, p.recompute_layers))
+
+    # --- prices --------------------------------------------------------------------------------
+    def _fwd(self, blk) -> float:
+        return self.cm.time(blk.op, blk.flops, blk.bytes)
+
+    def _bwd(self, blk) -> float:
+        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes)
+
+    def _tp(self, block: str, bwd: int, rank: int) -> float:
+        verb = _TP_OPS[block][self.sp][bwd]
+        return self._coll(verb, rank, "tp", self.an.full_hidden_bytes)
+
+    def _coll(self, verb: str, rank: int, axis: str, nbytes: float) -> float:
+        """A collective the compute stream waits on (its seconds are also added up in `_k`)."""
+        t = self.mesh.coll(verb, rank, axis, nbytes, self.p.ep)
+        self._k += t
+        return t
+
+    def _layer_forward(self, blocks: dict, rank: int) -> float:
+        an, p, t = self.an, self.p, 0.0
+        t += self._tp("attn_in", 0, rank) + self._fwd(blocks["qkv"])
+        t += self._attention(blocks["attn"], rank, 0) + self._fwd(blocks["proj"])
+        t += self._tp("attn_out", 0, rank) + self._tp("mlp_in", 0, rank)
+        if "fc1" in blocks:
+            t += self._fwd(blocks["fc1"]) + self._fwd(blocks["fc2"])
+        else:
+            a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
+            self._k += a2a
+            t += self._fwd(blocks["router"]) + a2a + self._fwd(blocks["experts"]) + a2a + self._fwd(blocks["moe_out"])
+        return t + self._tp("mlp_out", 0, rank)
+
+    def _attention(self, attn, rank: int, bwd: int) -> float:
+        """The attention core: after an all-gather of K/V over cp (backward: before a reduce-scatter
+        of their gradients), or as cp partial attentions between the hops of ring attention (whose
+        messages are left out: they only delay)."""
+        p = self.p
+        if p.cp > 1 and p.cp_impl == "ring":
+            f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
+            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp)
+        if bwd:
+            return self._bwd(attn) + (self._coll("reducescatter", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0)
+        return (self._coll("allgather", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0) + self._fwd(attn)
+
+    def _layer(self, l: int, rc: bool, rank: int) -> tuple:
+        """Layer l: (forward s, backward s incl. recompute, activation bytes saved, the collective
+        ending its forward, the one ending its backward, collective s in the forward, in the
+        backward)."""
+        p = self.p
+        moe = self.rp.model.is_moe_layer(l)
+        key = (self.mesh_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
+               moe, rank)
+        out = self.b.layers.get(key)
+        if out is not None:
+            return out
+        an = self.an
+        blocks = an.layer(l)
+        full = rc and p.recompute == "full"
+        self._k = 0.0
+        f = self._layer_forward(blocks, rank)
+        kf = self._k
+        b = f if full else 0.0
+        self._k = kf if full else 0.0
+        b += self._tp("mlp_out", 1, rank)
+        if "fc1" in blocks:
+            b += self._bwd(blocks["fc2"]) + self._bwd(blocks["fc1"])
+        else:
+            a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
+            self._k += a2a
+            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a + self._bwd(blocks["router"])
+        b += self._tp("mlp_in", 1, rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
+        if rc and p.recompute == "selective":
+            b += self._attention(blocks["attn"], rank, 0) if p.cp_impl == "ring" else self._fwd(blocks["attn"])
+        b += self._attention(blocks["attn"], rank, 1)
+        b += self._bwd(blocks["qkv"]) + self._tp("attn_in", 1, rank)
+        saved = an.hidden_bytes if full else sum(x.saved for x in blocks.values())
+        kb = self._k
+        out = (f, b, saved, self._tp("mlp_out", 0, rank), self._tp("attn_in", 1, rank), kf, kb)
+        self.b.layers[key] = out
+        return out
+
+    def _head(self, rank: int) -> tuple[float, float, float, float, float]:
+        """The head: (forward s, backward s, activation bytes saved, collective s in the forward, in
+        the backward)."""
+        an = self.an
+        h = an.head
+        ce = 4.0 * an.tokens
+        self._k = 0.0
+        f = self._tp("head_in", 0, rank) + self._fwd(h["head"])
+        f += self._coll("allreduce", rank, "tp", ce) + self._fwd(h["xent"])
+        f += self._coll("allreduce", rank, "tp", 2 * ce) + self._fwd(h["loss"])
+        kf, self._k = self._k, 0.0
+        b = self._bwd(h["loss"]) + self._bwd(h["xent"]) + self._bwd(h["head"]) + self._tp("head_in", 1, rank)
+        return f, b, h["head"].saved, kf, self._k
+
+    # --- the schedule --------------------------------------------------------------------------
+    def _forwards_before_first_backward(self, r: int) -> list[int]:
+        """How many forwards of each chunk rank r runs before its first backward (simexec.schedules)."""
+        pp, m, v = self.pp, self.m, self.vpp
+        sched = self.p.schedule_name
+        if sched == "gpipe":
+            return [m]
+        if sched != "interleaved-1f1b":
+            return [min(pp - r, m)]
+        total = m * v
+        w = min(min((pp - r - 1) * 2 + (v - 1) * pp, total) + 1, total)
+        counts = [0] * v
+        full, rest = divmod(w, pp)
+        for k in range(full):  # forward unit k runs chunk (k // pp) % v
+            counts[k % v] += pp
+        counts[full % v] += rest
+        return counts
+
+    def _pipeline(self) -> None:
+        """Per pipeline rank: the end of its last compute (a compute-only replay of the schedule) and
+        the activations live before its first backward.
+
+        Within a rank every compute waits for the collectives before it, so a rank's actions add up;
+        across ranks a pipeline send waits only for the compute before it, so the chains leave out the
+        collective that ends a stage (`Ft`, `Bt`)."""
+        pp, V, m, F, B, Ft, Bt = self.pp, self.V, self.m, self.F, self.B, self.Ft, self.Bt
+        Fh, Bh = self.Fh, self.Bh
+        hb = self.an.hidden_bytes
+        # a pipeline message's seconds after each stage's forward (to the next) and backward (from it)
+        self.p2pF = p2pF = [self.mesh.p2p(vs % pp, (vs + 1) % pp, hb) for vs in range(V - 1)]
+        self.p2pB = p2pB = [self.mesh.p2p((vs + 1) % pp, vs % pp, hb) for vs in range(V - 1)]
+        # micro-batch 0 through every forward, then back through the later stages' backwards:
+        # earliest start of the first compute of F(vs, mb 0) and of B(vs, mb 0)
+        reach = [0.0] * V
+        for vs in range(1, V):
+            reach[vs] = reach[vs - 1] + F[vs - 1] - Fh[vs - 1] - Ft[vs - 1] + p2pF[vs - 1]
+        back = [0.0] * V
+        back[V - 1] = reach[V - 1] + F[V - 1] - Fh[V - 1] + Bh[V - 1]
+        for vs in range(V - 2, -1, -1):
+            back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
+        interleaved = self.p.schedule_name == "interleaved-1f1b"
+        end, self.act, self.w_after = [], [], []
+        Fx, Bx = self.Fx, self.Bx
+        for r in range(pp):
+            counts = self._forwards_before_first_backward(r)
+            f_before = sum(n * F[c * pp + r] for c, n in enumerate(counts))
+            work = m * sum(Fx[c * pp + r] + Bx[c * pp + r] for c in range(self.vpp))
+            self.w_after.append(work - sum(n * Fx[c * pp + r] for c, n in enumerate(counts)))
+            self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(counts)))
+            vs_first = (self.vpp - 1) * pp + r if interleaved else r
+            first_b = max(back[vs_first], reach[r] + f_before - Fh[r] + Bh[vs_first])
+            total = m * sum(F[c * pp + r] + B[c * pp + r] for c in range(self.vpp))
+            end.append(first_b + total - f_before - Bh[vs_first])
+        # the last micro-batch's gradients still walk down to stage 0 (chunk 0 of every rank)
+        last = [0.0] * pp
+        for r in range(pp - 1, -1, -1):
+            last[r] = end[r]
+            if r < pp - 1:
+                last[r] = max(last[r], last[r + 1] - Bt[r + 1] + p2pB[r] + B[r] - Bh[r])
+        # end of each rank's last compute, and the collective still running after it
+        self.last_compute = [last[r] - Bt[r] for r in range(pp)]
+        self.own_last_compute = [end[r] - Bt[r] for r in range(pp)]
+        self.tail = Bt[:pp]
+
+    # --- per state variant ---------------------------------------------------------------------
+    def _params(self) -> list[dict]:
+        """Per pipeline rank: parameters (dense, expert), the largest unit, the last unit's dense
+        parameters and each chunk's units' dense parameters."""
+        p = self.p
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages)
+        out = self.b.params.get(key)
+        if out is None:
+            out = []
+            for r in range(p.pp):
+                prm = self.rp.params_on_pp_rank(r)
+                units = self._units(r)
+                biggest = max(self._unit_params(u) for u in units)
+                last_unit = -1 if r == 0 else self.rp.stage_layers[r][0]
+                chunks = [[self._unit_params(u, True) for u in self._units(r, c)] for c in range(p.vpp)]
+                out.append(dict(dense=prm["dense"], expert=prm["expert"], biggest=biggest,
+                                last_dense=self._unit_params(last_unit, True), chunks=chunks))
+            self.b.params[key] = out
+        return out
+
+    def _memory(self, state: tuple) -> tuple[list[float], list[float], list[float]]:
+        """Per pipeline rank: model-state bytes (`model_state_bytes`), YaFSDP's preallocated buffers
+        and the optimizer's shard of parameters."""
+        p, rp = self.p, self.rp
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, state)
+        out = self.b.memory.get(key)
+        if out is not None:
+            return out
+        zero, zero_impl, dp_shard, offload = state
+        vrp = self.rp if (p.zero, p.zero_impl, p.dp_shard, p.offload) == state else replace(
+            rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload)))
+        groups = self.mesh.groups(self.mesh.rank_of_stage[0], p.ep, dp_shard)
+        zero_size = len(groups["zero"])
+        edp = max(1, len(groups["edp"]))
+        dt, gdt = self.dt, self.gdt
+        yafsdp = zero == 3 and (zero_impl or "fsdp") == "yafsdp" and zero_size > 1
+        static, buffers, shards = [], [], []
+        params = self._params()
+        memo = _MemoParams(vrp, params)
+        for r, prm in enumerate(params):
+            ms = ResolvedPlan.model_state_bytes(memo, r)
+            static.append(ms["params"] + ms["grads"] + ms["optimizer"])
+            big = prm["biggest"]
+            buffers.append(2 * big * dt + 2 * big * gdt if yafsdp else 0.0)
+            shards.append(prm["dense"] / (zero_size if zero >= 1 else 1) + prm["expert"] / (edp if zero >= 1 else 1))
+        out = self.b.memory[key] = (static, buffers, shards)
+        return out
+
+    def _state(self, state: tuple) -> tuple:
+        """Per pipeline rank: model-state bytes, buffers, (last gradient reduction, optimizer and
+        parameter gather) seconds, the busy time of the ZeRO axis' stream (fixed, per micro-batch)
+        and the gradient traffic."""
+        p, rp = self.p, self.rp
+        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, state)
+        out = self.b.states.get(key)
+        if out is not None:
+            return out
+        zero, zero_impl, dp_shard, offload = state
+        static, buffers, shards = self._memory(state)
+        dt, gdt = self.dt, self.gdt
+        mesh, cm = self.mesh, self.cm
+        verb = "allreduce" if zero == 0 else "reducescatter"
+
+        def zc(verb: str, rank: int, nbytes: float, axis: str = "zero") -> float:
+            return mesh.coll(verb, rank, axis, nbytes, p.ep, dp_shard)
+
+        tail, busy, traffic = [], [], []
+        for r, prm in enumerate(self._params()):
+            rank = mesh.rank_of_stage[r]
+            shard = shards[r]
+            if offload != "none":
+                opt = mesh.copy(rank, "d2h", shard * gdt) + mesh.cpu(rank, shard) + mesh.copy(rank, "h2d", shard * dt)
+            else:
+                opt = cm.time("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * ADAM_BYTES_PER_PARAM)
+            # the last unit's gradients are reduced after the last backward, before the optimizer
+            red = zc(verb, rank, prm["last_dense"] * gdt)
+            gather = 0.0
+            if zero in (1, 2):  # parameters all-gathered after the step
+                gather = zc("allgather", rank, prm["dense"] * dt)
+                if prm["expert"] > 0:
+                    gather = max(gather, zc("allgather", rank, prm["expert"] * dt, "edp"))
+            tail.append((red, opt + gather))
+            # The ZeRO axis' stream runs its collectives one after another. Buckets split a
+            # reduction in parts, and an idle-network collective costs at least as much in parts
+            # as whole (affine in bytes per algorithm, the fastest taken: concave, so subadditive).
+            total = zc(verb, rank, prm["dense"] * gdt)
+            if zero == 3:
+                z = sum(2 * zc("allgather", rank, u * dt) + zc(verb, rank, u * gdt) for ch in prm["chunks"] for u in ch)
+                busy.append((0.0, z))
+            elif zero == 2:
+                z = sum(zc(verb, rank, sum(ch) * gdt) for ch in prm["chunks"])
+                busy.append((zc("allgather", rank, prm["dense"] * dt), z))
+            elif zero == 1:
+                busy.append((total + zc("allgather", rank, prm["dense"] * dt), 0.0))
+            else:
+                busy.append((total, 0.0))
+            traffic.append(total)
+        out = self.b.states[key] = (static, buffers, tail, busy, traffic)
+        return out
+
+    def _units(self, r: int, chunk: Optional[int] = None) -> list[int]:
+        """Parameter units of pipeline rank r (or of one of its chunks): -1 embedding, L the head."""
+        units = []
+        for c in range(self.vpp) if chunk is None else (chunk,):
+            vs = c * self.pp + r
+            if vs == 0:
+                units.append(-1)
+            units.extend(self.rp.stage_layers[vs])
+            if vs == self.V - 1:
+                units.append(self.L)
+        return units
+
+    def _unit_params(self, unit: int, dense_only: bool = False) -> float:
+        """Parameters of one unit (all, or the dense ones: those ZeRO shards over its axis)."""
+        if unit == -1:
+            return self.an.embed_params()
+        if unit == self.L:
+            return self.an.head_params()
+        counts = self.an.layer_param_counts(unit)
+        return counts[0] if dense_only else sum(counts)
+
+    def replay_bound(self, state: tuple) -> float:
+        """Time bound from `_replay`: each rank's last compute, then its last gradient reduction,
+        optimizer step and parameter gather, as in `bounds`. Under ZeRO-3 the replay goes unit by
+        unit with the parameter gathers and gradient reduce-scatters on their stream."""
+        zero, _, dp_shard, _ = state
+        _, _, tails, _, _ = self._state(state)
+        if zero == 3 and len(self.mesh.groups(self.mesh.rank_of_stage[0], self.p.ep, dp_shard)["zero"]) > 1:
+            ends = self._zero3_replays.get(dp_shard)
+            if ends is None:
+                ends = self._zero3_replays[dp_shard] = self._replay(dp_shard or 0)
+            t = 0.0
+            for r, (end, tail, comm_end) in enumerate(ends):
+                _, after = tails[r]
+                t = max(t, max(end + tail, comm_end) + after)
+            return t * (1.0 - 1e-9)
+        ends = self._replayed
+        if ends is None:
+            ends = self._replayed = self._replay()
+        t = 0.0
+        for r, (end, tail, _) in enumerate(ends):
+            red, after = tails[r]
+            t = max(t, end + (red if red > tail else tail) + after)
+        return t * (1.0 - 1e-9)
+
+    def _unit_costs(self, r: int, chunk: int, zshard: int) -> tuple[list, list]:
+        """Forward and backward of each unit of one chunk, in the order the lowering runs them:
+        (opening collective, compute and the collectives inside it, closing collective, parameter
+        all-gather, gradient reduce-scatter) in seconds."""
+        p, an = self.p, self.an
+        rank = self.mesh.rank_of_stage[r]
+        dt, gdt = self.dt, self.gdt
+        vs = chunk * self.pp + r
+        layers = self.rp.stage_layers[vs]
+        n = len(layers)
+        n_rc = self._n_recomputed(n)
+        fwd, bwd = [], []
+        for u in self._units(r, chunk):
+            dense = self._unit_params(u, True)
+            g = self.mesh.coll("allgather", rank, "zero", dense * dt, p.ep, zshard or None)
+            rs = self.mesh.coll("reducescatter", rank, "zero", dense * gdt, p.ep, zshard or None)
+            if u == -1:
+                fc = self._tp("embed_out", 0, rank)
+                fwd.append((0.0, self._fwd(an.embed), fc, g, 0.0))
+                bo = self._tp("embed_out", 1, rank)  # before the embedding's backward
+                bwd.append((bo, self._bwd(an.embed), 0.0, g, rs))
+            elif u == self.L:
+                hf, hb, _, _, _ = self._head(rank)
+                fo = self._tp("head_in", 0, rank)
+                bc = self._tp("head_in", 1, rank)
+                fwd.append((fo, hf - fo, 0.0, g, 0.0))
+                bwd.append((0.0, hb - bc, bc, g, rs))
+            else:
+                pos = layers.index(u)
+                rc = pos < n_rc
+                c = self._layer(u, rc, rank)
+                fo, fc = self._tp("attn_in", 0, rank), c[3]
+                fwd.append((fo, c[0] - fo - fc, fc, g, 0.0))
+                bo = self._tp("attn_in", 0, rank) if (rc and p.recompute == "full") else self._tp("mlp_out", 1, rank)
+                bc = c[4]
+                bwd.append((bo, c[1] - bo - bc, bc, g, rs))
+        bwd.reverse()
+        return fwd, bwd
+
+    def _replay(self, zshard: Optional[int] = None) -> list[tuple[float, float, float]]:
+        """The pipeline schedule (`simexec.schedules.pipeline_order`, as the lowering walks it) with
+        every compute at full speed, every collective the compute waits on at its idle-network price
+        and every pipeline message sent as soon as its compute ends. A forward waits for the previous
+        stage's forward of its micro-batch and its message, a backward for the next stage's backward;
+        within a rank the actions run in order, each after the collective that closes the previous
+        one and the one that opens it. Anything the simulator adds only delays; returns, per rank, the
+        end of its last compute, the collective that follows it and when its ZeRO stream is done.
+
+        zshard (ZeRO-3 over dp, or over dp_shard groups of that size when > 0): actions go unit by
+        unit. Each pass gathers its first two units' parameters up front and unit j+2's once unit j
+        has computed; a unit computes once its gather is done; a backward unit's gradients are
+        reduce-scattered after it; the gathers and reduce-scatters take turns on one stream."""
+        from simexec.schedules import pipeline_order
+
+        pp, V, m = self.pp, self.V, self.m
+        F, B, Fh, Bh, Ft, Bt = self.F, self.B, self.Fh, self.Bh, self.Ft, self.Bt
+        p2pF, p2pB = self.p2pF, self.p2pB
+        Fb = [F[v] - Fh[v] - Ft[v] for v in range(V)]
+        Bb = [B[v] - Bh[v] - Bt[v] for v in range(V)]
+        order = pipeline_order(self.p.schedule_name, pp, m, self.vpp)
+        fend = [[-1.0] * m for _ in range(V)]
+        bend = [[-1.0] * m for _ in range(V)]
+        ptr = [0] * pp
+        t_end = [0.0] * pp
+        t_tail = [0.0] * pp
+        c_free = [0.0] * pp  # when the rank's ZeRO stream is free
+        units = None
+        if zshard is not None:
+            units = {(r, c): self._unit_costs(r, c, zshard) for r in range(pp) for c in range(self.vpp)}
+        # per action kind: its ends, opening / body / closing seconds, and per stage the action it waits
+        # on (the previous stage's forward, the next stage's backward) with the message between
+        kinds = {
+            "F": (fend, Fh, Fb, Ft, [None] + [(fend[vs - 1], p2pF[vs - 1]) for vs in range(1, V)], 0),
+            "B": (bend, Bh, Bb, Bt, [(bend[vs + 1], p2pB[vs]) for vs in range(V - 1)] + [None], 1),
+        }
+        left = sum(len(a) for a in order.values())
+        while left:
+            moved = False
+            for r in range(pp):
+                acts, i = order[r], ptr[r]
+                te, tt, cf = t_end[r], t_tail[r], c_free[r]
+                while i < len(acts):
+                    chunk, kind, mb = acts[i]
+                    vs = chunk * pp + r
+                    ends, opening, body, closing, waits, half = kinds[kind]
+                    arr = 0.0
+                    if waits[vs] is not None:
+                        dep_ends, msg = waits[vs]
+                        dep = dep_ends[mb]
+                        if dep < 0.0:
+                            break
+                        arr = dep + msg
+                    if units is None:
+                        start = te + tt + opening[vs]
+                        te = (start if start > arr else arr) + body[vs]
+                        tt = closing[vs]
+                    else:
+                        te, tt, cf = _zero3_pass(units[(r, chunk)][half], te, tt, cf, arr)
+                    ends[vs][mb] = te
+                    i += 1
+                    left -= 1
+                    moved = True
+                ptr[r], t_end[r], t_tail[r], c_free[r] = i, te, tt, cf
+            if not moved:  # cannot happen for the schedules simexec builds; keep the first bound
+                return [(0.0, 0.0, 0.0)] * pp
+        return list(zip(t_end, t_tail, c_free))
+
+    def bounds(self, state: tuple) -> tuple[float, float, float]:
+        """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""
+        static, buffers, tails, busy, traffic = self._state(state)
+        ws, dyn, a = self.b.workspace, self.b.dyn, self.b.slow
+        t = mem = tr = 0.0
+        lc, own, tl, act, m, wa = self.last_compute, self.own_last_compute, self.tail, self.act, self.m, self.w_after
+        for r in range(self.pp):
+            red, after = tails[r]
+            rest = (red if red > tl[r] else tl[r]) + after
+            x = lc[r] + rest
+            fixed, per_mb = busy[r]
+            z = fixed + m * per_mb
+            if z > x:
+                x = z
+            # Compute runs 1/overlap_slowdown slower while a transfer of the rank is in flight, and the
+            # ZeRO stream keeps one in flight for z seconds: after its first backward the rank's own
+            # sequence E = own[r] + rest gains a * overlap, overlap >= work + z - T, so
+            # T >= (E + a (work + z)) / (1 + a), a = 1 - 1/overlap_slowdown.
+            y = (own[r] + rest + a * (wa[r] + z)) / (1.0 + a)
+            if y > x:
+                x = y
+            if x > t:
+                t = x
+            y = static[r] + ws + dyn * (buffers[r] + act[r])
+            if y > mem:
+                mem = y
+            if traffic[r] > tr:
+                tr = traffic[r]
+        est = t + 0.1 * tr
+        # float sums in another order than the simulator's may differ in the last bits: stay below
+        return est, t * (1.0 - 1e-9), mem * (1.0 - 1e-9)
+

@@ -105,7 +105,8 @@ def _add_optional_commands(subs) -> None:
         _spec_args(p)
         p.add_argument("--steps", type=int, default=3, help="training steps (the first is a warm-up)")
         p.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local one)")
-        p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+        p.add_argument("--backend", choices=("gloo", "nccl", "xla"), default="gloo",
+                       help="gloo on CPU ranks, nccl on GPUs, xla on PyTorch/XLA devices (scripts/xla_env.sh)")
         p.add_argument("--timeout", type=float, default=60.0, help="seconds before a hung rank ends the run")
         p.add_argument("--seed", type=int, default=0)
         p.add_argument("--json", dest="json_path", default=None, help="write losses, step times and memory here")

@@ -31,11 +31,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _pool_main(rank: int, size: int, port: int, jobs, results) -> None:
+def _pool_main(rank: int, size: int, port: int, jobs, results, device: str = "cpu") -> None:
     """One rank of the pool: joins a gloo world of `size` once, then runs plans until told to stop.
-    Ranks beyond a plan's world only take part in building its process groups (a world collective)."""
+    Ranks beyond a plan's world only take part in building its process groups (a world collective).
+    device "xla": the rank computes on its XLA device (collectives: gloo on host copies)."""
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
+    dev = torch.device("cpu")
+    if device == "xla":
+        from simexec.exec.xla import device as xla_device
+
+        dev = xla_device()  # before any backward: autograd sizes its device queues once
     import io
     import traceback
     from datetime import timedelta
@@ -57,8 +63,7 @@ def _pool_main(rank: int, size: int, port: int, jobs, results) -> None:
             groups = GroupTable(specs, rank, timeout_s=TIMEOUT_S)
             res = None
             if rank in program.ranks:
-                res = run_rank(rp, program.ranks[rank], steps=steps, groups=groups, tracer=None,
-                               device=torch.device("cpu"), seed=0)
+                res = run_rank(rp, program.ranks[rank], steps=steps, groups=groups, tracer=None, device=dev, seed=0)
             buf = io.BytesIO()
             torch.save(res, buf)  # bytes, not shared-memory tensors: no file descriptor per tensor
             results.put(("ok", rank, buf.getvalue()))
@@ -77,8 +82,8 @@ class RankPool:
     a plan runs on ranks 0..world-1. Saves the start of a process and the import of torch per rank and
     plan. A plan that fails restarts the pool, so nothing of it (unread messages) reaches the next."""
 
-    def __init__(self, size: int = POOL):
-        self.size = size
+    def __init__(self, size: int = POOL, device: str = "cpu"):
+        self.size, self.device = size, device
         self.ctx = mp.get_context("spawn")
         self.procs = []
 
@@ -86,7 +91,7 @@ class RankPool:
         port = _free_port()
         self.jobs = [self.ctx.Queue() for _ in range(self.size)]
         self.results = self.ctx.Queue()
-        self.procs = [self.ctx.Process(target=_pool_main, args=(r, self.size, port, self.jobs[r], self.results),
+        self.procs = [self.ctx.Process(target=_pool_main, args=(r, self.size, port, self.jobs[r], self.results, self.device),
                                        daemon=True) for r in range(self.size)]
         for p in self.procs:
             p.start()
@@ -149,14 +154,15 @@ def resolved(model: str, plan: str, seq_len: int | None = 32):
     return resolve(get_model(model), get_cluster("local"), parse_plan(plan + ",dtype=fp32"), seq_len)
 
 
-def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS) -> tuple[object, list[dict]]:
-    """Lower `plan` and run every rank (in the session's pool); the results of run_rank per rank."""
+def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None
+             ) -> tuple[object, list[dict]]:
+    """Lower `plan` and run every rank (in the session's pool, or `pool`); the results of run_rank per rank."""
     from simexec.lower import lower
 
     rp = resolved(model, plan, seq_len)
     program = lower(rp, symmetric=False)
     program.validate()
-    return rp, _pool().run(rp, program, steps)
+    return rp, (pool or _pool()).run(rp, program, steps)
 
 
 @lru_cache(maxsize=None)
@@ -177,18 +183,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor))
 
 
-def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS) -> tuple[float, float]:
+def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None
+               ) -> tuple[float, float]:
     """Run `plan`; assert losses and every rank's parameter shard match the reference. Returns the
-    largest relative errors of the losses and of the parameters."""
+    largest relative errors of the losses and of the parameters. `pool`: another RankPool (XLA)."""
     from simexec.exec.model import Layout, holds, param_specs, shard
 
-    rp, results = run_plan(model, plan, seq_len, steps)
+    rp, results = run_plan(model, plan, seq_len, steps, pool)
     ref = _reference(model, rp.plan.gbs, seq_len, steps)
     loss_err = 0.0
     reporting = [r for r in results if r["losses"]]
     last_stage = [r for r in range(rp.world) if rp.mesh.coords(r)["pp"] == rp.plan.pp - 1]
     assert [r for r, res in enumerate(results) if res["losses"]] == last_stage, "losses from other ranks than the last stage"
-    assert all(len(res["step_times_s"]) == steps and res["peak_memory_bytes"] > 0 for res in results)
+    measures_memory = pool is None or pool.device == "cpu"  # the XLA CPU runtime reports no memory
+    assert all(len(res["step_times_s"]) == steps and (res["peak_memory_bytes"] > 0 or not measures_memory)
+               for res in results)
     for res in reporting:
         assert len(res["losses"]) == steps
         for got, want in zip(res["losses"], ref["losses"]):

@@ -1,5 +1,5 @@
 """The interpreter on the remaining plan dimensions (issue 6): MoE with expert parallelism, context
-parallel, ZeRO-3 YaFSDP, HSDP and offload, each against the single-process reference (fp32, relative
+parallel (all-gather and ring), ZeRO-3 YaFSDP, HSDP and offload, each against the single-process reference (fp32, relative
 1e-4, 3 steps, losses and final parameters); and the memory of the two ZeRO-3 flavours. Uses the rank
 pool and `check_plan` of test_exec_interp.py."""
 from __future__ import annotations
@@ -39,7 +39,13 @@ EXTENDED = [
     ("gpt-tiny", "dp=2,cp=2,zero=3"),
     ("moe-tiny", "dp=2,ep=2,cp=2"),
     ("moe-tiny", "dp=2,ep=2,tp=2,sp=1"),
-    ("gpt-tiny", "cp=2,cp_impl=ring"),  # refused until the interpreter runs ring attention (xfail)
+    # ring context parallel: K/V hop around the cp group, partial attentions merged by log-sum-exp,
+    # flash-style backward per hop with dK/dV travelling home
+    ("gpt-tiny", "cp=2,cp_impl=ring"),
+    ("gpt-tiny", "cp=2,tp=2,cp_impl=ring"),
+    ("gpt-tiny", "cp=4,cp_impl=ring"),
+    ("gpt-tiny", "cp=2,cp_impl=ring,recompute=selective"),
+    ("moe-tiny", "cp=2,tp=2,sp=1,cp_impl=ring"),
 ]
 
 

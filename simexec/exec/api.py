@@ -86,8 +86,14 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     from simexec.model import ModelSpec, get_model
     from simexec.plan import Plan, load_plan, resolve
 
-    if backend not in ("gloo", "nccl"):
-        raise ExecError(f"backend must be gloo or nccl, got {backend!r}")
+    if backend not in ("gloo", "nccl", "xla"):
+        raise ExecError(f"backend must be gloo, nccl or xla, got {backend!r}")
+    if backend == "xla":  # PyTorch/XLA lives in its own environment (scripts/xla_env.sh)
+        from simexec.exec.xla import unavailable
+
+        why = unavailable()
+        if why:
+            raise ExecError(f"backend xla: {why}")
     if steps < 1:
         raise ExecError(f"steps must be at least 1, got {steps}")
     model = model if isinstance(model, ModelSpec) else get_model(model)

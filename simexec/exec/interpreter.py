@@ -7,7 +7,20 @@ order and dispatch on the kind. Every instruction is one call:
 - collective: issued with `async_op=True` on the real process group of its axis, waited on by the
   instructions that name it in `deps` or that read what it produces;
 - send / recv: `isend` eagerly, `irecv` posted when the recv comes, waited on like collectives;
-- copy: offload copies between separate device and host buffers; memory: markers, skipped.
+- copy: offload copies between separate device and host buffers; memory: markers, skipped (their
+  deps are not waited: a marker is accounting, and waiting would hold the compute stream back).
+
+The loop is lean: what it does per instruction besides dispatching (deps, ZeRO-3 releases, full
+recompute's drops) is decided once per run (`_prepare`), name look-ups are dicts, a backward block
+goes straight to the autograd engine, and the only per-instruction allocations are the tensors.
+On an XLA device (`simexec.exec.xla`) every compute instruction ends with a graph cut, so it is one
+lazy XLA graph, executed and timed on its own; collectives go through `comm` (torch.distributed,
+or gloo on host copies on the XLA CPU runtime).
+
+Ring context parallelism (cp_impl=ring): attention is computed one K/V chunk per hop, partial results
+merged by log-sum-exp; the backward is flash attention's per chunk from the saved output and
+log-sum-exp, with dK/dV travelling around the ring with their K/V and home on the last hop (see
+`ring_forward`).
 
 Per-block autograd. A forward block takes detached copies of its inputs that require grad, runs the
 block, keeps (inputs, outputs) in a record; its backward calls `torch.autograd.backward(outputs,
@@ -43,13 +56,40 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from simexec.exec import data
-from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard
+from simexec.exec.model import (GPT, Layout, Route, attn_merge, attn_partial, attn_partial_bwd, holds, init_full,
+                                 param_specs, shard)
 from simexec.exec.optim import Adam
 from simexec.program import Instr
 
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _engine_backward(tensors: tuple, grads: tuple) -> None:
+    """torch.autograd.backward(tensors, grads) without its Python-side checks and bookkeeping (the
+    interpreter calls it once per backward block, with gradients of matching shapes and dtypes)."""
+    _ENGINE.run_backward(tensors, grads, False, False, (), True, True)
+
+
+try:
+    _ENGINE = torch.autograd.Variable._execution_engine
+    _run_backward = _engine_backward
+except AttributeError:  # pragma: no cover - a torch without the engine handle
+    _run_backward = torch.autograd.backward
+
+
+class TorchComm:
+    """The communication calls the interpreter makes: torch.distributed's own, on the rank's device.
+    A backend whose process groups cannot take its tensors stands in with the same methods
+    (`simexec.exec.xla.HostComm`: XLA tensors through gloo on host copies)."""
+
+    all_reduce = staticmethod(dist.all_reduce)
+    all_gather = staticmethod(_all_gather)
+    reduce_scatter = staticmethod(_reduce_scatter)
+    all_to_all_single = staticmethod(dist.all_to_all_single)
+    isend = staticmethod(dist.isend)
+    irecv = staticmethod(dist.irecv)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -97,15 +137,17 @@ def _coll_keys(block: str, layer: int, mb: int) -> tuple[tuple, tuple]:
     return (src, layer, mb), (dst, out_layer, mb)
 
 
+_UP = {dst: src for src, dst, _ in _COLLS.values() if dst != "x"}  # each name but x has one maker
+_DOWN = {src: dst for src, dst, _ in _COLLS.values() if src not in ("emb", "y2p", "x")}
+
+
 def _upstream(key: tuple) -> Optional[tuple]:
     """The name a collective turns into `key`, for reads where that collective is absent."""
     name, l, mb = key
     if name == "x":
         return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
-    for src, dst, _ in _COLLS.values():
-        if dst == name and name != "x":
-            return (src, l, mb)
-    return None
+    src = _UP.get(name)
+    return None if src is None else (src, l, mb)
 
 
 def _downstream(key: tuple, layers: int) -> Optional[tuple]:
@@ -117,10 +159,8 @@ def _downstream(key: tuple, layers: int) -> Optional[tuple]:
         return ("x", l + 1, mb)
     if name == "x":
         return ("xh", l, mb) if l == layers else ("xa", l, mb)
-    for src, dst, _ in _COLLS.values():
-        if src == name:
-            return (dst, l, mb)
-    return None
+    dst = _DOWN.get(name)
+    return None if dst is None else (dst, l, mb)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -138,8 +178,6 @@ def unsupported(rp) -> Optional[str]:
         missing.append(f"tied embeddings ({m.name}: the LM head sharing the token embedding)")
     if m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
-    if p.cp > 1 and p.cp_impl == "ring":
-        missing.append("context parallel with cp_impl=ring (all-gather is supported)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
     if not missing and (p.sp or p.cp > 1):
@@ -314,8 +352,15 @@ class _Flat:
 
 
 class _Rank:
-    def __init__(self, rp, instrs: list[Instr], groups, tracer, device: torch.device, seed: int):
+    def __init__(self, rp, instrs: list[Instr], groups, tracer, device: torch.device, seed: int, comm=None):
         self.rp, self.instrs, self.groups, self.device, self.seed = rp, instrs, groups, device, seed
+        self.comm = comm if comm is not None else TorchComm
+        self.xla = device.type == "xla"
+        self.cut: Optional[Callable[[], None]] = None  # XLA: end the lazy graph after each compute instruction
+        if self.xla:
+            from simexec.exec.xla import cut
+
+            self.cut = cut
         self.tracer = tracer if tracer is not None else _NullTracer()
         self.rank = instrs[0].rank
         m, p = rp.model, rp.plan
@@ -359,6 +404,8 @@ class _Rank:
         self._setup_zero()
         self._setup_grad_buffers()
         self._setup_optimizer()
+        self._setup_ring()
+        self._prepare()
 
     # --- parameters per unit and class ------------------------------------------------------------
     def unit_names(self, unit: int, cls: str) -> list[str]:
@@ -435,7 +482,7 @@ class _Rank:
         autograd and dropped at its bucket."""
         self.gbuf: dict[tuple, Tensor] = {}
         self.gview: dict[str, Tensor] = {}
-        if self.plan.zero >= 2:
+        if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
             return
         for i in self.instrs:
             if not (i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()):
@@ -519,7 +566,10 @@ class _Rank:
         """Finish what has completed without blocking, so its event ends near when it did (not at the
         instruction that happens to wait for it; an eager send is waited by nobody until the step ends)."""
         for w in list(self.inflight.values()):
-            if all(x.is_completed() for x in w.works):
+            for x in w.works:
+                if not x.is_completed():
+                    break
+            else:
                 w.wait()
 
     def wait_all(self) -> None:
@@ -538,6 +588,21 @@ class _Rank:
         return b
 
     # --- the step ---------------------------------------------------------------------------------
+    def _prepare(self) -> None:
+        """Decide once, per instruction, what the loop does besides dispatching it: the step loop
+        then does no set or dict look-ups of its own. Memory instructions are left out: they are the
+        simulator's accounting (zero time, not traced), and waiting on their deps (a free after a
+        collective, on that collective's stream) would only hold the compute stream back."""
+        codes = {"compute": 0, "collective": 1, "send": 2, "recv": 2, "copy": 3}
+        self._ops = []
+        for k, ins in enumerate(self.instrs):
+            code = codes.get(ins.kind)
+            if code is None:
+                continue
+            key = (ins.layer, ins.mb)
+            drop = key if key in self.full_recompute_layers and self.layer_end.get(key) == k else None
+            self._ops.append((ins, code, ins.deps, tuple(self.z3_free_after.get(k, ())), drop))
+
     def run_step(self, step: int) -> Optional[float]:
         self.step_no = step
         self.env: dict[tuple, Any] = {}
@@ -546,32 +611,35 @@ class _Rank:
         self._batches: dict[int, data.Batch] = {}
         self.loss: Optional[Tensor] = None
         self._attach_grads()
-        for k, ins in enumerate(self.instrs):
-            for dep in ins.deps:
-                self.wait_name(dep)
-            kind = ins.kind
-            if kind == "compute":
-                self.reap()
-                self.tracer.begin(ins, step)
+        inflight, tracer, cut = self.inflight, self.tracer, self.cut
+        begin, end = tracer.begin, tracer.end
+        for ins, code, deps, free, drop in self._ops:
+            for dep in deps:
+                w = inflight.get(dep)
+                if w is not None:
+                    w.wait()
+            if code == 0:  # compute
+                if inflight:
+                    self.reap()
+                begin(ins, step)
                 self.compute(ins)
-                self.tracer.end(ins, step)
-                for key in self.z3_free_after.get(k, ()):
+                if cut is not None:
+                    cut()
+                end(ins, step)
+                for key in free:
                     self.z3_release(key)
-                if (ins.layer, ins.mb) in self.full_recompute_layers and self.layer_end.get((ins.layer, ins.mb)) == k:
-                    self.drop_layer(ins.layer, ins.mb)
-            elif kind == "collective":
-                self.tracer.begin(ins, step)
+            elif code == 1:  # collective: ends when waited
+                begin(ins, step)
                 self.collective(ins)
-                if (ins.layer, ins.mb) in self.full_recompute_layers and self.layer_end.get((ins.layer, ins.mb)) == k:
-                    self.drop_layer(ins.layer, ins.mb)
-            elif kind in ("send", "recv"):
-                self.tracer.begin(ins, step)
+            elif code == 2:  # send / recv: end when waited
+                begin(ins, step)
                 self.p2p(ins)
-            elif kind == "copy":
-                self.tracer.begin(ins, step)
+            else:  # copy
+                begin(ins, step)
                 self.copy(ins)
-                self.tracer.end(ins, step)
-            # memory: the simulator's accounting, not traced (no time; memory is measured independently)
+                end(ins, step)
+            if drop is not None:
+                self.drop_layer(*drop)
         self.wait_all()
         return None if self.loss is None else float(self.loss)
 
@@ -579,13 +647,18 @@ class _Rank:
     def compute(self, ins: Instr) -> None:
         if ins.block in ("optim", "cpu_optim"):
             return self.optimizer_step(ins)
-        for cls in ("dense", "expert"):
-            w = self.z3_pending.get((cls, ins.layer))
-            if w is not None:
-                w.wait()
+        if self.z3_pending:
+            for cls in ("dense", "expert"):
+                w = self.z3_pending.get((cls, ins.layer))
+                if w is not None:
+                    w.wait()
+        record = (ins.phase == "recompute" or not self.recomputed
+                  or (ins.block, ins.layer, ins.mb) not in self.recomputed)
+        if self.ring and ins.block == "attn":
+            hop = self.ring_hop[ins.name]
+            return self.ring_backward(ins, hop) if ins.phase == "bwd" else self.ring_forward(ins, hop, record)
         if ins.phase == "bwd":
             return self.backward(ins)
-        record = ins.phase == "recompute" or (ins.block, ins.layer, ins.mb) not in self.recomputed
         self.forward(ins, record)
 
     def _run_block(self, block: str, l: int, mb: int, xs: list) -> tuple:
@@ -656,7 +729,7 @@ class _Rank:
                     ts.append(o)
                     gs.append(g)
         if ts:
-            torch.autograd.backward(ts, gs)
+            _run_backward(tuple(ts), tuple(gs))
         for n, v in zip(ins_names, vals):
             if isinstance(v, Tensor) and v.grad is not None:
                 self.add_grad((n, l, mb), v.grad)
@@ -672,6 +745,140 @@ class _Rank:
             self.env[("x", l + 1, mb)] = self.env[("y2p", l, mb)]  # the next layer reads it
         for key in [k for k in self.env if k[1] == l and k[2] == mb and k not in keep]:
             del self.env[key]
+
+    # --- ring context parallelism -----------------------------------------------------------------
+    # cp_impl=ring (docs/program.md, lower.ring_attention). Forward, hop i of cp: send the K/V chunk
+    # held (from cp rank me - i) to the next cp rank, attend to it (`attn.r{i}`: attn_partial, merged
+    # into the running output by log-sum-exp), receive the next chunk from the previous rank. The last
+    # hop's partial writes `o`; a recorded forward keeps (q, o, lse) for the backward.
+    # Backward, hop i: `bwd.attn.r{i}` is flash attention's backward of the chunk held, from the saved
+    # (o, lse) and dO (no per-chunk forward state), adding to dQ and to the chunk's travelling dK/dV;
+    # then (K, V, dK, dV) go to the next rank. The last hop sends only dK/dV, which thereby arrive at
+    # the rank that owns them: they are the gradient of `kv` that the qkv backward reads.
+
+    def _setup_ring(self) -> None:
+        p = self.plan
+        self.ring = p.cp > 1 and p.cp_impl == "ring"
+        if not self.ring:
+            return
+        cp, me = p.cp, self.coords["cp"]
+        self.cp_rank = me
+        self.ring_hop: dict[str, int] = {}  # attn compute name -> hop
+        self.ring_msg: dict[str, tuple[int, int]] = {}  # kv send/recv name -> (origin cp rank, hop)
+        for i in self.instrs:
+            if i.block == "attn" and i.kind == "compute":
+                self.ring_hop[i.name] = int(i.name.rsplit(".r", 1)[1])
+            elif i.block == "kv" and i.kind in ("send", "recv"):
+                o, h = i.name.rsplit(".", 2)[1:]
+                self.ring_msg[i.name] = (int(o[1:]), int(h[1:]))
+        pos = [data.cp_positions(self.rp.seq_len, cp, j).to(self.device) for j in range(cp)]
+        self.ring_mask = [pos[j][None, :] <= pos[me][:, None] if self.m.causal else None for j in range(cp)]
+        self.ring_scale = 1.0 / math.sqrt(self.m.head_dim)
+        self.ring_fwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a forward ring in progress
+        self.ring_bwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a backward ring in progress
+
+    def _ring_state(self, table: dict, l: int, mb: int) -> dict:
+        st = table.get((l, mb))
+        if st is None:  # opened by the first hop's send or compute, whichever comes first
+            kv = self.read(("kvf", l, mb)).detach()  # no kv collective: this rank's own K/V
+            st = table[(l, mb)] = {"chunks": {self.cp_rank: kv}}
+            if table is self.ring_bwd:
+                st["dkv"] = {self.cp_rank: torch.zeros_like(kv)}
+        return st
+
+    def _ring_chunk(self, st: dict, origin: int) -> Tensor:
+        c = st["chunks"][origin]
+        if isinstance(c, _Inflight):
+            c.wait()
+            c = st["chunks"][origin]
+        return c
+
+    def ring_forward(self, ins: Instr, hop: int, record: bool) -> None:
+        l, mb = ins.layer, ins.mb
+        st = self._ring_state(self.ring_fwd, l, mb)
+        if "q" not in st:
+            st["q"] = self.read(("q", l, mb)).detach()
+        origin = (self.cp_rank - hop) % self.plan.cp
+        kv = self._ring_chunk(st, origin)
+        del st["chunks"][origin]  # attended to here, and (in program order) already sent on
+        q = st["q"]
+        with torch.no_grad():
+            o, lse = attn_partial(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin], self.ring_scale)
+            if "o" in st:
+                o, lse = attn_merge(st["o"], st["lse"], o, lse)
+        if hop < self.plan.cp - 1:
+            st["o"], st["lse"] = o, lse
+            return
+        del self.ring_fwd[(l, mb)]
+        B, nh, T, hd = q.shape
+        self.env[("o", l, mb)] = o.to(q.dtype).transpose(1, 2).reshape(B, T, nh * hd)
+        if record:
+            self.records[("attn", l, mb)] = (q, o, lse)
+
+    def ring_backward(self, ins: Instr, hop: int) -> None:
+        l, mb = ins.layer, ins.mb
+        cp = self.plan.cp
+        st = self._ring_state(self.ring_bwd, l, mb)
+        if "lse" not in st:
+            rec = self.records.pop(("attn", l, mb), None)
+            if rec is None:
+                raise RuntimeError(f"rank {self.rank}: {ins.name} has no forward record (forward not run, or run without grad)")
+            q, o, lse = rec
+            B, nh, T, hd = q.shape
+            do = self.take_grad(("o", l, mb)).float().view(B, T, nh, hd).transpose(1, 2)
+            st.update(q=q, lse=lse, do=do, delta=(do * o).sum(-1), dq=torch.zeros_like(o))
+        origin = (self.cp_rank - hop) % cp
+        kv = self._ring_chunk(st, origin)
+        dkv = st["dkv"][origin]
+        q = st["q"]
+        with torch.no_grad():
+            dq, dk, dv = attn_partial_bwd(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin],
+                                          self.ring_scale, st["lse"], st["do"], st["delta"])
+            st["dq"] += dq
+            dkv[0] += dk.to(dkv.dtype)
+            dkv[1] += dv.to(dkv.dtype)
+        if hop == cp - 1:
+            self.add_grad(("q", l, mb), st["dq"].to(q.dtype))
+            for key in (("q", l, mb), ("o", l, mb)):
+                if key in self.env:
+                    del self.env[key]
+
+    def ring_p2p(self, ins: Instr) -> None:
+        """A K/V hop (forward, recompute) or a K/V + dK/dV hop (backward) of the ring."""
+        l, mb = ins.layer, ins.mb
+        origin, hop = self.ring_msg[ins.name]
+        bwd = ins.phase == "bwd"
+        home = bwd and hop == self.plan.cp - 1  # the backward's last hop: dK/dV only
+        tag = zlib.crc32(ins.name.encode()) & 0x7FFFFFFF
+        if ins.kind == "send":
+            st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
+            kv = self._ring_chunk(st, origin)
+            if not bwd:
+                t = kv  # the forward's compute of this hop reads it next
+            else:
+                st["chunks"].pop(origin)
+                dkv = st["dkv"].pop(origin)
+                t = dkv if home else torch.cat([kv, dkv])
+                if home:
+                    del self.ring_bwd[(l, mb)]
+            self._issue(ins, [self.comm.isend(t.contiguous(), ins.peer, tag=tag)], None)
+            return
+        shape = self.read(("kvf", l, mb)).shape  # (2, B, nkv, T, hd): every chunk has this rank's shape
+        if home:  # this rank's own dK/dV, complete: the gradient of `kv` that the qkv backward reads
+            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            key = ("kv", l, mb)
+            self.d[key] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], lambda: self._deliver(key, buf, True))
+            return
+        st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
+        buf = torch.empty((4 if bwd else 2,) + tuple(shape[1:]), dtype=self.dtype, device=self.device)
+
+        def finish():
+            if bwd:
+                st["chunks"][origin], st["dkv"][origin] = buf[:2], buf[2:]
+            else:
+                st["chunks"][origin] = buf
+
+        st["chunks"][origin] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], finish)
 
     # --- collectives ------------------------------------------------------------------------------
     def collective(self, ins: Instr) -> None:
@@ -722,7 +929,7 @@ class _Rank:
         if verb == "allreduce":
             buf = torch.cat([x.reshape(-1)] + flat_extras) if extras else x.clone()
             op = dist.ReduceOp.MAX if ins.block == "ce_max" else dist.ReduceOp.SUM
-            work = dist.all_reduce(buf, op=op, group=g, async_op=True)
+            work = self.comm.all_reduce(buf, op=op, group=g, async_op=True)
 
             def finish():
                 self._deliver(target, buf[: x.numel()].view(shape), backward)
@@ -730,7 +937,7 @@ class _Rank:
         elif verb == "allgather":
             xt = x.movedim(dim, 0).contiguous()
             out = torch.empty((n * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
-            work = _all_gather(out, xt, group=g, async_op=True)
+            work = self.comm.all_gather(out, xt, group=g, async_op=True)
 
             def finish():
                 self._deliver(target, out.movedim(0, dim), backward)
@@ -740,7 +947,7 @@ class _Rank:
             # with extras (replicated params' grads) every slot carries them: each rank gets the full sum
             buf = torch.cat([torch.cat([c.reshape(-1)] + flat_extras) for c in chunks])
             out = torch.empty(buf.numel() // n, dtype=x.dtype, device=x.device)
-            work = _reduce_scatter(out, buf, group=g, async_op=True)
+            work = self.comm.reduce_scatter(out, buf, group=g, async_op=True)
             cshape = chunks[0].shape
 
             def finish():
@@ -798,7 +1005,7 @@ class _Rank:
             route: Route = self.read(("route", l, mb))
             counts = route.counts.to(torch.int64)
             rc = torch.empty_like(counts)
-            dist.all_to_all_single(rc, counts, group=g)  # counts for my local experts from each source
+            self.comm.all_to_all_single(rc, counts, group=g)  # counts for my local experts from each source
             rc = rc.view(n, -1)
             send = counts.view(n, -1).sum(1).tolist()
             recv = rc.sum(1).tolist()
@@ -810,7 +1017,7 @@ class _Rank:
         in_split, out_split = (send, recv) if to_experts else (recv, send)
         x = (self.take_grad(dst) if backward else self.read(src)).detach().contiguous()
         out = torch.empty((sum(out_split), x.shape[1]), dtype=x.dtype, device=x.device)
-        work = dist.all_to_all_single(out, x, out_split, in_split, group=g, async_op=True)
+        work = self.comm.all_to_all_single(out, x, out_split, in_split, group=g, async_op=True)
         target = src if backward else dst
         w = self._issue(ins, [work], lambda: self._deliver(target, out, backward))
         (self.d if backward else self.env)[target] = w
@@ -825,11 +1032,13 @@ class _Rank:
         return layers[-1] + 1 if outgoing else layers[0]
 
     def p2p(self, ins: Instr) -> None:
+        if ins.block == "kv":
+            return self.ring_p2p(ins)
         key = ("x", self._boundary(ins), ins.mb)
         tag = zlib.crc32(ins.name.encode()) & 0x7FFFFFFF  # same name on both ends; crc32 is stable across processes
         if ins.kind == "send":
             t = (self.read(key) if ins.block == "act" else self.take_grad(key)).detach().contiguous()
-            self._issue(ins, [dist.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
+            self._issue(ins, [self.comm.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
             if ins.block == "act":
                 k = self.resolve(key)
                 if k is not None:
@@ -837,7 +1046,7 @@ class _Rank:
         else:
             shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            work = dist.irecv(buf, ins.peer, tag=tag)
+            work = self.comm.irecv(buf, ins.peer, tag=tag)
             grad = ins.block == "grad"
             w = self._issue(ins, [work], lambda: self._deliver(key, buf, grad))
             (self.d if grad else self.env)[key] = w
@@ -873,14 +1082,14 @@ class _Rank:
                 if gr.data_ptr() != v.data_ptr():
                     v.copy_(gr)
         if verb == "allreduce":
-            work = dist.all_reduce(flat, group=g, async_op=True)
+            work = self.comm.all_reduce(flat, group=g, async_op=True)
 
             def finish():
                 for n, v in zip(names, fl.views(flat)):
                     self.reduced[n] = v
         elif verb == "reducescatter":
             out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
-            work = _reduce_scatter(out, flat, group=g, async_op=True)
+            work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
 
             if key not in self.shards:
                 raise RuntimeError(f"rank {self.rank}: {ins.name}: reduce-scattered bucket {key} has no params<k> gather")
@@ -913,7 +1122,7 @@ class _Rank:
         if w is not None:
             w.wait()
         buf = self.gshard[key]
-        self._issue(ins, [dist.all_reduce(buf, group=g, async_op=True)], None)
+        self._issue(ins, [self.comm.all_reduce(buf, group=g, async_op=True)], None)
 
     # --- ZeRO-3 -----------------------------------------------------------------------------------
     def z3_gather(self, ins: Instr, g) -> None:
@@ -927,7 +1136,7 @@ class _Rank:
             out = self.z3_live.get(key)
             if out is None:
                 out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)  # allocated on demand
-        work = _all_gather(out, self.shards[key], group=g, async_op=True)
+        work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
 
         def finish():
             self.z3_live[key] = out
@@ -958,7 +1167,7 @@ class _Rank:
         else:
             flat = fl.flatten([self.local_grad(n) for n in fl.names])  # allocated on demand
         out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
-        work = _reduce_scatter(out, flat, group=g, async_op=True)
+        work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
         w = self._issue(ins, [work], self._accumulate_shard(key, out))
         self.gshard_pending[key] = w
         if self.flavour == "yafsdp":
@@ -1019,7 +1228,7 @@ class _Rank:
         key = (self._cls(ins.axis), tuple(ins.items))
         fl = self.buckets[key]
         out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
-        work = _all_gather(out, self.shards[key], group=g, async_op=True)
+        work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
 
         def finish():
             with torch.no_grad():
@@ -1036,7 +1245,7 @@ class _Rank:
         for key, fl in self.z3.items():
             ins = next(i for i in self.instrs if i.block == "gather" and (self._cls(i.axis), i.layer) == key)
             out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
-            _all_gather(out, self.shards[key], group=self.group(ins))
+            self.comm.all_gather(out, self.shards[key], group=self.group(ins))
             for n, v in zip(fl.names, fl.views(out)):
                 self.p[n].data = v.clone()
         return {n: t.detach().to("cpu", copy=True) for n, t in self.p.items()}
@@ -1066,10 +1275,17 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
     (optimizer states exist from the start, so it is the steady state): on CUDA
     `max_memory_allocated`, on CPU the live tensor storages; there also `largest_alloc_bytes`, the
     largest single tensor storage the interpreter's ops created in that step (the communication
-    backend's temporaries, such as gloo's copy inside reduce-scatter, count in the peak only)."""
+    backend's temporaries, such as gloo's copy inside reduce-scatter, count in the peak only). On an
+    XLA device the runtime's peak where it reports one (TPU, GPU), else 0."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    r = _Rank(rp, instrs, groups, tracer, device, seed)
+    xla = device.type == "xla"
+    comm = None
+    if xla:  # the process groups' backend decides how XLA tensors travel (see simexec.exec.xla)
+        from simexec.exec import xla as X
+
+        comm = X.comm_for(dist.get_backend() if dist.is_initialized() else "xla")
+    r = _Rank(rp, instrs, groups, tracer, device, seed, comm)
     losses, times = [], []
     peak = largest = 0
     for step in range(steps):
@@ -1077,7 +1293,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         if step == 0:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
-            else:
+            elif not xla:  # XLA tensors have no storage to count: the runtime's figure (0 on CPU)
                 tracker = _LiveBytes()
                 held = [r.p, r.shards, r.z3_buffers, r.z3_gbuffers, r.gbuf]
                 for t in [t for d in held for t in d.values()] + r.opt.state_tensors():
@@ -1097,8 +1313,11 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
         if step == 0:
-            peak = int(torch.cuda.max_memory_allocated(device)) if cuda else tracker.peak
-            largest = 0 if cuda else tracker.largest
+            if xla:
+                peak = X.peak_memory(device)
+            else:
+                peak = int(torch.cuda.max_memory_allocated(device)) if cuda else tracker.peak
+                largest = 0 if cuda else tracker.largest
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)

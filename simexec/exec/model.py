@@ -190,6 +190,71 @@ def rope(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
     return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention pieces (context parallel, cp_impl=ring)
+# ---------------------------------------------------------------------------------------------------
+# Ring attention (Liu et al. 2023) computes a rank's attention one K/V chunk at a time and merges the
+# partial results by their log-sum-exp (the online softmax of flash attention, Dao et al. 2022). The
+# backward is flash attention's: from the final output O, its row log-sum-exp L and dO, every chunk's
+# contribution is recomputed on its own (P = exp(S - L), dS = P * (dP - rowsum(dO * O))), so the
+# chunks can arrive in any order and nothing per chunk is kept from the forward. All in fp32.
+
+
+def _finite(lse: Tensor) -> Tensor:
+    """lse with -inf (rows a chunk hides completely) replaced by 0, so that exp(s - lse) is 0 there."""
+    return torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
+
+
+def _expand_kv(t: Tensor, rep: int) -> Tensor:
+    """(B, nkv, S, hd) -> (B, nkv*rep, S, hd): query head h reads kv head h // rep (SDPA's enable_gqa)."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
+
+
+def attn_partial(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor]:
+    """Attention of q (B, nh, T, hd) against one K/V chunk k, v (B, nkv, S, hd) under mask (T, S)
+    (True: visible; None: all) -> o (B, nh, T, hd), normalised within the chunk, and the row
+    log-sum-exp lse (B, nh, T) of the scaled scores (-inf, with o = 0, where the chunk is hidden)."""
+    rep = q.shape[1] // k.shape[1]
+    s = torch.matmul(q, _expand_kv(k, rep).transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))
+    return torch.matmul(p, _expand_kv(v, rep)), lse
+
+
+def attn_merge(o: Tensor, lse: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
+    """Online-softmax merge of two partial attentions over disjoint key sets: the attention over
+    their union and its log-sum-exp (log(e^lse + e^lse2), computed stably)."""
+    m = _finite(torch.maximum(lse, lse2))
+    a, b = torch.exp(lse - m), torch.exp(lse2 - m)
+    tot = a + b
+    inv = torch.where(tot > 0, 1.0 / tot.clamp_min(1e-38), torch.zeros((), dtype=tot.dtype, device=tot.device))
+    return o * (a * inv).unsqueeze(-1) + o2 * (b * inv).unsqueeze(-1), m + torch.log(tot)
+
+
+def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, lse: Tensor,
+                     do: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Flash-attention backward of one K/V chunk, given the final row log-sum-exp lse (B, nh, T), the
+    output gradient do (B, nh, T, hd) and delta = rowsum(do * o) (B, nh, T) of the final output o.
+    Returns this chunk's share of dq (B, nh, T, hd), and dk, dv (B, nkv, S, hd)."""
+    B, nkv, S, hd = k.shape
+    rep = q.shape[1] // nkv
+    ke, ve = _expand_kv(k, rep), _expand_kv(v, rep)
+    s = torch.matmul(q, ke.transpose(-1, -2)) * scale
+    if mask is not None:
+        s = s.masked_fill(~mask, float("-inf"))
+    p = torch.exp(s - _finite(lse).unsqueeze(-1))  # (B, nh, T, S): the final softmax restricted to this chunk
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
+    dq = torch.matmul(ds, ke) * scale
+    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
+    if rep > 1:  # sum the query heads that share a kv head
+        dk, dv = dk.view(B, nkv, rep, S, hd).sum(2), dv.view(B, nkv, rep, S, hd).sum(2)
+    return dq, dk, dv
+
+
 @dataclass
 class Route:
     """A MoE layer's routing of its N tokens (no gradients): the dispatch order and counts."""
@@ -274,7 +339,7 @@ class GPT:
         positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd)."""
         k, v = kv[0], kv[1]
         gqa = self.nh != self.nkv
-        if qpos.shape == kpos.shape and bool((qpos == kpos).all()):
+        if kpos is qpos or (qpos.shape == kpos.shape and bool((qpos == kpos).all())):  # `is`: no device sync
             o = F.scaled_dot_product_attention(q, k, v, is_causal=self.m.causal, enable_gqa=gqa)
         else:  # context parallel: local queries against the gathered keys, masked by position
             mask = kpos[None, :] <= qpos[:, None] if self.m.causal else None  # (T, S)

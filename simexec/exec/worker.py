@@ -67,6 +67,10 @@ class RankWorker:
             self.device = torch.device("cuda", 0)  # Ray's CUDA_VISIBLE_DEVICES leaves this rank one GPU
             torch.cuda.set_device(self.device)
             pg_backend = "cpu:gloo,cuda:nccl"  # gloo too, for CPU tensors (barriers, small checks)
+        elif backend == "xla":  # PyTorch/XLA device; collectives as simexec.exec.xla explains
+            from simexec.exec.xla import rank_setup
+
+            self.device, pg_backend = rank_setup()
         else:
             pg_backend = backend
         dist.init_process_group(pg_backend, init_method=f"tcp://{master}:{port}", rank=self.rank,

@@ -53,7 +53,7 @@ ZERO_SRC = "Rajbhandari et al., SC'20, 'ZeRO: Memory Optimizations Toward Traini
 BLOOM_SRC = ("Le Scao et al. 2022, 'BLOOM' (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and model card "
              "('training throughput: about 150 TFLOPs')")
 
-# Table 1 (also /work/shared/published/megatron_sc21_table1.csv):
+# Table 1 (also tests/data/published/megatron_sc21_table1.csv):
 # params (B), heads, hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU.
 TABLE1 = [
     (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),

@@ -13,7 +13,7 @@ from simexec.model import MODELS
 from simexec.plan import Mesh, Plan, ResolvedPlan, load_plan, parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLISHED = ROOT.parent / "shared" / "published"
+PUBLISHED = Path(__file__).parent / "data" / "published"  # copies of the published tables, sources inside
 EXAMPLES = ROOT / "docs" / "examples"
 
 TINY = MODELS["gpt-tiny"]  # 4 layers, 4 heads, 4 KV heads, FFN 256, seq 64, dense

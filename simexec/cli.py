@@ -16,6 +16,8 @@ EXAMPLES = {
     "search": "simexec search --model llama3-8b --cluster 4xdgx-h100 --gbs 256 --top 5",
     "compare": "simexec compare predicted.json measured.json --json errors.json --plot compare.png",
     "plot": "simexec plot predicted.json measured.json -o timeline.png",
+    "calibrate": "simexec calibrate traces traces/local/*.json.gz --out traces/profiles/mine.json",
+    "demo": "simexec demo --out simexec-demo",
     "execute": "simexec execute --model gpt-tiny --cluster local --plan dp=2,tp=2,gbs=8,dtype=fp32 --steps 3 --json result.json",
 }
 
@@ -113,6 +115,19 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--trace", dest="trace_path", default=None, help="write the measured trace here")
         p.add_argument("--profile", dest="profile_dir", default=None, help="write a torch.profiler trace per rank here")
         p.set_defaults(func=cmd_execute)
+    if importlib.util.find_spec("simexec.calibrate") is not None:
+        p = _sub(subs, "calibrate", "fit the cluster's cost parameters to this machine (micro-benchmarks) or to traces")
+        p.add_argument("method", choices=("microbench", "traces"), help="how to calibrate")
+        p.add_argument("traces", nargs="*", help="measured traces (method traces)")
+        p.add_argument("--cluster", default="local", help="cluster whose parameters are fitted")
+        p.add_argument("--ranks", type=int, default=4, help="rank actors for the micro-benchmarks")
+        p.add_argument("--base-profile", default=None, help="start the trace fit from this profile")
+        p.add_argument("--out", required=True, help="profile JSON to write (traces/profiles/<name>.json)")
+        p.set_defaults(func=cmd_calibrate)
+    if importlib.util.find_spec("simexec.demo") is not None:
+        p = _sub(subs, "demo", "simulate, execute, calibrate and re-simulate gpt-tiny's plans on this machine")
+        p.add_argument("--out", default="simexec-demo", help="folder for report.md, plots, traces, summary.json")
+        p.set_defaults(func=cmd_demo)
 
 
 # --- commands ---------------------------------------------------------------------------------------
@@ -249,6 +264,29 @@ def cmd_execute(args) -> int:
                      ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
                      trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
     print(result.format())
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from simexec.calibrate import calibrate_from_microbench, calibrate_from_traces
+    from simexec.errors import SimexecError as _Err
+
+    if args.method == "traces":
+        if not args.traces:
+            raise _Err("calibrate traces needs at least one measured trace file")
+        profile = calibrate_from_traces(args.traces, args.cluster, args.out, base_profile=args.base_profile)
+    else:
+        profile = calibrate_from_microbench(args.cluster, args.ranks, args.out, progress=True)
+    print(f"wrote {args.out} ({profile.get('method', args.method)})")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from simexec.demo import demo
+
+    summary = demo(args.out)
+    print(f"wrote {args.out}/report.md; held-out step-time MAPE {summary['heldout_mape_before']:.1%} before, "
+          f"{summary['heldout_mape_after']:.1%} after calibration")
     return 0
 
 

@@ -87,6 +87,14 @@ class Engine:
         self.machine = machine
         self.env = simpy.Environment()
         self._load(program)
+        # --- hook: CPU ranks sharing the host's cores (simexec.sim.host); None on GPU clusters ---
+        from simexec.sim.host import host_model
+
+        self.host = host_model(machine, program)
+        if self.host is not None:  # compute, copies and host steps cost CPU-seconds on shared cores
+            for k, ins in enumerate(self.instrs):
+                if self.kind[k] in (COMPUTE, HOST, COPY):
+                    self.work[k] = self.host.cpu_seconds(ins)
 
     # --- preparation -----------------------------------------------------------------------------
 
@@ -206,6 +214,7 @@ class Engine:
         env = self.env
         self.fluid = self.machine.bind(env)
         self._slow = self.machine.compute_rate(1)
+        self.cores = self.host.cores_for(env) if self.host is not None else None  # hook: simexec.sim.host
         for (rank, _), seq in sorted(self.streams.items()):
             if seq:
                 holder: list = []
@@ -246,6 +255,7 @@ class Engine:
         machine, instrs, work, inflight = self.machine, self.instrs, self.work, self._inflight
         runs = self._runs[rank]
         slow = self._slow
+        cores = self.cores
         proc = holder[0]
         i, n = 0, len(seq)
         while i < n:
@@ -257,6 +267,15 @@ class Engine:
                         ev = waiters[d] = Event(env)
                     yield ev
             kd = kind[k]
+            if cores is not None and (kd == COMPUTE or kd == HOST or kd == COPY):  # hook: simexec.sim.host
+                ev = cores.run(rank, work[k])
+                yield ev
+                start[k] = ev.value
+                end[k] = env.now
+                if signals[k]:
+                    self._finished(k)
+                i += 1
+                continue
             if kd == COMPUTE:
                 # A chain: following compute instructions that nobody else waits on and whose
                 # cross-stream deps are done already run in the same timeout.
@@ -316,7 +335,7 @@ class Engine:
                     done = Event(env)
                     ranks = (rank,)
                     self._comm_begin(ranks)
-                    _Transfer(self, machine.collective(ins), ranks, done)
+                    self._start(ins, machine.collective(ins), ranks, done)
                 else:
                     mt = matches[mid]
                     done = mt.done
@@ -327,7 +346,7 @@ class Engine:
                         mt.xfer_start = now
                         ranks = machine.comm_ranks(ins)
                         self._comm_begin(ranks)
-                        _Transfer(self, machine.collective(ins), ranks, done)
+                        self._start(ins, machine.collective(ins), ranks, done)
             elif kd == SEND:
                 mt = matches[match[k]]
                 done = mt.done
@@ -336,7 +355,7 @@ class Engine:
                 mt.xfer_start = now
                 ranks = machine.p2p_ranks(ins)
                 self._comm_begin(ranks)
-                _Transfer(self, machine.p2p(ins.rank, ins.peer, ins.bytes), ranks, done)
+                self._start(ins, machine.p2p(ins.rank, ins.peer, ins.bytes), ranks, done)
             elif kd == RECV:
                 mt = matches[match[k]]
                 done = mt.done
@@ -346,7 +365,7 @@ class Engine:
                     mt.xfer_start = now
                     ranks = (rank,)
                     self._comm_begin(ranks)
-                    _Transfer(self, machine.p2p(ins.peer, rank, ins.bytes), ranks, done)
+                    self._start(ins, machine.p2p(ins.peer, rank, ins.bytes), ranks, done)
             elif kd == COPY:
                 done = Event(env)
                 ranks = (rank,)
@@ -407,6 +426,14 @@ class Engine:
             run.proc._target = run.timer
 
     # --- transfers -------------------------------------------------------------------------------
+
+    def _start(self, ins: Instr, phases, ranks, done: Event) -> None:
+        """Start a collective or message: over the network's links, or (hook: simexec.sim.host) as
+        steps whose every member needs a core of the host its ranks share."""
+        if self.cores is not None:
+            self.host.transfer(self.env, self.cores, ins, ranks, lambda: (self._comm_end(ranks), _fire(done)))
+        else:
+            _Transfer(self, phases, ranks, done)
 
     def _comm_begin(self, ranks) -> None:
         inflight, runs = self._inflight, self._runs

@@ -1,0 +1,93 @@
+#!/usr/bin/env python
+"""Held-out accuracy of the simulator on this machine's CPU ranks, before and after calibration.
+
+    python scripts/validate_calibration.py [--out DIR] [--rounds 2] [--markdown docs/calibration.md]
+
+One Ray session runs everything: the micro-benchmarks (-> a micro-benchmark profile), then every
+plan of `simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times; the trace fit
+(`scipy.optimize.least_squares`) on the calibration plans' traces (-> a trace profile). Every plan
+is then predicted with the `local` preset (before), the micro-benchmark profile and the trace
+profile; the held-out plans' step-time MAPE and the worst peak-memory error are the result. The
+table goes to stdout, `DIR/validation.json` and, with --markdown, between the markers
+`<!-- validation:begin -->` / `<!-- validation:end -->` of that file.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from simexec.calibrate_eval import (  # noqa: E402
+    MATRIX, repeatability, run_validation, save_outcome, summary_table, table,
+)
+
+BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
+
+
+def render(outcome, argv: list[str]) -> str:
+    s = outcome.summary
+    m = s.get("machine") or {}
+    rep = s.get("repeatability")
+    lines = [
+        f"Command: `python scripts/validate_calibration.py {' '.join(argv)}`".rstrip(),
+        "",
+        f"Measured {s.get('measured_at', '')} on `{m.get('hostname', '?')}` ({m.get('cpu', '?')}, "
+        f"{m.get('cores', '?')} cores, torch {m.get('torch', '?')}); {s['plans']} plans "
+        f"({s['heldout_plans']} held out), {s['rounds']} rounds of {s['steps']} steps each; the host's other "
+        f"users took {s['background_cores_mean']:.2f} cores on average while the plans ran"
+        + (f"; one plan's rounds differ from their median by {100 * rep:.1f}% on average (the noise floor)"
+           if rep is not None else "") + f". Wall time {s['total_s'] / 60:.1f} min.",
+        "",
+        summary_table(s),
+        "",
+        table(outcome.rows),
+    ]
+    if outcome.skipped:
+        lines += ["", "Left out (the executor cannot run them yet):", ""]
+        lines += [f"- `{k}`: {v}" for k, v in outcome.skipped.items()]
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "simexec-validation"),
+                    help="directory for traces, profiles and validation.json")
+    ap.add_argument("--rounds", type=int, default=2, help="times each plan is measured (interleaved)")
+    ap.add_argument("--steps", type=int, default=10, help="steps per run (the median of the last half counts)")
+    ap.add_argument("--quick", action="store_true", help="smaller micro-benchmark set")
+    ap.add_argument("--max-nfev", type=int, default=40, help="simulations the trace fit may spend per parameter")
+    ap.add_argument("--markdown", default=None, help="a Markdown file to write the table into (between markers)")
+    ap.add_argument("--name", default="local", help="profile name prefix")
+    args = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+
+    def progress(msg: str) -> None:
+        print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
+
+    out = Path(args.out)
+    outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
+                             max_nfev=args.max_nfev, name=args.name, progress=progress)
+    save_outcome(outcome, out)
+    text = render(outcome, argv)
+    print(text)
+    if args.markdown:
+        path = Path(args.markdown)
+        doc = path.read_text() if path.exists() else ""
+        block = f"{BEGIN}\n{text}\n{END}"
+        if BEGIN in doc and END in doc:
+            doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+        else:
+            doc = doc.rstrip() + "\n\n" + block + "\n"
+        path.write_text(doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,681 @@
+"""Calibrate the simulator's hardware model against this machine: micro-benchmarks or step traces.
+
+Two ways to a hardware profile (`traces/profiles/<name>.json`, read by `simulate --profile` and
+`simexec.sim.profile.apply_profile`):
+
+1. `calibrate_from_microbench(cluster, ranks, out_path)`: run `simexec.exec.microbench` on the
+   executor's own rank actors and fit each cost parameter to the benchmark that isolates it
+   (`fit_microbench`): the per-operator dispatch cost, GEMM / attention / element-wise rates,
+   host copies, the collectives' call and hop latencies and loopback bandwidth, the executor's
+   per-instruction and per-backward overheads, and the cores the ranks share with each other and
+   with the host's background load.
+2. `calibrate_from_traces(trace_paths, cluster, out_path)`: fit the same parameters to measured
+   step traces with `scipy.optimize.least_squares` (soft-L1 loss on log durations): every event's
+   predicted duration comes from simulating the trace's program with the candidate parameters
+   (`fit_traces`), so the fit sees exactly the cost functions and contention the simulator uses.
+
+For the `local` cluster the model is `simexec.sim.host` (CPU ranks time-sharing the host's cores):
+a profile sets `costs.cores_shared` and `node.cpu_cores` from this machine.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import socket
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+from simexec.cluster import ClusterSpec, get_cluster
+from simexec.errors import SimexecError
+
+PathLike = Union[str, os.PathLike]
+
+
+class CalibrationError(SimexecError):
+    """Calibration cannot proceed: bad inputs (traces, cluster, ranks) or a fit that failed."""
+
+
+# --- profiles --------------------------------------------------------------------------------------
+def machine_info() -> dict:
+    """Where a profile was measured: host, CPU model, cores, torch version."""
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:  # pragma: no cover - torch is a dependency
+        torch_version = ""
+    return {"hostname": socket.gethostname(), "cpu": cpu, "cores": cores, "torch": torch_version,
+            "python": platform.python_version(), "platform": platform.platform()}
+
+
+def host_cores() -> int:
+    return machine_info()["cores"]
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).replace(microsecond=0).isoformat().replace("+00:00", "Z")
+
+
+def make_profile(name: str, method: str, costs: dict, device: Optional[dict] = None, node: Optional[dict] = None,
+                 *, machine: Optional[dict] = None, fit: Optional[dict] = None, measured_at: Optional[str] = None) -> dict:
+    out = {"name": name, "machine": machine or machine_info(), "measured_at": measured_at or now_iso(),
+           "method": method, "costs": costs}
+    if device:
+        out["device"] = device
+    if node:
+        out["node"] = node
+    if fit:
+        out["fit"] = fit
+    return out
+
+
+def save_profile(profile: dict, path: PathLike) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(profile, indent=2, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def load_profile(path: PathLike) -> dict:
+    from simexec.sim.profile import load_profile as _load
+
+    return _load(path)
+
+
+def profiled_cluster(cluster: Union[str, ClusterSpec], profile: Optional[Union[PathLike, dict]]) -> ClusterSpec:
+    from simexec.sim.profile import apply_profile
+
+    c = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    return apply_profile(c, profile) if profile is not None else c
+
+
+# --- parameters the fits move --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Param:
+    """One fitted number: where it lives in a profile, its bounds, and whether it is fitted in log space."""
+
+    name: str
+    section: str  # costs | device | node
+    key: str  # field; `peak_flops` means the fp32 entry (and the others scaled alike)
+    lo: float
+    hi: float
+    log: bool = True
+
+    def get(self, c: ClusterSpec, dtype: str = "fp32") -> float:
+        if self.key == "peak_flops":
+            return c.device.peak_flops.get(dtype) or max(c.device.peak_flops.values())
+        return float(getattr(getattr(c, self.section), self.key))
+
+
+PARAMS: dict[str, Param] = {p.name: p for p in (
+    Param("op", "device", "launch_overhead_s", 1e-7, 1e-3),
+    Param("instr", "costs", "instr_overhead_s", 1e-7, 1e-2),
+    Param("bwd", "costs", "bwd_overhead_s", 1e-7, 1e-2),
+    Param("gemm_flops", "device", "peak_flops", 1e8, 1e13),
+    Param("attention_eff", "costs", "attention_eff", 1e-3, 1.0),
+    Param("memory_bw", "device", "memory_bw", 1e8, 1e12),
+    Param("coll_latency", "costs", "collective_latency_s", 1e-7, 1e-1),
+    Param("hop_latency", "node", "intra_latency_s", 1e-7, 1e-1),
+    Param("intra_bw", "node", "intra_bw", 1e7, 1e12),
+    Param("background", "costs", "background_load", 0.0, 64.0, log=False),
+    Param("slice", "costs", "sched_slice_s", 1e-5, 2e-2),
+    Param("contention", "costs", "compute_contention", 1.0, 4.0),
+)}
+
+
+def set_params(profile: dict, values: dict[str, float], base: ClusterSpec, dtype: str = "fp32") -> dict:
+    """A copy of `profile` with these parameter values (peak FLOP/s of every dtype scaled alike)."""
+    out = json.loads(json.dumps(profile))
+    for name, v in values.items():
+        p = PARAMS[name]
+        sec = out.setdefault(p.section, {})
+        if p.key == "peak_flops":
+            cur = dict(sec.get("peak_flops") or base.device.peak_flops)
+            old = cur.get(dtype) or max(cur.values())
+            sec["peak_flops"] = {k: float(x * v / old) for k, x in cur.items()}
+        else:
+            sec[p.key] = float(v)
+    return out
+
+
+# --- robust statistics ---------------------------------------------------------------------------
+def quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    pos = (len(xs) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+# Every benchmark is read at its median: the step times it must predict are medians too, and a
+# low quantile (an operator's cost in a warm, tight loop) makes in-step costs ~30% too cheap.
+CPU_Q = 0.5
+COMM_Q = 0.5
+
+
+def _linfit(xs: Sequence[float], ys: Sequence[float], weights: Optional[Sequence[float]] = None) -> tuple[float, float]:
+    """Least squares y = a + b x (weighted); returns (a, b)."""
+    import numpy as np
+
+    x, y = np.asarray(xs, float), np.asarray(ys, float)
+    w = np.ones_like(x) if weights is None else np.asarray(weights, float)
+    A = np.stack([np.ones_like(x), x], 1) * w[:, None]
+    sol, *_ = np.linalg.lstsq(A, y * w, rcond=None)
+    return float(sol[0]), float(sol[1])
+
+
+def _rel_weights(ys: Sequence[float]) -> list[float]:
+    """Weights for relative (not absolute) errors in a linear fit."""
+    return [1.0 / max(y, 1e-12) for y in ys]
+
+
+# --- micro-benchmark fit ---------------------------------------------------------------------------
+def merge_results(extras: dict) -> dict[str, list[dict]]:
+    """Every rank's benchmark records, by kind (a rank reports the benchmarks it led)."""
+    out: dict[str, list[dict]] = {}
+    for rank in sorted(extras, key=lambda r: int(r)):
+        ex = extras[rank]
+        for kind, recs in (ex.get("results") or {}).items():
+            for rec in recs:
+                out.setdefault(kind, []).append({**rec, "rank": int(rank)})
+    return out
+
+
+def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = None, model: str = "gpt-tiny",
+                   measured_background: Optional[float] = None) -> tuple[dict, dict]:
+    """Cost parameters from micro-benchmark results (`run_microbench`'s `extra` of every rank).
+
+    measured_background: the cores the host's other users took while the benchmarks ran (the
+    session's CPU meter); without it, the background is fitted to the sharing benchmark.
+    Returns (profile sections {costs, device, node}, a report of each fit with its residuals)."""
+    import numpy as np
+
+    R = merge_results(extras)
+    need = ("ops", "gemm", "elementwise", "collectives", "blocks", "sharing")
+    missing = [k for k in need if not R.get(k)]
+    if missing:
+        raise CalibrationError(f"micro-benchmark results lack {', '.join(missing)}")
+    cores = cores or host_cores()
+    report: dict = {}
+
+    # dispatch cost of one operator
+    op_s = quantile(next(r for r in R["ops"] if r["what"] == "op")["t"], CPU_Q)
+    report["op_s"] = op_s
+
+    # GEMM: t - op = (f + half) / rate  ->  linear in f
+    g = R["gemm"]
+    ts = [quantile(r["t"], CPU_Q) - op_s for r in g]
+    fl = [r["flops"] for r in g]
+    a, b = _linfit(fl, ts, _rel_weights(ts))
+    rate = 1.0 / b if b > 0 else max(f / t for f, t in zip(fl, ts))
+    half = max(0.0, a * rate)
+    report["gemm"] = {"rate": rate, "half_flops": half,
+                      "rel_err": [((f + half) / rate - t) / t for f, t in zip(fl, ts)]}
+
+    # element-wise: t - op = bytes / bw
+    e = R["elementwise"]
+    ts_e = [quantile(r["t"], CPU_Q) for r in e]
+    by = [r["bytes"] for r in e]
+    a_e, b_e = _linfit(by, ts_e, _rel_weights(ts_e))  # t = fixed + bytes / bw
+    mem_bw = 1.0 / b_e if b_e > 0 else statistics.median(x / t for x, t in zip(by, ts_e))
+    report["memory_bw"] = mem_bw
+
+    # attention: t - op*ops - bytes/bw = (f + half) / (rate * eff)
+    att = R.get("attention") or []
+    if att:
+        ta = [max(1e-9, quantile(r["t"], CPU_Q) - op_s * (3 if r["phase"] == "fwd" else 6) - r["bytes"] / mem_bw)
+              for r in att]
+        fa = [r["flops"] for r in att]
+        a2, b2 = _linfit(fa, ta, _rel_weights(ta))
+        arate = 1.0 / b2 if b2 > 0 else max(f / t for f, t in zip(fa, ta))
+        att_eff = min(1.0, max(1e-3, arate / rate))
+        att_half = max(0.0, a2 * arate)
+    else:
+        att_eff, att_half = base.costs.attention_eff, base.costs.attention_half_flops
+    report["attention"] = {"eff": att_eff, "half_flops": att_half}
+
+    # host copies
+    cp = R.get("copies") or []
+    if len(cp) >= 2:
+        tc = [quantile(r["t"], CPU_Q) for r in cp]
+        _, b_c = _linfit([r["bytes"] for r in cp], tc, _rel_weights(tc))
+        copy_bw = 1.0 / b_c if b_c > 0 else base.node.host_link_bw
+    else:
+        copy_bw = base.node.host_link_bw
+    report["copy_bw"] = copy_bw
+
+    # the executor's instructions, one rank alone: time = instr (+ bwd) + ops x op + roofline. A
+    # linear fit over every block: the per-operator cost inside a real step (the tiny-operator loop
+    # above runs warm and ~2x cheaper), the per-instruction and per-backward intercepts.
+    import numpy as np
+
+    from simexec.program import Instr
+    from simexec.sim.host import DEFAULT_TABLE, DISPATCH, ops_of
+
+    table = DISPATCH.get(model) or DISPATCH[DEFAULT_TABLE]
+    rows, ys = [], []
+    for rec in (R["blocks"][0]["records"] if R["blocks"] else []):
+        if rec["block"] in ("optim", "cpu_optim") or rec["phase"] not in ("fwd", "bwd"):
+            continue
+        ins = Instr(0, rec["name"], "compute", "compute", rec["op"], phase=rec["phase"], block=rec["block"])
+        flop_t = (rec["flops"] / (rate * (att_eff if rec["op"] == "attention" else 1.0))
+                  if rec["op"] in ("gemm", "attention") else 0.0)
+        rows.append([1.0, 1.0 if rec["phase"] == "bwd" else 0.0, ops_of(ins, table)])
+        ys.append(quantile(rec["t"], CPU_Q) - flop_t - rec["bytes"] / mem_bw)
+    instr_s, bwd_s = 10e-6, 0.0
+    if len(rows) >= 4:
+        A, y = np.asarray(rows), np.asarray(ys)
+        sol, *_ = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)  # relative errors
+        if sol[2] > 0:
+            instr_s, bwd_s, op_s = max(1e-7, float(sol[0])), max(0.0, float(sol[1])), float(sol[2])
+        report["blocks"] = {"instr_s": instr_s, "bwd_s": bwd_s, "op_s": op_s,
+                            "rel_err": float(np.median(np.abs(A @ sol / y - 1.0)))}
+    report["op_s"], report["instr_s"], report["bwd_s"] = op_s, instr_s, bwd_s
+
+    # cores shared: n ranks running the same one-rank step at once take longer than one alone by
+    # what the host model's rate says: their share of the cores, and each core slower while the
+    # others are busy too (compute_contention)
+    share: dict[int, list[float]] = {}
+    for r in R["sharing"]:
+        steps = r.get("steps") or []
+        share.setdefault(r["active"], []).extend(steps[1:] or steps)
+    t1 = statistics.median(share[1]) if 1 in share else None
+    background = float(measured_background) if measured_background is not None else 0.0
+    contention = 1.0
+    if t1:
+        ns = sorted(share)
+        slow = {n: statistics.median(share[n]) / t1 for n in ns}
+
+        def speed(n: int, bg: float, cc: float) -> float:
+            r_ = min(1.0, max(0.05, cores - bg) / n)
+            busy = min(float(cores), n + bg)
+            return r_ / (1.0 + (cc - 1.0) * (busy - 1.0) / (cores - 1.0)) if cores > 1 else r_
+
+        def loss(bg: float, cc: float) -> float:
+            return sum((math.log(speed(1, bg, cc) / speed(n, bg, cc)) - math.log(slow[n])) ** 2 for n in ns)
+
+        bgs = [background] if measured_background is not None else list(np.linspace(0.0, cores - 0.1, 40))
+        ccs = list(np.linspace(1.0, 3.0, 81))
+        background, contention = (float(v) for v in min(((b, c) for b in bgs for c in ccs), key=lambda bc: loss(*bc)))
+        report["sharing"] = {"slowdown": slow, "background": background, "contention": contention}
+
+    # the scheduler's slice and the hop latency, from the ping-pong; then the collectives
+    if measured_background is not None:
+        background = float(measured_background)
+    slice_s = linux_slice(cores)
+    comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], base,
+                    background=background, cores=cores, slice_s=slice_s)
+    report["comm"] = comm
+
+    peak = dict(base.device.peak_flops)
+    old = peak.get("fp32") or max(peak.values())
+    peak = {k: float(v * rate / old) for k, v in peak.items()}
+    costs = {
+        "cores_shared": True, "gemm_eff": 1.0, "gemm_half_flops": half, "attention_eff": att_eff,
+        "attention_half_flops": att_half, "memory_eff": 1.0, "intra_bw_eff": 1.0, "host_link_eff": 1.0,
+        "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
+        "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
+        "background_load": background,
+    }
+    device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
+    node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],
+            "host_link_bw": copy_bw}
+    return {"costs": costs, "device": device, "node": node}, report
+
+
+def _comm_cluster(base: ClusterSpec, coll: float, hop: float, bw: float, slice_s: float, background: float,
+                  cores: int) -> ClusterSpec:
+    from simexec.sim.profile import apply_profile
+
+    return apply_profile(base, {"costs": {"collective_latency_s": coll, "intra_bw_eff": 1.0, "cores_shared": True,
+                                          "sched_slice_s": slice_s, "background_load": background},
+                                "node": {"intra_latency_s": hop, "intra_bw": bw, "cpu_cores": cores}})
+
+
+def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy: int = 0) -> float:
+    """Seconds of one collective (`p2p`: one message) over n ranks that all start it at once, on the
+    host model of `simexec.sim.host` (`busy` other ranks computing meanwhile)."""
+    import simpy
+
+    from simexec.program import Instr
+    from simexec.sim.host import Cores, HostCosts
+
+    env = simpy.Environment()
+    c = cluster.costs
+    cores = Cores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, {})
+    for b in range(busy):
+        cores.run(100 + b, 1e9)
+    kind = "send" if verb == "p2p" else "collective"
+    ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(nbytes), group=tuple(range(n)), peer=1)
+    hc = HostCosts.__new__(HostCosts)  # only its communication half is needed
+    hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
+    out = []
+    hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
+    env.run(until=10.0 if busy else None)
+    return out[0] if out else float("inf")
+
+
+def linux_slice(cores: int) -> float:
+    """Linux's default scheduler slice on `cores` CPUs: 0.75 ms x (1 + log2 cores), cores capped at 8
+    (`sysctl_sched_base_slice`, scaled logarithmically)."""
+    return 0.75e-3 * (1 + int(math.log2(max(1, min(8, cores)))))
+
+
+def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: ClusterSpec, *, background: float,
+             cores: int, slice_s: Optional[float] = None) -> dict:
+    """The scheduler slice, the hop latency, the collective call latency and the loopback bandwidth
+    (bytes per second of a core), jointly: least squares (soft-L1) on log times of every collective
+    and message measured alone and of the small ping-pong with and without other ranks computing,
+    each predicted by the host model's communication (`host_comm_time`, `simexec.sim.host`)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    obs = [(r["verb"], r["n"], r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in colls
+           if r.get("mode", "solo") == "solo"]
+    obs += [("p2p", 2, r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in p2p]
+    obs += [("p2p", 2, 4.0, int(r.get("busy", 0)), 2.0, quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
+    obs = [o for o in obs if o[5] > 0]
+    start = [base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
+             base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
+    if not obs:
+        return dict(zip(("coll_latency", "hop_latency", "intra_bw", "slice"), start))
+
+    fixed = slice_s is not None
+
+    def pred(x):
+        coll, hop, bw = np.exp(x[:3])
+        sl = slice_s if fixed else float(np.exp(x[3]))
+        c = _comm_cluster(base, coll, hop, bw, sl, background, cores)
+        return np.array([k * host_comm_time(c, v, n, b, busy) for v, n, b, busy, k, _ in obs])
+
+    y = np.log([o[5] for o in obs])
+    lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2])
+    if fixed:
+        start, lo, hi = start[:3], lo[:3], hi[:3]
+    x0 = np.clip(np.log(start), lo + 1e-6, hi - 1e-6)
+    res = least_squares(lambda x: np.log(pred(x)) - y, x0, loss="soft_l1", f_scale=0.2, diff_step=0.01,
+                        bounds=(lo, hi))
+    coll, hop, bw = (float(v) for v in np.exp(res.x[:3]))
+    sl = slice_s if fixed else float(np.exp(res.x[3]))
+    p = pred(res.x)
+    return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "slice": sl,
+            "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + str(busy) if busy else ''}": float(pv / t - 1)
+                        for (v, n, b, busy, _, t), pv in zip(obs, p)}}
+
+
+def calibrate_from_microbench(cluster: Union[str, ClusterSpec] = "local", ranks: int = 4,
+                              out_path: Optional[PathLike] = None, *, name: Optional[str] = None,
+                              model: str = "gpt-tiny", quick: bool = False, session=None,
+                              progress: bool = False, raw_path: Optional[PathLike] = None) -> dict:
+    """Run the micro-benchmarks on `ranks` rank actors of this machine, fit, and write the profile.
+
+    session: a `simexec.calibrate_runs.Session` to reuse (else one is started and stopped here).
+    raw_path: also save the raw timings (JSON) there. Returns the profile."""
+    import functools
+
+    from simexec.calibrate_runs import Session
+    from simexec.exec.microbench import BenchConfig, run_microbench
+
+    base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    if not base.sized_to_plan:
+        raise CalibrationError(f"cluster {base.name}: micro-benchmarks run on this machine's CPU ranks; "
+                               "use the `local` cluster (or a file based on it)")
+    if not isinstance(ranks, int) or ranks < 2:
+        raise CalibrationError(f"ranks must be an integer >= 2 (groups of 2 and of all ranks), got {ranks!r}")
+    cfg = BenchConfig.quick(model) if quick else BenchConfig(model=model)
+    runner = functools.partial(run_microbench, config=cfg)
+    t0 = time.perf_counter()
+    own = session is None
+    sess = session or Session()
+    if own:
+        sess.__enter__()
+    try:
+        m = sess.execute(model, f"dp={ranks},gbs={ranks},dtype=fp32", steps=1, runner=runner, timeout_s=600.0)
+    finally:
+        if own:
+            sess.__exit__(None, None, None)
+    extras = m.result.extra
+    if raw_path:
+        save_json_plain({"extras": {str(k): v for k, v in extras.items()}, "background": m.background}, raw_path)
+    sections, report = fit_microbench(extras, base, model=model, measured_background=m.background)
+    prof = make_profile(name or f"{socket.gethostname()}-microbench", "microbench", sections["costs"],
+                        sections["device"], sections["node"],
+                        fit={"ranks": ranks, "quick": quick, "wall_s": time.perf_counter() - t0,
+                             "background_sampled": m.background, "report": _jsonable(report)})
+    if out_path:
+        save_profile(prof, out_path)
+    return prof
+
+
+def save_json_plain(data: dict, path: PathLike) -> None:
+    from simexec.trace import save_json
+
+    save_json(data, path)
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+# --- trace fit -------------------------------------------------------------------------------------
+TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
+                "slice", "contention")
+
+
+@dataclass
+class _Case:
+    """One measured trace, ready to be re-simulated."""
+
+    path: str
+    model: object  # ModelSpec
+    plan: str
+    seq_len: Optional[int]
+    measured: dict[str, float]  # event id -> µs (compute, copies, host steps)
+    comm: dict[str, float]  # event id -> µs (collectives, send/recv)
+    step_s: float
+    peak: dict[int, float]
+    background: Optional[float]
+
+
+def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
+    """A run's steady-state step time: the median of its second half of steps. The executor's own
+    `step_time_s` (the median after the first step) still carries warm-up: on CPU ranks the steps
+    after the first get ~10-20% faster over the next few, and the trace holds the last step."""
+    xs = [float(x) for x in step_times if x]
+    if len(xs) >= 4:
+        return statistics.median(xs[len(xs) // 2:])
+    return fallback
+
+
+def _case(trace, where: str) -> _Case:
+    from simexec.model import ModelSpec, get_model
+
+    meta = trace.meta
+    if meta.get("kind") != "measured":
+        raise CalibrationError(f"{where}: not a measured trace (kind {meta.get('kind')!r}); calibrate from `simexec execute --trace` output")
+    m = meta.get("model")
+    try:
+        model = ModelSpec.model_validate(m) if isinstance(m, dict) else get_model(str(m))
+    except Exception as exc:  # noqa: BLE001 - a model we cannot rebuild
+        raise CalibrationError(f"{where}: cannot rebuild its model ({type(exc).__name__})") from None
+    summary = meta.get("summary") or {}
+    step = steady_step(summary.get("step_times_s") or [], summary.get("step_time_s"))
+    if not step:
+        raise CalibrationError(f"{where}: has no measured step time in its summary")
+    # the executor's optimizer step waits for the gradient collectives inside its own time: left out
+    comp = {e.id: e.dur_us for e in trace.events
+            if e.kind in ("compute", "copy") and e.dur_us > 0 and not e.name.startswith(("optim.", "host."))}
+    # a send's measured time runs from isend to the wait at the end of the step: not the transfer's
+    comm = {e.id: e.dur_us for e in trace.events if e.kind in ("collective", "recv") and e.dur_us > 0}
+    peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
+    return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
+                 meta.get("background_load"))
+
+
+def load_cases(trace_paths: Iterable[PathLike]) -> list[_Case]:
+    from simexec.trace import Trace
+
+    paths = [str(p) for p in trace_paths]
+    if not paths:
+        raise CalibrationError("no traces given")
+    return [_case(Trace.load(p), p) for p in paths]
+
+
+def predict_case(case: _Case, cluster: ClusterSpec, profile: Optional[dict] = None, *, trace: bool = True):
+    """Simulate the case's plan (every rank) on the cluster with the profile (and the background load
+    measured with the trace, when it was)."""
+    from simexec.simulate import simulate
+
+    prof = json.loads(json.dumps(profile)) if profile else {"costs": {}}
+    if case.background is not None and getattr(cluster.costs, "cores_shared", False) or \
+            (case.background is not None and (prof.get("costs") or {}).get("cores_shared")):
+        prof.setdefault("costs", {})["background_load"] = float(case.background)
+    return simulate(case.model, cluster, case.plan, case.seq_len, symmetric=False, profile=prof, trace=trace)
+
+
+def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
+               max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
+               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
+               progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
+    """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
+
+    Residuals: per trace, every compute event's log(predicted / measured) (weight 1/sqrt(n) so each
+    trace counts alike), its collectives' (times `comm_weight`) and its step time's (times
+    `step_weight`); plus a weak pull of each parameter towards its starting value (`prior_weight`
+    per e-fold), which keeps parameters the traces cannot see where they were."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    start = profiled_cluster(base, base_profile)
+    ps = [PARAMS[n] for n in params]
+    x0 = np.array([_to_x(p, p.get(start)) for p in ps])
+    lo = np.array([_to_x(p, p.lo) for p in ps])
+    hi = np.array([_to_x(p, p.hi) for p in ps])
+    x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
+    calls = [0]
+    best = [math.inf, None]
+
+    def profile_at(x) -> dict:
+        return set_params(base_profile, {p.name: _from_x(p, v) for p, v in zip(ps, x)}, base)
+
+    def residuals(x):
+        prof = profile_at(x)
+        out = []
+        for case in cases:
+            try:
+                res = predict_case(case, base, prof)
+            except SimexecError:
+                return np.full(_n_resid(cases, len(ps)), 10.0)
+            pred = {e.id: e.dur_us for e in res.trace.events}
+            comp = [(max(pred.get(i, 0.0), 1.0), m) for i, m in case.measured.items()]  # µs; a fixed length
+            comm = [(max(pred.get(i, 0.0), 1.0), m) for i, m in case.comm.items()]
+            w = event_weight / math.sqrt(max(1, len(comp)))
+            out.extend(w * math.log(p / m) for p, m in comp)
+            wc = comm_weight / math.sqrt(max(1, len(comm)))
+            out.extend(wc * math.log(p / m) for p, m in comm)
+            out.append(step_weight * math.log(max(res.step_time_s, 1e-9) / case.step_s))
+        out.extend(prior_weight * (x - x0))
+        r = np.asarray(out)
+        calls[0] += 1
+        cost = float(np.sum(np.minimum(r**2, 2 * np.abs(r))))
+        if cost < best[0]:
+            best[0], best[1] = cost, np.array(x)
+        if progress is not None:
+            progress(calls[0], cost)
+        return r
+
+    t0 = time.perf_counter()
+    residuals(x0)
+
+    def solve(x_start, nfev):
+        return least_squares(residuals, x_start, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=diff_step,
+                             x_scale="jac", max_nfev=nfev, xtol=1e-8, ftol=1e-8, gtol=1e-8)
+
+    # The simulator is a discrete-event model: its cost has small steps where events swap order,
+    # on which a gradient method can stall. Restarts from nearby points step over them.
+    sol = solve(x0, max_nfev)
+    nfev = int(sol.nfev)
+    rng = np.random.default_rng(0)
+    for _ in range(restarts):
+        trial = np.clip(best[1] + rng.normal(0.0, 0.15, size=len(ps)), lo + 1e-9, hi - 1e-9)
+        sol = solve(trial, max(10, max_nfev // 2))
+        nfev += int(sol.nfev)
+    x = best[1]
+    values = {p.name: _from_x(p, v) for p, v in zip(ps, x)}
+    prof = profile_at(x)
+    report = {"params": values, "start": {p.name: _from_x(p, v) for p, v in zip(ps, x0)}, "cost": best[0] / 2,
+              "nfev": nfev, "status": int(sol.status), "message": str(sol.message),
+              "wall_s": time.perf_counter() - t0, "traces": [c.path for c in cases]}
+    return prof, report
+
+
+def _n_resid(cases, nparams: int) -> int:
+    return sum(len(c.measured) + len(c.comm) + 1 for c in cases) + nparams
+
+
+def _to_x(p: Param, v: float) -> float:
+    return math.log(max(v, 1e-300)) if p.log else float(v)
+
+
+def _from_x(p: Param, x: float) -> float:
+    return float(math.exp(x)) if p.log else float(x)
+
+
+def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, ClusterSpec] = "local",
+                          out_path: Optional[PathLike] = None, base_profile: Optional[Union[PathLike, dict]] = None,
+                          *, name: Optional[str] = None, params: Sequence[str] = TRACE_PARAMS, max_nfev: int = 60,
+                          progress: Optional[Callable[[int, float], None]] = None) -> dict:
+    """Fit the cluster's cost parameters to measured step traces; write and return the profile.
+
+    base_profile: where the fit starts (a micro-benchmark profile, typically); without one it starts
+    from the cluster's own numbers, with the host model of CPU ranks switched on for `local`."""
+    base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    cases = load_cases(trace_paths)
+    if base_profile is None:
+        start = {"costs": {"cores_shared": bool(base.sized_to_plan)}, "node": {}}
+        if base.sized_to_plan:
+            start["node"]["cpu_cores"] = host_cores()
+            start["costs"].update({"sched_slice_s": 1.5e-3, "instr_overhead_s": 20e-6, "bwd_overhead_s": 50e-6})
+    elif isinstance(base_profile, dict):
+        start = base_profile
+    else:
+        start = load_profile(base_profile)
+    start = {k: v for k, v in start.items() if k in ("costs", "device", "node", "network")}
+    fitted, report = fit_traces(cases, base, start, params=params, max_nfev=max_nfev, progress=progress)
+    machine = None
+    if isinstance(base_profile, dict) and base_profile.get("machine"):
+        machine = base_profile["machine"]
+    prof = make_profile(name or f"{socket.gethostname()}-traces", "traces", fitted.get("costs", {}),
+                        fitted.get("device"), fitted.get("node"), machine=machine, fit=_jsonable(report))
+    if out_path:
+        save_profile(prof, out_path)
+    return prof

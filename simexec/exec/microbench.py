@@ -1,0 +1,351 @@
+"""Micro-benchmarks of this machine, run on the executor's own Ray actors (one per rank).
+
+`run_microbench` is a runner for `simexec.exec.api.execute(..., runner=...)`: instead of a training
+step, every rank runs the same sequence of benchmarks, coordinated by barriers, and returns its
+timings as the run's `extra`. What it measures, each with the tensors, process groups and threads
+of a real run (torch on the CPU with one thread per rank, gloo over loopback):
+
+- `ops`: the cost of dispatching one tiny PyTorch operator, and of one tiny autograd backward;
+- `gemm`, `attention`, `elementwise`: matmuls, scaled-dot-product attention (forward and
+  backward) and element-wise adds over a range of sizes, on one rank while the others wait;
+- `blocks`: the executor's own instructions (a one-rank step of the model's program, each
+  instruction timed), on one rank alone;
+- `sharing`: that same step on 1, 2, ... N ranks at once: how much slower compute gets when ranks
+  share the cores;
+- `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
+  and of all ranks, across message sizes, one group alone and every disjoint group at once;
+- `p2p`: send/recv between two ranks across sizes, and a small ping-pong while the other ranks
+  compute (how long a woken rank waits for a core);
+- `copies`: host memory copies across sizes.
+
+Times are per repetition (seconds); the driver keeps the median (and min) of each set.
+`count_dispatch` counts the aten operators each instruction of the executor dispatches (the
+`simexec.sim.host.DISPATCH` table).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from simexec.exec.interpreter import run_rank
+
+# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (as simexec.exec.interpreter does)
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class BenchConfig:
+    """What to measure; `quick()` is the demo's smaller set."""
+
+    model: str = "gpt-tiny"
+    reps: int = 9
+    gemm: tuple = ((64, 64, 64), (64, 64, 256), (64, 256, 64), (128, 128, 128), (64, 512, 512),
+                   (256, 256, 256), (512, 512, 512))
+    attention: tuple = ((1, 2, 64, 16), (1, 4, 64, 16), (2, 4, 64, 16), (1, 4, 256, 16), (1, 8, 256, 32))
+    elementwise: tuple = (1 << 8, 1 << 12, 1 << 16, 1 << 18, 1 << 20, 1 << 22)
+    collective_bytes: tuple = (256, 4096, 65536, 1 << 20, 4 << 20)
+    verbs: tuple = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
+    p2p_bytes: tuple = (256, 4096, 65536, 1 << 20, 4 << 20)
+    copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
+    block_steps: int = 3
+    sharing_steps: int = 4
+    sharing_rounds: int = 2
+    pingpong_s: float = 1.0
+
+    @staticmethod
+    def quick(model: str = "gpt-tiny") -> "BenchConfig":
+        return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
+                           attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
+                           elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
+                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, pingpong_s=0.5)
+
+
+def _sync(group=None) -> None:
+    dist.barrier(group=group)
+
+
+def _time(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+class _Bench:
+    def __init__(self, cfg: BenchConfig, rank: int, world: int):
+        self.cfg, self.rank, self.world = cfg, rank, world
+        self.out: dict[str, list] = {}
+        pairs = [tuple(range(i, i + 2)) for i in range(0, world - 1, 2)]
+        self.groups: dict[tuple[int, ...], object] = {}
+        for g in pairs + ([tuple(range(world))] if world > 2 else []):
+            pg = dist.new_group(list(g))  # collective over the world: every rank creates every group
+            if rank in g:
+                self.groups[g] = pg
+        self.pairs = pairs
+        if world >= 2:
+            self.groups.setdefault(tuple(range(world)), dist.group.WORLD)
+
+    def add(self, kind: str, **rec) -> None:
+        self.out.setdefault(kind, []).append(rec)
+
+    # --- compute, on rank 0 while the others wait ---------------------------------------------------
+    def compute(self) -> None:
+        cfg = self.cfg
+        if self.rank == 0:
+            a = torch.zeros(1)
+            ts = _time(lambda: a.add_(1.0), 200, warmup=20)
+            self.add("ops", what="op", t=ts)
+            x = torch.zeros(4, requires_grad=True)
+
+            def tiny_bwd():
+                y = x * 2.0
+                torch.autograd.backward(y, torch.ones(4))
+
+            ts = _time(tiny_bwd, 100, warmup=10)
+            self.add("ops", what="bwd", ops=3, t=ts)
+            for m, k, n in cfg.gemm:
+                p, q = torch.randn(m, k), torch.randn(k, n)
+                ts = _time(lambda: p @ q, cfg.reps)
+                self.add("gemm", m=m, k=k, n=n, flops=2.0 * m * k * n, bytes=4.0 * (m * k + k * n + m * n), t=ts)
+            for b, h, s, d in cfg.attention:
+                q, k_, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
+                ts = _time(lambda: F.scaled_dot_product_attention(q, k_, v, is_causal=True), cfg.reps)
+                flops = 2.0 * b * h * s * (s * 0.5) * (2 * d)
+                self.add("attention", phase="fwd", b=b, h=h, s=s, d=d, flops=flops, bytes=4.0 * 4 * b * h * s * d, t=ts)
+                o = F.scaled_dot_product_attention(q, k_, v, is_causal=True)
+                g = torch.ones_like(o)
+                ts = _time(lambda: torch.autograd.grad(o, (q, k_, v), g, retain_graph=True), cfg.reps)
+                self.add("attention", phase="bwd", b=b, h=h, s=s, d=d, flops=2 * flops, bytes=4.0 * 8 * b * h * s * d, t=ts)
+            for n in cfg.elementwise:
+                p, q = torch.randn(n), torch.randn(n)
+                r = torch.empty(n)
+                ts = _time(lambda: torch.add(p, q, out=r), cfg.reps)
+                self.add("elementwise", n=n, bytes=12.0 * n, t=ts)
+            for n in cfg.copy_bytes:
+                src, dst = torch.randn(n // 4), torch.empty(n // 4)
+                ts = _time(lambda: dst.copy_(src), cfg.reps)
+                self.add("copies", bytes=float(n), t=ts)
+        _sync()
+
+    # --- the executor's blocks: alone, then on 1..N ranks at once ------------------------------------
+    def blocks(self, rp1, instrs1) -> None:
+        if self.rank == 0:
+            rec = _Recorder()
+            run_rank(rp1, instrs1, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
+            self.add("blocks", records=rec.best())
+        _sync()
+        for n in list(range(1, self.world + 1)) * self.cfg.sharing_rounds:
+            _sync()
+            if self.rank < n:
+                t0 = time.perf_counter()
+                out = run_rank(rp1, instrs1, steps=self.cfg.sharing_steps, groups=None, tracer=None,
+                               device=torch.device("cpu"))
+                self.add("sharing", active=n, wall=time.perf_counter() - t0, steps=out["step_times_s"])
+            _sync()
+
+    # --- communication -------------------------------------------------------------------------------
+    def _coll(self, verb: str, group: tuple[int, ...], nbytes: int):
+        pg = self.groups[group]
+        n = len(group)
+        i = group.index(self.rank)
+        el = max(n, nbytes // 4 // n * n)
+        if verb == "allreduce":
+            x = torch.zeros(el)
+            return lambda: dist.all_reduce(x, group=pg)
+        if verb == "allgather":
+            x, out = torch.zeros(el // n), torch.zeros(el)
+            return lambda: _all_gather(out, x, group=pg)
+        if verb == "reducescatter":
+            x, out = torch.zeros(el), torch.zeros(el // n)
+            return lambda: _reduce_scatter(out, x, group=pg)
+        if verb == "alltoall":
+            x, out = torch.zeros(el), torch.zeros(el)
+            return lambda: dist.all_to_all_single(out, x, group=pg)
+        if verb == "broadcast":
+            x = torch.zeros(el)
+            return lambda: dist.broadcast(x, src=group[0], group=pg)
+        raise ValueError(verb)
+
+    def collectives(self) -> None:
+        cfg = self.cfg
+        sizes = sorted({len(g) for g in self.groups})
+        for size in sizes:
+            all_groups = [g for g in ([*self.pairs] if size == 2 else [tuple(range(self.world))])]
+            for mode in ("solo", "all") if len(all_groups) > 1 else ("solo",):
+                active = all_groups[:1] if mode == "solo" else all_groups
+                mine = next((g for g in active if self.rank in g), None)
+                for verb in cfg.verbs:
+                    for nbytes in cfg.collective_bytes:
+                        _sync()
+                        if mine is not None:
+                            fn = self._coll(verb, mine, nbytes)
+                            pg = self.groups[mine]
+                            ts = []
+                            for r in range(cfg.reps + 2):
+                                dist.barrier(group=pg)
+                                t0 = time.perf_counter()
+                                fn()
+                                if r >= 2:
+                                    ts.append(time.perf_counter() - t0)
+                            if self.rank == mine[0]:
+                                self.add("collectives", verb=verb, group=list(mine), n=len(mine), mode=mode,
+                                         concurrent=len(active), bytes=float(nbytes), t=ts)
+        _sync()
+
+    def p2p(self) -> None:
+        cfg = self.cfg
+        if self.world < 2:
+            return
+        for nbytes in cfg.p2p_bytes:
+            _sync()
+            if self.rank in (0, 1):
+                x = torch.zeros(max(1, nbytes // 4))
+                ts = []
+                pair = self.groups[(0, 1)]
+                for r in range(cfg.reps + 2):
+                    dist.barrier(group=pair)
+                    t0 = time.perf_counter()
+                    if self.rank == 0:
+                        dist.send(x, 1)
+                        dist.recv(x, 1)  # a zero-byte-ish ack would do; the echo measures the round trip
+                    else:
+                        dist.recv(x, 0)
+                        dist.send(x, 0)
+                    if r >= 2:
+                        ts.append((time.perf_counter() - t0) / 2)
+                if self.rank == 0:
+                    self.add("p2p", bytes=float(nbytes), t=ts)
+        # ping-pong of small messages while the other ranks compute: a woken rank waits for a core.
+        # Everyone runs for the same window; rank 0 tells rank 1 in each message whether to go on.
+        window = cfg.pingpong_s
+        for busy in sorted({0, self.world - 2}):
+            _sync()
+            t_end = time.perf_counter() + window
+            if self.rank in (0, 1):
+                x = torch.ones(1)
+                ts = []
+                while True:
+                    t0 = time.perf_counter()
+                    if self.rank == 0:
+                        x.fill_(1.0 if t0 < t_end - 0.02 else 0.0)
+                        dist.send(x, 1)
+                        dist.recv(x, 1)
+                    else:
+                        dist.recv(x, 0)
+                        dist.send(x, 0)
+                    ts.append(time.perf_counter() - t0)
+                    if float(x) == 0.0:
+                        break
+                if self.rank == 0:
+                    self.add("pingpong", busy=busy, t=ts[1:-1] or ts)
+            elif self.rank < 2 + busy:
+                a = torch.randn(64, 64)
+                while time.perf_counter() < t_end:
+                    a = torch.tanh(a @ a)
+        _sync()
+
+
+class _Recorder:
+    """A tracer for `run_rank` that keeps each instruction's shortest time over the steps after the first."""
+
+    def __init__(self):
+        self.open: dict[str, float] = {}
+        self.times: dict[str, list] = {}
+        self.meta: dict[str, tuple] = {}
+
+    def begin(self, ins, step: int) -> None:
+        self.open[ins.name] = time.perf_counter()
+
+    def end(self, ins, step: int) -> None:
+        t0 = self.open.pop(ins.name, None)
+        if t0 is None or ins.kind != "compute" or step == 0:
+            return
+        self.times.setdefault(ins.name, []).append(time.perf_counter() - t0)
+        self.meta[ins.name] = (ins.phase, ins.block, ins.op, ins.flops, ins.bytes, ins.layer, ins.mb)
+
+    def counter(self, category: str, nbytes: float) -> None:
+        pass
+
+    def best(self) -> list[dict]:
+        out = []
+        for name, ts in self.times.items():
+            phase, block, op, flops, nbytes, layer, mb = self.meta[name]
+            out.append({"name": name, "phase": phase, "block": block, "op": op, "flops": flops, "bytes": nbytes,
+                        "t": ts})
+        return out
+
+
+def _one_rank_program(model: str):
+    from simexec.cluster import get_cluster
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+
+    rp = resolve(get_model(model), get_cluster("local"), load_plan("dp=1,gbs=2,dtype=fp32"))
+    return rp, lower(rp, symmetric=False).ranks[0]
+
+
+def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int = 0,
+                   config: Optional[BenchConfig] = None) -> dict:
+    """A runner for `execute`: every rank runs the benchmarks; `extra` holds this rank's timings."""
+    cfg = config or BenchConfig()
+    torch.manual_seed(seed)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b = _Bench(cfg, rank, world)
+    t0 = time.perf_counter()
+    rp1, instrs1 = _one_rank_program(cfg.model)
+    timings = {}
+    for name, fn in (("compute", b.compute), ("blocks", lambda: b.blocks(rp1, instrs1)),
+                     ("collectives", b.collectives), ("p2p", b.p2p)):
+        t = time.perf_counter()
+        fn()
+        timings[name] = time.perf_counter() - t
+    return {"losses": [], "step_times_s": [time.perf_counter() - t0], "peak_memory_bytes": 0,
+            "extra": {"results": b.out, "timings": timings, "config": asdict(cfg), "rank": rank, "world": world}}
+
+
+# --- dispatch counts (the simulator's DISPATCH table) ------------------------------------------------------
+def count_dispatch(model: str = "gpt-tiny") -> dict[str, int]:
+    """Aten operators each `<phase>.<block>` instruction of a one-rank step dispatches (the last
+    micro-batch's count where they differ), in this process."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class _Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    class _Tracer:
+        def __init__(self, cnt):
+            self.cnt, self.open, self.out = cnt, {}, {}
+
+        def begin(self, ins, step):
+            self.open[ins.name] = self.cnt.n
+
+        def end(self, ins, step):
+            n0 = self.open.pop(ins.name, None)
+            if n0 is not None and ins.kind == "compute" and ins.block not in ("optim", "cpu_optim"):
+                self.out[f"{ins.phase}.{ins.block}"] = self.cnt.n - n0
+
+        def counter(self, *a):
+            pass
+
+    rp, instrs = _one_rank_program(model)
+    cnt = _Count()
+    tr = _Tracer(cnt)
+    with cnt:
+        run_rank(rp, instrs, steps=1, groups=None, tracer=tr, device=torch.device("cpu"))
+    return tr.out

@@ -1,0 +1,373 @@
+"""CPU ranks sharing one host's cores: what an instruction costs a core, and how the OS shares the cores.
+
+On the `local` cluster every rank is a Python process running PyTorch on the CPU with one thread,
+and `node.cpu_cores` cores serve them all (4 ranks on 2 cores on the machine this was written on).
+Pretending each rank owns a device gets such a machine badly wrong: compute of N busy ranks runs
+about N/C slower, a rank waiting in a collective gives its core away, and a rank whose collective
+has completed must wait for a core before it runs again. This module models that, and the engine
+(`simexec.sim.engine`) hands it every compute, copy and host-optimizer instruction of a cluster whose
+`costs.cores_shared` is set (a calibrated `local` profile; the preset's placeholders leave it off).
+
+**What an instruction costs a core** (`HostCosts.cpu_seconds`), in CPU-seconds on one core:
+
+    instr_overhead_s                       the interpreter's Python around the instruction
+  + ops x device.launch_overhead_s         eager PyTorch dispatch, per aten op the block runs
+  + bwd_overhead_s (backward only)         autograd engine set-up of `torch.autograd.backward`
+  + flops / (peak[dtype] x eff(op, flops)) GEMMs and attention (the saturating efficiency curve of
+                                           `simexec.sim.compute`)
+  + bytes / (memory_bw x memory_eff)       memory traffic
+
+`ops` is how many aten operators the executor's block dispatches: counted (`DISPATCH`, refreshed
+by `simexec.exec.microbench.count_dispatch`, checked against the executor by the tests), and for the
+optimizer 8 per tensor Adam updates (`simexec.exec.optim`), the tensors being the rank's parameters
+(ZeRO 0), its flat buckets (ZeRO 1-2) or its gathered units (ZeRO 3).
+
+**How the cores are shared** (`Cores`), a mean-field model of the OS scheduler: each rank's main
+thread is one runnable thread while it computes, and none while it waits (gloo blocks without
+spinning); communication threads run a short burst per step of a collective. Runnable threads
+share the cores the host's other users leave them (`C - background_load`, the cores' worth of CPU
+other processes took while the profile's runs were measured) as processor sharing, at most one core
+each; a core runs slower while the others are busy too (`compute_contention` when all C are: vCPUs
+that are hyperthreads of one physical core, shared caches and memory bandwidth). A thread that wakes from a wait does not run at once when the running
+threads already fill the cores: it waits until threads ahead of it have run out their slices,
+`sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread that goes straight on from
+one instruction to the next keeps its core. So a collective of more ranks than cores costs a
+slice-sized wait per step, as gloo on 4 ranks of 2 cores measures (a ring step of 4 ranks ~1 ms,
+of 2 ranks ~0.1 ms). A rank of a
+symmetric program stands for `len(represents[r])` identical ranks: that many threads.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+from simpy.events import Event, Timeout
+
+from simexec.cluster import ClusterSpec
+from simexec.program import Instr, Program
+
+ADAM_OPS_PER_TENSOR = 8  # mul_, add_, mul_, addcmul_, sqrt, div, add_, addcdiv_ (simexec.exec.optim.Adam)
+FLOP_BOUND = ("gemm", "attention")
+
+# Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
+# a TorchDispatchMode around each instruction of a one-step run (simexec.exec.microbench.count_dispatch).
+# The count does not depend on sizes, nor (within one or two ops) on tp, pp, ZeRO or recompute; it
+# depends on the model's features (norm, biases, rotary, gating, MoE), hence one table per preset.
+DISPATCH: dict[str, dict[str, int]] = {
+    "gpt-tiny": {
+        "fwd.embed": 20, "fwd.qkv": 21, "fwd.attn": 8, "fwd.proj": 9, "fwd.fc1": 7, "fwd.fc2": 10,
+        "fwd.head": 7, "fwd.xent": 17, "fwd.loss": 9,
+        "bwd.loss": 9, "bwd.xent": 16, "bwd.head": 11, "bwd.fc2": 14, "bwd.fc1": 16, "bwd.proj": 13,
+        "bwd.attn": 9, "bwd.qkv": 47, "bwd.embed": 8,
+    },
+    "moe-tiny": {
+        "fwd.embed": 16, "fwd.qkv": 68, "fwd.attn": 8, "fwd.proj": 8, "fwd.router": 20, "fwd.experts": 34,
+        "fwd.moe_out": 20, "fwd.head": 13, "fwd.xent": 17, "fwd.loss": 9,
+        "bwd.loss": 9, "bwd.xent": 16, "bwd.head": 26, "bwd.moe_out": 34, "bwd.experts": 86, "bwd.router": 42,
+        "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
+    },
+}
+DEFAULT_TABLE = "gpt-tiny"  # models without a table of their own borrow its counts
+DEFAULT_OPS = 12  # a block no table knows
+
+
+def shares_cores(cluster: ClusterSpec) -> bool:
+    """Whether the cluster's ranks are CPU processes sharing the host's cores (simexec.sim.host)."""
+    return bool(getattr(cluster.costs, "cores_shared", False))
+
+
+def host_model(machine, program: Program) -> Optional["HostCosts"]:
+    """The engine's hook: a HostCosts for a cluster whose ranks share cores, else None."""
+    cluster = machine.cluster
+    if not shares_cores(cluster):
+        return None
+    return HostCosts(cluster, program, getattr(machine, "dtype", None))
+
+
+def ops_of(ins: Instr, table: dict[str, int]) -> int:
+    """Aten operators a compute instruction dispatches (recompute runs the forward's)."""
+    phase = "fwd" if ins.phase == "recompute" else ins.phase
+    return table.get(f"{phase}.{ins.block}", table.get(f"fwd.{ins.block}", DEFAULT_OPS))
+
+
+# --- parameters tensors, for the optimizer's per-tensor cost ------------------------------------------
+def unit_tensors(model) -> tuple[int, int, int, int]:
+    """Parameter tensors of (the embedding, a dense layer, the head, one MoE expert's FFN) in the
+    executor's layout (simexec.exec.model.param_specs)."""
+    norm = 2 if model.norm == "layernorm" else 1
+    ffn = (2 if model.gated else 1) * (2 if model.bias else 1) + (2 if model.bias else 1)
+    qkv_bias = 3 if (model.bias or getattr(model, "qkv_bias", False)) else 0
+    attn = 3 + qkv_bias + 1 + (1 if model.bias else 0)
+    embed = 1 + (1 if model.learned_pos else 0)
+    return embed, 2 * norm + attn + ffn, norm + 1, ffn
+
+
+def optimizer_tensors(program: Program, rank: int, model) -> int:
+    """Tensors the rank's Adam step updates: flat buckets (ZeRO 1-2), gathered units (ZeRO 3), else
+    every parameter tensor of the units (embedding, layers, head) the rank holds."""
+    instrs = program.ranks[rank]
+    buckets = {i.block for i in instrs if i.kind == "collective" and i.block.startswith("params")}
+    units = {(i.axis, i.layer) for i in instrs if i.kind == "collective" and i.block == "gather"}
+    if buckets or units:
+        return len(buckets) + len(units)
+    if model is None:
+        return 1
+    embed, layer, head, expert = unit_tensors(model)
+    blocks = {i.block for i in instrs if i.kind == "compute"}
+    layers = {i.layer for i in instrs if i.kind == "compute" and 0 <= i.layer < model.layers}
+    n = (embed if "embed" in blocks else 0) + (head if "head" in blocks else 0)
+    moe = getattr(model, "moe", None)
+    for l in layers:
+        if moe is not None and model.is_moe_layer(l):
+            ep = max(1, int(program.meta.get("ep", 1) or 1))
+            own = math.ceil(moe.experts / ep)
+            n += layer - expert + 1 + own * expert + moe.shared_experts * expert  # router + experts
+        else:
+            n += layer
+    return max(1, n)
+
+
+# --- what an instruction costs ------------------------------------------------------------------------
+class HostCosts:
+    """CPU-seconds of an instruction on one core of the host, and the cores' scheduler for a run."""
+
+    def __init__(self, cluster: ClusterSpec, program: Program, dtype: Optional[str] = None):
+        c, d, node = cluster.costs, cluster.device, cluster.node
+        self.cluster = cluster
+        self.program = program
+        dtype = dtype or _plan_dtype(program)
+        self.peak = d.peak_flops.get(dtype) or d.peak_flops.get("fp32") or max(d.peak_flops.values())
+        self.eff = {"gemm": (c.gemm_eff, c.gemm_half_flops), "attention": (c.attention_eff, c.attention_half_flops)}
+        self.mem_bw = d.memory_bw * c.memory_eff
+        self.copy_bw = node.host_link_bw * c.host_link_eff
+        self.op_s = d.launch_overhead_s
+        self.instr_s = getattr(c, "instr_overhead_s", 0.0)
+        self.bwd_s = getattr(c, "bwd_overhead_s", 0.0)
+        self.cores = node.cpu_cores
+        self.slice_s = getattr(c, "sched_slice_s", 0.0)
+        self.background = getattr(c, "background_load", 0.0)
+        self.contention = c.compute_contention  # slowdown of a thread when every core is busy
+        self.model = _model_of(program)
+        name = program.meta.get("model", "")
+        self.table = DISPATCH.get(name) or DISPATCH[DEFAULT_TABLE]
+        self._tensors: dict[int, int] = {}
+
+    def efficiency(self, op: str, flops: float) -> float:
+        max_eff, half = self.eff.get(op, self.eff["gemm"])
+        return max_eff * flops / (flops + half)
+
+    def roofline(self, op: str, flops: float, nbytes: float) -> float:
+        """Seconds of the arithmetic and memory traffic on one core (the two add: small CPU kernels
+        do not overlap them)."""
+        t = nbytes / self.mem_bw if nbytes > 0 else 0.0
+        if op in FLOP_BOUND and flops > 0:
+            t += flops / (self.peak * self.efficiency(op, flops))
+        return t
+
+    def tensors(self, rank: int) -> int:
+        n = self._tensors.get(rank)
+        if n is None:
+            n = self._tensors[rank] = optimizer_tensors(self.program, rank, self.model)
+        return n
+
+    def ops(self, ins: Instr) -> int:
+        """Aten operators of one instruction (compute, host optimizer or offload copy)."""
+        if ins.kind == "copy":
+            return self.tensors(ins.rank)  # one copy_ per tensor
+        if ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim"):
+            return ADAM_OPS_PER_TENSOR * self.tensors(ins.rank)
+        return ops_of(ins, self.table)
+
+    def cpu_seconds(self, ins: Instr) -> float:
+        """CPU-seconds of a compute, copy or host-optimizer instruction on one idle core."""
+        t = self.instr_s + self.ops(ins) * self.op_s
+        if ins.kind == "copy":
+            return t + (ins.bytes / self.copy_bw if ins.bytes > 0 else 0.0)
+        if ins.phase == "bwd":
+            t += self.bwd_s
+        op = "optimizer" if ins.op == "cpu_optimizer" else ins.op
+        return t + self.roofline(op, ins.flops, ins.bytes)
+
+    # --- communication over loopback: steps whose members each need a core -----------------------
+    def comm_steps(self, ins: Instr) -> tuple[int, float]:
+        """(steps, bytes each member moves per step) of a collective or message with gloo's algorithms:
+        ring all-reduce 2(n-1) steps of S/n; all-gather, all-to-all n-1 of S/n; reduce-scatter as an
+        all-reduce (gloo reduces the whole tensor, then keeps its slice); broadcast a tree of
+        ceil(log2 n) steps of S; send/recv one step of S."""
+        S = float(ins.bytes)
+        if ins.kind in ("send", "recv"):
+            return 1, S
+        n = max(1, len(ins.group))
+        if n <= 1:
+            return 0, 0.0
+        verb = ins.collective
+        if verb in ("allreduce", "reducescatter"):
+            return 2 * (n - 1), S / n
+        if verb in ("allgather", "alltoall"):
+            return n - 1, S / n
+        if verb == "broadcast":
+            return max(1, math.ceil(math.log2(n))), S
+        return n - 1, S / n
+
+    def comm_seconds(self, steps: int, chunk: float) -> tuple[float, float, float]:
+        """(call latency, CPU per step per member, latency per step) on an idle host. Loopback TCP
+        moves data by copying it through the kernel, so a step's bytes cost CPU on each member at
+        `intra_bw` (x `intra_bw_eff`) bytes per second of a core, and only its latency is free."""
+        c, node = self.cluster.costs, self.cluster.node
+        bw = node.intra_bw * c.intra_bw_eff
+        burst = self.op_s + (chunk / bw if chunk > 0 else 0.0)
+        return c.collective_latency_s, burst, node.intra_latency_s
+
+    def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:
+        """Run a collective / message on the host: the call's latency, then per step every member's
+        communication thread needs `burst` of CPU (waiting for a core if none is free) and the data
+        `wire` seconds on the loopback; `done()` when the last step is over."""
+        steps, chunk = self.comm_steps(ins)
+        call, burst, wire = self.comm_seconds(steps, chunk)
+        members = tuple(ranks) or (ins.rank,)
+        env.process(self._comm(env, cores, members, steps, call, burst, wire, done))
+
+    @staticmethod
+    def _comm(env, cores, members, steps, call, burst, wire, done):
+        if call > 0:
+            yield env.timeout(call)
+        for _ in range(steps):
+            yield env.all_of([cores.run((r, "comm"), burst) for r in members])
+            if wire > 0:
+                yield env.timeout(wire)
+        done()
+
+    def cores_for(self, env) -> "Cores":
+        weights = {r: len(v) for r, v in (self.program.represents or {}).items() if len(v) > 1}
+        return Cores(env, self.cores, self.slice_s, self.background, weights, self.contention)
+
+
+def _plan_dtype(program: Program) -> str:
+    plan = str(program.meta.get("plan", ""))
+    for part in plan.split(","):
+        if part.startswith("dtype="):
+            return part.split("=", 1)[1]
+    return "bf16"
+
+
+def _model_of(program: Program):
+    """The program's model spec, when its name is a preset (the optimizer's tensor count needs it)."""
+    try:
+        from simexec.model import get_model
+
+        return get_model(str(program.meta.get("model", "")))
+    except Exception:  # noqa: BLE001 - a model file: fall back to counting what the program shows
+        return None
+
+
+# --- the cores ------------------------------------------------------------------------------------------
+class _Job:
+    __slots__ = ("done", "first", "left", "k", "key")
+
+    def __init__(self, done: Event, left: float, k: int, key):
+        self.done, self.first, self.left, self.k, self.key = done, None, left, k, key
+
+
+class Cores:
+    """The host's cores as the ranks' threads see them; see the module doc.
+
+    `run(key, seconds)` returns an event that fires once thread `key` (a rank's main thread is its
+    rank, its communication thread `(rank, "comm")`) has had `seconds` of CPU; its value is the time
+    the work first ran. Threads share the cores the host's other users leave (`cores -
+    background`) as processor sharing, at most one core each; a thread that was waiting (not one
+    going straight on from its previous piece of work) first waits for a core when the running threads already fill them:
+    `slice x (running + 1 - (cores - background)) / cores`.
+    """
+
+    def __init__(self, env, cores: int, slice_s: float, background: float, weights: dict[int, int],
+                 contention: float = 1.0):
+        self.env = env
+        self.contention = max(1.0, float(contention))
+        self.cores = max(1, int(cores))
+        self.slice = max(0.0, float(slice_s))
+        self.background = max(0.0, float(background))
+        self.capacity = max(0.05, self.cores - self.background)
+        self.weights = weights
+        self.active: list[_Job] = []
+        self.n = 0  # threads running (copies counted)
+        self.t = 0.0
+        self.ver = 0
+        self.last_end: dict = {}  # key -> when its last piece of work ended
+
+    def _weight(self, key) -> int:
+        rank = key[0] if isinstance(key, tuple) else key
+        return self.weights.get(rank, 1)
+
+    def wake_wait(self) -> float:
+        """How long a thread that wakes now waits for a core: nothing while the ranks' running threads
+        leave a core free; else, per thread too many, a share of a slice (the threads ahead of it
+        run out their slices on the C cores first)."""
+        over = self.n + 1 - self.capacity
+        over = over + math.log1p(math.exp(-4.0 * abs(over))) / 4.0 if over > 0 else math.log1p(math.exp(4.0 * over)) / 4.0
+        return self.slice * over / self.cores  # a smooth max(0, over): the fits need a smooth model
+
+    def run(self, key, seconds: float) -> Event:
+        done = Event(self.env)
+        if seconds <= 0.0:
+            done.succeed(self.env.now)
+            return done
+        going_on = self.last_end.get(key) == self.env.now
+        job = _Job(done, seconds, self._weight(key), key)
+        wait = 0.0 if going_on else self.wake_wait()
+        if wait > 0.0:
+            t = Timeout(self.env, wait)
+            t.callbacks.append(lambda _ev, job=job: self._add(job))
+        else:
+            self._add(job)
+        return done
+
+    def _rate(self) -> float:
+        """Each running thread's speed: its share of the cores the ranks get, times the slowdown of
+        a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches)."""
+        if self.n <= 0:
+            return 1.0
+        share = min(1.0, self.capacity / self.n)
+        busy = min(float(self.cores), self.n + self.background)
+        if self.cores > 1 and self.contention > 1.0:
+            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
+        return share
+
+    def _advance(self) -> None:
+        now = self.env.now
+        if self.active and now > self.t:
+            moved = (now - self.t) * self._rate()
+            for job in self.active:
+                job.left -= moved
+        self.t = now
+
+    def _add(self, job: _Job) -> None:
+        self._advance()
+        job.first = self.env.now
+        self.active.append(job)
+        self.n += job.k
+        self._schedule()
+
+    def _schedule(self) -> None:
+        self.ver += 1
+        if not self.active:
+            return
+        dt = max(0.0, min(j.left for j in self.active)) / self._rate()
+        ver = self.ver
+        t = Timeout(self.env, dt)
+        t.callbacks.append(lambda _ev, ver=ver: self._tick(ver))
+
+    def _tick(self, ver: int) -> None:
+        if ver != self.ver:
+            return
+        self._advance()
+        left = []
+        now = self.env.now
+        for job in self.active:
+            if job.left <= 1e-12:
+                self.n -= job.k
+                self.last_end[job.key] = now
+                job.done.succeed(job.first)
+            else:
+                left.append(job)
+        self.active = left
+        self._schedule()

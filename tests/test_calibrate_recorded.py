@@ -1,0 +1,68 @@
+"""This machine's recorded traces and profiles (traces/, re-recorded by scripts/record_traces.py): the
+calibrated profile predicts the held-out plans' step times; the raw micro-benchmarks fit again to
+sane numbers. No Ray needed."""
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from simexec.calibrate import fit_microbench, load_cases, load_profile, predict_case
+from simexec.cluster import get_cluster
+from simexec.sim.profile import apply_profile
+from simexec.trace import load_json
+
+ROOT = Path(__file__).resolve().parents[1]
+DIR = ROOT / "traces" / "local"
+PROFILES = ROOT / "traces" / "profiles"
+pytestmark = pytest.mark.skipif(not (DIR / "manifest.json").exists(), reason="no recorded traces (scripts/record_traces.py)")
+
+LOCAL = get_cluster("local")
+# The held-out step-time MAPE the recorded profile reaches on the recorded held-out traces, with room
+# for the simulator's own changes. The issue's target is 5%; this shared 2-core VM's run-to-run
+# noise (manifest: summary.repeatability) keeps it above that; docs/calibration.md says why.
+HELDOUT_MAPE_MAX = 0.30
+
+
+def manifest() -> dict:
+    return json.loads((DIR / "manifest.json").read_text())
+
+
+def _mape(runs, profile) -> float:
+    errs = []
+    for r in runs:
+        case = load_cases([DIR / r["file"]])[0]
+        pred = predict_case(case, LOCAL, profile, trace=False).step_time_s
+        errs.append(abs(pred / case.step_s - 1.0))
+    return statistics.fmean(errs)
+
+
+def test_recorded_profiles_load_and_describe_this_kind_of_machine():
+    for name in ("local-microbench", "local-traces"):
+        prof = load_profile(PROFILES / f"{name}.json")
+        assert {"name", "machine", "measured_at", "method", "costs"} <= set(prof)
+        c = apply_profile(LOCAL, prof)
+        assert c.costs.cores_shared and c.node.cpu_cores == prof["machine"]["cores"]
+
+
+def test_recorded_profile_predicts_held_out_traces():
+    runs = manifest()["runs"]
+    held = [r for r in runs if r["role"] == "heldout"]
+    assert len(held) >= 6
+    prof = {k: v for k, v in load_profile(PROFILES / "local-traces.json").items() if k in ("costs", "device", "node")}
+    after = _mape(held, prof)
+    before = _mape(held, None)
+    assert after < HELDOUT_MAPE_MAX
+    assert after < 0.6 * before  # calibration helps a lot
+
+
+def test_recorded_microbenchmarks_fit_again():
+    raw = load_json(DIR / "microbench.json.gz", "micro-benchmarks")
+    sections, report = fit_microbench(raw["extras"], LOCAL, measured_background=raw.get("background"))
+    c, d, n = sections["costs"], sections["device"], sections["node"]
+    assert c["cores_shared"] and n["cpu_cores"] >= 1
+    assert 1e-7 < d["launch_overhead_s"] < 1e-4  # a dispatched PyTorch operator: microseconds
+    assert 1e9 < d["peak_flops"]["fp32"] < 1e13
+    assert 1.0 <= c["compute_contention"] <= 3.0
+    assert all(v > 0 for v in (c["instr_overhead_s"], n["intra_latency_s"], n["intra_bw"]))
+    assert abs(report["gemm"]["rel_err"][-1]) < 0.3

@@ -60,7 +60,9 @@ def start_ray(address: Optional[str] = None, *, num_cpus: Optional[int] = None) 
             ray.init(address=address, logging_level="warning",
                      runtime_env={"py_modules": [os.path.dirname(simexec.__file__)]})
         else:
-            ray.init(num_cpus=num_cpus or os.cpu_count(), include_dashboard=False, logging_level="warning")
+            # address="local": start our own instance, never attach to another session's on this host
+            ray.init(address="local", num_cpus=num_cpus or os.cpu_count(), include_dashboard=False,
+                     logging_level="warning")
     except BaseException:  # Ctrl-C or a failure half-way: leave nothing running
         ray.shutdown()
         raise

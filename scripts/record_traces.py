@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(ROOT / "traces"), help="the traces/ directory")
     ap.add_argument("--rounds", type=int, default=1, help="times each plan is measured")
-    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--name", default="local", help="profile name prefix")
     ap.add_argument("--from", dest="source", default=None,
                     help="keep the products of an earlier `validate_calibration.py --out DIR` run instead of running")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Held-out accuracy of the simulator on this machine's CPU ranks, before and after calibration.
 
-    python scripts/validate_calibration.py [--out DIR] [--rounds 2] [--markdown docs/calibration.md]
+    python scripts/validate_calibration.py [--out DIR] [--rounds 3] [--markdown docs/calibration.md]
 
 One Ray session runs everything: the micro-benchmarks (-> a micro-benchmark profile), then every
 plan of `simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times; the trace fit
@@ -58,8 +58,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(Path(tempfile.gettempdir()) / "simexec-validation"),
                     help="directory for traces, profiles and validation.json")
-    ap.add_argument("--rounds", type=int, default=2, help="times each plan is measured (interleaved)")
-    ap.add_argument("--steps", type=int, default=10, help="steps per run (the median of the last half counts)")
+    ap.add_argument("--rounds", type=int, default=3, help="times each plan is measured (interleaved)")
+    ap.add_argument("--steps", type=int, default=16, help="steps per run (the median of the last half counts)")
     ap.add_argument("--quick", action="store_true", help="smaller micro-benchmark set")
     ap.add_argument("--max-nfev", type=int, default=40, help="simulations the trace fit may spend per parameter")
     ap.add_argument("--markdown", default=None, help="a Markdown file to write the table into (between markers)")

@@ -204,6 +204,76 @@ def merge_results(extras: dict) -> dict[str, list[dict]]:
     return out
 
 
+# The one-rank step has one optimizer step against ~150 block instructions, but its hundreds of
+# small operators pin the per-operator cost best: its rows weigh this much more.
+OPTIM_WEIGHT = 5.0
+
+
+def _one_rank_tensors(model: str) -> int:
+    """Parameter tensors of the model on one rank (what the one-rank step's Adam updates)."""
+    from simexec.model import get_model
+    from simexec.sim.host import unit_tensors
+
+    m = get_model(model)
+    embed, layer, head, _ = unit_tensors(m)
+    return embed + m.layers * layer + head
+
+
+def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[str, float], float],
+               mem_bw: float) -> Optional[dict]:
+    """What the executor's instructions cost a core, from one-rank steps at several micro-batch sizes:
+    time = instr (+ bwd) + ops x op + flop_seconds(op, flops) + bytes / mem_bw x elementwise[phase.block].
+
+    The per-instruction, per-backward and per-operator costs are shared by every block; each block's
+    element-wise cost per byte is its own (a streaming add is 1; GELU-tanh, softmax, layer norm and
+    the loss's log-softmax cost several times more per byte on a CPU core). Linear least squares on
+    relative errors with non-negative coefficients; the operator cost here is the one inside a real
+    step (a tiny operator in a warm loop runs ~2x cheaper)."""
+    import numpy as np
+    from scipy.optimize import lsq_linear
+
+    from simexec.program import Instr
+    from simexec.sim.host import ADAM_OPS_PER_TENSOR, DEFAULT_TABLE, DISPATCH, ops_of
+
+    table = DISPATCH.get(model) or DISPATCH[DEFAULT_TABLE]
+    recs = [r for r in records if r["block"] not in ("optim", "cpu_optim") and r["phase"] in ("fwd", "bwd")]
+    optim = [r for r in records if r["block"] == "optim"]
+    keys = sorted({f"{r['phase']}.{r['block']}" for r in recs if r["bytes"] > 0})
+    col = {k: 3 + i for i, k in enumerate(keys)}
+    rows, ys, ts = [], [], []
+    for rec in recs:
+        ins = Instr(0, rec["name"], "compute", "compute", rec["op"], phase=rec["phase"], block=rec["block"])
+        t = quantile(rec["t"], CPU_Q)
+        flop_t = flop_seconds(rec["op"], rec["flops"]) if rec["op"] in ("gemm", "attention") else 0.0
+        row = [0.0] * (3 + len(keys))
+        row[0], row[1], row[2] = 1.0, 1.0 if rec["phase"] == "bwd" else 0.0, ops_of(ins, table)
+        if rec["bytes"] > 0:
+            row[col[f"{rec['phase']}.{rec['block']}"]] = rec["bytes"] / mem_bw
+        rows.append(row)
+        ys.append(t - flop_t)
+        ts.append(t)
+    if len(rows) < 4 + len(keys):
+        return None
+    weights = [1.0] * len(rows)
+    tensors = _one_rank_tensors(model)
+    for rec in optim:  # Adam: ADAM_OPS_PER_TENSOR small in-place operators per parameter tensor
+        t = quantile(rec["t"], CPU_Q)
+        row = [0.0] * (3 + len(keys))
+        row[0], row[2] = 1.0, ADAM_OPS_PER_TENSOR * tensors
+        rows.append(row)
+        ys.append(t - rec["bytes"] / mem_bw)
+        ts.append(t)
+        weights.append(OPTIM_WEIGHT)
+    A, y, w = np.asarray(rows), np.asarray(ys), np.asarray(weights) / np.asarray(ts)
+    lo = np.zeros(A.shape[1])
+    lo[3:] = 1.0  # nothing runs faster than a streaming add
+    sol = lsq_linear(A * w[:, None], y * w, bounds=(lo, np.inf)).x
+    pred = A @ sol
+    return {"instr_s": max(1e-7, float(sol[0])), "bwd_s": float(sol[1]), "op_s": max(1e-8, float(sol[2])),
+            "elementwise": {k: float(sol[col[k]]) for k in keys},
+            "rel_err": float(np.median(np.abs((pred - y) / np.asarray(ts)))), "records": len(rows)}
+
+
 def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = None, model: str = "gpt-tiny",
                    measured_background: Optional[float] = None) -> tuple[dict, dict]:
     """Cost parameters from micro-benchmark results (`run_microbench`'s `extra` of every rank).
@@ -267,32 +337,18 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         copy_bw = base.node.host_link_bw
     report["copy_bw"] = copy_bw
 
-    # the executor's instructions, one rank alone: time = instr (+ bwd) + ops x op + roofline. A
-    # linear fit over every block: the per-operator cost inside a real step (the tiny-operator loop
-    # above runs warm and ~2x cheaper), the per-instruction and per-backward intercepts.
-    import numpy as np
+    # the executor's instructions, one rank alone, at several micro-batch sizes
+    def flop_seconds(op: str, flops: float) -> float:
+        eff, h = (att_eff, att_half) if op == "attention" else (1.0, half)
+        return flops / (rate * eff * flops / (flops + h)) if flops > 0 else 0.0
 
-    from simexec.program import Instr
-    from simexec.sim.host import DEFAULT_TABLE, DISPATCH, ops_of
-
-    table = DISPATCH.get(model) or DISPATCH[DEFAULT_TABLE]
-    rows, ys = [], []
-    for rec in (R["blocks"][0]["records"] if R["blocks"] else []):
-        if rec["block"] in ("optim", "cpu_optim") or rec["phase"] not in ("fwd", "bwd"):
-            continue
-        ins = Instr(0, rec["name"], "compute", "compute", rec["op"], phase=rec["phase"], block=rec["block"])
-        flop_t = (rec["flops"] / (rate * (att_eff if rec["op"] == "attention" else 1.0))
-                  if rec["op"] in ("gemm", "attention") else 0.0)
-        rows.append([1.0, 1.0 if rec["phase"] == "bwd" else 0.0, ops_of(ins, table)])
-        ys.append(quantile(rec["t"], CPU_Q) - flop_t - rec["bytes"] / mem_bw)
-    instr_s, bwd_s = 10e-6, 0.0
-    if len(rows) >= 4:
-        A, y = np.asarray(rows), np.asarray(ys)
-        sol, *_ = np.linalg.lstsq(A / y[:, None], np.ones_like(y), rcond=None)  # relative errors
-        if sol[2] > 0:
-            instr_s, bwd_s, op_s = max(1e-7, float(sol[0])), max(0.0, float(sol[1])), float(sol[2])
-        report["blocks"] = {"instr_s": instr_s, "bwd_s": bwd_s, "op_s": op_s,
-                            "rel_err": float(np.median(np.abs(A @ sol / y - 1.0)))}
+    blocks = fit_blocks([r for b in R["blocks"] for r in b["records"]], model, flop_seconds=flop_seconds,
+                        mem_bw=mem_bw)
+    if blocks is not None:
+        op_s, instr_s, bwd_s, elementwise = blocks["op_s"], blocks["instr_s"], blocks["bwd_s"], blocks["elementwise"]
+        report["blocks"] = blocks
+    else:
+        instr_s, bwd_s, elementwise = 10e-6, 0.0, {}
     report["op_s"], report["instr_s"], report["bwd_s"] = op_s, instr_s, bwd_s
 
     # cores shared: n ranks running the same one-rank step at once take longer than one alone by
@@ -338,7 +394,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "attention_half_flops": att_half, "memory_eff": 1.0, "intra_bw_eff": 1.0, "host_link_eff": 1.0,
         "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
-        "background_load": background,
+        "background_load": background, "elementwise_cost": elementwise,
     }
     device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
     node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],

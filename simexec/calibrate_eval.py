@@ -26,7 +26,7 @@ from simexec.calibrate import (
 )
 from simexec.cluster import ClusterSpec, get_cluster
 
-STEPS = 10  # per run: the median of the last five is its step time (`steady_step`)
+STEPS = 16  # per run: the median of the last eight is its step time (`steady_step`)
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
     """Execute every plan `rounds` times (round by round), saving each trace under out_dir."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    warm_up(session, specs, tick)
     runs = []
     for r in range(rounds):
         for s in specs:
@@ -134,6 +135,28 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
             if tick is not None:
                 tick(f"{s.name} {m.result.step_time_s * 1e3:.0f} ms")
     return runs
+
+
+def world_of(spec: PlanSpec) -> int:
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+
+    return resolve(get_model(spec.model), get_cluster("local"), load_plan(spec.plan)).world
+
+
+def warm_up(session, specs: Sequence[PlanSpec], tick: Optional[Callable[[str], None]] = None) -> None:
+    """One short, discarded run per world size: a fresh set of rank actors spends its first run's
+    steps on lazy initialisation (gloo's connections, allocator pools, the interpreter's caches),
+    several steps long, which no plan's step should carry."""
+    seen: set[int] = set()
+    for s in specs:
+        w = world_of(s)
+        if w in seen:
+            continue
+        seen.add(w)
+        session.execute(s.model, s.plan, steps=4)
+        if tick is not None:
+            tick(f"warm-up of {w} rank(s)")
 
 
 # --- predicting ------------------------------------------------------------------------------------
@@ -250,7 +273,7 @@ class Outcome:
 LABELS = {"before": "before (preset)", "microbench": "after micro-benchmarks", "traces": "after traces"}
 
 
-def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds: int = 2, steps: int = STEPS,
+def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds: int = 3, steps: int = STEPS,
                    quick_bench: bool = False, max_nfev: int = 40, session=None, name: str = "local",
                    progress: Optional[Callable[[str], None]] = None) -> Outcome:
     """Micro-benchmark calibration, the plan matrix measured `rounds` times, trace calibration on the

@@ -100,6 +100,11 @@ class CostParams(_Spec):
     bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
+    elementwise_cost: dict[str, float] = Field(
+        default_factory=dict,
+        description="CPU ranks: per `<phase>.<block>`, what a byte of the block's element-wise traffic costs "
+                    "relative to a streaming add (GELU's tanh, softmax's exp and normalisation are compute-bound "
+                    "on a CPU core); absent = 1")
 
 
 class ClusterSpec(_Spec):

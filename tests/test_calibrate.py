@@ -144,3 +144,34 @@ def test_dispatch_table_matches_the_executor():
     table = DISPATCH["gpt-tiny"]
     diff = {k: (table.get(k), v) for k, v in got.items() if abs(table.get(k, -99) - v) > 1}
     assert not diff, f"refresh simexec.sim.host.DISPATCH['gpt-tiny'] from count_dispatch(): {diff}"
+
+
+def test_block_fit_recovers_per_byte_element_wise_costs():
+    """One-rank steps at two micro-batch sizes, timed by the host model with known costs (GELU and
+    the loss several times an add per byte): the block fit finds the costs again."""
+    from simexec.calibrate import _one_rank_tensors, fit_blocks
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+    from simexec.sim.host import HostCosts
+
+    truth = json.loads(json.dumps(TRUTH))
+    factors = {"fwd.fc1": 9.0, "bwd.fc1": 12.0, "fwd.xent": 6.0, "bwd.xent": 4.0}
+    truth["costs"]["elementwise_cost"] = factors
+    cluster = profiled_cluster(LOCAL, truth)
+    records = []
+    for mbs in (1, 4):
+        rp = resolve(get_model("gpt-tiny"), cluster, load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
+        prog = lower(rp, symmetric=False)
+        host = HostCosts(cluster, prog, "fp32")
+        for ins in prog.ranks[0]:
+            if ins.kind == "compute":
+                records.append({"name": ins.name, "phase": ins.phase, "block": ins.block, "op": ins.op,
+                                "flops": ins.flops, "bytes": ins.bytes, "t": [host.cpu_seconds(ins)]})
+    assert host.tensors(0) == _one_rank_tensors("gpt-tiny")
+    d = truth["device"]
+    got = fit_blocks(records, "gpt-tiny", flop_seconds=lambda op, f: host.roofline(op, f, 0.0), mem_bw=d["memory_bw"])
+    assert got["op_s"] == pytest.approx(d["launch_overhead_s"], rel=1e-3)
+    assert got["instr_s"] == pytest.approx(truth["costs"]["instr_overhead_s"], rel=1e-3)
+    assert got["bwd_s"] == pytest.approx(truth["costs"]["bwd_overhead_s"], rel=1e-3)
+    for key, f in got["elementwise"].items():
+        assert f == pytest.approx(factors.get(key, 1.0), rel=1e-3), key

@@ -235,8 +235,10 @@ class _Inflight:
         finally:
             if tracker is not None:
                 tracker.in_backend -= 1
+        self.works = ()  # a finished Work can hold the backend's temporaries: let them go now
         if self.finish is not None:
             self.finish()
+            self.finish = None  # nor keep what its closure captured (a reduce-scatter's output, once summed)
         self.rank.tracer.end(self.ins, self.rank.step_no)
         self.rank.inflight.pop(self.ins.name, None)
 
@@ -276,7 +278,15 @@ class _LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.largest = 0  # the largest single storage the interpreter's own ops created
         self.in_backend = 0  # > 0 inside Work.wait(): what appears there is the backend's (gloo's temporaries)
+        self.on_host = 0  # > 0 while the rank computes on host memory (offloaded optimizer): not the device's
         self._seen: dict[int, weakref.finalize] = {}
+
+    def ignore(self, t: Tensor) -> None:
+        """A tensor that stands for host memory (offload): seen, never counted."""
+        st = t.untyped_storage()
+        key = id(st)
+        if key not in self._seen or not self._seen[key].alive:
+            self._seen[key] = weakref.finalize(st, self._seen.pop, key, None)
 
     def track(self, t: Any, created: bool = False) -> None:
         if not isinstance(t, Tensor) or t.device.type == "meta":
@@ -288,8 +298,10 @@ class _LiveBytes(TorchDispatchMode):
         key = id(st)
         if key in self._seen and self._seen[key].alive:
             return
+        if created and (self.in_backend or self.on_host):
+            return  # the backend's own temporaries (NCCL's are outside max_memory_allocated too), host work
         n = st.nbytes()
-        if created and not self.in_backend:
+        if created:
             self.largest = max(self.largest, n)
         self.live += n
         self.peak = max(self.peak, self.live)
@@ -420,8 +432,14 @@ class _Rank:
         return _Flat(names, [math.prod(s) for s in shapes], shapes, len(group), group.index(self.rank))
 
     def _setup_zero(self) -> None:
-        """ZeRO-1/2: a flat shard per parameter bucket (`params<k>`); ZeRO-3: per gathered unit."""
+        """ZeRO-1/2: a flat shard per parameter bucket (`params<k>`); ZeRO-3: per gathered unit.
+
+        ZeRO-1/2 keep a bucket's parameters as views of one flat buffer whose slice is this rank's
+        shard (Megatron's distributed optimizer, DeepSpeed's flat groups): Adam updates the shard in
+        place and `params<k>` all-gathers in place, so neither a copy of the shard nor a gathered
+        buffer exists besides the parameters."""
         self.buckets: dict[tuple, _Flat] = {}  # (cls, items) -> layout; master shards in self.shards
+        self.pbuf: dict[tuple, Tensor] = {}  # ZeRO-1/2: (cls, items) -> the bucket's flat parameters
         self.shards: dict[tuple, Tensor] = {}
         self.gshard: dict[tuple, Tensor] = {}  # reduce-scattered gradient shards
         self.gshard_pending: dict[tuple, _Inflight] = {}
@@ -437,7 +455,14 @@ class _Rank:
                 key = (self._cls(i.axis), tuple(i.items))
                 names = [n for u in i.items for n in self.unit_names(u, key[0])]
                 self.buckets[key] = fl = self._flat(names, i.group)
-                self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
+                flat = fl.flatten([self.p[n].detach() for n in names])
+                if self.xla:  # no aliasing views on XLA: a separate shard, gathered into a new buffer
+                    self.shards[key] = fl.my_slice(flat).clone()
+                    continue
+                self.pbuf[key] = flat
+                for n, v in zip(names, fl.views(flat)):
+                    self.p[n].data = v
+                self.shards[key] = fl.my_slice(flat)
             if i.kind == "collective" and i.block == "gather":
                 key = (self._cls(i.axis), i.layer)
                 if key not in self.z3:
@@ -479,7 +504,8 @@ class _Rank:
         autograd accumulates in place and the bucket's collective runs on the buffer without a copy
         (Megatron's contiguous gradient buffer; DDP's gradient_as_bucket_view). Not for ZeRO-2, whose
         point is that full gradients are freed once reduce-scattered: there `.grad` is allocated by
-        autograd and dropped at its bucket."""
+        autograd and moved into its bucket's flat buffer one gradient at a time, and the buffer is
+        freed once reduce-scattered."""
         self.gbuf: dict[tuple, Tensor] = {}
         self.gview: dict[str, Tensor] = {}
         if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
@@ -1074,8 +1100,15 @@ class _Rank:
         names = [n for u in ins.items for n in self.unit_names(u, cls)]
         fl = self.buckets.get(key) or self._flat(names, ins.group)
         flat = self.gbuf.get(key)
-        if flat is None:
-            flat = fl.flatten([self.local_grad(n) for n in names])
+        if flat is None:  # each gradient is dropped as soon as it is in the bucket (ZeRO-2, XLA)
+            for n in names:  # the previous micro-batch's bucket first: its buffer goes before this one comes
+                w = self.g_pending.pop(n, None)
+                if w is not None:
+                    w.wait()
+            flat = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
+            flat[fl.total :].zero_()
+            for n, v in zip(names, fl.views(flat)):
+                v.copy_(self.local_grad(n))
         else:  # gradients are in the buffer already, but for those moved out (tp-reduced, see local_grad)
             for n, v in zip(names, fl.views(flat)):
                 gr = self.local_grad(n)
@@ -1088,17 +1121,16 @@ class _Rank:
                 for n, v in zip(names, fl.views(flat)):
                     self.reduced[n] = v
         elif verb == "reducescatter":
-            out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
+            # ZeRO-1 reduces its gradient buffer once per step, in place into this rank's slice (the
+            # buffer is zeroed when the next step starts); ZeRO-2 into a new shard, summed over
+            # micro-batches
+            in_place = key in self.gbuf and not self.xla
+            out = fl.my_slice(flat) if in_place else torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
             work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
 
             if key not in self.shards:
                 raise RuntimeError(f"rank {self.rank}: {ins.name}: reduce-scattered bucket {key} has no params<k> gather")
-            accumulate = self._accumulate_shard(key, out)
-
-            def finish():
-                accumulate()
-                if key in self.gbuf:  # consumed: ready for the next micro-batch
-                    self._attach_grads(key)
+            finish = self._accumulate_shard(key, out)
         else:
             raise ValueError(f"rank {self.rank}: {ins.name}: gradient bucket with {verb}")
         w = self._issue(ins, [work], finish)
@@ -1190,10 +1222,21 @@ class _Rank:
         """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
         whose gradients `grads_d2h` brought."""
         if ins.block == "cpu_optim":
-            self.opt.step(self.host_grads)
+            tracker = _TRACKER[0]
+            if tracker is not None:
+                tracker.on_host += 1
+            try:
+                self.opt.step(self.host_grads)
+            finally:
+                if tracker is not None:
+                    tracker.on_host -= 1
             return
         self.wait_all()
         self.opt.step(self._optimizer_grads())
+
+    def host_tensors(self) -> list[Tensor]:
+        """What stands for host memory (offload: parameters, gradients and Adam states on the host)."""
+        return self.host + self.host_grads + self.opt.state_tensors() if self.offload else []
 
     def _optimizer_grads(self) -> list[Tensor]:
         out = []
@@ -1227,6 +1270,10 @@ class _Rank:
         """ZeRO-1/2: all-gather the updated shards of bucket k back into the parameters."""
         key = (self._cls(ins.axis), tuple(ins.items))
         fl = self.buckets[key]
+        buf = self.pbuf.get(key)
+        if buf is not None:  # in place: the shard is this rank's slice of the parameters' buffer
+            self._issue(ins, [self.comm.all_gather(buf, self.shards[key], group=g, async_op=True)], None)
+            return
         out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
         work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
 
@@ -1273,9 +1320,10 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
     rank(s) that compute the loss; others return []), "step_times_s": [...], "params": {name: tensor
     (cpu, this rank's shard)}, "peak_memory_bytes": int}. Peak memory is that of the first step
     (optimizer states exist from the start, so it is the steady state): on CUDA
-    `max_memory_allocated`, on CPU the live tensor storages; there also `largest_alloc_bytes`, the
-    largest single tensor storage the interpreter's ops created in that step (the communication
-    backend's temporaries, such as gloo's copy inside reduce-scatter, count in the peak only). On an
+    `max_memory_allocated`, on CPU the live tensor storages of device memory (not the communication
+    backend's temporaries, such as gloo's copy inside reduce-scatter, nor the host copies of an
+    offloaded optimizer); there also `largest_alloc_bytes`, the largest single tensor storage the
+    interpreter's ops created in that step. On an
     XLA device the runtime's peak where it reports one (TPU, GPU), else 0."""
     device = torch.device(device)
     cuda = device.type == "cuda"
@@ -1295,6 +1343,8 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
                 torch.cuda.reset_peak_memory_stats(device)
             elif not xla:  # XLA tensors have no storage to count: the runtime's figure (0 on CPU)
                 tracker = _LiveBytes()
+                for t in r.host_tensors():  # device memory only: host copies are not the accelerator's
+                    tracker.ignore(t)
                 held = [r.p, r.shards, r.z3_buffers, r.z3_gbuffers, r.gbuf]
                 for t in [t for d in held for t in d.values()] + r.opt.state_tensors():
                     tracker.track(t)

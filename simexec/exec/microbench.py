@@ -55,6 +55,7 @@ class BenchConfig:
     p2p_bytes: tuple = (256, 4096, 65536, 1 << 20, 4 << 20)
     copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
     block_steps: int = 3
+    block_mbs: tuple = (1, 2, 4)  # micro-batch sizes of the one-rank step: per-byte costs need two sizes at least
     sharing_steps: int = 4
     sharing_rounds: int = 2
     pingpong_s: float = 1.0
@@ -64,7 +65,7 @@ class BenchConfig:
         return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
                            attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
-                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, pingpong_s=0.5)
+                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4), pingpong_s=0.5)
 
 
 def _sync(group=None) -> None:
@@ -141,9 +142,11 @@ class _Bench:
     # --- the executor's blocks: alone, then on 1..N ranks at once ------------------------------------
     def blocks(self, rp1, instrs1) -> None:
         if self.rank == 0:
-            rec = _Recorder()
-            run_rank(rp1, instrs1, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
-            self.add("blocks", records=rec.best())
+            for mbs in self.cfg.block_mbs:
+                rp, instrs = (rp1, instrs1) if mbs == 1 else _one_rank_program(self.cfg.model, mbs)
+                rec = _Recorder()
+                run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
+                self.add("blocks", mbs=mbs, records=rec.best())
         _sync()
         for n in list(range(1, self.world + 1)) * self.cfg.sharing_rounds:
             _sync()
@@ -286,13 +289,13 @@ class _Recorder:
         return out
 
 
-def _one_rank_program(model: str):
+def _one_rank_program(model: str, mbs: int = 1):
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.model import get_model
     from simexec.plan import load_plan, resolve
 
-    rp = resolve(get_model(model), get_cluster("local"), load_plan("dp=1,gbs=2,dtype=fp32"))
+    rp = resolve(get_model(model), get_cluster("local"), load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
     return rp, lower(rp, symmetric=False).ranks[0]
 
 

@@ -15,7 +15,9 @@ has completed must wait for a core before it runs again. This module models that
   + bwd_overhead_s (backward only)         autograd engine set-up of `torch.autograd.backward`
   + flops / (peak[dtype] x eff(op, flops)) GEMMs and attention (the saturating efficiency curve of
                                            `simexec.sim.compute`)
-  + bytes / (memory_bw x memory_eff)       memory traffic
+  + bytes / (memory_bw x memory_eff)       memory traffic, each byte weighted by the block's
+    x elementwise_cost[phase.block]        measured element-wise cost (on a CPU core GELU-tanh,
+                                           softmax and normalisation cost several times an add's)
 
 `ops` is how many aten operators the executor's block dispatches: counted (`DISPATCH`, refreshed
 by `simexec.exec.microbench.count_dispatch`, checked against the executor by the tests), and for the
@@ -150,6 +152,7 @@ class HostCosts:
         self.model = _model_of(program)
         name = program.meta.get("model", "")
         self.table = DISPATCH.get(name) or DISPATCH[DEFAULT_TABLE]
+        self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 
     def efficiency(self, op: str, flops: float) -> float:
@@ -186,7 +189,14 @@ class HostCosts:
         if ins.phase == "bwd":
             t += self.bwd_s
         op = "optimizer" if ins.op == "cpu_optimizer" else ins.op
-        return t + self.roofline(op, ins.flops, ins.bytes)
+        return t + self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))
+
+    def elementwise_factor(self, ins: Instr) -> float:
+        """Cost of a byte of this instruction's element-wise traffic relative to a streaming add."""
+        if not self.elementwise or ins.kind != "compute":
+            return 1.0
+        phase = "fwd" if ins.phase == "recompute" else ins.phase
+        return self.elementwise.get(f"{phase}.{ins.block}", 1.0)
 
     # --- communication over loopback: steps whose members each need a core -----------------------
     def comm_steps(self, ins: Instr) -> tuple[int, float]:

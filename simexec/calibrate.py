@@ -381,9 +381,20 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # the scheduler's slice and the hop latency, from the ping-pong; then the collectives
     if measured_background is not None:
         background = float(measured_background)
-    slice_s = linux_slice(cores)
-    comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], base,
-                    background=background, cores=cores, slice_s=slice_s)
+    # (without the compute-then-all-reduce loops the slice cannot be told from the hop latency:
+    # Linux's default then)
+    loops = R.get("interleaved") or []
+    slice_s = None if loops else linux_slice(cores)
+
+    def gemm_s(flops: float) -> float:
+        return op_s + flops / (rate * flops / (flops + half))
+
+    from simexec.sim.profile import apply_profile
+
+    comm_base = apply_profile(base, {"costs": {"compute_contention": contention}})
+    comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], comm_base,
+                    background=background, cores=cores, slice_s=slice_s, loops=loops, gemm_s=gemm_s)
+    slice_s = comm["slice"]
     report["comm"] = comm
 
     peak = dict(base.device.peak_flops)
@@ -434,6 +445,44 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     return out[0] if out else float("inf")
 
 
+def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float, iters: int = 8) -> float:
+    """Seconds per iteration of n ranks that each compute `compute_s` CPU-seconds and then all-reduce
+    `nbytes` together, in a loop (the micro-benchmark `interleaved`), on the host model."""
+    import simpy
+
+    from simexec.program import Instr
+    from simexec.sim.host import Cores, HostCosts
+
+    env = simpy.Environment()
+    c = cluster.costs
+    cores = Cores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, {}, c.compute_contention)
+    hc = HostCosts.__new__(HostCosts)  # only its communication half is needed
+    hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
+    ins = Instr(0, "bench", "collective", "comm.x", "allreduce@x", bytes=float(nbytes), group=tuple(range(n)))
+    done = [env.event() for _ in range(iters)]
+    arrived = [0] * iters
+    marks: list[float] = []
+
+    def rank(r: int):
+        for it in range(iters):
+            if r == 0:
+                marks.append(env.now)
+            if compute_s > 0:
+                yield cores.run(r, compute_s)
+            arrived[it] += 1
+            if arrived[it] == n:
+                hc.transfer(env, cores, ins, tuple(range(n)), done[it].succeed)
+            yield done[it]
+        if r == 0:
+            marks.append(env.now)
+
+    for r in range(n):
+        env.process(rank(r))
+    env.run()
+    skip = min(2, iters - 1)
+    return (marks[-1] - marks[skip]) / (iters - skip)
+
+
 def linux_slice(cores: int) -> float:
     """Linux's default scheduler slice on `cores` CPUs: 0.75 ms x (1 + log2 cores), cores capped at 8
     (`sysctl_sched_base_slice`, scaled logarithmically)."""
@@ -441,11 +490,14 @@ def linux_slice(cores: int) -> float:
 
 
 def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: ClusterSpec, *, background: float,
-             cores: int, slice_s: Optional[float] = None) -> dict:
+             cores: int, slice_s: Optional[float] = None, loops: Sequence[dict] = (),
+             gemm_s: Optional[Callable[[float], float]] = None) -> dict:
     """The scheduler slice, the hop latency, the collective call latency and the loopback bandwidth
     (bytes per second of a core), jointly: least squares (soft-L1) on log times of every collective
-    and message measured alone and of the small ping-pong with and without other ranks computing,
-    each predicted by the host model's communication (`host_comm_time`, `simexec.sim.host`)."""
+    and message measured alone, of the small ping-pong with and without other ranks computing, and
+    of the compute-then-all-reduce loops (`loops`, their matmuls priced by `gemm_s(flops)`), each
+    predicted by the host model (`host_comm_time`, `host_loop_time`, `simexec.sim.host`). The loops
+    are what separates the slice from the hop latency: a slice given here fixes it instead."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -453,6 +505,9 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
            if r.get("mode", "solo") == "solo"]
     obs += [("p2p", 2, r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in p2p]
     obs += [("p2p", 2, 4.0, int(r.get("busy", 0)), 2.0, quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
+    if gemm_s is not None:  # ("loop", n, bytes, CPU-seconds of compute per iteration, 1, t)
+        obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), 1.0, quantile(r["t"], COMM_Q))
+                for r in loops]
     obs = [o for o in obs if o[5] > 0]
     start = [base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
              base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
@@ -465,7 +520,8 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
         coll, hop, bw = np.exp(x[:3])
         sl = slice_s if fixed else float(np.exp(x[3]))
         c = _comm_cluster(base, coll, hop, bw, sl, background, cores)
-        return np.array([k * host_comm_time(c, v, n, b, busy) for v, n, b, busy, k, _ in obs])
+        return np.array([host_loop_time(c, n, busy, b) if v == "loop" else k * host_comm_time(c, v, n, b, busy)
+                         for v, n, b, busy, k, _ in obs])
 
     y = np.log([o[5] for o in obs])
     lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2])
@@ -478,7 +534,7 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
     sl = slice_s if fixed else float(np.exp(res.x[3]))
     p = pred(res.x)
     return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "slice": sl,
-            "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + str(busy) if busy else ''}": float(pv / t - 1)
+            "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + format(busy, '.3g') if busy else ''}": float(pv / t - 1)
                         for (v, n, b, busy, _, t), pv in zip(obs, p)}}
 
 

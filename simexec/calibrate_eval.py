@@ -175,7 +175,9 @@ def predict_run(run: Run, cluster: ClusterSpec, profile: Optional[dict]) -> tupl
 def fit_memory(runs: Sequence[Run], cluster: ClusterSpec, profile: dict) -> dict:
     """Calibrate the memory model's free number to measured peaks: `workspace_bytes`, the bytes per
     rank the executor holds beyond the model's categories (the median gap over the runs;
-    `allocator_overhead` 0: CPU tensors are not cached by an allocator)."""
+    `allocator_overhead` 0: CPU tensors are not cached by an allocator). With the executor holding
+    what Megatron holds (docs/executor.md, "Memory") the gap is the backward's temporaries, mostly
+    the LM head's weight-gradient: about one logits-sized tensor (0.13 MB on gpt-tiny)."""
     import numpy as np
 
     from simexec.simulate import simulate

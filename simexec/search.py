@@ -12,7 +12,8 @@
    Pareto front either: past the window (`pareto_window`, by default none beyond the K-th best), or
    a simulated plan is at least as fast as its time bound and at least as small as its memory bound,
    strictly better on one. So the top K and the Pareto front inside the window are those an
-   exhaustive search finds.
+   exhaustive search finds. With a `limit` (say, a known plan's step time) every plan bounded past
+   it is skipped too: only plans that can beat it are simulated.
 4. **Parallel** (`simexec.search_runners`): waves go to local processes (spawn) or Ray tasks; a
    wave's plans and the pruning after it do not depend on which worker ran what, so serial, local
    and Ray searches return identical results, run after run. Ties break on (step time, peak memory,
@@ -96,7 +97,7 @@ def normalize_fix(fix: Optional[dict], where: str = "fix") -> dict:
 def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: int, *, seq_len: Optional[int] = None,
            top: int = 10, objective: str = "throughput", fix: Optional[dict] = None, profile: Any = None,
            ray_address: Optional[str] = None, workers: Optional[int] = None, progress: bool = True,
-           pareto_window: float = PARETO_WINDOW, prune: bool = True,
+           pareto_window: float = PARETO_WINDOW, prune: bool = True, limit: Optional[float] = None,
            simulator: Optional[Callable] = None) -> SearchResult:
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
@@ -108,6 +109,9 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     pareto_window: the Pareto front is exact over the plans at most this fraction slower
     (throughput) or larger (memory) than the best, and over all plans as good as the K-th best.
     prune: False simulates every plan that might fit (brute force, for checks).
+    limit: only plans at least this good matter (a step time in seconds, or peak bytes under the
+    memory objective), e.g. a known plan's: plans bounded past it are not simulated, so the top K
+    are exact among the plans within the limit (fewer may come back).
     simulator: stand-in for `simexec.simulate.simulate` (tests; runs in this process).
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
@@ -121,6 +125,9 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         raise PlanError(f"top must be a positive integer, got {top!r}")
     if not pareto_window >= 0:
         raise PlanError(f"pareto_window must be >= 0, got {pareto_window!r}")
+    if limit is not None and not limit > 0:
+        raise PlanError(f"limit must be positive, got {limit!r}")
+    cut = math.inf if limit is None else limit
     # a name is loaded as `simexec simulate` loads it (the sequence length can size a learned position table)
     model = model if isinstance(model, ModelSpec) else get_model(model, seq_len=seq_len)
     cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
@@ -183,7 +190,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
                     heapq.heapreplace(queue, (order_key(c), c.order, c))
                     continue
                 heapq.heappop(queue)
-                if prune and head[0] > max(kth, edge):
+                if prune and head[0] > min(max(kth, edge), cut):
                     # every plan left is bounded at least as far out: none can matter any more
                     pruned += 1 + len(queue)
                     bar.update(1 + len(queue))

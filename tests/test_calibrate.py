@@ -175,3 +175,18 @@ def test_block_fit_recovers_per_byte_element_wise_costs():
     assert got["bwd_s"] == pytest.approx(truth["costs"]["bwd_overhead_s"], rel=1e-3)
     for key, f in got["elementwise"].items():
         assert f == pytest.approx(factors.get(key, 1.0), rel=1e-3), key
+
+
+def test_compute_then_all_reduce_loop_on_the_host_model():
+    """Two ranks on two idle cores: an iteration is its compute and then the all-reduce alone; four
+    ranks on two cores pay for sharing them: more than twice the compute, and waits for a core."""
+    from simexec.calibrate import host_comm_time, host_loop_time
+
+    c = profiled_cluster(LOCAL, TRUTH)
+    alone = host_comm_time(c, "allreduce", 2, 16384)
+    # (within the smooth scheduler wait the fits need: a few µs)
+    assert host_loop_time(c, 2, 1e-3, 16384) == pytest.approx(1e-3 + alone, abs=1e-5)
+    assert host_loop_time(c, 2, 0.0, 16384) == pytest.approx(alone, abs=1e-5)
+    four = host_loop_time(c, 4, 1e-3, 16384)
+    assert four > 2e-3 + host_comm_time(c, "allreduce", 4, 16384) * 0.99
+    assert host_loop_time(c, 4, 4e-3, 16384) > four

@@ -2,6 +2,7 @@
 force (with the simulator and with a fast stand-in), parallel and repeated runs against serial, a
 published Megatron-LM configuration against the search, and the errors a user sees."""
 import hashlib
+import importlib.util
 import json
 import os
 import random
@@ -217,6 +218,21 @@ def test_pruned_search_equals_brute_force_simulator():
     assert pruned.evaluated < brute.evaluated
 
 
+def test_limit_keeps_every_plan_within_it_and_simulates_fewer():
+    sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+    steps = sorted(p["step_time_s"] for p in brute.plans)
+    limit = steps[len(steps) // 20]  # about the best 5%
+    for top in (1, 5, 10**6):
+        sim.calls = 0
+        got = search(*SMALL, top=top, progress=False, simulator=sim, limit=limit)
+        within = [p for p in brute.plans if p["step_time_s"] <= limit][:top]
+        assert [p["plan"] for p in got.plans if p["step_time_s"] <= limit] == [p["plan"] for p in within]
+        assert sim.calls < brute.evaluated / 5
+    with pytest.raises(PlanError):
+        search(*SMALL, limit=0.0, progress=False, simulator=sim)
+
+
 def test_numbers_are_those_of_simulate():
     res = search(*SMALL, fix=SLICE, top=3, workers=1, progress=False)
     model, cluster = get_model(SMALL[0]), get_cluster(SMALL[1])
@@ -367,25 +383,49 @@ def test_ctrl_c_keeps_the_best_so_far(tmp_path):
     assert "INTERRUPTED" in err
 
 
-# --- a published configuration --------------------------------------------------------------------
+# --- published configurations: Megatron-LM SC'21 Table 1 (scripts/validate_search.py) --------------
 
-# Megatron-LM SC'21 Table 1, 18.4B row: 256 A100-80GB, tp=8, pp=1 (dp=32), global batch 1024, sequence
-# 2048, full recomputation. The paper does not give the micro-batch size. Its recipe: tensor parallel
-# across the 8 GPUs of a node, pipeline stages only as memory requires, full recomputation, the
-# interleaved schedule where pp > 1; and its software had no sequence parallelism, ZeRO, offload or
-# context parallelism. Under that recipe the published pipeline depth must come out on top; with
-# everything simexec knows the search must do at least as well.
-MEGATRON_2021 = {"tp": 8, "recompute": "full", "recompute_layers": None, "sp": False, "cp": 1, "zero": 0,
-                 "offload": "none"}
+_spec = importlib.util.spec_from_file_location("validate_search", ROOT / "scripts" / "validate_search.py")
+vs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(vs)
+_CHECKS: dict = {}
 
 
-def test_megatron_table1_plan_fits_and_ranks_among_the_top():
-    model, cluster = get_model("megatron-18.4b"), get_cluster("32xdgx-a100-80g")
-    published = {f"dp=32,tp=8,mbs={m},gbs=1024,recompute=full" for m in (1, 2, 4, 8)}
-    res = search(model, cluster, 1024, seq_len=2048, fix=MEGATRON_2021, top=3, progress=False)
-    assert res.plans[0]["plan"] in published, [p["plan"] for p in res.plans]
-    assert res.plans[0]["fits"]
-    fastest_published = res.plans[0]["step_time_s"]
-    assert fastest_published == simulate(model, cluster, res.plans[0]["plan"], 2048).step_time_s
-    best = search(model, cluster, 1024, seq_len=2048, top=3, progress=False)
-    assert best.plans[0]["fits"] and best.plans[0]["step_time_s"] <= fastest_published
+def _table1_check(name: str) -> dict:
+    """One row's check (criteria (a) and (b) of docs/validation.md), run once per session."""
+    if name not in _CHECKS:
+        row = next(r for r in vs.table1() if r["name"] == name)
+        _CHECKS[name] = vs.check_row(row)
+    return _CHECKS[name]
+
+
+TABLE1_SMALL = ["megatron-1.7b", "megatron-3.6b", "megatron-7.5b"]  # pp = 1, tp 1-4: seconds each
+
+
+@pytest.mark.parametrize("name", TABLE1_SMALL)
+def test_megatron_table1_plan_fits_and_the_search_does_at_least_as_well(name):
+    r = _table1_check(name)
+    assert r["fits"], f"published tp={r['tp']} pp={r['pp']} has no fitting plan"
+    pub, free = r["published_plan"], r["unconstrained"]
+    assert f"tp={r['tp']}" in pub["plan"] or (r["tp"] == 1 and "tp=" not in pub["plan"])
+    assert r["unconstrained_at_least_as_fast"] and free["step_time_s"] <= pub["step_time_s"]
+    model, cluster = get_model(name, seq_len=2048), get_cluster(r["cluster"])
+    assert free["step_time_s"] == simulate(model, cluster, free["plan"], 2048).step_time_s
+    assert r["best_2021"]["step_time_s"] <= pub["step_time_s"] and r["rank"] == 1 + len(r["faster_pairs"])
+
+
+# Table 1 grows tp with the model (tensor parallel up to the node before pipelining, SC'21 §3.3); where
+# a smaller tp fits, the simulator finds it faster: the tp all-reduces it saves are exposed on the
+# compute stream (docs/validation.md, "Plan search against Table 1").
+_TP_TOO_LARGE = pytest.mark.xfail(strict=True, reason="a smaller tp fits and saves exposed tp all-reduces")
+
+
+@pytest.mark.parametrize("name", [
+    "megatron-1.7b",
+    pytest.param("megatron-3.6b", marks=_TP_TOO_LARGE),
+    pytest.param("megatron-7.5b", marks=_TP_TOO_LARGE),
+])
+def test_megatron_table1_plan_ranks_among_the_top(name):
+    r = _table1_check(name)
+    assert r["ranks_among_top"], (f"published ({r['tp']}, {r['pp']}) ranks {r['rank']} of {r['pairs']}, "
+                                  f"{100 * r['gap']:.1f}% slower than {r['best_2021']['plan']}")

@@ -34,6 +34,25 @@ def test_lone_ring_allreduce_matches_alpha_beta(n):
     assert step == pytest.approx(2 * (n - 1) / n * S / NVL + 2 * (n - 1) * ALPHA + CALL, rel=1e-12)
 
 
+# nccl-tests all_reduce_perf, 8x A100-SXM4-80GB on NVSwitch, in-place bus bandwidth (GB/s) by message
+# size (Azure AI-benchmarking-guide, Azure_Results/ND_A100_v4_results.md, NCCL 2.18.5).
+NCCL_TESTS_A100_BUSBW = {16_777_216: 109.22, 33_554_432: 132.77, 67_108_864: 166.63, 1 << 30: 228.10,
+                         1 << 33: 231.58}
+
+
+@pytest.mark.parametrize("nbytes", sorted(NCCL_TESTS_A100_BUSBW))
+def test_nvlink_allreduce_is_no_slower_than_nccl_tests(nbytes):
+    """A tensor-parallel all-reduce on one DGX A100 (Megatron's 18.4B: 25 MB per layer and micro-batch)
+    costs at most what nccl-tests measures, and its bus bandwidth reaches the measured plateau
+    within 3%: tp's exposed all-reduces are not overpriced."""
+    n = 8
+    step, _ = run({r: [coll(r, "ar", "allreduce", range(n), nbytes)] for r in range(n)})
+    busbw = 2 * (n - 1) / n * nbytes / step / 1e9
+    assert busbw >= NCCL_TESTS_A100_BUSBW[nbytes] * 0.97
+    if nbytes >= 1 << 30:
+        assert busbw == pytest.approx(NCCL_TESTS_A100_BUSBW[nbytes], rel=0.03)
+
+
 @pytest.mark.parametrize("verb", ["allgather", "reducescatter"])
 def test_lone_ring_allgather_and_reducescatter(verb):
     """All-gather / reduce-scatter move (n-1)/n of the full tensor in n-1 steps."""

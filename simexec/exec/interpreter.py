@@ -75,8 +75,27 @@ def _engine_backward(tensors: tuple, grads: tuple) -> None:
 try:
     _ENGINE = torch.autograd.Variable._execution_engine
     _run_backward = _engine_backward
+    _DEALLOCATE = True
 except AttributeError:  # pragma: no cover - a torch without the engine handle
     _run_backward = torch.autograd.backward
+    _DEALLOCATE = False  # torch.autograd.backward checks the outputs' shapes against the gradients'
+
+
+def _deallocate(t: Any) -> None:
+    """Megatron's `deallocate_output_tensor`: a block's recorded output keeps only its autograd node
+    (what the backward starts from), not its data. The storage lives on while anything else holds it
+    (the next block's input, a tensor autograd saved, the environment until its last reader, a send),
+    and is freed with the last of them: a record no longer keeps, say, a row-parallel block's partial
+    sum alive until the block's backward once the g-collective has summed it."""
+    if isinstance(t, Tensor) and t.grad_fn is not None and t._base is None and t.numel() > 1:
+        key = (t.dtype, t.device)
+        e = _EMPTY.get(key)
+        if e is None:
+            e = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        t.data = e
+
+
+_EMPTY: dict = {}
 
 
 class TorchComm:
@@ -128,7 +147,9 @@ _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
     "dispatch": ("xs", "xr", 0),
     "combine": ("yr", "yc", 0),
 }
-_TP_PARTIAL = ("attn_in", "mlp_in", "head_in")  # their backward also sums replicated params' grads
+_TP_PARTIAL = ("attn_in", "mlp_in", "head_in")
+# names whose one forward reader is the collective after them (when that collective exists)
+_CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax"))  # their backward also sums replicated params' grads
 
 
 def _coll_keys(block: str, layer: int, mb: int) -> tuple[tuple, tuple]:
@@ -621,6 +642,7 @@ class _Rank:
         collective, on that collective's stream) would only hold the compute stream back."""
         codes = {"compute": 0, "collective": 1, "send": 2, "recv": 2, "copy": 3}
         self._ops = []
+        self._send_release = self._plan_send_release()
         for k, ins in enumerate(self.instrs):
             code = codes.get(ins.kind)
             if code is None:
@@ -628,6 +650,44 @@ class _Rank:
             key = (ins.layer, ins.mb)
             drop = key if key in self.full_recompute_layers and self.layer_end.get(key) == k else None
             self._ops.append((ins, code, ins.deps, tuple(self.z3_free_after.get(k, ())), drop))
+
+    def _plan_send_release(self) -> dict[str, list[str]]:
+        """Pipeline sends: recv name -> the sends that are certainly complete once it has arrived.
+
+        A gloo send's work never reports completion until waited, and its tensor (a stage's output,
+        or an input gradient) lives in it until then. A send is complete once its peer has received
+        it, and the peer received it before any later message it sends back to this rank: its recv
+        comes at the start of one of its actions (`pipeline_order`), and its sends follow it. So the
+        first message the peer sends here from that action on releases the send (it is waited, without
+        blocking, when that message is). Sends with no such message end with the step."""
+        from simexec.schedules import pipeline_order
+
+        p, rp = self.plan, self.rp
+        if p.pp == 1:
+            return {}
+        V, me = rp.virtual_stages, self.coords["pp"]
+        order = pipeline_order(p.schedule_name, p.pp, rp.micro_batches, p.vpp)
+        out: dict[str, list[str]] = {}
+        for ins in self.instrs:
+            if ins.kind != "send" or ins.block not in ("act", "grad"):
+                continue
+            vs = int(ins.name.split(".")[2][1:])
+            dest = vs + 1 if ins.block == "act" else vs - 1
+            peer = dest % p.pp
+            acts = order[peer]
+            want = ("F" if ins.block == "act" else "B", dest // p.pp, ins.mb)
+            i = next((k for k, a in enumerate(acts) if (a.kind, a.chunk, a.mb) == want), None)
+            if i is None:
+                continue
+            for a in acts[i:]:
+                pvs = a.chunk * p.pp + peer
+                if a.kind == "F" and pvs < V - 1 and (pvs + 1) % p.pp == me:
+                    out.setdefault(f"p2p.act.v{pvs}.m{a.mb}", []).append(ins.name)
+                    break
+                if a.kind == "B" and pvs > 0 and (pvs - 1) % p.pp == me:
+                    out.setdefault(f"p2p.grad.v{pvs}.m{a.mb}", []).append(ins.name)
+                    break
+        return out
 
     def run_step(self, step: int) -> Optional[float]:
         self.step_no = step
@@ -734,12 +794,18 @@ class _Rank:
             vals = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v for v in vals]
         with torch.set_grad_enabled(record):
             outs = self._run_block(ins.block, l, mb, vals)
-        for n, o in zip(out_names, outs):
-            self.env[(n, l, mb)] = o
-        if record:
-            self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
         if ins.block == "loss":
             self.loss = outs[0].detach() if self.loss is None else self.loss + outs[0].detach()
+        if not record:
+            for n, o in zip(out_names, outs):
+                self.env[(n, l, mb)] = o
+            return
+        for n, o in zip(out_names, outs):
+            self.env[(n, l, mb)] = o.detach() if isinstance(o, Tensor) and o.grad_fn is not None else o
+        if _DEALLOCATE and not self.xla:
+            for o in outs:
+                _deallocate(o)
+        self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
 
     def backward(self, ins: Instr) -> None:
         l, mb = ins.layer, ins.mb
@@ -988,6 +1054,19 @@ class _Rank:
                 self.g_pending[name] = w
         else:
             self.env[target] = w
+            self._consumed(src)
+
+    def _consumed(self, key: tuple) -> None:
+        """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
+        tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
+        that it lives only as long as the collective (and whatever autograd saved) needs it."""
+        if key not in self.env:
+            return
+        name, l, mb = key
+        # the residual stream gathered under sp: the gathered copy is what the blocks read (full
+        # recompute re-reads the layer's input, so it stays there)
+        if name in _CONSUMED or (name == "x" and (l == self.L or (l, mb) not in self.full_recompute_layers)):
+            del self.env[key]
 
     def _deliver(self, key: tuple, t: Tensor, backward: bool) -> None:
         if backward:
@@ -1047,6 +1126,8 @@ class _Rank:
         target = src if backward else dst
         w = self._issue(ins, [work], lambda: self._deliver(target, out, backward))
         (self.d if backward else self.env)[target] = w
+        if not backward:
+            self._consumed(src)
 
     # --- pipeline ---------------------------------------------------------------------------------
     def _boundary(self, ins: Instr) -> int:
@@ -1074,7 +1155,14 @@ class _Rank:
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
             work = self.comm.irecv(buf, ins.peer, tag=tag)
             grad = ins.block == "grad"
-            w = self._issue(ins, [work], lambda: self._deliver(key, buf, grad))
+            sent = self._send_release.get(ins.name, ())
+
+            def finish():
+                self._deliver(key, buf, grad)
+                for name in sent:  # complete by now (see _plan_send_release): drop their tensors
+                    self.wait_name(name)
+
+            w = self._issue(ins, [work], finish)
             (self.d if grad else self.env)[key] = w
 
     # --- gradients --------------------------------------------------------------------------------

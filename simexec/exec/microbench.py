@@ -14,6 +14,8 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
   share the cores;
 - `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
   and of all ranks, across message sizes, one group alone and every disjoint group at once;
+- `interleaved`: matmuls then an all-reduce, in a loop, over 2 and over all ranks: a collective's
+  cost inside a step, where its members arrive from computing on shared cores;
 - `p2p`: send/recv between two ranks across sizes, and a small ping-pong while the other ranks
   compute (how long a woken rank waits for a core);
 - `copies`: host memory copies across sizes.
@@ -59,13 +61,17 @@ class BenchConfig:
     sharing_steps: int = 4
     sharing_rounds: int = 2
     pingpong_s: float = 1.0
+    interleave_gemms: tuple = (1, 4, 16)  # 128^3 matmuls between all-reduces (a tensor-parallel layer's pattern)
+    interleave_bytes: tuple = (16384, 262144)
+    interleave_iters: int = 24
 
     @staticmethod
     def quick(model: str = "gpt-tiny") -> "BenchConfig":
         return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
                            attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
-                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4), pingpong_s=0.5)
+                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4), pingpong_s=0.5,
+                           interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=16)
 
 
 def _sync(group=None) -> None:
@@ -206,6 +212,34 @@ class _Bench:
                                          concurrent=len(active), bytes=float(nbytes), t=ts)
         _sync()
 
+    def interleaved(self) -> None:
+        """Compute, then an all-reduce, in a loop over a group of 2 and of all ranks (the others
+        idle): a collective inside a step costs more than one alone, since its members arrive from
+        computing on shared cores rather than together from a barrier."""
+        cfg = self.cfg
+        a = torch.randn(128, 128)
+        for g in self.pairs[:1] + ([tuple(range(self.world))] if self.world > 2 else []):
+            for nbytes in cfg.interleave_bytes:
+                msg = torch.zeros(max(1, int(nbytes) // 4))
+                for k in cfg.interleave_gemms:
+                    _sync()
+                    if self.rank not in g:
+                        continue
+                    pg = self.groups[g]
+                    dist.barrier(group=pg)
+                    ts = []
+                    for it in range(cfg.interleave_iters + 3):
+                        t0 = time.perf_counter()
+                        for _ in range(k):
+                            a @ a
+                        dist.all_reduce(msg, group=pg)
+                        if it >= 3:
+                            ts.append(time.perf_counter() - t0)
+                    if self.rank == g[0]:
+                        self.add("interleaved", n=len(g), gemms=k, gemm_flops=2.0 * 128 ** 3, bytes=float(nbytes),
+                                 t=ts)
+        _sync()
+
     def p2p(self) -> None:
         cfg = self.cfg
         if self.world < 2:
@@ -310,7 +344,7 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
     rp1, instrs1 = _one_rank_program(cfg.model)
     timings = {}
     for name, fn in (("compute", b.compute), ("blocks", lambda: b.blocks(rp1, instrs1)),
-                     ("collectives", b.collectives), ("p2p", b.p2p)):
+                     ("collectives", b.collectives), ("interleaved", b.interleaved), ("p2p", b.p2p)):
         t = time.perf_counter()
         fn()
         timings[name] = time.perf_counter() - t

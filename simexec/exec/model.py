@@ -163,10 +163,11 @@ def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:
 
 
 def shard(spec: ParamSpec, full: Tensor, lay: Layout) -> Tensor:
-    """This rank's slice of one full parameter (contiguous copy)."""
+    """This rank's slice of one full parameter (a contiguous copy of its own: a slice along the first
+    dimension is contiguous already, and `.contiguous()` would keep the whole tensor's storage)."""
     if spec.tp_dim is None or lay.tp == 1:
         return full.clone()
-    return full.tensor_split(lay.tp, dim=spec.tp_dim)[lay.tp_rank].contiguous()
+    return full.tensor_split(lay.tp, dim=spec.tp_dim)[lay.tp_rank].clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -255,6 +256,48 @@ def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sc
     return dq, dk, dv
 
 
+class _Xent(torch.autograd.Function):
+    """exp(logits - gmax) in place on the logits, saved once; see GPT.xent."""
+
+    @staticmethod
+    def forward(ctx, logits: Tensor, gmax: Tensor, targets: Tensor, vlo: int) -> Tensor:
+        z = logits.detach()  # the same storage: overwritten (no other reader, see GPT.xent)
+        z.sub_(gmax.unsqueeze(-1))
+        V = z.shape[-1]
+        mine = (targets >= vlo) & (targets < vlo + V)
+        idx = (targets - vlo).clamp(0, V - 1).unsqueeze(-1)
+        at = z.gather(-1, idx).squeeze(-1) * mine
+        z.exp_()
+        ctx.z, ctx.idx, ctx.mine = z, idx, mine  # not save_for_backward: the backward reuses z's storage
+        return torch.stack([z.sum(-1), at])
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        z, idx, mine = ctx.z, ctx.idx, ctx.mine
+        del ctx.z, ctx.idx, ctx.mine
+        dz = z.mul_(g[0].unsqueeze(-1).to(z.dtype))  # d sum(exp z) / dz = exp z, in place
+        dz.scatter_add_(-1, idx, (g[1] * mine).unsqueeze(-1).to(z.dtype))  # d z_target / dz
+        return dz, None, None, None
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up saving only its inputs, silu recomputed in the backward (Megatron's fused
+    bias-SwiGLU): autograd's unfused version would also keep silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        gate, up = ctx.saved_tensors
+        sig = torch.sigmoid(gate)
+        dup = g * gate * sig
+        dgate = g * up * sig * (1 + gate * (1 - sig))
+        return dgate, dup
+
+
 @dataclass
 class Route:
     """A MoE layer's routing of its N tokens (no gradients): the dispatch order and counts."""
@@ -298,7 +341,7 @@ class GPT:
         """Up (and gate) projection + activation: column-parallel, no communication."""
         up = self._lin(h, prefix, "w1", "b1")
         if self.m.gated:
-            return F.silu(self._lin(h, prefix, "wg", "bg")) * up  # SwiGLU (Shazeer 2020)
+            return _SwiGLU.apply(self._lin(h, prefix, "wg", "bg"), up)  # SwiGLU (Shazeer 2020)
         return F.gelu(up, approximate="tanh")  # GPT-2's GELU
 
     def _ffn_down(self, prefix: str, a: Tensor) -> Tensor:
@@ -421,12 +464,13 @@ class GPT:
     def xent(self, logits: Tensor, gmax: Tensor, targets: Tensor) -> Tensor:
         """Local half of the vocab-parallel cross entropy (Megatron): with z = logits - global max,
         returns (2, B, T): sum of exp(z) over this rank's vocabulary, and z at the target if this rank
-        holds the target (else 0). Summed over tp by `ce_sum`."""
-        z = logits - gmax.unsqueeze(-1)
-        mine = (targets >= self.vlo) & (targets < self.vhi)
-        at = z.gather(-1, (targets - self.vlo).clamp(0, z.shape[-1] - 1).unsqueeze(-1)).squeeze(-1)
-        return torch.stack([z.exp().sum(-1), at * mine])
+        holds the target (else 0). Summed over tp by `ce_sum`.
 
+        As Megatron's `_VocabParallelCrossEntropy`, it works in place on the logits (which nothing
+        else needs once the local max is taken: the LM head's matmul saves its input, not its output):
+        exp(z) overwrites them and is the one logits-sized tensor kept for the backward, which turns
+        it into the logits' gradient in place. The logits must not be read again afterwards."""
+        return _Xent.apply(logits, gmax, targets, self.vlo)
     @staticmethod
     def loss(ce: Tensor, scale: float) -> Tensor:
         """Sum over tokens of log(sum exp z) - z_target, times scale = 1 / tokens of the global batch,

@@ -99,7 +99,7 @@ def megatron_model(heads: int, hidden: int, layers: int, name: str = "") -> Mode
     return ModelSpec(
         name=name or f"gpt-h{hidden}-l{layers}", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
         head_dim=hidden // heads, ffn=4 * hidden, gated=False, vocab=MEGATRON_VOCAB, seq_len=SEQ,
-        tied_embeddings=True, norm="layernorm", bias=True, learned_pos=True, source=SC21,
+        tied_embeddings=True, norm="layernorm", bias=True, learned_pos=True, dropout=0.1, source=SC21,
     )
 
 
@@ -202,7 +202,7 @@ def zero_model(psi: float = ZERO_PSI) -> ModelSpec:
     h, layers = 3840, 40
     probe = ModelSpec(name="probe", layers=layers, hidden=h, heads=30, kv_heads=30, head_dim=128, ffn=4 * h,
                       gated=False, vocab=1, seq_len=SEQ, tied_embeddings=True, norm="layernorm", bias=True,
-                      learned_pos=True)
+                      learned_pos=True, dropout=0.1)
     vocab = 1 + (psi - probe.params) / h
     if vocab != int(vocab):
         raise ValueError(f"no vocabulary makes a {psi:g}-parameter model of this shape")
@@ -252,7 +252,7 @@ def bloom_model() -> ModelSpec:
     tied embeddings, vocabulary 250,680 padded to 250,880 (--pad-vocab-size-to); 176,247M parameters."""
     return ModelSpec(name="bloom-176b", layers=70, hidden=14336, heads=112, kv_heads=112, head_dim=128,
                      ffn=4 * 14336, gated=False, vocab=250880, seq_len=SEQ, tied_embeddings=True,
-                     norm="layernorm", bias=True, learned_pos=False, source=BLOOM_SRC)
+                     norm="layernorm", bias=True, learned_pos=False, dropout=0.1, source=BLOOM_SRC)
 
 
 def jean_zay(nodes: int = 48) -> ClusterSpec:

@@ -42,8 +42,12 @@ TABLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "
 SEQ = 2048
 TOLERANCE = 0.05
 KERNELS = {"dtype": "fp16", "flash_attention": False}  # what the 2021 kernels computed, in every search
+# Megatron-LM 2021 (v2.x): local DDP all-reduces the gradients after the whole backward
+# (`model.allreduce_gradients()` in `train_step`; overlap came with --overlap-grad-reduce in 2023), and
+# its fp16 optimizer copies them to fp32 main gradients for the step (`main_param.grad =
+# main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer").
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
-                 "recompute_layers": None}
+                 "recompute_layers": None, "grad_overlap": False, "master_grads": True}
 BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
 
 
@@ -118,7 +122,7 @@ def gain(best: dict, published: dict) -> str:
 
 def _short(plan: str) -> str:
     """A plan string without the knobs every plan of the row shares."""
-    drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0")
+    drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0", "grad_overlap=0", "master_grads=1")
     return ",".join(p for p in plan.split(",") if not p.startswith(drop))
 
 

@@ -20,7 +20,7 @@ each stream the a·s²·b scores through HBM (Dao et al. 2022, §2.2).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
@@ -36,6 +36,11 @@ class Block:
     bytes: float  # memory traffic of the forward's memory-bound kernels
     saved: float  # activation bytes kept from forward to backward
     bwd: Optional[float] = None  # memory traffic of the backward's memory-bound kernels; None: 2x forward
+    # transient bytes the backward holds beyond `saved` at its peak: the residual stream's gradient
+    # carried through the layer, the incoming and input gradients, intermediate activation gradients,
+    # and (autograd without fused wgrad) the largest weight-gradient temporary. Weight gradients that
+    # accumulate in place into main_grad (Megatron's gradient_accumulation_fusion) count nothing here.
+    bwd_workspace: float = 0.0
 
     @property
     def bwd_flops(self) -> float:
@@ -70,9 +75,12 @@ class Anatomy:
         self.sp_div = p.tp if p.sp else 1  # what sequence parallelism divides replicated activations by
         self.h = m.hidden
         self.grad_dt = 4 if p.dtype == "fp32" else 2
-        # GPT-2/3-style models (biases, learned positions: Megatron's GPT) train with dropout 0.1 on
-        # the attention probabilities and the residual branches; Llama-style models with neither.
-        self.dropout = m.bias
+        # dropout on the attention probabilities and the residual branches (ModelSpec.dropout: 0.1 for
+        # GPT-2/3 and Megatron's GPT, 0 for Llama-style models): its 1-byte masks are kept only when on
+        self.dropout = m.dropout > 0
+        # Megatron / cuBLAS on GPUs accumulate weight gradients in place (fused wgrad into main_grad);
+        # autograd on the CPU executor makes each one a temporary, then adds it to .grad
+        self.fused_wgrad = rp.cluster.device.name != "cpu"
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
     def _norm_fwd(self) -> float:
@@ -126,11 +134,55 @@ class Anatomy:
     # --- blocks --------------------------------------------------------------------------------------
     @cached_property
     def dense(self) -> dict[str, Block]:
-        return {**self._attention(), **self._mlp()}
+        return self._with_workspace({**self._attention(), **self._mlp()})
 
     @cached_property
     def moe(self) -> dict[str, Block]:
-        return {**self._attention(), **self._moe()}
+        return self._with_workspace({**self._attention(), **self._moe()})
+
+    # --- backward workspace ------------------------------------------------------------------------------
+    def _wgrad_tmp(self, *params: float) -> float:
+        """The largest weight-gradient temporary of a block (0 with fused wgrad)."""
+        return 0.0 if self.fused_wgrad or not params else max(params) * self.grad_dt
+
+    def bwd_workspaces(self, moe: bool = False) -> dict[str, float]:
+        """Per block, the transient bytes its backward holds at its peak beyond what it saved (see
+        Block.bwd_workspace). n_s: the residual stream's gradient on this rank (split by sp), carried
+        through a layer's backward; n: a gathered hidden gradient (a column-parallel GEMM's input
+        gradient before the f-conjugate's all-reduce / reduce-scatter)."""
+        m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
+        n_s, n = self.hidden_bytes, self.full_hidden_bytes
+        qk, v = m.qk_head_dim, m.value_head_dim
+        ctx = T * m.heads * v * dt / t
+        qkv = T * (m.heads * qk + m.kv_heads * (qk + v)) * dt / t if not m.is_mla else T * m.heads * (2 * qk + v) * dt / t
+        o_params = m.heads * v * h
+        qkv_params = m.attention_matmul_params() - o_params
+        ws = {
+            "proj": n_s + ctx + self._wgrad_tmp(o_params / t),
+            "qkv": n_s + qkv + n + self._wgrad_tmp(qkv_params / t),
+        }
+        if self.rp.plan.flash_attention:
+            ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
+        else:
+            ws["attn"] = n_s + ctx + qkv + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
+        if not moe:
+            width = m.ffn * (2 if m.gated else 1) / t
+            ffn = m.ffn / t
+            ws["fc2"] = n_s + T * ffn * dt + self._wgrad_tmp(m.ffn * h / t)
+            ws["fc1"] = n_s + max(T * (ffn + width) * dt, T * width * dt + n) + self._wgrad_tmp(h * width)
+        else:
+            e = m.moe
+            routed = T * e.top_k
+            width = e.expert_ffn * (2 if m.gated else 1) / t
+            shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts * (2 if m.gated else 1) / t
+            ws["moe_out"] = n_s + routed * h * dt + T * shared * dt + n + self._wgrad_tmp(h * shared)
+            ws["experts"] = n_s + 2 * routed * h * dt + routed * width * dt + self._wgrad_tmp(h * width)
+            ws["router"] = n_s + routed * h * dt / self.sp_div + n + 2 * T * e.experts * 4 + self._wgrad_tmp(h * e.experts)
+        return ws
+
+    def _with_workspace(self, blocks: dict[str, Block]) -> dict[str, Block]:
+        ws = self.bwd_workspaces(moe="router" in blocks)
+        return {k: replace(b, bwd_workspace=ws.get(k, 0.0)) for k, b in blocks.items()}
 
     def layer(self, i: int) -> dict[str, Block]:
         return self.moe if self.rp.model.is_moe_layer(i) else self.dense
@@ -170,19 +222,26 @@ class Anatomy:
             # PV backward: write dP, read P; dropout bwd; softmax bwd (y, dy -> dx); Q.K^T bwd reads dS twice
             bb_attn = scores * (dt + dt + drop_f + 3 * dt + 2 * dt) + 2 * ctx_bytes
             if not self._selective:
-                # softmax output (2 B), dropout mask (1 B), dropout output (2 B) per score: 5·a·s²·b
-                saved_attn += 5.0 * m.heads * T * self.seq / t * (dt / 2)
+                # softmax output (2 B), dropout mask (1 B), dropout output (2 B) per score: 5·a·s²·b;
+                # without dropout the softmax output only (read by both its backward and P.V's)
+                per_score = 5.0 * (dt / 2) if self.dropout else dt
+                saved_attn += per_score * m.heads * T * self.seq / t
             attn = Block("gemm", f_attn, b_attn, saved_attn, bb_attn)
         f_proj, _ = _gemm(T, m.heads * v / t, h, dt)
         b_proj = self._residual_fwd()
         bb_proj = self._residual_bwd(m.bias) + self._wgrad(o_params / t)
         ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
-        mask = T * h / sp  # dropout mask, 1 byte per element
+        mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
         return {
             "qkv": Block("gemm", f_qkv, b_qkv, 2 * ln, bb_qkv),
             "attn": attn,
             "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj),
         }
+
+    @property
+    def _mask(self) -> float:
+        """A residual branch's dropout mask on this rank (1 byte per element), 0 without dropout."""
+        return self.tokens * self.h / self.sp_div if self.dropout else 0.0
 
     @property
     def _selective(self) -> bool:
@@ -206,7 +265,7 @@ class Anatomy:
         return {
             "fc1": Block("gemm", f1, self._norm_fwd() + a_f, 2 * ln + T * width * dt / t,
                          self._norm_bwd() + a_b + self._wgrad(h * width / t)),
-            "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + T * h / sp,
+            "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
                          self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t)),
         }
 
@@ -238,7 +297,7 @@ class Anatomy:
             "experts": Block("gemm", fe1 + fe2, ea_f, routed * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
             "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
-                             T * (h + shared_ffn * (3 if m.gated else 2) / t) * dt + T * h / sp,
+                             T * (h + shared_ffn * (3 if m.gated else 2) / t) * dt + self._mask,
                              sa_b + 2 * combine + self._residual_bwd(False)
                              + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t)),
         }
@@ -252,7 +311,9 @@ class Anatomy:
         n = T * h
         fwd = 2 * dt * n + (3 * dt * n if m.learned_pos else 0.0) + ((2 * dt + 1) * n if self.dropout else 0.0)
         bwd = 2 * dt * n + 2 * self.grad_dt * self.embed_params()
-        return Block("embedding", 0.0, fwd, 0.0, bwd)
+        # the incoming (gathered) gradient and the dense vocab-shard weight gradient, which the
+        # embedding's backward materialises before adding it to main_grad even in Megatron
+        return Block("embedding", 0.0, fwd, 0.0, bwd, bwd_workspace=n * dt + self.embed_params() * dt)
 
     @cached_property
     def head(self) -> dict[str, Block]:
@@ -266,7 +327,10 @@ class Anatomy:
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
         return {
-            "head": Block("gemm", f, b_head, T * h * dt / self.sp_div + T * h * dt + logits, bb_head),
+            # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
+            # (gathered) and the norm's (this rank's shard), plus autograd's weight-gradient temporary
+            "head": Block("gemm", f, b_head, T * h * dt / self.sp_div + T * h * dt + logits, bb_head,
+                          self.full_hidden_bytes + self.hidden_bytes + self._wgrad_tmp(h * m.vocab / t)),
             "xent": Block("loss", 0.0, 32.0 * n_logits, 0.0, (8.0 + 4.0 + dt) * n_logits),
             "loss": Block("loss", 0.0, 8.0 * T, 0.0),
         }

@@ -219,6 +219,29 @@ def _one_rank_tensors(model: str) -> int:
     return embed + m.layers * layer + head
 
 
+def sharing_steps(records: Sequence[dict]) -> dict[int, list[float]]:
+    """Step times of the `sharing` benchmark by number of ranks running at once: per run, only steps
+    that every rank of the run ran within a common window (after every rank's first step, before
+    any rank's last ended); the ranks' first steps differ in length (memory tracking, caches), so a
+    rank's later steps would otherwise partly run alone. Records without step spans: every step
+    after the first."""
+    runs: dict[tuple, list[dict]] = {}
+    for r in records:
+        runs.setdefault((r["active"], r.get("round", 0)), []).append(r)
+    out: dict[int, list[float]] = {}
+    for (n, _), rs in runs.items():
+        if not all(r.get("spans") for r in rs):
+            for r in rs:
+                steps = r.get("steps") or []
+                out.setdefault(n, []).extend(steps[1:] or steps)
+            continue
+        lo = max(r["spans"][0][1] for r in rs)
+        hi = min(r["spans"][-1][1] for r in rs)
+        for r in rs:
+            out.setdefault(n, []).extend(b - a for a, b in r["spans"][1:] if a >= lo and b <= hi)
+    return {n: xs for n, xs in out.items() if xs}
+
+
 def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[str, float], float],
                mem_bw: float) -> Optional[dict]:
     """What the executor's instructions cost a core, from one-rank steps at several micro-batch sizes:
@@ -354,10 +377,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # cores shared: n ranks running the same one-rank step at once take longer than one alone by
     # what the host model's rate says: their share of the cores, and each core slower while the
     # others are busy too (compute_contention)
-    share: dict[int, list[float]] = {}
-    for r in R["sharing"]:
-        steps = r.get("steps") or []
-        share.setdefault(r["active"], []).extend(steps[1:] or steps)
+    share = sharing_steps(R["sharing"])
     t1 = statistics.median(share[1]) if 1 in share else None
     background = float(measured_background) if measured_background is not None else 0.0
     contention = 1.0

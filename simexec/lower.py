@@ -9,9 +9,10 @@ layer's sub-blocks with the communication each plan dimension adds, in this orde
 4. expert parallel: all-to-all dispatch and combine around the experts;
 5. recompute: forward blocks re-run before their backward (selective: attention core; full: layer);
 6. ZeRO-3: per-unit parameter all-gathers (two in flight) and gradient reduce-scatters;
-7. data parallel: gradient buckets during the last backward (every backward for ZeRO-2),
-   HSDP replicate all-reduce, tied-embedding all-reduce, optimizer step, parameter all-gather,
-   host offload copies.
+7. data parallel: gradient buckets during the last backward (every backward for ZeRO-2), or
+   after it (`grad_overlap=0`), HSDP replicate all-reduce, tied-embedding all-reduce, optimizer
+   step (with its fp32 main-gradient copy, `master_grads`), parameter all-gather, host offload
+   copies.
 Memory markers (alloc/free) track model states, activations and gathered buffers.
 """
 from __future__ import annotations
@@ -34,6 +35,15 @@ _TP_OPS = {
 }
 ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
 ADAM_FLOPS_PER_PARAM = 12.0
+
+
+def adam_bytes_per_param(rp: ResolvedPlan) -> float:
+    """Memory traffic of the optimizer step per parameter: Adam reads 2 more bytes of a 4-byte
+    gradient; the fp32 main-gradient copy (`master_grads`) reads 2 and writes 4 first."""
+    extra = rp.grad_bytes - 2.0
+    if rp.master_grad_bytes:
+        extra += 2.0 + 2.0 * rp.master_grad_bytes
+    return ADAM_BYTES_PER_PARAM + extra
 
 
 def representatives(rp: ResolvedPlan) -> dict[int, tuple[int, ...]]:
@@ -76,7 +86,7 @@ class _RankLowering:
         self.L = rp.model.layers
         self.out: list[Instr] = []
         self.wait: list[str] = []  # collectives the next compute instruction must wait on
-        self.grad_dt = 4 if p.dtype == "fp32" else 2
+        self.grad_dt = rp.grad_bytes
         # groups
         self.g_tp = mesh.group(rank, "tp")
         self.g_cp = mesh.group(rank, "cp")
@@ -101,6 +111,8 @@ class _RankLowering:
         self.pools: dict[str, list[tuple[int, float]]] = {}
         self.pool_after: dict[str, str] = {}
         self.buckets: list[tuple[str, str, tuple[int, ...], float]] = []  # (name, axis, units, bytes)
+        self.sealed: list[tuple[str, list[tuple[int, float]]]] = []  # grad_overlap=0: full buckets, not yet reduced
+        self.z3_pending: list[tuple[int, int, int]] = []  # grad_overlap=0: ZeRO-3 units (unit, mb, chunk) to reduce
         self.grad_colls: list[str] = []
         self.gathers: dict[tuple, list[str]] = {}
 
@@ -110,13 +122,19 @@ class _RankLowering:
         return ins.name
 
     def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "") -> str:
+        """A compute instruction; a backward one holds its block's gradient buffers (`bwd_workspace`:
+        incoming, input and intermediate gradients) while it runs."""
         fwd = phase != "bwd"
         name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
         deps, self.wait = tuple(dict.fromkeys(self.wait)), []
-        return self._emit(Instr(
+        ws = 0.0 if fwd else b.bwd_workspace
+        self.memory("alloc", "activations", ws, name, deps=deps)
+        out = self._emit(Instr(
             self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
             chunk=chunk, flops=b.flops if fwd else b.bwd_flops, bytes=b.bytes if fwd else b.bwd_bytes, deps=deps,
         ))
+        self.memory("free", "activations", ws, name, deps=(name,))
+        return out
 
     def coll(self, name: str, verb: str, axis: str, group: tuple[int, ...], nbytes: float, deps=(), *,
              phase: str = "", block: str = "", layer: int = -1, mb: int = -1, chunk: int = 0,
@@ -326,7 +344,11 @@ class _RankLowering:
             self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
             self.prefetch_next(units, j, "bwd", mb, c)
-        self.flush_all(final=mb == self.m - 1)
+        for unit, m, ch in self.z3_pending:  # grad_overlap=0: ZeRO-3 reduce-scatters after the backward
+            self.z3_reduce(unit, m, ch, self.last_compute())
+        self.z3_pending = []
+        if self.p.grad_overlap or self.p.zero == 2:
+            self.flush_all(final=mb == self.m - 1)
         if vs > 0:
             self.send("grad", vs, mb, self.an.hidden_bytes)
 
@@ -450,21 +472,33 @@ class _RankLowering:
             if self.p.zero3_flavour == "fsdp":
                 full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
                 self.memory("alloc", "buffers", full, f"{tag}.unsharded", deps=(after,))
-            a = self.coll(tag, "reducescatter", self.zero_axis, self.g_zero, dense * gdt, (after,), phase="bwd",
-                          block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
-            b = self.coll(tag + ".experts", "reducescatter", "edp", self.g_edp, expert * gdt, (after,), phase="bwd",
-                          block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
-            self.grad_colls += [n for n in (a, b) if n]
-            if self.p.zero3_flavour == "fsdp":
-                self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
-                            deps=tuple(n for n in (a, b) if n))
-            if last and self.g_rep and a:
-                r = self.coll(f"bwd.grads_rep.L{unit}", "allreduce", "dp_replicate", self.g_rep,
-                              dense * gdt / self.zero_size, (a,), phase="bwd", block="grads_rep", layer=unit,
-                              items=(unit,), wait=False)
-                self.grad_colls.append(r)
+            if self.p.grad_overlap:
+                self.z3_reduce(unit, mb, c, after)
+            else:
+                self.z3_pending.append((unit, mb, c))
             return None
         return self.bucket_if(last or self.p.zero == 2, unit, dense, expert, after, final=last)
+
+    def z3_reduce(self, unit: int, mb: int, c: int, after: str) -> None:
+        """ZeRO-3: reduce-scatter the unit's gradients of micro-batch mb (and HSDP's replicate
+        all-reduce after the last), then free its unsharded gradients."""
+        dense, expert = self.unit_params(unit)
+        gdt = self.grad_dt
+        tag = f"bwd.grads.L{unit}.m{mb}"
+        full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
+        a = self.coll(tag, "reducescatter", self.zero_axis, self.g_zero, dense * gdt, (after,), phase="bwd",
+                      block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+        b = self.coll(tag + ".experts", "reducescatter", "edp", self.g_edp, expert * gdt, (after,), phase="bwd",
+                      block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+        self.grad_colls += [n for n in (a, b) if n]
+        if self.p.zero3_flavour == "fsdp":
+            self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
+                        deps=tuple(n for n in (a, b) if n))
+        if mb == self.m - 1 and self.g_rep and a:
+            r = self.coll(f"bwd.grads_rep.L{unit}", "allreduce", "dp_replicate", self.g_rep,
+                          dense * gdt / self.zero_size, (a,), phase="bwd", block="grads_rep", layer=unit,
+                          items=(unit,), wait=False)
+            self.grad_colls.append(r)
 
     def bucket_if(self, now: bool, unit: int, dense: float, expert: float, after: str, final: bool = True) -> None:
         """Add the unit's gradients to the open bucket of each axis; reduce a bucket once it is full."""
@@ -479,15 +513,29 @@ class _RankLowering:
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
-                self.flush(axis, group, final)
+                if self.p.grad_overlap:
+                    self.flush(axis, group, final)
+                else:  # the bucket is full, but its reduction waits for the end of the backward
+                    self.sealed.append((axis, pool))
+                    self.pools[axis] = []
 
     def flush_all(self, final: bool = True) -> None:
+        """Reduce every bucket not yet reduced: the full ones held back by `grad_overlap=0` (they
+        start after the last backward instruction so far), then the open ones."""
+        after = None if self.p.grad_overlap else self.last_compute()
+        for axis, pool in self.sealed:
+            self.flush(axis, self._group(axis), final, pool, after)
+        self.sealed = []
         for axis in list(self.pools):
-            group = self.g_zero if axis == self.zero_axis else self.g_edp
-            self.flush(axis, group, final)
+            self.flush(axis, self._group(axis), final, after=after)
 
-    def flush(self, axis: str, group: tuple[int, ...], final: bool) -> None:
-        pool = self.pools.get(axis)
+    def _group(self, axis: str) -> tuple[int, ...]:
+        return self.g_zero if axis == self.zero_axis else self.g_edp
+
+    def flush(self, axis: str, group: tuple[int, ...], final: bool, pool: Optional[list] = None,
+              after: Optional[str] = None) -> None:
+        own = pool is None
+        pool = self.pools.get(axis) if own else pool
         if not pool:
             return
         k = len(self.buckets)
@@ -495,8 +543,8 @@ class _RankLowering:
         nbytes = sum(b for _, b in pool)
         verb = "allreduce" if self.p.zero == 0 else "reducescatter"
         name = f"bwd.grads{k}"
-        self.coll(name, verb, axis, group, nbytes, (self.pool_after[axis],), phase="bwd", block=f"grads{k}",
-                  items=units, wait=False)
+        self.coll(name, verb, axis, group, nbytes, (after or self.pool_after[axis],), phase="bwd",
+                  block=f"grads{k}", items=units, wait=False)
         self.grad_colls.append(name)
         if self.p.zero == 2:
             self.memory("free", "grads", nbytes, f"grads.{axis}.b{k}", stream=f"comm.{axis}", deps=(name,))
@@ -508,7 +556,8 @@ class _RankLowering:
                 self.grad_colls.append(r)
         else:
             self.buckets.append((name, "", units, 0.0))  # numbered, but no parameter gather follows
-        self.pools[axis] = []
+        if own:
+            self.pools[axis] = []
 
     # --- end of step ---------------------------------------------------------------------------------
     def finish(self) -> None:
@@ -532,8 +581,14 @@ class _RankLowering:
                                    block="params_h2d", bytes=shard * self.rp.dtype_bytes, deps=(cpu,)))
         else:
             self.wait.extend(deps)
+            # Megatron-LM's optimizer first copies the gradients of its shard to fp32 (`master_grads`);
+            # they live until the step is done
+            main = shard * self.rp.master_grad_bytes
+            self.memory("alloc", "grads", main, "grads.main", deps=tuple(deps))
             opt = self.compute("optim", "optim", -1, -1, 0,
-                               Block("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * ADAM_BYTES_PER_PARAM, 0.0))
+                               Block("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * adam_bytes_per_param(self.rp),
+                                     0.0))
+            self.memory("free", "grads", main, "grads.main")
         if self.p.zero in (1, 2):
             dt = self.rp.dtype_bytes
             for name, axis, units, nbytes in self.buckets:

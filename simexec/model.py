@@ -70,6 +70,11 @@ class ModelSpec(BaseModel):
     bias: bool = Field(False, description="linear layers carry biases (GPT-2/3 style)")
     learned_pos: bool = Field(False, description="learned absolute position embedding (GPT) instead of RoPE")
     causal: bool = True
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0,
+        description="dropout probability on attention probabilities and residual branches (GPT-2/3, "
+        "Megatron GPT: 0.1); 0: no dropout, so no masks kept for the backward (Llama, Mistral, Mixtral, DeepSeek)",
+    )
     moe: Optional[MoESpec] = None
     source: str = Field("", description="where the numbers come from")
     # Additions; all default to "absent" so the fields above keep their meaning.
@@ -336,7 +341,7 @@ def _gpt3(name: str, layers: int, hidden: int, heads: int, head_dim: int, note: 
     return ModelSpec(
         name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, head_dim=head_dim,
         ffn=4 * hidden, gated=False, vocab=50257, seq_len=2048, tied_embeddings=True, norm="layernorm",
-        bias=True, learned_pos=True, source=_GPT3 + note,
+        bias=True, learned_pos=True, dropout=0.1, source=_GPT3 + note,
     )
 
 
@@ -345,7 +350,7 @@ def _megatron(name: str, heads: int, hidden: int, layers: int, published: str) -
     return ModelSpec(
         name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=heads, head_dim=hidden // heads,
         ffn=4 * hidden, gated=False, vocab=51200, seq_len=2048, tied_embeddings=True, norm="layernorm",
-        bias=True, learned_pos=True, source=f"{_MEGATRON} ({published} row)",
+        bias=True, learned_pos=True, dropout=0.1, source=f"{_MEGATRON} ({published} row)",
     )
 
 
@@ -407,7 +412,10 @@ def _presets() -> dict[str, ModelSpec]:
         ModelSpec(
             name="gpt-tiny", layers=4, hidden=64, heads=4, kv_heads=4, head_dim=16, ffn=256, gated=False,
             vocab=512, seq_len=64, tied_embeddings=False, norm="layernorm", bias=True, learned_pos=True,
-            source="simexec test model (GPT-2 shaped)",
+            # no dropout: the executor runs none (a seeded dropout that matches the single process
+            # under tp / sp / cp would need masks drawn per global element), so the simulator must not
+            # count its masks either
+            dropout=0.0, source="simexec test model (GPT-2 shaped)",
         ),
         ModelSpec(
             name="moe-tiny", layers=4, hidden=64, heads=4, kv_heads=4, head_dim=16, ffn=256, gated=True,
@@ -475,6 +483,19 @@ def _head_dim(hidden: int, heads: int, origin: str, explicit: Optional[int] = No
     return hidden // heads
 
 
+def _dropout(cfg: dict, origin: str, keys: tuple[str, ...], default: float) -> float:
+    """The largest of the config's dropout probabilities `keys` (each defaults to transformers'
+    default for the family when absent): masks are kept wherever any of them is on."""
+    vals = []
+    for k in keys:
+        v = cfg.get(k)
+        v = default if v is None else v
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0.0 <= v < 1.0:
+            raise SpecError(f"key '{k}' in {origin} must be a probability in [0, 1), got {v!r}")
+        vals.append(float(v))
+    return max(vals)
+
+
 def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
     """llama, mistral, qwen2 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE.
     Sliding-window attention (Mistral) is ignored: attention FLOPs are counted over the full context."""
@@ -498,6 +519,7 @@ def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
         # Llama's attention_bias covers q,k,v,o; without mlp_bias we model q,k,v only (o's bias is off by hidden).
         bias=attention_bias and mlp_bias,
         qkv_bias=attention_bias and not mlp_bias,
+        dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout"), 0.0),
     )
 
 
@@ -573,6 +595,7 @@ def _hf_gpt2(cfg: dict, origin: str) -> dict[str, Any]:
         gated=False, vocab=_get(cfg, "vocab_size", origin), seq_len=positions, max_positions=positions,
         tied_embeddings=_get(cfg, "tie_word_embeddings", origin, default=True, kind=bool),
         norm="layernorm", bias=True, learned_pos=True,
+        dropout=_dropout(cfg, origin, ("attn_pdrop", "resid_pdrop", "embd_pdrop"), 0.1),
     )
 
 
@@ -588,6 +611,7 @@ def _hf_gpt_neox(cfg: dict, origin: str) -> dict[str, Any]:
         gated=False, vocab=_get(cfg, "vocab_size", origin), seq_len=_get(cfg, "max_position_embeddings", origin),
         tied_embeddings=_get(cfg, "tie_word_embeddings", origin, default=False, kind=bool),
         norm="layernorm", bias=bias, learned_pos=False,
+        dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout"), 0.0),
     )
 
 

@@ -48,6 +48,15 @@ class Plan(BaseModel):
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")
+    grad_overlap: bool = Field(
+        True, description="reduce data-parallel gradients as buckets fill, overlapped with the backward (torch DDP,"
+        " FSDP); False: after the backward (Megatron-LM 2021's local DDP)")
+    grad_fp32: bool = Field(
+        False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
+        " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
+    master_grads: bool = Field(
+        False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
+        " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
     rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
     stages: Optional[tuple[int, ...]] = Field(None, min_length=1, description="layers per (virtual) stage, in order")
 
@@ -144,7 +153,7 @@ def _int(key: str, val: str, text: str) -> int:
 def _validate_fields(fields: dict, where: str) -> Plan:
     if isinstance(fields.get("stages"), list):
         fields["stages"] = tuple(fields["stages"])
-    for key in ("sp", "flash_attention"):
+    for key in (k for k, f in Plan.model_fields.items() if f.annotation is bool):
         if isinstance(fields.get(key), str):
             fields[key] = _BOOL.get(fields[key].lower(), fields[key])
     try:
@@ -250,6 +259,20 @@ class ResolvedPlan:
         return DTYPE_BYTES[self.plan.dtype]
 
     @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient element as kept and reduced: fp32 for fp32 training or `grad_fp32`,
+        else 2 (fp8 training keeps bf16 gradients)."""
+        return 4 if self.plan.dtype == "fp32" or self.plan.grad_fp32 else 2
+
+    @property
+    def master_grad_bytes(self) -> int:
+        """Bytes per parameter of the fp32 main-gradient copy the optimizer step makes (Megatron-LM's
+        `main_param.grad = main_grad.float()`): 4 with `master_grads` when the gradients are not
+        already fp32 and the step runs on the device, else 0 (the copy would be the buffer itself)."""
+        p = self.plan
+        return 4 if p.master_grads and self.grad_bytes < 4 and p.offload == "none" else 0
+
+    @property
     def tokens_per_step(self) -> int:
         return (self.plan.gbs or 0) * self.seq_len
 
@@ -285,7 +308,10 @@ class ResolvedPlan:
     def model_state_bytes(self, pp_rank: int) -> dict[str, float]:
         """Mixed-precision Adam model states per rank (ZeRO paper: 2+2+12 bytes per parameter).
 
-        Expert parameters are sharded by ZeRO over dp/ep ranks, as Megatron's expert data parallel.
+        `grad_fp32` keeps the gradients in fp32 (2+4+12 = 18, Megatron-LM's bf16 default). The fp32
+        copy of `master_grads` is not here: it lives only through the optimizer step (the lowering
+        allocates it there, `master_grad_bytes`). Expert parameters are sharded by ZeRO over dp/ep
+        ranks, as Megatron's expert data parallel.
         """
         p = self.plan
         params = self.params_on_pp_rank(pp_rank)
@@ -294,7 +320,7 @@ class ResolvedPlan:
         shard_expert = max(1, self.zero_group_size // p.ep)
         w = self.dtype_bytes if p.dtype != "fp8" else 2  # fp8 training keeps bf16 weights
         k = 12 if p.dtype != "fp32" else 8  # fp32 training: Adam m, v only (no master copy)
-        grad_b = w if p.dtype != "fp32" else 4
+        grad_b = self.grad_bytes
 
         def split(n: float, shard: int) -> tuple[float, float, float]:
             wt = n * w / (shard if p.zero >= 3 else 1)

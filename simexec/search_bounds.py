@@ -29,7 +29,7 @@ from typing import Any, Optional
 
 from simexec.cluster import ClusterSpec
 # _TP_OPS: (forward op, backward op) of Megatron's f/g conjugates, as the lowering emits them
-from simexec.lower import _TP_OPS, ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, representatives
+from simexec.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.model import ModelSpec
 from simexec.plan import ResolvedPlan
 from simexec.search_space import Structure
@@ -229,7 +229,7 @@ class _StructureBounds:
         self.V = p.pp * p.vpp
         self.L = rp.model.layers
         self.sp = 1 if p.sp else 0
-        self.dt, self.gdt = rp.dtype_bytes, (4 if p.dtype == "fp32" else 2)  # parameters, gradients
+        self.dt, self.gdt = rp.dtype_bytes, rp.grad_bytes  # parameters, gradients
         model = rp.model
         ranks = self.mesh.rank_of_stage
         self.F, self.B, self.saved, self.Ft, self.Bt = [], [], [], [], []
@@ -479,11 +479,11 @@ class _StructureBounds:
             self.b.params[key] = out
         return out
 
-    def _memory(self, state: tuple) -> tuple[list[float], list[float], list[float]]:
-        """Per pipeline rank: model-state bytes (`model_state_bytes`), YaFSDP's preallocated buffers
-        and the optimizer's shard of parameters."""
+    def _memory(self, state: tuple) -> tuple[list[float], list[float], list[float], list[float]]:
+        """Per pipeline rank: model-state bytes (`model_state_bytes`), YaFSDP's preallocated buffers,
+        the optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
         p, rp = self.p, self.rp
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, state)
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads, state)
         out = self.b.memory.get(key)
         if out is not None:
             return out
@@ -495,7 +495,7 @@ class _StructureBounds:
         edp = max(1, len(groups["edp"]))
         dt, gdt = self.dt, self.gdt
         yafsdp = zero == 3 and (zero_impl or "fsdp") == "yafsdp" and zero_size > 1
-        static, buffers, shards = [], [], []
+        static, buffers, shards, main = [], [], [], []
         params = self._params()
         memo = _MemoParams(vrp, params)
         for r, prm in enumerate(params):
@@ -504,7 +504,8 @@ class _StructureBounds:
             big = prm["biggest"]
             buffers.append(2 * big * dt + 2 * big * gdt if yafsdp else 0.0)
             shards.append(prm["dense"] / (zero_size if zero >= 1 else 1) + prm["expert"] / (edp if zero >= 1 else 1))
-        out = self.b.memory[key] = (static, buffers, shards)
+            main.append(shards[-1] * vrp.master_grad_bytes)
+        out = self.b.memory[key] = (static, buffers, shards, main)
         return out
 
     def _state(self, state: tuple) -> tuple:
@@ -512,12 +513,14 @@ class _StructureBounds:
         parameter gather) seconds, the busy time of the ZeRO axis' stream (fixed, per micro-batch)
         and the gradient traffic."""
         p, rp = self.p, self.rp
-        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, state)
+        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap, state)
         out = self.b.states.get(key)
         if out is not None:
             return out
         zero, zero_impl, dp_shard, offload = state
-        static, buffers, shards = self._memory(state)
+        static, buffers, shards, main = self._memory(state)
+        vrp = self.rp if (p.zero, p.zero_impl, p.dp_shard, p.offload) == state else replace(
+            rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload)))
         dt, gdt = self.dt, self.gdt
         mesh, cm = self.mesh, self.cm
         verb = "allreduce" if zero == 0 else "reducescatter"
@@ -532,7 +535,7 @@ class _StructureBounds:
             if offload != "none":
                 opt = mesh.copy(rank, "d2h", shard * gdt) + mesh.cpu(rank, shard) + mesh.copy(rank, "h2d", shard * dt)
             else:
-                opt = cm.time("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * ADAM_BYTES_PER_PARAM)
+                opt = cm.time("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * adam_bytes_per_param(vrp))
             # the last unit's gradients are reduced after the last backward, before the optimizer
             red = zc(verb, rank, prm["last_dense"] * gdt)
             gather = 0.0
@@ -545,6 +548,8 @@ class _StructureBounds:
             # reduction in parts, and an idle-network collective costs at least as much in parts
             # as whole (affine in bytes per algorithm, the fastest taken: concave, so subadditive).
             total = zc(verb, rank, prm["dense"] * gdt)
+            if not p.grad_overlap and zero in (0, 1):  # every bucket waits for the last backward
+                tail[-1] = (max(red, total), opt + gather)
             if zero == 3:
                 z = sum(2 * zc("allgather", rank, u * dt) + zc(verb, rank, u * gdt) for ch in prm["chunks"] for u in ch)
                 busy.append((0.0, z))
@@ -556,7 +561,7 @@ class _StructureBounds:
             else:
                 busy.append((total, 0.0))
             traffic.append(total)
-        out = self.b.states[key] = (static, buffers, tail, busy, traffic)
+        out = self.b.states[key] = (static, buffers, tail, busy, traffic, main)
         return out
 
     def _units(self, r: int, chunk: Optional[int] = None) -> list[int]:
@@ -585,7 +590,7 @@ class _StructureBounds:
         optimizer step and parameter gather, as in `bounds`. Under ZeRO-3 the replay goes unit by
         unit with the parameter gathers and gradient reduce-scatters on their stream."""
         zero, _, dp_shard, _ = state
-        _, _, tails, _, _ = self._state(state)
+        _, _, tails, _, _, _ = self._state(state)
         if zero == 3 and len(self.mesh.groups(self.mesh.rank_of_stage[0], self.p.ep, dp_shard)["zero"]) > 1:
             ends = self._zero3_replays.get(dp_shard)
             if ends is None:
@@ -713,7 +718,7 @@ class _StructureBounds:
 
     def bounds(self, state: tuple) -> tuple[float, float, float]:
         """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""
-        static, buffers, tails, busy, traffic = self._state(state)
+        static, buffers, tails, busy, traffic, main = self._state(state)
         ws, dyn, a = self.b.workspace, self.b.dyn, self.b.slow
         t = mem = tr = 0.0
         lc, own, tl, act, m, wa = self.last_compute, self.own_last_compute, self.tail, self.act, self.m, self.w_after
@@ -735,6 +740,9 @@ class _StructureBounds:
             if x > t:
                 t = x
             y = static[r] + ws + dyn * (buffers[r] + act[r])
+            if y > mem:
+                mem = y
+            y = static[r] + ws + main[r]  # the optimizer step: model states and the fp32 main gradients
             if y > mem:
                 mem = y
             if traffic[r] > tr:

@@ -39,3 +39,20 @@ def test_selective_recompute_with_sequence_parallel_keeps_34_over_t():
 
 def test_fused_attention_keeps_no_scores():
     assert saved_per_layer("dp=8,mbs=2") == pytest.approx(S * B * H * 34)
+
+
+def test_no_dropout_keeps_no_masks():
+    """Without dropout the two residual masks (1 byte each) and, unfused, the mask and dropout output
+    of the scores go: 32 + 2·a·s/h per sbh instead of 34 + 5·a·s/h."""
+    m = MODEL.model_copy(update={"dropout": 0.0})
+    rp = resolve(m, get_cluster("1xdgx-a100-80g"), parse_plan("dp=8,mbs=2,flash_attention=0"))
+    got = sum(b.saved for b in Anatomy(rp).dense.values())
+    assert got == pytest.approx(S * B * H * (32 + 2 * A * S / H))
+
+
+def test_backward_workspace_drops_weight_gradients_with_fused_wgrad():
+    rp = resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=8,mbs=2"))
+    an = Anatomy(rp)
+    n = S * B * H * 2
+    assert an.dense["fc2"].bwd_workspace == pytest.approx(n + S * B * MODEL.ffn * 2)  # dY and dA only
+    assert all(b.bwd_workspace > 0 for b in an.dense.values())

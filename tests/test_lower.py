@@ -28,6 +28,9 @@ PLANS = [
     ("gpt-tiny", "dp=2,zero=1,offload=optimizer,gbs=4"),
     ("gpt-tiny", "pp=2,stages=1,3,gbs=4"),
     ("moe-tiny", "dp=2,ep=2,tp=2,gbs=4,recompute=selective"),
+    ("gpt-tiny", "dp=2,pp=2,vpp=2,gbs=8,grad_overlap=0,bucket_mb=0.001,master_grads=1"),
+    ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0,bucket_mb=0.001"),
+    ("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=8,grad_overlap=0,grad_fp32=1"),
 ]
 
 
@@ -94,6 +97,55 @@ def test_data_parallel_reduces_gradients_only_in_the_last_micro_batch():
     assert all(set(i.deps) <= bwd_last for i in grads)
     units = sorted(u for i in grads for u in i.items)
     assert units == list(range(-1, get_model("gpt-tiny").layers + 1))  # every parameter unit once
+
+
+def _last_compute_before(rank: list, name: str) -> str:
+    i = next(k for k, x in enumerate(rank) if x.name == name)
+    return next(x.name for x in reversed(rank[:i]) if x.kind == "compute")
+
+
+@pytest.mark.parametrize("plan", ["dp=2,gbs=8,bucket_mb=0.001", "dp=2,pp=2,vpp=2,gbs=8,bucket_mb=0.001",
+                                  "dp=2,zero=1,gbs=8,bucket_mb=0.001"])
+def test_without_grad_overlap_every_bucket_waits_for_the_last_backward(plan):
+    """Megatron-LM 2021's local DDP: `model.allreduce_gradients()` after the whole backward."""
+    with_overlap = _program("gpt-tiny", plan).ranks
+    for r, rank in with_overlap.items():
+        on = [i for i in rank if i.block.startswith("grads")]
+        assert len(on) > 2  # tiny buckets: several per rank
+        assert any(set(i.deps) != {_last_compute_before(rank, on[-1].name)} for i in on)  # overlapped
+    for r, rank in _program("gpt-tiny", plan + ",grad_overlap=0").ranks.items():
+        on = [i for i in with_overlap[r] if i.block.startswith("grads")]
+        off = [i for i in rank if i.block.startswith("grads")]
+        last_bwd = max(k for k, x in enumerate(rank) if x.kind == "compute" and x.phase == "bwd")
+        assert len(off) > 2 and all(rank.index(i) > last_bwd for i in off)
+        assert all(set(i.deps) == {rank[last_bwd].name} for i in off)
+        assert sorted(u for i in off for u in i.items) == sorted(u for i in on for u in i.items)
+
+
+def test_without_grad_overlap_zero2_and_zero3_reduce_after_each_backward_pass():
+    for plan in ("dp=4,zero=2,gbs=8,bucket_mb=0.001,grad_overlap=0", "dp=4,zero=3,gbs=8,grad_overlap=0"):
+        rank = _program("gpt-tiny", plan).ranks[0]
+        rs = [i for i in rank if i.op == "reducescatter@dp" and i.phase == "bwd"]
+        for i in rs:  # after the last backward compute of a micro-batch (the embedding's), which it depends on
+            last = _last_compute_before(rank, i.name)
+            assert last.startswith("bwd.embed.L-1.") and set(i.deps) == {last}
+        on = _program("gpt-tiny", plan.replace(",grad_overlap=0", "")).ranks[0]
+        assert len(rs) == len([i for i in on if i.op == "reducescatter@dp" and i.phase == "bwd"])
+
+
+def test_grad_fp32_doubles_the_gradient_bytes_and_master_grads_copies_them_for_the_step():
+    base = _program("gpt-tiny", "dp=2,gbs=4,dtype=fp16").ranks[0]
+    fp32 = _program("gpt-tiny", "dp=2,gbs=4,dtype=fp16,grad_fp32=1").ranks[0]
+    assert sum(i.bytes for i in fp32 if i.block.startswith("grads")) == pytest.approx(
+        2 * sum(i.bytes for i in base if i.block.startswith("grads")))
+    copy = _program("gpt-tiny", "dp=2,gbs=4,dtype=fp16,master_grads=1").ranks[0]
+    names = [i.name for i in copy]
+    alloc, opt, free = (names.index(n) for n in ("mem.alloc.grads.main", "optim.optim.L-1.m-1", "mem.free.grads.main"))
+    assert alloc < opt < free
+    params = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=2,gbs=4")).params_on_pp_rank(0)
+    assert copy[alloc].bytes == pytest.approx(4 * params["total"])
+    assert copy[opt].bytes > next(i.bytes for i in base if i.block == "optim")  # the copy's traffic
+    assert "mem.alloc.grads.main" not in [i.name for i in _program("gpt-tiny", "dp=2,gbs=4,master_grads=1,grad_fp32=1").ranks[0]]
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_zero1_only_the_last():

@@ -364,3 +364,18 @@ def test_flops_add_up(m):
     assert m.training_flops_per_token() == 3 * fwd
     # The layers' matmul FLOPs are 2 per active weight, so never more than 2 x active_params.
     assert fwd - m.layers * m.attention_score_flops_per_token() <= 2 * m.active_params + 2 * m.hidden * m.vocab
+
+
+def test_dropout_per_family():
+    from simexec.model import from_hf_config, get_model
+
+    assert get_model("gpt3-1.3b").dropout == 0.1 and get_model("megatron-1.7b").dropout == 0.1
+    assert get_model("llama2-7b").dropout == 0.0 and get_model("mixtral-8x7b").dropout == 0.0
+    assert get_model("gpt-tiny").dropout == 0.0  # the executor runs no dropout
+    gpt2 = {"model_type": "gpt2", "n_embd": 64, "n_head": 4, "n_layer": 2, "n_positions": 64, "vocab_size": 100}
+    assert from_hf_config(gpt2, "g").dropout == 0.1
+    assert from_hf_config({**gpt2, "resid_pdrop": 0.0, "attn_pdrop": 0.0, "embd_pdrop": 0.0}, "g").dropout == 0.0
+    llama = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+             "intermediate_size": 128, "max_position_embeddings": 64, "vocab_size": 100}
+    assert from_hf_config(llama, "l").dropout == 0.0
+    assert from_hf_config({**llama, "attention_dropout": 0.05}, "l").dropout == 0.05

@@ -151,6 +151,27 @@ def test_bounds_never_exceed_the_simulation(name, cluster, gbs, seq, n):
         assert b.refine(c) <= r.step_time_s, c.plan_string  # the replayed bound too
 
 
+def test_bounds_never_exceed_the_simulation_of_megatron_2021_knobs():
+    """Gradients reduced after the backward, fp32 main gradients at the step (scripts/validate_search.py)."""
+    fix = {"grad_overlap": False, "master_grads": True, "dtype": "fp16", "bucket_mb": 5.0}
+    model, cl, cands = _candidates("gpt3-1.3b", "2xdgx-a100-80g", 32, 2048, fix)
+    b = Bounds(model, cl, 2048)
+    for c in random.Random(7).sample(cands, 30):
+        r = simulate(model, cl, parse_plan(c.plan_string), 2048)
+        assert "grad_overlap=0" in c.plan_string and "master_grads=1" in c.plan_string
+        assert c.time_lb <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+        assert b.refine(c) <= r.step_time_s, c.plan_string
+
+
+def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
+    free = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048))
+    assert all(p.grad_overlap and not p.grad_fp32 and not p.master_grads for p in free)
+    fixed = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048,
+                       parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1")))
+    assert len(fixed) == len(free) and all(not p.grad_overlap and p.grad_fp32 and p.master_grads for p in fixed)
+
+
 def test_time_bound_is_at_least_the_flops_bound():
     model, cl, cands = _candidates("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
     flops = model.training_flops_per_token(2048) * 16 * 2048

@@ -1,8 +1,11 @@
-"""Peak memory: ZeRO model states against the ZeRO paper, and OOM plans reported, not refused."""
+"""Peak memory: ZeRO model states against the ZeRO paper, Megatron-LM's bytes per parameter, and OOM plans
+reported, not refused."""
 import pytest
 
-from simexec.cluster import GiB
+from simexec.cluster import GiB, get_cluster
+from simexec.lower import lower
 from simexec.model import get_model
+from simexec.plan import parse_plan, resolve
 from simexec.simulate import simulate
 
 MODEL = get_model("gpt3-125m")
@@ -20,6 +23,33 @@ def test_zero_model_states_match_the_paper(zero, states):
     r = simulate(MODEL, "local", f"dp={N},zero={zero},gbs={N}", seq_len=256)
     b = r.memory_breakdown_bytes
     assert b["params"] + b["grads"] + b["optimizer"] == pytest.approx(states(MODEL.params), rel=1e-9)
+
+
+def _states_at_step(plan: str) -> float:
+    """Model-state bytes (with the fp32 main gradients) live on rank 0 as its optimizer step runs."""
+    rp = resolve(MODEL, get_cluster("local"), parse_plan(plan), 256)
+    live = 0.0
+    for ins in lower(rp).ranks[0]:
+        if ins.kind == "compute" and ins.block == "optim":
+            return live
+        if ins.kind == "memory" and ins.category in ("params", "grads", "optimizer"):
+            live += ins.bytes if ins.op == "alloc" else -ins.bytes
+    raise AssertionError("no optimizer step")
+
+
+@pytest.mark.parametrize("plan,states", [
+    # Megatron-LM docs/user-guide/features/dist_optimizer.md, "Distributed Optimizer": bytes per parameter
+    ("dtype=fp16,master_grads=1", lambda P: 20 * P),  # fp16 parameters, fp16 gradients
+    ("dtype=bf16,grad_fp32=1,master_grads=1", lambda P: 18 * P),  # bf16 parameters, fp32 gradients
+    ("dtype=fp32,master_grads=1", lambda P: 16 * P),  # fp32 parameters, fp32 gradients
+    ("dtype=fp16,master_grads=1,zero=1", lambda P: 4 * P + 16 * P / N),  # distributed optimizer
+    ("dtype=bf16,grad_fp32=1,master_grads=1,zero=1", lambda P: 6 * P + 12 * P / N),
+    ("dtype=fp32,zero=1", lambda P: 8 * P + 8 * P / N),
+])
+def test_megatron_bytes_per_parameter_at_the_optimizer_step(plan, states):
+    assert _states_at_step(f"dp={N},gbs={N},{plan}") == pytest.approx(states(MODEL.params), rel=1e-9)
+    r = simulate(MODEL, "local", f"dp={N},gbs={N},{plan}", seq_len=256)
+    assert r.peak_memory_bytes >= states(MODEL.params)
 
 
 def test_oom_plan_is_reported_with_peak_and_capacity():

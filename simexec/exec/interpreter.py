@@ -96,6 +96,7 @@ def _deallocate(t: Any) -> None:
 
 
 _EMPTY: dict = {}
+_SCALAR: dict = {}
 
 
 class TorchComm:
@@ -805,7 +806,25 @@ class _Rank:
         if _DEALLOCATE and not self.xla:
             for o in outs:
                 _deallocate(o)
+            if ins.block == "experts":
+                self._free_expert_input(l, mb, vals[0])
         self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
+
+    def _free_expert_input(self, l: int, mb: int, xr: Tensor) -> None:
+        """The experts' tokens as received: once permuted into expert order (the copy the expert
+        GEMMs save, Megatron's sort_chunks_by_idxs), nothing needs them: the permutation's backward
+        keeps only the indices. The record keeps a leaf of the same shape over a single element
+        (a zero-stride expansion: autograd accumulates its gradient by the leaf's shape), and the
+        environment lets go of the received buffer."""
+        k = self.resolve(("xr", l, mb))
+        if k is not None:
+            del self.env[k]
+        if xr.requires_grad and xr.grad_fn is None and xr.numel() > 1:
+            key = (xr.dtype, xr.device)
+            e = _SCALAR.get(key)
+            if e is None:
+                e = _SCALAR[key] = torch.zeros((), dtype=xr.dtype, device=xr.device)
+            xr.data = e.expand(xr.shape)
 
     def backward(self, ins: Instr) -> None:
         l, mb = ins.layer, ins.mb

@@ -11,7 +11,7 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
 - `blocks`: the executor's own instructions (a one-rank step of the model's program, each
   instruction timed), on one rank alone;
 - `sharing`: that same step on 1, 2, ... N ranks at once: how much slower compute gets when ranks
-  share the cores;
+  share the cores (each step's begin and end kept, so that only steps all ranks ran together count);
 - `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
   and of all ranks, across message sizes, one group alone and every disjoint group at once;
 - `interleaved`: matmuls then an all-reduce, in a loop, over 2 and over all ranks: a collective's
@@ -58,7 +58,7 @@ class BenchConfig:
     copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
     block_steps: int = 3
     block_mbs: tuple = (1, 2, 4)  # micro-batch sizes of the one-rank step: per-byte costs need two sizes at least
-    sharing_steps: int = 4
+    sharing_steps: int = 12
     sharing_rounds: int = 2
     pingpong_s: float = 1.0
     interleave_gemms: tuple = (1, 4, 16)  # 128^3 matmuls between all-reduces (a tensor-parallel layer's pattern)
@@ -154,13 +154,13 @@ class _Bench:
                 run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
                 self.add("blocks", mbs=mbs, records=rec.best())
         _sync()
-        for n in list(range(1, self.world + 1)) * self.cfg.sharing_rounds:
+        for i, n in enumerate(list(range(1, self.world + 1)) * self.cfg.sharing_rounds):
             _sync()
             if self.rank < n:
-                t0 = time.perf_counter()
-                out = run_rank(rp1, instrs1, steps=self.cfg.sharing_steps, groups=None, tracer=None,
+                clock = _StepClock()
+                out = run_rank(rp1, instrs1, steps=self.cfg.sharing_steps, groups=None, tracer=clock,
                                device=torch.device("cpu"))
-                self.add("sharing", active=n, wall=time.perf_counter() - t0, steps=out["step_times_s"])
+                self.add("sharing", active=n, round=i, steps=out["step_times_s"], spans=clock.spans())
             _sync()
 
     # --- communication -------------------------------------------------------------------------------
@@ -291,6 +291,26 @@ class _Bench:
                 while time.perf_counter() < t_end:
                     a = torch.tanh(a @ a)
         _sync()
+
+
+class _StepClock:
+    """A tracer for `run_rank` that keeps when each step began and ended (perf_counter: one clock
+    for every process of the host), so that ranks' steps can be compared over a common window."""
+
+    def __init__(self):
+        self.t: dict[int, list[float]] = {}
+
+    def begin(self, ins, step: int) -> None:
+        self.t.setdefault(step, [time.perf_counter(), 0.0])
+
+    def end(self, ins, step: int) -> None:
+        self.t[step][1] = time.perf_counter()
+
+    def counter(self, category: str, nbytes: float) -> None:
+        pass
+
+    def spans(self) -> list[list[float]]:
+        return [self.t[k] for k in sorted(self.t)]
 
 
 class _Recorder:

@@ -434,6 +434,8 @@ class GPT:
             torch.arange(n_local, device=xr.device).repeat(counts.shape[0]), counts.reshape(-1)
         )
         perm = torch.argsort(expert_of_row, stable=True)  # rows grouped by expert
+        # Megatron's sort_chunks_by_idxs: one permuted copy, which the expert GEMMs save; the index's
+        # backward keeps only `perm`, so xr itself is not needed by the backward (the interpreter frees it)
         groups = xr[perm].split(torch.bincount(expert_of_row, minlength=n_local).tolist())
         ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g)) for e, g in zip(mine, groups)]
         y = torch.cat(ys) if ys else xr[:0]

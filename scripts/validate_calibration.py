@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT))
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, repeatability, run_validation, save_outcome, summary_table, table,
 )
+from simexec.markdown import replace_block  # noqa: E402
 
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 
@@ -78,14 +79,7 @@ def main(argv=None) -> int:
     text = render(outcome, argv)
     print(text)
     if args.markdown:
-        path = Path(args.markdown)
-        doc = path.read_text() if path.exists() else ""
-        block = f"{BEGIN}\n{text}\n{END}"
-        if BEGIN in doc and END in doc:
-            doc = doc[: doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
-        else:
-            doc = doc.rstrip() + "\n\n" + block + "\n"
-        path.write_text(doc)
+        replace_block(Path(args.markdown), f"{BEGIN}\n{text}\n{END}", BEGIN, END)
     return 0
 
 

@@ -37,6 +37,7 @@ from typing import Callable, Iterable, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
+from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
 
@@ -357,14 +358,7 @@ def _version() -> str:
 
 def update_markdown(path: Path, block: str) -> None:
     """Replace the generated block of `path` (between the markers), or append it."""
-    text = path.read_text() if path.exists() else "# Validation against published results\n\n"
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        tail = rest.split(END, 1)[1]
-        text = head + block + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_block(path, block, BEGIN, END, new_doc="# Validation against published results\n\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -33,6 +33,7 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import get_cluster  # noqa: E402
+from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import get_model  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
@@ -157,13 +158,7 @@ def to_markdown(results: list[dict], command: str) -> str:
 
 def update_markdown(path: Path, block: str) -> None:
     """Replace the generated block of `path` (between the markers), or append it."""
-    text = path.read_text() if path.exists() else ""
-    if BEGIN in text and END in text:
-        head, rest = text.split(BEGIN, 1)
-        text = head + block + rest.split(END, 1)[1]
-    else:
-        text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    replace_block(path, block, BEGIN, END, new_doc="")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

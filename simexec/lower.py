@@ -86,6 +86,7 @@ class _RankLowering:
         self.L = rp.model.layers
         self.out: list[Instr] = []
         self.wait: list[str] = []  # collectives the next compute instruction must wait on
+        self._z2_seen = 0  # ZeRO-2: grad_colls already waited at the end of a micro-batch's backward
         self.grad_dt = rp.grad_bytes
         # groups
         self.g_tp = mesh.group(rank, "tp")
@@ -109,6 +110,7 @@ class _RankLowering:
         # gradient buckets: pools keyed by axis, each a list of (unit, bytes)
         self.bucket_bytes = p.bucket_mb * 1e6
         self.pools: dict[str, list[tuple[int, float]]] = {}
+        self._z2_alloc: dict[str, Instr] = {}  # ZeRO-2: the open bucket buffer's allocation, per axis
         self.pool_after: dict[str, str] = {}
         self.buckets: list[tuple[str, str, tuple[int, ...], float]] = []  # (name, axis, units, bytes)
         self.sealed: list[tuple[str, list[tuple[int, float]]]] = []  # grad_overlap=0: full buckets, not yet reduced
@@ -349,6 +351,12 @@ class _RankLowering:
         self.z3_pending = []
         if self.p.grad_overlap or self.p.zero == 2:
             self.flush_all(final=mb == self.m - 1)
+        if self.p.zero == 2:
+            # ZeRO-2 (DeepSpeed's stage 2 epilogue): a micro-batch's backward ends with its gradient
+            # reductions complete, so its full gradients are gone before the next micro-batch computes
+            # (the executor waits the same dependency)
+            self.wait.extend(n for n in self.grad_colls[self._z2_seen:] if n)
+            self._z2_seen = len(self.grad_colls)
         if vs > 0:
             self.send("grad", vs, mb, self.an.hidden_bytes)
 
@@ -508,8 +516,8 @@ class _RankLowering:
             if len(group) <= 1 or n <= 0:
                 continue
             pool = self.pools.setdefault(axis, [])
-            if self.p.zero == 2:  # full gradients live until their bucket is reduce-scattered
-                self.memory("alloc", "grads", n * self.grad_dt, f"grads.{axis}.L{unit}.b{len(self.buckets)}")
+            if self.p.zero == 2:  # the bucket's buffer holds full gradients until it is reduce-scattered
+                self._zero2_buffer(axis, pool, unit, n * self.grad_dt)
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
@@ -518,6 +526,16 @@ class _RankLowering:
                 else:  # the bucket is full, but its reduction waits for the end of the backward
                     self.sealed.append((axis, pool))
                     self.pools[axis] = []
+
+    def _zero2_buffer(self, axis: str, pool: list, unit: int, nbytes: float) -> None:
+        """ZeRO-2's bucket buffer (DeepSpeed's reduce bucket): made with the bucket's first
+        gradients, it takes every gradient of the bucket as it comes, so from then on it holds the
+        bucket's whole size; one allocation that grows as units join the bucket."""
+        if not pool or axis not in self._z2_alloc:
+            self.memory("alloc", "grads", nbytes, f"grads.{axis}.L{unit}.b{len(self.buckets)}")
+            self._z2_alloc[axis] = self.out[-1]
+        else:
+            self._z2_alloc[axis].bytes += nbytes
 
     def flush_all(self, final: bool = True) -> None:
         """Reduce every bucket not yet reduced: the full ones held back by `grad_overlap=0` (they

@@ -246,6 +246,8 @@ CORE = [
     ("gpt-tiny", "dp=2,pp=2,vpp=2,zero=1,gbs=8,recompute=full"),
     ("gpt-tiny", "dp=2,tp=2,sp=1,pp=2,gbs=8"),
     ("gpt-tiny", "tp=2,sp=1,recompute=full"),
+    ("gpt-tiny", "dp=2,pp=2,gbs=8,grad_overlap=0"),  # gradients reduced after the backward (Megatron 2021)
+    ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0"),
 ]
 
 

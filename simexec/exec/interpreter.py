@@ -202,6 +202,9 @@ def unsupported(rp) -> Optional[str]:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
+    if p.dtype != "fp32" and (p.grad_fp32 or p.master_grads):
+        missing.append(f"fp32 gradient buffers or master-gradient copies under dtype={p.dtype} "
+                       f"(grad_fp32={int(p.grad_fp32)}, master_grads={int(p.master_grads)})")
     if not missing and (p.sp or p.cp > 1):
         missing += _lowering_gaps(rp)
     if not missing:
@@ -530,6 +533,9 @@ class _Rank:
         freed once reduce-scattered."""
         self.gbuf: dict[tuple, Tensor] = {}
         self.gview: dict[str, Tensor] = {}
+        self.z2buf: dict[tuple, Tensor] = {}  # ZeRO-2: this micro-batch's bucket buffers, until reduce-scattered
+        if self.plan.zero == 2 and not self.xla:
+            self._setup_zero2_hooks()
         if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
             return
         for i in self.instrs:
@@ -544,6 +550,42 @@ class _Rank:
             self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
             for n, v in zip(names, fl.views(buf)):
                 self.gview[n] = v
+        # parameters no bucket covers (dp = 1): Megatron's DDP wrapper allocates their main_grad
+        # buffer all the same, at construction, so gradients are resident from the start
+        rest = [n for n in self.p if n not in self.gview]
+        if rest:
+            key = ("local", ())
+            fl = self.buckets[key] = self._flat(rest, (self.rank,))
+            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
+            for n, v in zip(rest, fl.views(buf)):
+                self.gview[n] = v
+
+    def _setup_zero2_hooks(self) -> None:
+        """ZeRO-2: each gradient moves into its bucket's buffer as autograd produces it (DeepSpeed's
+        reduce buckets), so a bucket's gradients never exist twice; the buffer is made at the
+        bucket's first gradient of a micro-batch and freed once reduce-scattered."""
+        self.z2_of: dict[str, tuple] = {}
+        for i in self.instrs:
+            if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit():
+                key = (self._cls(i.axis), tuple(i.items))
+                for n in (n for u in i.items for n in self.unit_names(u, key[0])):
+                    self.z2_of.setdefault(n, key)
+        name_of = {id(self.p[n]): n for n in self.z2_of}
+
+        def hook(param: Tensor) -> None:
+            n = name_of[id(param)]
+            key = self.z2_of[n]
+            fl = self.buckets[key]
+            buf = self.z2buf.get(key)
+            if buf is None:
+                buf = self.z2buf[key] = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
+            v = fl.views(buf)[fl.names.index(n)]
+            if param.grad is not None and param.grad.data_ptr() != v.data_ptr():
+                v.copy_(param.grad)
+                param.grad = v
+
+        for n in self.z2_of:
+            self.p[n].register_post_accumulate_grad_hook(hook)
 
     def _attach_grads(self, key: Optional[tuple] = None) -> None:
         """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
@@ -1207,7 +1249,13 @@ class _Rank:
         names = [n for u in ins.items for n in self.unit_names(u, cls)]
         fl = self.buckets.get(key) or self._flat(names, ins.group)
         flat = self.gbuf.get(key)
-        if flat is None:  # each gradient is dropped as soon as it is in the bucket (ZeRO-2, XLA)
+        if flat is None and key in self.z2buf:  # ZeRO-2: the gradients are in the bucket's buffer already
+            flat = self.z2buf.pop(key)
+            for n, v in zip(names, fl.views(flat)):
+                gr = self.local_grad(n)  # (moved out of the buffer where tp-reduced: copied back)
+                if gr.data_ptr() != v.data_ptr():
+                    v.copy_(gr)
+        elif flat is None:  # each gradient is dropped as soon as it is in the bucket (ZeRO-2, XLA)
             for n in names:  # the previous micro-batch's bucket first: its buffer goes before this one comes
                 w = self.g_pending.pop(n, None)
                 if w is not None:

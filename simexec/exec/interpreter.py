@@ -571,15 +571,17 @@ class _Rank:
                 for n in (n for u in i.items for n in self.unit_names(u, key[0])):
                     self.z2_of.setdefault(n, key)
         name_of = {id(self.p[n]): n for n in self.z2_of}
+        self.z2views: dict[tuple, dict[str, Tensor]] = {}
 
         def hook(param: Tensor) -> None:
             n = name_of[id(param)]
             key = self.z2_of[n]
-            fl = self.buckets[key]
-            buf = self.z2buf.get(key)
-            if buf is None:
+            views = self.z2views.get(key)
+            if key not in self.z2buf:
+                fl = self.buckets[key]
                 buf = self.z2buf[key] = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-            v = fl.views(buf)[fl.names.index(n)]
+                views = self.z2views[key] = dict(zip(fl.names, fl.views(buf)))
+            v = views[n]
             if param.grad is not None and param.grad.data_ptr() != v.data_ptr():
                 v.copy_(param.grad)
                 param.grad = v
@@ -1251,6 +1253,7 @@ class _Rank:
         flat = self.gbuf.get(key)
         if flat is None and key in self.z2buf:  # ZeRO-2: the gradients are in the bucket's buffer already
             flat = self.z2buf.pop(key)
+            self.z2views.pop(key, None)
             for n, v in zip(names, fl.views(flat)):
                 gr = self.local_grad(n)  # (moved out of the buffer where tp-reduced: copied back)
                 if gr.data_ptr() != v.data_ptr():

@@ -451,14 +451,11 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     from simexec.sim.host import Cores, HostCosts
 
     env = simpy.Environment()
-    c = cluster.costs
-    cores = Cores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, {})
+    cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
     for b in range(busy):
         cores.run(100 + b, 1e9)
     kind = "send" if verb == "p2p" else "collective"
     ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(nbytes), group=tuple(range(n)), peer=1)
-    hc = HostCosts.__new__(HostCosts)  # only its communication half is needed
-    hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
     out = []
     hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
     env.run(until=10.0 if busy else None)
@@ -474,10 +471,7 @@ def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float
     from simexec.sim.host import Cores, HostCosts
 
     env = simpy.Environment()
-    c = cluster.costs
-    cores = Cores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, {}, c.compute_contention)
-    hc = HostCosts.__new__(HostCosts)  # only its communication half is needed
-    hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
+    cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
     ins = Instr(0, "bench", "collective", "comm.x", "allreduce@x", bytes=float(nbytes), group=tuple(range(n)))
     done = [env.event() for _ in range(iters)]
     arrived = [0] * iters

@@ -1258,7 +1258,7 @@ class _Rank:
                 gr = self.local_grad(n)  # (moved out of the buffer where tp-reduced: copied back)
                 if gr.data_ptr() != v.data_ptr():
                     v.copy_(gr)
-        elif flat is None:  # each gradient is dropped as soon as it is in the bucket (ZeRO-2, XLA)
+        elif flat is None:  # XLA (no aliasing views): each gradient is dropped as soon as it is in the bucket
             for n in names:  # the previous micro-batch's bucket first: its buffer goes before this one comes
                 w = self.g_pending.pop(n, None)
                 if w is not None:

@@ -33,9 +33,8 @@ each; a core runs slower while the others are busy too (`compute_contention` whe
 that are hyperthreads of one physical core, shared caches and memory bandwidth). A thread that wakes from a wait does not run at once when the running
 threads already fill the cores: it waits until threads ahead of it have run out their slices,
 `sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread that goes straight on from
-one instruction to the next keeps its core. So a collective of more ranks than cores costs a
-slice-sized wait per step, as gloo on 4 ranks of 2 cores measures (a ring step of 4 ranks ~1 ms,
-of 2 ranks ~0.1 ms). A rank of a
+one instruction to the next keeps its core. So a collective of more ranks than cores can wait for
+a core at each step. A rank of a
 symmetric program stands for `len(represents[r])` identical ranks: that many threads.
 """
 from __future__ import annotations
@@ -155,6 +154,13 @@ class HostCosts:
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 
+    @classmethod
+    def transfers_only(cls, cluster: ClusterSpec) -> "HostCosts":
+        """Just the communication half (`transfer`), for pricing single collectives without a program."""
+        hc = cls.__new__(cls)
+        hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
+        return hc
+
     def efficiency(self, op: str, flops: float) -> float:
         max_eff, half = self.eff.get(op, self.eff["gemm"])
         return max_eff * flops / (flops + half)
@@ -249,7 +255,7 @@ class HostCosts:
 
     def cores_for(self, env) -> "Cores":
         weights = {r: len(v) for r, v in (self.program.represents or {}).items() if len(v) > 1}
-        return Cores(env, self.cores, self.slice_s, self.background, weights, self.contention)
+        return Cores.of(env, self.cluster, weights)
 
 
 def _plan_dtype(program: Program) -> str:
@@ -288,6 +294,13 @@ class Cores:
     going straight on from its previous piece of work) first waits for a core when the running threads already fill them:
     `slice x (running + 1 - (cores - background)) / cores`.
     """
+
+    @classmethod
+    def of(cls, env, cluster: ClusterSpec, weights: Optional[dict[int, int]] = None) -> "Cores":
+        """The cores of the cluster's host, as its cost parameters describe them."""
+        c = cluster.costs
+        return cls(env, cluster.node.cpu_cores, getattr(c, "sched_slice_s", 0.0), getattr(c, "background_load", 0.0),
+                   weights or {}, c.compute_contention)
 
     def __init__(self, env, cores: int, slice_s: float, background: float, weights: dict[int, int],
                  contention: float = 1.0):

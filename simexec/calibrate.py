@@ -33,6 +33,7 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 
 from simexec.cluster import ClusterSpec, get_cluster
 from simexec.errors import SimexecError
+from simexec.plan import parse_plan
 
 PathLike = Union[str, os.PathLike]
 
@@ -132,7 +133,7 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("op", "device", "launch_overhead_s", 1e-7, 1e-3),
     Param("instr", "costs", "instr_overhead_s", 1e-7, 1e-2),
     Param("bwd", "costs", "bwd_overhead_s", 1e-7, 1e-2),
-    Param("gemm_flops", "device", "peak_flops", 1e8, 1e13),
+    Param("gemm_flops", "device", "peak_flops", 1e8, 1e16),
     Param("attention_eff", "costs", "attention_eff", 1e-3, 1.0),
     Param("memory_bw", "device", "memory_bw", 1e8, 1e12),
     Param("coll_latency", "costs", "collective_latency_s", 1e-7, 1e-1),
@@ -615,6 +616,12 @@ def _jsonable(x):
 # --- trace fit -------------------------------------------------------------------------------------
 TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
                 "slice", "contention")
+# An accelerator's traces: no core sharing to fit, and memory-bound kernels run at the device's own
+# bandwidth (on CPU ranks the per-block element-wise costs of the micro-benchmarks stand for it). The
+# GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:
+# a block's time mixes its GEMMs with its memory-bound kernels, and a step trace cannot tell them apart.
+ACCELERATOR_TRACE_PARAMS = ("op", "instr", "bwd", "attention_eff", "memory_bw", "coll_latency", "hop_latency",
+                            "intra_bw")
 
 
 @dataclass
@@ -648,7 +655,7 @@ def _case(trace, where: str) -> _Case:
     meta = trace.meta
     if meta.get("kind") != "measured":
         raise CalibrationError(f"{where}: not a measured trace (kind {meta.get('kind')!r}); calibrate from `simexec execute --trace` output")
-    m = meta.get("model")
+    m = meta.get("model_spec") or meta.get("model")  # the spec: a model from a file has no preset name
     try:
         model = ModelSpec.model_validate(m) if isinstance(m, dict) else get_model(str(m))
     except Exception as exc:  # noqa: BLE001 - a model we cannot rebuild
@@ -665,6 +672,14 @@ def _case(trace, where: str) -> _Case:
     peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
     return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
                  meta.get("background_load"))
+
+
+def traces_machine(trace_paths: Iterable[PathLike]) -> Optional[dict]:
+    """The machine the traces were measured on, when they all name the same one."""
+    from simexec.trace import Trace
+
+    machines = {json.dumps(Trace.load(str(p)).meta.get("machine"), sort_keys=True) for p in trace_paths}
+    return json.loads(machines.pop()) if len(machines) == 1 else None
 
 
 def load_cases(trace_paths: Iterable[PathLike]) -> list[_Case]:
@@ -688,6 +703,13 @@ def predict_case(case: _Case, cluster: ClusterSpec, profile: Optional[dict] = No
     return simulate(case.model, cluster, case.plan, case.seq_len, symmetric=False, profile=prof, trace=trace)
 
 
+def _dominant_dtype(cases: list[_Case]) -> str:
+    """The dtype most of the traces ran in: the one whose peak `gemm_flops` stands for (the others
+    are scaled with it)."""
+    dtypes = [parse_plan(c.plan).dtype for c in cases]
+    return max(sorted(set(dtypes)), key=dtypes.count) if dtypes else "fp32"
+
+
 def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
                max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
                prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
@@ -702,8 +724,9 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     from scipy.optimize import least_squares
 
     start = profiled_cluster(base, base_profile)
+    dtype = _dominant_dtype(cases)
     ps = [PARAMS[n] for n in params]
-    x0 = np.array([_to_x(p, p.get(start)) for p in ps])
+    x0 = np.array([_to_x(p, p.get(start, dtype)) for p in ps])
     lo = np.array([_to_x(p, p.lo) for p in ps])
     hi = np.array([_to_x(p, p.hi) for p in ps])
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
@@ -711,7 +734,7 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     best = [math.inf, None]
 
     def profile_at(x) -> dict:
-        return set_params(base_profile, {p.name: _from_x(p, v) for p, v in zip(ps, x)}, base)
+        return set_params(base_profile, {p.name: _from_x(p, v) for p, v in zip(ps, x)}, base, dtype)
 
     def residuals(x):
         prof = profile_at(x)
@@ -778,14 +801,19 @@ def _from_x(p: Param, x: float) -> float:
 
 def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, ClusterSpec] = "local",
                           out_path: Optional[PathLike] = None, base_profile: Optional[Union[PathLike, dict]] = None,
-                          *, name: Optional[str] = None, params: Sequence[str] = TRACE_PARAMS, max_nfev: int = 60,
+                          *, name: Optional[str] = None, params: Optional[Sequence[str]] = None, max_nfev: int = 60,
                           progress: Optional[Callable[[int, float], None]] = None) -> dict:
     """Fit the cluster's cost parameters to measured step traces; write and return the profile.
 
     base_profile: where the fit starts (a micro-benchmark profile, typically); without one it starts
     from the cluster's own numbers, with the host model of CPU ranks switched on for `local`."""
     base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    trace_paths = list(trace_paths)
     cases = load_cases(trace_paths)
+    if params is None:
+        params = TRACE_PARAMS if base.sized_to_plan else ACCELERATOR_TRACE_PARAMS
+        if not any(c.comm for c in cases):  # nothing in the traces sees the links
+            params = tuple(p for p in params if p not in ("coll_latency", "hop_latency", "intra_bw"))
     if base_profile is None:
         start = {"costs": {"cores_shared": bool(base.sized_to_plan)}, "node": {}}
         if base.sized_to_plan:
@@ -797,9 +825,11 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
         start = load_profile(base_profile)
     start = {k: v for k, v in start.items() if k in ("costs", "device", "node", "network")}
     fitted, report = fit_traces(cases, base, start, params=params, max_nfev=max_nfev, progress=progress)
-    machine = None
-    if isinstance(base_profile, dict) and base_profile.get("machine"):
+    machine = traces_machine(trace_paths)
+    if machine is None and isinstance(base_profile, dict) and base_profile.get("machine"):
         machine = base_profile["machine"]
+    elif machine is None and base_profile is not None and not isinstance(base_profile, dict):
+        machine = load_profile(base_profile).get("machine")
     prof = make_profile(name or f"{socket.gethostname()}-traces", "traces", fitted.get("costs", {}),
                         fitted.get("device"), fitted.get("node"), machine=machine, fit=_jsonable(report))
     if out_path:

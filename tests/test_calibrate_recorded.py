@@ -66,3 +66,30 @@ def test_recorded_microbenchmarks_fit_again():
     assert 1.0 <= c["compute_contention"] <= 3.0
     assert all(v > 0 for v in (c["instr_overhead_s"], n["intra_latency_s"], n["intra_bw"]))
     assert abs(report["gemm"]["rel_err"][-1]) < 0.3
+
+
+GPU = ROOT / "traces" / "gpu"
+
+
+def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_datasheet():
+    """The executor's steps on one H100 (traces/gpu/steps, scripts/gpu_steps.py): the traces rebuild
+    their models from the specs they carry (Hugging Face configs, no preset name), and the profile
+    fitted to the calibration plans' traces halves the datasheet preset's error on the held-out ones."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_steps
+
+    cluster = get_cluster(gpu_steps.CLUSTER)
+    runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
+    held = [r for r in runs if r["name"] not in gpu_steps.CALIBRATE and not r.get("error")]
+    assert len(held) >= 3
+    profile = load_profile(PROFILES / "h100-traces.json")
+    assert profile["machine"]["gpu"].startswith("NVIDIA H100")
+    errs = {"datasheet": [], "traces": []}
+    for r in held:
+        case = load_cases([GPU / "steps" / f"{r['name']}.json.gz"])[0]
+        assert case.model.name == Path(r["model"]).stem
+        for label, prof in (("datasheet", None), ("traces", profile)):
+            errs[label].append(abs(predict_case(case, cluster, prof, trace=False).step_time_s / case.step_s - 1))
+    assert statistics.fmean(errs["traces"]) < 0.6 * statistics.fmean(errs["datasheet"])

@@ -167,6 +167,8 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
         summary["error"] = error
     meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,
             "trace_step": step, "timings": timings, **_describe(rp)}
+    if infos:  # where it ran: calibration records it in the profile it fits
+        meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch")}
     return ExecResult(losses=losses, step_time_s=step_time, step_times_s=step_times, peak_memory_bytes_per_rank=peak,
                       trace=Trace(meta=meta, events=events, counters=counters), losses_per_rank=per_rank,
                       params=params, placement={i["rank"]: i["node_id"] for i in infos}, timings=dict(timings),

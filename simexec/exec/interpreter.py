@@ -43,6 +43,7 @@ even units in one and odd units in the other).
 from __future__ import annotations
 
 import math
+import os
 import time
 import weakref
 import zlib
@@ -426,7 +427,7 @@ class _Rank:
         }
         del full
         self.shapes = {n: t.shape for n, t in self.p.items()}
-        self.model = GPT(m, self.lay, self.p)
+        self.model = GPT(m, self.lay, self.p, flash=self.plan.flash_attention)
         self.g: dict[str, Tensor] = {}  # gradients moved out of .grad (tp-reduced, zero-0 reduced)
         self.g_pending: dict[str, _Inflight] = {}  # params whose gradient a collective still computes
         self.reduced: dict[str, Tensor] = {}  # ZeRO-0 bucket results: final gradients
@@ -1383,14 +1384,26 @@ class _Rank:
             tracker = _TRACKER[0]
             if tracker is not None:
                 tracker.on_host += 1
+            threads = torch.get_num_threads()
+            torch.set_num_threads(self._host_threads())
             try:
                 self.opt.step(self.host_grads)
             finally:
+                torch.set_num_threads(threads)
                 if tracker is not None:
                     tracker.on_host -= 1
             return
         self.wait_all()
         self.opt.step(self._optimizer_grads())
+
+    def _host_threads(self) -> int:
+        """Threads for the offloaded optimizer step: on an accelerator's host, this rank's share of the
+        host's cores (DeepSpeed's CPU Adam runs on every core its process may use); a CPU rank keeps the
+        one thread it computes with, its cores being shared with the other ranks already."""
+        if self.device.type == "cpu":
+            return torch.get_num_threads()
+        per_host = min(self.rp.world, self.rp.cluster.node.gpus_per_node or self.rp.world)
+        return max(1, (os.cpu_count() or 1) // max(1, per_host))
 
     def host_tensors(self) -> list[Tensor]:
         """What stands for host memory (offload: parameters, gradients and Adam states on the host)."""

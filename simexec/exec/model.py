@@ -177,6 +177,8 @@ def shard(spec: ParamSpec, full: Tensor, lay: Layout) -> Tensor:
 
 def add_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
     """y + t placed at [lo, lo + t.shape[-1]) of the last dimension (zeros elsewhere)."""
+    if t.shape[-1] == y.shape[-1]:  # no tensor parallelism: nothing to pad
+        return y + t
     return y + F.pad(t, (lo, y.shape[-1] - lo - t.shape[-1]))
 
 
@@ -256,6 +258,21 @@ def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sc
     return dq, dk, dv
 
 
+def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, causal: bool) -> Tensor:
+    """Attention without a fused kernel (`flash_attention=0`, Megatron-LM 2021): Q.K^T over every
+    score, scale and causal mask in place, softmax, then P.V; the backward keeps the softmax output P
+    (B, nh, T, S) beside q, k and v. Query heads sharing a kv head broadcast against it (no copies).
+    q (B, nh, T, hd), k, v (B, nkv, S, hd) -> (B, T, nh*hd)."""
+    B, nh, T, hd = q.shape
+    nkv, S = k.shape[1], k.shape[2]
+    qg = q.view(B, nkv, nh // nkv, T, hd)
+    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).mul_(1.0 / math.sqrt(hd))  # (B, nkv, rep, T, S)
+    if causal:
+        s = s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2))  # (B, nkv, rep, T, hd)
+    return o.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+
+
 class _Xent(torch.autograd.Function):
     """exp(logits - gmax) in place on the logits, saved once; see GPT.xent."""
 
@@ -319,8 +336,8 @@ class GPT:
     stream under sp), C = hidden, nh / nkv the heads held (heads / tp), V the vocabulary slice.
     """
 
-    def __init__(self, m: ModelSpec, lay: Layout, params: dict[str, Tensor]):
-        self.m, self.lay, self.p = m, lay, params
+    def __init__(self, m: ModelSpec, lay: Layout, params: dict[str, Tensor], flash: bool = True):
+        self.m, self.lay, self.p, self.flash = m, lay, params, flash
         H = m.hidden
         self.hlo, self.hhi = split_range(H, lay.tp, lay.tp_rank)  # this rank's hidden slice
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
@@ -382,6 +399,8 @@ class GPT:
         positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd)."""
         k, v = kv[0], kv[1]
         gqa = self.nh != self.nkv
+        if not self.flash:
+            return _unfused_attention(q, k, v, qpos, kpos, self.m.causal)
         if kpos is qpos or (qpos.shape == kpos.shape and bool((qpos == kpos).all())):  # `is`: no device sync
             o = F.scaled_dot_product_attention(q, k, v, is_causal=self.m.causal, enable_gqa=gqa)
         else:  # context parallel: local queries against the gathered keys, masked by position

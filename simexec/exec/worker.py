@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads: one intra-op thread per rank
 
 import importlib
+import platform
 import socket
 import tempfile
 import time
@@ -51,7 +52,8 @@ class RankWorker:
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
-                "ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
+                "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "torch": torch.__version__,
+                "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"}
 
     def free_port(self) -> int:
         with socket.socket() as s:

@@ -54,20 +54,17 @@ ZERO_SRC = "Rajbhandari et al., SC'20, 'ZeRO: Memory Optimizations Toward Traini
 BLOOM_SRC = ("Le Scao et al. 2022, 'BLOOM' (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and model card "
              "('training throughput: about 150 TFLOPs')")
 
-# Table 1 (also tests/data/published/megatron_sc21_table1.csv):
-# params (B), heads, hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU.
-TABLE1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137),
-    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142),
-    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138),
-    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148),
-    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163),
-    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
+def read_megatron_csv(path) -> list[tuple]:
+    """Rows in the format of megatron_sc21_table1.csv (comment lines start with #): params (B), heads,
+    hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU."""
+    with open(path) as f:
+        lines = [line for line in f if line.strip() and not line.startswith("#")]
+    return [(float(d["params_b"]), int(d["heads"]), int(d["hidden"]), int(d["layers"]), int(d["tp"]), int(d["pp"]),
+             int(d["gpus"]), int(d["global_batch"]), float(d["tflops_per_gpu"])) for d in csv.DictReader(lines)]
+
+
+TABLE1_CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "megatron_sc21_table1.csv"
+TABLE1 = read_megatron_csv(TABLE1_CSV)  # the paper's Table 1, with its source in the file's header
 # Table 2, PTD-P: GPT-3 175B (model-parallel size 96 = tp 8 x pp 12) and 530B (280 = 8 x 35),
 # micro-batch 1 (given in the table); achieved TFLOP/s per GPU at three GPU counts each.
 TABLE2 = [
@@ -175,14 +172,6 @@ def megatron_rows(table: Iterable[tuple] = TABLE1, source: str = SC21_T1, suffix
         log(f"  {name:<28} {tflops:7.1f} vs {published:5.0f}  {100 * out[-1]['error']:+6.1f}%   "
             f"({time.perf_counter() - t0:.1f} s)")
     return out
-
-
-def read_megatron_csv(path: str) -> list[tuple]:
-    """Rows in the format of megatron_sc21_table1.csv (comment lines start with #)."""
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
-    return [(float(d["params_b"]), int(d["heads"]), int(d["hidden"]), int(d["layers"]), int(d["tp"]), int(d["pp"]),
-             int(d["gpus"]), int(d["global_batch"]), float(d["tflops_per_gpu"])) for d in csv.DictReader(lines)]
 
 
 # --- ZeRO model states ---------------------------------------------------------------------------

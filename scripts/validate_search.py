@@ -23,7 +23,6 @@ simulation (the search's bounds never exceed the simulator).
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
@@ -38,8 +38,8 @@ from simexec.model import get_model  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
 from simexec.search_space import structures  # noqa: E402
+from validate_published import TABLE1_CSV, megatron_name, read_megatron_csv  # noqa: E402
 
-TABLE = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "megatron_sc21_table1.csv"
 SEQ = 2048
 TOLERANCE = 0.05
 KERNELS = {"dtype": "fp16", "flash_attention": False}  # what the 2021 kernels computed, in every search
@@ -55,13 +55,9 @@ BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->
 def table1() -> list[dict]:
     """The rows of Table 1: name, model preset, cluster, global batch, published tp and pp."""
     rows = []
-    with open(TABLE) as f:
-        for r in csv.DictReader(line for line in f if not line.startswith("#")):
-            size = float(r["params_b"])
-            name = "megatron-1t" if size >= 1000 else f"megatron-{size:g}b"
-            gpus = int(r["gpus"])
-            rows.append({"name": name, "cluster": f"{gpus // 8}xdgx-a100-80g", "gpus": gpus,
-                         "gbs": int(r["global_batch"]), "tp": int(r["tp"]), "pp": int(r["pp"])})
+    for size, _heads, _hidden, _layers, tp, pp, gpus, gbs, _tflops in read_megatron_csv(TABLE1_CSV):
+        rows.append({"name": megatron_name(size), "cluster": f"{gpus // 8}xdgx-a100-80g", "gpus": gpus,
+                     "gbs": gbs, "tp": tp, "pp": pp})
     return rows
 
 

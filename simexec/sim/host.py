@@ -56,14 +56,14 @@ FLOP_BOUND = ("gemm", "attention")
 # depends on the model's features (norm, biases, rotary, gating, MoE), hence one table per preset.
 DISPATCH: dict[str, dict[str, int]] = {
     "gpt-tiny": {
-        "fwd.embed": 21, "fwd.qkv": 23, "fwd.attn": 9, "fwd.proj": 10, "fwd.fc1": 8, "fwd.fc2": 11,
+        "fwd.embed": 20, "fwd.qkv": 23, "fwd.attn": 9, "fwd.proj": 9, "fwd.fc1": 8, "fwd.fc2": 9,
         "fwd.head": 8, "fwd.xent": 18, "fwd.loss": 10,
-        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 11, "bwd.fc2": 14, "bwd.fc1": 16, "bwd.proj": 13,
-        "bwd.attn": 9, "bwd.qkv": 47, "bwd.embed": 8,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 11, "bwd.fc2": 13, "bwd.fc1": 16, "bwd.proj": 13,
+        "bwd.attn": 9, "bwd.qkv": 47, "bwd.embed": 7,
     },
     "moe-tiny": {
-        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 9, "fwd.router": 23, "fwd.experts": 36,
-        "fwd.moe_out": 21, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
+        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.experts": 36,
+        "fwd.moe_out": 20, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
         "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.moe_out": 40, "bwd.experts": 110, "bwd.router": 42,
         "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
     },

@@ -765,12 +765,14 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     t0 = time.perf_counter()
     residuals(x0)
 
-    def solve(x_start, nfev):
-        return least_squares(residuals, x_start, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=diff_step,
+    def solve(x_start, nfev, step=diff_step):
+        return least_squares(residuals, x_start, bounds=(lo, hi), loss="soft_l1", f_scale=0.1, diff_step=step,
                              x_scale="jac", max_nfev=nfev, xtol=1e-8, ftol=1e-8, gtol=1e-8)
 
     # The simulator is a discrete-event model: its cost has small steps where events swap order,
-    # on which a gradient method can stall. Restarts from nearby points step over them.
+    # on which a gradient method can stall. Coarse differences and restarts from nearby points step
+    # over them; a last pass with fine differences then resolves the minimum they found, which can
+    # be narrower than the coarse step.
     sol = solve(x0, max_nfev)
     nfev = int(sol.nfev)
     rng = np.random.default_rng(0)
@@ -778,6 +780,8 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
         trial = np.clip(best[1] + rng.normal(0.0, 0.15, size=len(ps)), lo + 1e-9, hi - 1e-9)
         sol = solve(trial, max(10, max_nfev // 2))
         nfev += int(sol.nfev)
+    sol = solve(np.array(best[1]), max(10, max_nfev // 2), diff_step / 10)
+    nfev += int(sol.nfev)
     x = best[1]
     values = {p.name: _from_x(p, v) for p, v in zip(ps, x)}
     prof = profile_at(x)

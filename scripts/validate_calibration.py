@@ -2,6 +2,7 @@
 """Held-out accuracy of the simulator on this machine's CPU ranks, before and after calibration.
 
     python scripts/validate_calibration.py [--out DIR] [--rounds 3] [--markdown docs/calibration.md]
+    python scripts/validate_calibration.py --refit DIR [--markdown docs/calibration.md]
 
 One Ray session runs everything: the micro-benchmarks (-> a micro-benchmark profile), then every
 plan of `simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times; the trace fit
@@ -10,6 +11,10 @@ is then predicted with the `local` preset (before), the micro-benchmark profile 
 profile; the held-out plans' step-time MAPE and the worst peak-memory error are the result. The
 table goes to stdout, `DIR/validation.json` and, with --markdown, between the markers
 `<!-- validation:begin -->` / `<!-- validation:end -->` of that file.
+
+--refit DIR measures nothing: it fits both profiles again from an earlier run's raw micro-benchmark
+timings and traces in DIR and predicts its runs again (after a change of the cost model), rewriting
+DIR's profiles and validation.json.
 """
 from __future__ import annotations
 
@@ -23,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate_eval import (  # noqa: E402
-    MATRIX, repeatability, run_validation, save_outcome, summary_table, table,
+    MATRIX, refit, repeatability, run_validation, save_outcome, summary_table, table,
 )
 from simexec.markdown import replace_block  # noqa: E402
 
@@ -65,6 +70,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-nfev", type=int, default=40, help="simulations the trace fit may spend per parameter")
     ap.add_argument("--markdown", default=None, help="a Markdown file to write the table into (between markers)")
     ap.add_argument("--name", default="local", help="profile name prefix")
+    ap.add_argument("--refit", default=None, metavar="DIR", help="fit and predict an earlier run's products again")
     args = ap.parse_args(argv)
 
     t0 = time.perf_counter()
@@ -72,9 +78,13 @@ def main(argv=None) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
-    out = Path(args.out)
-    outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
-                             max_nfev=args.max_nfev, name=args.name, progress=progress)
+    if args.refit:
+        out = Path(args.refit)
+        outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress)
+    else:
+        out = Path(args.out)
+        outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
+                                 max_nfev=args.max_nfev, name=args.name, progress=progress)
     save_outcome(outcome, out)
     text = render(outcome, argv)
     print(text)

@@ -205,8 +205,8 @@ def merge_results(extras: dict) -> dict[str, list[dict]]:
     return out
 
 
-# The one-rank step has one optimizer step against ~150 block instructions, but its hundreds of
-# small operators pin the per-operator cost best: its rows weigh this much more.
+# The one-rank step has one optimizer step against ~150 block instructions: its rows weigh this
+# much more, so that its memory traffic (the fused Adam streams every parameter's states) is priced.
 OPTIM_WEIGHT = 5.0
 
 
@@ -244,7 +244,7 @@ def sharing_steps(records: Sequence[dict]) -> dict[int, list[float]]:
 
 
 def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[str, float], float],
-               mem_bw: float) -> Optional[dict]:
+               mem_bw: float, dtype: str = "fp32", op_floor: float = 0.0) -> Optional[dict]:
     """What the executor's instructions cost a core, from one-rank steps at several micro-batch sizes:
     time = instr (+ bwd) + ops x op + flop_seconds(op, flops) + bytes / mem_bw x elementwise[phase.block].
 
@@ -257,7 +257,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     from scipy.optimize import lsq_linear
 
     from simexec.program import Instr
-    from simexec.sim.host import ADAM_OPS_PER_TENSOR, DEFAULT_TABLE, DISPATCH, ops_of
+    from simexec.sim.host import DEFAULT_TABLE, DISPATCH, adam_ops, ops_of
 
     table = DISPATCH.get(model) or DISPATCH[DEFAULT_TABLE]
     recs = [r for r in records if r["block"] not in ("optim", "cpu_optim") and r["phase"] in ("fwd", "bwd")]
@@ -280,20 +280,21 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
         return None
     weights = [1.0] * len(rows)
     tensors = _one_rank_tensors(model)
-    for rec in optim:  # Adam: ADAM_OPS_PER_TENSOR small in-place operators per parameter tensor
+    for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
         t = quantile(rec["t"], CPU_Q)
         row = [0.0] * (3 + len(keys))
-        row[0], row[2] = 1.0, ADAM_OPS_PER_TENSOR * tensors
+        row[0], row[2] = 1.0, adam_ops(tensors, dtype)
         rows.append(row)
         ys.append(t - rec["bytes"] / mem_bw)
         ts.append(t)
         weights.append(OPTIM_WEIGHT)
     A, y, w = np.asarray(rows), np.asarray(ys), np.asarray(weights) / np.asarray(ts)
     lo = np.zeros(A.shape[1])
+    lo[2] = op_floor  # an operator inside a step costs at least what it costs in a warm loop
     lo[3:] = 1.0  # nothing runs faster than a streaming add
     sol = lsq_linear(A * w[:, None], y * w, bounds=(lo, np.inf)).x
     pred = A @ sol
-    return {"instr_s": max(1e-7, float(sol[0])), "bwd_s": float(sol[1]), "op_s": max(1e-8, float(sol[2])),
+    return {"instr_s": max(1e-7, float(sol[0])), "bwd_s": float(sol[1]), "op_s": max(1e-8, op_floor, float(sol[2])),
             "elementwise": {k: float(sol[col[k]]) for k in keys},
             "rel_err": float(np.median(np.abs((pred - y) / np.asarray(ts)))), "records": len(rows)}
 
@@ -367,7 +368,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         return flops / (rate * eff * flops / (flops + h)) if flops > 0 else 0.0
 
     blocks = fit_blocks([r for b in R["blocks"] for r in b["records"]], model, flop_seconds=flop_seconds,
-                        mem_bw=mem_bw)
+                        mem_bw=mem_bw, op_floor=op_s)
     if blocks is not None:
         op_s, instr_s, bwd_s, elementwise = blocks["op_s"], blocks["instr_s"], blocks["bwd_s"], blocks["elementwise"]
         report["blocks"] = blocks
@@ -712,7 +713,7 @@ def _dominant_dtype(cases: list[_Case]) -> str:
 
 def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
                max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
-               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
+               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2, spread: float = 0.15,
                progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
     """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
 
@@ -777,7 +778,7 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     nfev = int(sol.nfev)
     rng = np.random.default_rng(0)
     for _ in range(restarts):
-        trial = np.clip(best[1] + rng.normal(0.0, 0.15, size=len(ps)), lo + 1e-9, hi - 1e-9)
+        trial = np.clip(best[1] + rng.normal(0.0, spread, size=len(ps)), lo + 1e-9, hi - 1e-9)
         sol = solve(trial, max(10, max_nfev // 2))
         nfev += int(sol.nfev)
     sol = solve(np.array(best[1]), max(10, max_nfev // 2), diff_step / 10)

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from simexec.calibrate import (
-    CalibrationError, _Case, _case, calibrate_from_microbench, fit_traces, make_profile, predict_case,
-    profiled_cluster, steady_step,
+    CalibrationError, _Case, _case, _jsonable, calibrate_from_microbench, fit_traces, make_profile, predict_case,
+    profiled_cluster, save_profile, steady_step,
 )
 from simexec.cluster import ClusterSpec, get_cluster
 
@@ -302,7 +302,38 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
     finally:
         if own:
             sess.__exit__(None, None, None)
-    t_measured = time.perf_counter()
+    return fit_and_evaluate(out_dir, runs, prof_mb, rounds=rounds, steps=steps, skipped=skipped, max_nfev=max_nfev,
+                            name=name, tick=tick, timing={"measure_s": time.perf_counter() - t0, "t0": t0})
+
+
+def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
+          progress: Optional[Callable[[str], None]] = None) -> Outcome:
+    """Fit and predict again from a validation run's products (its raw micro-benchmark timings and its
+    traces), measuring nothing: how a change of the cost model moves the same measurements."""
+    from simexec.calibrate import fit_microbench, load_profile
+    from simexec.trace import load_json
+
+    out_dir = Path(out_dir)
+    t0 = time.perf_counter()
+    old = load_outcome(out_dir)
+    raw = load_json(out_dir / "microbench.json.gz", "micro-benchmark timings")
+    old_mb = load_profile(out_dir / "profiles" / f"{name}-microbench.json")
+    sections, report = fit_microbench(raw["extras"], get_cluster("local"), measured_background=raw.get("background"))
+    prof_mb = make_profile(f"{name}-microbench", "microbench", sections["costs"], sections["device"], sections["node"],
+                           machine=old_mb.get("machine"), measured_at=old_mb.get("measured_at"),
+                           fit={**(old_mb.get("fit") or {}), "report": _jsonable(report), "refit": True})
+    return fit_and_evaluate(out_dir, old.runs, prof_mb, rounds=old.summary.get("rounds", 1),
+                            steps=old.summary.get("steps", STEPS), skipped=old.skipped, max_nfev=max_nfev, name=name,
+                            tick=progress or (lambda msg: None),
+                            timing={"measure_s": old.summary.get("measure_s", 0.0),
+                                    "t0": t0 - old.summary.get("measure_s", 0.0)})
+
+
+def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, rounds: int, steps: int, skipped: dict,
+                     max_nfev: int, name: str, tick: Callable[[str], None], timing: dict) -> Outcome:
+    """The trace fit on the calibration runs (from the micro-benchmark profile), both profiles saved
+    under out_dir/profiles, every run predicted before and after each calibration."""
+    cluster = get_cluster("local")
     calib = [r for r in runs if r.spec.role == "calibrate"]
     tick("fitting the traces")
     sections = {k: v for k, v in prof_mb.items() if k in ("costs", "device", "node")}
@@ -314,8 +345,6 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
                            machine=prof_mb.get("machine"),
                            fit={**report, "base": f"{name}-microbench",
                                 "traces": [Path(r.trace_path).name for r in calib]})
-    from simexec.calibrate import _jsonable, save_profile
-
     prof_tr = _jsonable(prof_tr)
     save_profile(prof_mb, out_dir / "profiles" / f"{name}-microbench.json")
     save_profile(prof_tr, out_dir / "profiles" / f"{name}-traces.json")
@@ -334,7 +363,7 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
         "plans": len(rows), "heldout_plans": sum(r.role == "heldout" for r in rows),
         "background_cores_mean": statistics.fmean(bgs) if bgs else None,
         "machine": prof_mb.get("machine"), "measured_at": prof_mb.get("measured_at"),
-        "measure_s": t_measured - t0, "total_s": time.perf_counter() - t0, "skipped": skipped,
+        "measure_s": timing["measure_s"], "total_s": time.perf_counter() - timing["t0"], "skipped": skipped,
     }
     return Outcome(rows, {"microbench": prof_mb, "traces": prof_tr}, skipped, summary, runs)
 

@@ -21,8 +21,10 @@ has completed must wait for a core before it runs again. This module models that
 
 `ops` is how many aten operators the executor's block dispatches: counted (`DISPATCH`, refreshed
 by `simexec.exec.microbench.count_dispatch`, checked against the executor by the tests), and for the
-optimizer 8 per tensor Adam updates (`simexec.exec.optim`), the tensors being the rank's parameters
-(ZeRO 0), its flat buckets (ZeRO 1-2) or its gathered units (ZeRO 3).
+optimizer torch's fused Adam (`simexec.exec.optim`): two operators for the whole step, plus two per
+tensor under 16-bit types (the gradient's fp32 copy, the rounded copy back into the parameter), the
+tensors being the rank's parameters (ZeRO 0), its flat buckets (ZeRO 1-2) or its gathered units
+(ZeRO 3).
 
 **How the cores are shared** (`Cores`), a mean-field model of the OS scheduler: each rank's main
 thread is one runnable thread while it computes, and none while it waits (gloo blocks without
@@ -47,7 +49,14 @@ from simpy.events import Event, Timeout
 from simexec.cluster import ClusterSpec
 from simexec.program import Instr, Program
 
-ADAM_OPS_PER_TENSOR = 8  # mul_, add_, mul_, addcmul_, sqrt, div, add_, addcdiv_ (simexec.exec.optim.Adam)
+ADAM_FUSED_OPS = 2  # _foreach_add_ on the step counts, _fused_adam_ (simexec.exec.optim.Adam)
+ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded copy into the parameter
+
+
+def adam_ops(tensors: int, dtype: str) -> int:
+    """Aten operators of one Adam step over `tensors` parameter tensors held in `dtype`."""
+    return ADAM_FUSED_OPS + (ADAM_OPS_PER_16BIT_TENSOR * tensors if dtype in ("bf16", "fp16") else 0)
+
 FLOP_BOUND = ("gemm", "attention")
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
@@ -137,6 +146,7 @@ class HostCosts:
         self.cluster = cluster
         self.program = program
         dtype = dtype or _plan_dtype(program)
+        self.dtype = dtype
         self.peak = d.peak_flops.get(dtype) or d.peak_flops.get("fp32") or max(d.peak_flops.values())
         self.eff = {"gemm": (c.gemm_eff, c.gemm_half_flops), "attention": (c.attention_eff, c.attention_half_flops)}
         self.mem_bw = d.memory_bw * c.memory_eff
@@ -184,7 +194,7 @@ class HostCosts:
         if ins.kind == "copy":
             return self.tensors(ins.rank)  # one copy_ per tensor
         if ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim"):
-            return ADAM_OPS_PER_TENSOR * self.tensors(ins.rank)
+            return adam_ops(self.tensors(ins.rank), self.dtype)
         return ops_of(ins, self.table)
 
     def cpu_seconds(self, ins: Instr) -> float:

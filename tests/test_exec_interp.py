@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import socket
 from functools import lru_cache
+from pathlib import Path
 
 import pytest
 import torch
@@ -250,6 +251,23 @@ CORE = [
     ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0"),
     ("gpt-tiny", "tp=2,gbs=2,flash_attention=0"),  # unfused attention: Q.K^T, softmax, P.V
 ]
+
+
+TIED = str(Path(__file__).resolve().parent / "data" / "gpt-tiny-tied.yaml")  # the LM head is the embedding's transpose
+
+
+@pytest.mark.parametrize("plan", ["dp=2", "tp=2,gbs=2", "dp=2,zero=1,gbs=4"])
+def test_tied_embeddings_match_reference(plan):
+    """The head multiplies by the (vocab-parallel) embedding, whose gradient sums both uses."""
+    check_plan(TIED, plan)
+
+
+@pytest.mark.parametrize("plan", ["pp=2,gbs=4", "dp=2,zero=2,gbs=4"])
+def test_tied_embeddings_refused_where_not_run(plan):
+    from simexec.exec.interpreter import unsupported
+
+    why = unsupported(resolved(TIED, plan))
+    assert why is not None and "tied embeddings" in why
 
 
 @pytest.mark.parametrize("model,plan", CORE, ids=[p for _, p in CORE])

@@ -224,3 +224,13 @@ def test_unfused_attention_equals_the_fused_kernel_with_grouped_heads():
         outs.append((o.detach(), q.grad, kv.grad))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_tied_embeddings_have_no_head_weight():
+    """A tied model's parameters are the untied ones less the head's (V x C), as the spec counts them."""
+    from pathlib import Path
+
+    tied = get_model(str(Path(__file__).resolve().parent / "data" / "gpt-tiny-tied.yaml"))
+    names = {s.name for s in param_specs(tied)}
+    assert "head.w" not in names and "embed.wte" in names
+    assert sum(torch.Size(s.shape).numel() for s in param_specs(tied)) == tied.params

@@ -197,8 +197,10 @@ def unsupported(rp) -> Optional[str]:
     missing = []
     if m.is_mla:
         missing.append(f"multi-head latent attention ({m.name}: kv_lora_rank={m.kv_lora_rank})")
-    if m.tied_embeddings:
-        missing.append(f"tied embeddings ({m.name}: the LM head sharing the token embedding)")
+    if m.tied_embeddings and (p.pp > 1 or p.zero >= 2):
+        missing.append(f"tied embeddings with pp={p.pp}, zero={p.zero} ({m.name}: the LM head shares the token "
+                       "embedding; the executor runs them with pp=1 and zero<=1: no last-stage copy, and the "
+                       "embedding's gradient arrives from two blocks)")
     if m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
     if p.dtype == "fp8":

@@ -133,7 +133,8 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
         else:
             ffn(f"{p}.mlp", l, m.ffn)
     norm("head.norm", L, "head_in")
-    add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
+    if not m.tied_embeddings:  # tied: the head multiplies by the embedding's transpose
+        add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
     return out
 
 
@@ -479,7 +480,8 @@ class GPT:
         """Final norm + LM head (vocab-parallel): (B, T, C) -> logits (B, T, V/tp) in fp32 (the cross
         entropy's precision, whatever the model's) and their local max (B, T), which carries no
         gradient (softmax does not depend on the shift)."""
-        logits = (self._norm("head.norm", x) @ self.p["head.w"]).float()
+        w = self.p["head.w"] if "head.w" in self.p else self.p["embed.wte"].t()  # tied: this rank's vocab rows
+        logits = (self._norm("head.norm", x) @ w).float()
         return logits, logits.detach().amax(-1)
 
     def xent(self, logits: Tensor, gmax: Tensor, targets: Tensor) -> Tensor:

@@ -183,11 +183,19 @@ def main() -> int:
     p.add_argument("--markdown", default=None)
     p.add_argument("--json", default=None)
     args = ap.parse_args()
-    if args.cmd == "run":
-        return run(args.out, args.only, args.backend)
-    if args.cmd == "calibrate":
-        return calibrate(args.src, args.out)
-    return report(args.src, args.markdown, args.json)
+    from simexec.errors import SimexecError
+
+    try:
+        if args.cmd == "run":
+            return run(args.out, args.only, args.backend)
+        if not (Path(args.src) / "manifest.json").is_file():
+            raise SimexecError(f"{args.src}: no manifest.json (the output of `gpu_steps.py run --out DIR`)")
+        if args.cmd == "calibrate":
+            return calibrate(args.src, args.out)
+        return report(args.src, args.markdown, args.json)
+    except SimexecError as exc:
+        print(f"gpu_steps: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

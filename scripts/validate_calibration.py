@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, refit, repeatability, run_validation, save_outcome, summary_table, table,
 )
+from simexec.errors import SimexecError  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
@@ -78,13 +79,17 @@ def main(argv=None) -> int:
     def progress(msg: str) -> None:
         print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", flush=True)
 
-    if args.refit:
-        out = Path(args.refit)
-        outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress)
-    else:
-        out = Path(args.out)
-        outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
-                                 max_nfev=args.max_nfev, name=args.name, progress=progress)
+    try:
+        if args.refit:
+            out = Path(args.refit)
+            outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress)
+        else:
+            out = Path(args.out)
+            outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
+                                     max_nfev=args.max_nfev, name=args.name, progress=progress)
+    except SimexecError as exc:
+        print(f"validate_calibration: error: {exc}", file=sys.stderr)
+        return 2
     save_outcome(outcome, out)
     text = render(outcome, argv)
     print(text)

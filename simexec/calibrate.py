@@ -638,6 +638,7 @@ class _Case:
     step_s: float
     peak: dict[int, float]
     background: Optional[float]
+    machine: Optional[dict] = None  # where it was measured (executor traces name it)
 
 
 def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
@@ -672,14 +673,12 @@ def _case(trace, where: str) -> _Case:
     comm = {e.id: e.dur_us for e in trace.events if e.kind in ("collective", "recv") and e.dur_us > 0}
     peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
     return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
-                 meta.get("background_load"))
+                 meta.get("background_load"), meta.get("machine"))
 
 
-def traces_machine(trace_paths: Iterable[PathLike]) -> Optional[dict]:
+def cases_machine(cases: Sequence[_Case]) -> Optional[dict]:
     """The machine the traces were measured on, when they all name the same one."""
-    from simexec.trace import Trace
-
-    machines = {json.dumps(Trace.load(str(p)).meta.get("machine"), sort_keys=True) for p in trace_paths}
+    machines = {json.dumps(c.machine, sort_keys=True) for c in cases}
     return json.loads(machines.pop()) if len(machines) == 1 else None
 
 
@@ -713,7 +712,7 @@ def _dominant_dtype(cases: list[_Case]) -> str:
 
 def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
                max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
-               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2, spread: float = 0.15,
+               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
                progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
     """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
 
@@ -778,7 +777,7 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     nfev = int(sol.nfev)
     rng = np.random.default_rng(0)
     for _ in range(restarts):
-        trial = np.clip(best[1] + rng.normal(0.0, spread, size=len(ps)), lo + 1e-9, hi - 1e-9)
+        trial = np.clip(best[1] + rng.normal(0.0, 0.15, size=len(ps)), lo + 1e-9, hi - 1e-9)
         sol = solve(trial, max(10, max_nfev // 2))
         nfev += int(sol.nfev)
     sol = solve(np.array(best[1]), max(10, max_nfev // 2), diff_step / 10)
@@ -813,7 +812,6 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
     base_profile: where the fit starts (a micro-benchmark profile, typically); without one it starts
     from the cluster's own numbers, with the host model of CPU ranks switched on for `local`."""
     base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
-    trace_paths = list(trace_paths)
     cases = load_cases(trace_paths)
     if params is None:
         params = TRACE_PARAMS if base.sized_to_plan else ACCELERATOR_TRACE_PARAMS
@@ -828,13 +826,10 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
         start = base_profile
     else:
         start = load_profile(base_profile)
+    # the traces' machine; else the starting profile's (a profile of the same machine, typically)
+    machine = cases_machine(cases) or start.get("machine")
     start = {k: v for k, v in start.items() if k in ("costs", "device", "node", "network")}
     fitted, report = fit_traces(cases, base, start, params=params, max_nfev=max_nfev, progress=progress)
-    machine = traces_machine(trace_paths)
-    if machine is None and isinstance(base_profile, dict) and base_profile.get("machine"):
-        machine = base_profile["machine"]
-    elif machine is None and base_profile is not None and not isinstance(base_profile, dict):
-        machine = load_profile(base_profile).get("machine")
     prof = make_profile(name or f"{socket.gethostname()}-traces", "traces", fitted.get("costs", {}),
                         fitted.get("device"), fitted.get("node"), machine=machine, fit=_jsonable(report))
     if out_path:

@@ -480,7 +480,7 @@ class GPT:
         """Final norm + LM head (vocab-parallel): (B, T, C) -> logits (B, T, V/tp) in fp32 (the cross
         entropy's precision, whatever the model's) and their local max (B, T), which carries no
         gradient (softmax does not depend on the shift)."""
-        w = self.p["head.w"] if "head.w" in self.p else self.p["embed.wte"].t()  # tied: this rank's vocab rows
+        w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
         logits = (self._norm("head.norm", x) @ w).float()
         return logits, logits.detach().amax(-1)
 

@@ -51,13 +51,13 @@ from simexec.program import Instr, Program
 
 ADAM_FUSED_OPS = 2  # _foreach_add_ on the step counts, _fused_adam_ (simexec.exec.optim.Adam)
 ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded copy into the parameter
+FLOP_BOUND = ("gemm", "attention")
 
 
 def adam_ops(tensors: int, dtype: str) -> int:
     """Aten operators of one Adam step over `tensors` parameter tensors held in `dtype`."""
     return ADAM_FUSED_OPS + (ADAM_OPS_PER_16BIT_TENSOR * tensors if dtype in ("bf16", "fp16") else 0)
 
-FLOP_BOUND = ("gemm", "attention")
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
 # a TorchDispatchMode around each instruction of a one-step run (simexec.exec.microbench.count_dispatch).

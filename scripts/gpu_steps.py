@@ -47,8 +47,9 @@ PLANS = [
     ("tl-seq8k", TINYLLAMA, 8192, "dp=1,gbs=2,mbs=1,dtype=bf16,recompute=selective"),
     ("moe-mbs4", MOE, 2048, "dp=1,gbs=8,mbs=4,dtype=bf16"),
 ]
-# the trace profile is fitted to these; the others are held out
-CALIBRATE = ("tl-mbs4", "tl-full-recompute", "tl-unfused-attn", "tl-offload", "moe-mbs4")
+# the trace profile is fitted to these; the others are held out. One is launch-bound (mbs 1): in the
+# others the GPU is the bottleneck, which cannot tell the host's cost per operator from the device's.
+CALIBRATE = ("tl-mbs4", "tl-mbs1", "tl-full-recompute", "tl-offload", "moe-mbs4")
 
 
 def run(out: str, only: list[str], backend: str) -> int:

@@ -100,6 +100,9 @@ class CostParams(_Spec):
     bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
+    host_dispatch_s: float = Field(
+        0.0, ge=0, description="accelerators: the host thread's CPU time per operator it dispatches (eager "
+        "PyTorch, simexec.sim.host.dispatch_clock); 0 = the host stays ahead of the device (fused kernels, graphs)")
     elementwise_cost: dict[str, float] = Field(
         default_factory=dict,
         description="CPU ranks: per `<phase>.<block>`, what a byte of the block's element-wise traffic costs "

@@ -23,6 +23,7 @@ from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
 from simexec.program import Instr, Program
 from simexec.schedules import Action, pipeline_order
+from simexec.sim.host import dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
 _TP_OPS = {
@@ -68,7 +69,7 @@ def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
     meta = {
         "model": rp.model.name, "cluster": rp.cluster.name, "plan": rp.plan.to_string(),
         "seq_len": rp.seq_len, "world": rp.world, "micro_batches": rp.micro_batches,
-        "symmetric": symmetric,
+        "symmetric": symmetric, "dispatch": dispatch_key(rp.model),
     }
     return Program(meta=meta, ranks=ranks, represents=reps)
 

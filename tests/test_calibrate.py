@@ -1,6 +1,7 @@
 """Calibration: profiles, the host model of CPU ranks, fitting known parameters back from synthetic traces."""
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,8 @@ from simexec.model import get_model
 from simexec.sim.profile import apply_profile
 from simexec.simulate import simulate
 from simexec.trace import Trace
+
+ROOT = Path(__file__).resolve().parents[1]
 
 LOCAL = get_cluster("local")
 # A host-model profile of the order this machine measures (simexec.sim.host).
@@ -145,15 +148,20 @@ def test_host_model_leaves_gpu_clusters_alone():
     assert a.step_time_s == b.step_time_s
 
 
-def test_dispatch_table_matches_the_executor():
-    """The simulator's per-block operator counts are what the executor's blocks dispatch."""
+@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny", "llama3-8b", "traces/gpu/mixtral-mini.json"])
+def test_dispatch_table_matches_the_executor(model):
+    """The simulator's per-block operator counts are what the executor's blocks dispatch (a large
+    model is counted on a shrunk copy with the same features)."""
     from simexec.exec.microbench import count_dispatch
-    from simexec.sim.host import DISPATCH
+    from simexec.model import get_model
+    from simexec.sim.host import DISPATCH, dispatch_key
 
-    got = count_dispatch("gpt-tiny")
-    table = DISPATCH["gpt-tiny"]
+    spec = get_model(str(ROOT / model) if model.endswith(".json") else model)
+    got = count_dispatch(spec)
+    key = dispatch_key(spec)
+    table = DISPATCH[key]
     diff = {k: (table.get(k), v) for k, v in got.items() if abs(table.get(k, -99) - v) > 1}
-    assert not diff, f"refresh simexec.sim.host.DISPATCH['gpt-tiny'] from count_dispatch(): {diff}"
+    assert not diff, f"refresh simexec.sim.host.DISPATCH[{key!r}] from count_dispatch(): {diff}"
 
 
 def test_block_fit_recovers_per_byte_element_wise_costs():

@@ -343,13 +343,15 @@ class _Recorder:
         return out
 
 
-def _one_rank_program(model: str, mbs: int = 1):
+def _one_rank_program(model, mbs: int = 1):
+    """A one-rank program of `model` (a preset name or a ModelSpec) at this micro-batch size."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.model import get_model
     from simexec.plan import load_plan, resolve
 
-    rp = resolve(get_model(model), get_cluster("local"), load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
+    spec = get_model(model) if isinstance(model, str) else model
+    rp = resolve(spec, get_cluster("local"), load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
     return rp, lower(rp, symmetric=False).ranks[0]
 
 
@@ -373,9 +375,11 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
 
 
 # --- dispatch counts (the simulator's DISPATCH table) ------------------------------------------------------
-def count_dispatch(model: str = "gpt-tiny") -> dict[str, int]:
+def count_dispatch(model="gpt-tiny") -> dict[str, int]:
     """Aten operators each `<phase>.<block>` instruction of a one-rank step dispatches (the last
-    micro-batch's count where they differ), in this process."""
+    micro-batch's count where they differ), in this process. `model` is a preset name or a ModelSpec;
+    the count depends on its features, not its sizes (`simexec.sim.host.dispatch_key`), so a large
+    model is counted on a copy shrunk to a few MB (`shrunk`)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class _Count(TorchDispatchMode):
@@ -400,9 +404,35 @@ def count_dispatch(model: str = "gpt-tiny") -> dict[str, int]:
         def counter(self, *a):
             pass
 
-    rp, instrs = _one_rank_program(model)
+    from simexec.model import get_model
+
+    spec = get_model(model) if isinstance(model, str) else model
+    rp, instrs = _one_rank_program(shrunk(spec))
     cnt = _Count()
     tr = _Tracer(cnt)
     with cnt:
         run_rank(rp, instrs, steps=1, groups=None, tracer=tr, device=torch.device("cpu"))
     return tr.out
+
+
+def shrunk(model):
+    """The same architecture at toy sizes (two layers, hidden 64, vocabulary 256, sequence 32): what
+    sets the operator count (norm, gating, biases, positions, grouped heads, experts) is kept."""
+    from simexec.model import MoESpec
+
+    heads = 4
+    kv = heads if model.kv_heads == model.heads else (1 if model.kv_heads == 1 else 2)
+    moe = model.moe
+    layers = 2
+    if moe is not None:
+        dense = min(moe.first_dense_layers, 1)
+        layers = dense + 1
+        moe = MoESpec(**{**moe.model_dump(), "expert_ffn": 32, "first_dense_layers": dense})
+    update = {"layers": layers, "hidden": 64, "heads": heads, "kv_heads": kv, "head_dim": 16, "ffn": 128,
+              "vocab": 256, "seq_len": 32, "moe": moe}
+    if model.max_positions is not None:
+        update["max_positions"] = 32
+    if model.is_mla:
+        update.update(q_lora_rank=16 if model.q_lora_rank else None, kv_lora_rank=16, qk_rope_head_dim=8,
+                      v_head_dim=16, kv_heads=heads)
+    return model.model_copy(update=update)

@@ -91,6 +91,12 @@ class Engine:
         from simexec.sim.host import host_model
 
         self.host = host_model(machine, program)
+        # --- hook: an eager host issuing the device's operators (simexec.sim.host.dispatch_clock) ---
+        from simexec.sim.host import dispatch_clock
+
+        clock = dispatch_clock(machine, program)
+        self.issue, self.host_sync = clock if clock is not None else (None, None)
+        self.host_clock = dict.fromkeys(program.ranks, 0.0)
         if self.host is not None:  # compute, copies and host steps cost CPU-seconds on shared cores
             for k, ins in enumerate(self.instrs):
                 if self.kind[k] in (COMPUTE, HOST, COPY):
@@ -277,11 +283,20 @@ class Engine:
                 i += 1
                 continue
             if kd == COMPUTE:
+                issue = self.issue
+                if issue is not None and issue[k] > 0.0:  # hook: the host issues it (dispatch_clock)
+                    h = self.host_clock[rank]
+                    if self.host_sync[k] and h < env.now:
+                        h = env.now  # the host waited for the device to get here
+                    if env.now < h:
+                        yield Timeout(env, h - env.now)
+                    h += issue[k]
+                    self.host_clock[rank] = h
                 # A chain: following compute instructions that nobody else waits on and whose
                 # cross-stream deps are done already run in the same timeout.
                 total = work[k]
                 j = i + 1
-                if not signals[k]:
+                if not signals[k] and issue is None:
                     while j < n:
                         k2 = seq[j]
                         if kind[k2] != COMPUTE:
@@ -317,6 +332,8 @@ class Engine:
                 else:
                     self._place(run, seq, i, j, t0, rate0)
                 k = seq[j - 1]
+                if issue is not None and env.now < self.host_clock[rank]:  # its last operator is not issued yet
+                    yield Timeout(env, self.host_clock[rank] - env.now)
                 end[k] = env.now
                 if signals[k]:
                     self._finished(k)

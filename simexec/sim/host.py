@@ -62,23 +62,72 @@ def adam_ops(tensors: int, dtype: str) -> int:
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
 # a TorchDispatchMode around each instruction of a one-step run (simexec.exec.microbench.count_dispatch).
 # The count does not depend on sizes, nor (within one or two ops) on tp, pp, ZeRO or recompute; it
-# depends on the model's features (norm, biases, rotary, gating, MoE), hence one table per preset.
+# depends on the model's features (`dispatch_key`: norm, gating, positions, biases, tying, experts),
+# hence one table per set of features, named after the model it was counted on.
 DISPATCH: dict[str, dict[str, int]] = {
-    "gpt-tiny": {
+    # gpt-tiny, gpt3-*, megatron-*: LayerNorm, GeLU MLP, learned positions, biases
+    "layernorm-mlp-pos-bias": {
         "fwd.embed": 20, "fwd.qkv": 23, "fwd.attn": 9, "fwd.proj": 9, "fwd.fc1": 8, "fwd.fc2": 9,
         "fwd.head": 8, "fwd.xent": 18, "fwd.loss": 10,
         "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 11, "bwd.fc2": 13, "bwd.fc1": 16, "bwd.proj": 13,
         "bwd.attn": 9, "bwd.qkv": 47, "bwd.embed": 7,
     },
-    "moe-tiny": {
+    # Llama, Mistral, TinyLlama (GQA or not): RMSNorm, SwiGLU, rotary positions, no biases
+    "rmsnorm-swiglu-rope": {
+        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.fc1": 17, "fwd.fc2": 8,
+        "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.fc2": 10, "bwd.fc1": 44, "bwd.proj": 10,
+        "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
+    },
+    # moe-tiny: 4 routed experts (top 2) and 1 shared
+    "rmsnorm-swiglu-rope-moe4x2+1": {
         "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.experts": 36,
         "fwd.moe_out": 20, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
         "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.moe_out": 40, "bwd.experts": 110, "bwd.router": 42,
         "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
     },
+    # Mixtral-style: 8 routed experts (top 2), no shared expert (traces/gpu/mixtral-mini.json)
+    "rmsnorm-swiglu-rope-moe8x2+0": {
+        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.experts": 56,
+        "fwd.moe_out": 14, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.moe_out": 14, "bwd.experts": 214, "bwd.router": 41,
+        "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
+    },
 }
-DEFAULT_TABLE = "gpt-tiny"  # models without a table of their own borrow its counts
+DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 DEFAULT_OPS = 12  # a block no table knows
+
+
+def dispatch_key(model) -> str:
+    """The features of a model that set how many operators the executor's blocks dispatch."""
+    parts = [model.norm, "swiglu" if model.gated else "mlp", "pos" if model.learned_pos else "rope"]
+    if model.bias:
+        parts.append("bias")
+    if model.moe is not None:
+        parts.append(f"moe{model.moe.experts}x{model.moe.top_k}+{model.moe.shared_experts}")
+    return "-".join(parts)
+
+
+def dispatch_table(key: str) -> dict[str, int]:
+    """The operator counts for a `dispatch_key`: its own table, else the same features' dense table
+    with the MoE blocks of the nearest expert count, else the default."""
+    table = DISPATCH.get(key)
+    if table is not None:
+        return table
+    dense = DISPATCH.get(key.split("-moe")[0], DISPATCH[DEFAULT_TABLE])
+    if "-moe" not in key:
+        return dense
+    moe = [k for k in DISPATCH if "-moe" in k]
+    return {**dense, **DISPATCH[min(moe, key=lambda k: abs(_experts(k) - _experts(key)))]}
+
+
+def _experts(key: str) -> int:
+    return int(key.split("-moe")[1].split("x")[0])
+
+
+# Operators that wait for the device: the executor's MoE forward reads the per-expert token counts
+# with `tolist()` to split its tokens, so the host stops issuing until the device has caught up.
+HOST_SYNC_BLOCKS = ("experts",)
 
 
 def shares_cores(cluster: ClusterSpec) -> bool:
@@ -92,6 +141,32 @@ def host_model(machine, program: Program) -> Optional["HostCosts"]:
     if not shares_cores(cluster):
         return None
     return HostCosts(cluster, program, getattr(machine, "dtype", None))
+
+
+def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], list[bool]]]:
+    """The engine's hook for an accelerator driven by an eager host (`costs.host_dispatch_s` > 0):
+    per instruction of the program (flattened in rank order), the host thread's seconds to issue it
+    (`instr_overhead_s` + operators x `host_dispatch_s` (+ `bwd_overhead_s`)) and whether it waits
+    for the device first. The device runs an instruction no earlier than the host has issued it,
+    and ends it no earlier than the host has issued its last operator; the host runs ahead
+    otherwise, so small kernels leave the device idle (launch-bound) and large ones hide the host.
+    None where the host keeps ahead (the default) or the ranks share the host's cores (HostCosts)."""
+    cluster = machine.cluster
+    if shares_cores(cluster) or getattr(cluster.costs, "host_dispatch_s", 0.0) <= 0:
+        return None
+    hc = HostCosts(cluster, program, getattr(machine, "dtype", None))
+    per_op, c = cluster.costs.host_dispatch_s, cluster.costs
+    issue, sync = [], []
+    for rank in sorted(program.ranks):
+        for ins in program.ranks[rank]:
+            if ins.kind != "compute" or ins.stream == "host" or ins.op == "cpu_optimizer":
+                issue.append(0.0)
+                sync.append(False)
+                continue
+            t = c.instr_overhead_s + hc.ops(ins) * per_op + (c.bwd_overhead_s if ins.phase == "bwd" else 0.0)
+            issue.append(t)
+            sync.append(ins.block in HOST_SYNC_BLOCKS and ins.phase != "bwd")
+    return issue, sync
 
 
 def ops_of(ins: Instr, table: dict[str, int]) -> int:
@@ -159,8 +234,8 @@ class HostCosts:
         self.background = getattr(c, "background_load", 0.0)
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
-        name = program.meta.get("model", "")
-        self.table = DISPATCH.get(name) or DISPATCH[DEFAULT_TABLE]
+        self.table = dispatch_table(program.meta.get("dispatch") or (
+            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE))
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 

@@ -450,3 +450,22 @@ def test_megatron_table1_plan_ranks_among_the_top(name):
     r = _table1_check(name)
     assert r["ranks_among_top"], (f"published ({r['tp']}, {r['pp']}) ranks {r['rank']} of {r['pairs']}, "
                                   f"{100 * r['gap']:.1f}% slower than {r['best_2021']['plan']}")
+
+
+# --- published rankings: Megatron-LM SC'21 Figures 13-15 (scripts/validate_sweeps.py) ---------------
+_sweeps_spec = importlib.util.spec_from_file_location("validate_sweeps", ROOT / "scripts" / "validate_sweeps.py")
+vw = sys.modules["validate_sweeps"] = importlib.util.module_from_spec(_sweeps_spec)  # its dataclasses look it up
+_sweeps_spec.loader.exec_module(vw)
+
+
+@pytest.mark.parametrize("figure,gbs", [(13, 32), (14, 128), (15, 128)])
+def test_sc21_sweeps_order_as_published(figure, gbs):
+    """Figure 13: tp x pp = 64 peaks at tp 8; Figures 14 and 15: throughput falls as pipeline or
+    tensor parallelism replaces data parallelism."""
+    sweep = next(s for s in vw.SWEEPS if s.figure == figure)
+    r = vw.run_sweep(sweep, gbs)
+    assert [x["degree"] for x in r["rows"]] == [2, 4, 8, 16, 32]
+    for x in r["rows"]:
+        p = parse_plan(x["plan"])
+        assert x["fits"] and p.dp * p.tp * p.pp == 64 and getattr(p, sweep.axis) == x["degree"]
+    assert r["holds"], [(x["degree"], round(x["tflops"], 1)) for x in r["rows"]]

@@ -148,20 +148,31 @@ def test_host_model_leaves_gpu_clusters_alone():
     assert a.step_time_s == b.step_time_s
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny", "llama3-8b", "traces/gpu/mixtral-mini.json"])
+@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny", "llama3-8b", "traces/gpu/mixtral-mini.json", "deepseek-v3"])
 def test_dispatch_table_matches_the_executor(model):
     """The simulator's per-block operator counts are what the executor's blocks dispatch (a large
     model is counted on a shrunk copy with the same features)."""
     from simexec.exec.microbench import count_dispatch
     from simexec.model import get_model
-    from simexec.sim.host import DISPATCH, dispatch_key
+    from simexec.sim.host import dispatch_key, dispatch_table
 
     spec = get_model(str(ROOT / model) if model.endswith(".json") else model)
     got = count_dispatch(spec)
     key = dispatch_key(spec)
-    table = DISPATCH[key]
+    table = dispatch_table(key)
     diff = {k: (table.get(k), v) for k, v in got.items() if abs(table.get(k, -99) - v) > 1}
-    assert not diff, f"refresh simexec.sim.host.DISPATCH[{key!r}] from count_dispatch(): {diff}"
+    assert not diff, f"refresh simexec.sim.host.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
+
+
+def test_moe_loops_count_the_local_experts():
+    """Expert parallelism leaves each rank a share of the routed experts: its loop is shorter."""
+    from simexec.sim.host import MOE_LOOP_OPS, dispatch_table
+
+    one, two = dispatch_table("rmsnorm-swiglu-rope-moe8x2+0"), dispatch_table("rmsnorm-swiglu-rope-moe8x2+0", ep=2)
+    for phase in ("fwd", "bwd"):
+        per = MOE_LOOP_OPS[f"{phase}.experts"][1]
+        assert one[f"{phase}.experts"] - two[f"{phase}.experts"] == 4 * per
+        assert one[f"{phase}.qkv"] == two[f"{phase}.qkv"]
 
 
 def test_block_fit_recovers_per_byte_element_wise_costs():

@@ -79,21 +79,19 @@ DISPATCH: dict[str, dict[str, int]] = {
         "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.fc2": 10, "bwd.fc1": 44, "bwd.proj": 10,
         "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
     },
-    # moe-tiny: 4 routed experts (top 2) and 1 shared
-    "rmsnorm-swiglu-rope-moe4x2+1": {
-        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.experts": 36,
-        "fwd.moe_out": 20, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
-        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.moe_out": 40, "bwd.experts": 110, "bwd.router": 42,
-        "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
-    },
-    # Mixtral-style: 8 routed experts (top 2), no shared expert (traces/gpu/mixtral-mini.json)
-    "rmsnorm-swiglu-rope-moe8x2+0": {
-        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.experts": 56,
-        "fwd.moe_out": 14, "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
-        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.moe_out": 14, "bwd.experts": 214, "bwd.router": 41,
-        "bwd.proj": 10, "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
+    # MoE layers of the same (moe-tiny, traces/gpu/mixtral-mini.json); `experts` and `moe_out` come
+    # from MOE_LOOP_OPS
+    "rmsnorm-swiglu-rope-moe": {
+        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.head": 14,
+        "fwd.xent": 18, "fwd.loss": 10,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.router": 42, "bwd.proj": 10, "bwd.attn": 9,
+        "bwd.qkv": 71, "bwd.embed": 3,
     },
 }
+# The MoE blocks loop over experts, in Python: operators = fixed + per expert, over the rank's local
+# routed experts (`experts`) or the shared experts (`moe_out`). Counted at 4 + 1 shared (moe-tiny),
+# 8 + 0 (Mixtral-style) and 256 + 1 (DeepSeek-V3's counts, shrunk): the same two numbers fit all.
+MOE_LOOP_OPS = {"fwd.experts": (16, 5), "bwd.experts": (6, 26), "fwd.moe_out": (14, 6), "bwd.moe_out": (14, 26)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 DEFAULT_OPS = 12  # a block no table knows
 
@@ -108,21 +106,21 @@ def dispatch_key(model) -> str:
     return "-".join(parts)
 
 
-def dispatch_table(key: str) -> dict[str, int]:
-    """The operator counts for a `dispatch_key`: its own table, else the same features' dense table
-    with the MoE blocks of the nearest expert count, else the default."""
-    table = DISPATCH.get(key)
-    if table is not None:
-        return table
-    dense = DISPATCH.get(key.split("-moe")[0], DISPATCH[DEFAULT_TABLE])
-    if "-moe" not in key:
-        return dense
-    moe = [k for k in DISPATCH if "-moe" in k]
-    return {**dense, **DISPATCH[min(moe, key=lambda k: abs(_experts(k) - _experts(key)))]}
-
-
-def _experts(key: str) -> int:
-    return int(key.split("-moe")[1].split("x")[0])
+def dispatch_table(key: str, ep: int = 1) -> dict[str, int]:
+    """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
+    borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds."""
+    dense, _, moe = key.partition("-moe")
+    if not moe:
+        return DISPATCH.get(key, DISPATCH[DEFAULT_TABLE])
+    table = dict(DISPATCH.get(dense, DISPATCH[DEFAULT_TABLE]))
+    table.update(DISPATCH.get(dense + "-moe", DISPATCH["rmsnorm-swiglu-rope-moe"]))
+    experts, shared = int(moe.split("x")[0]), int(moe.split("+")[1])
+    local = math.ceil(experts / max(1, ep))
+    for block, n in (("experts", local), ("moe_out", shared)):
+        for phase in ("fwd", "bwd"):
+            fixed, per = MOE_LOOP_OPS[f"{phase}.{block}"]
+            table[f"{phase}.{block}"] = fixed + per * n
+    return table
 
 
 # Operators that wait for the device: the executor's MoE forward reads the per-expert token counts
@@ -204,7 +202,7 @@ def optimizer_tensors(program: Program, rank: int, model) -> int:
     moe = getattr(model, "moe", None)
     for l in layers:
         if moe is not None and model.is_moe_layer(l):
-            ep = max(1, int(program.meta.get("ep", 1) or 1))
+            ep = _plan_ep(program)
             own = math.ceil(moe.experts / ep)
             n += layer - expert + 1 + own * expert + moe.shared_experts * expert  # router + experts
         else:
@@ -235,7 +233,7 @@ class HostCosts:
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
         self.table = dispatch_table(program.meta.get("dispatch") or (
-            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE))
+            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE), _plan_ep(program))
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 
@@ -349,6 +347,15 @@ def _plan_dtype(program: Program) -> str:
         if part.startswith("dtype="):
             return part.split("=", 1)[1]
     return "bf16"
+
+
+def _plan_ep(program: Program) -> int:
+    """The program's expert-parallel degree, from its plan string."""
+    for item in str(program.meta.get("plan", "")).split(","):
+        key, _, val = item.partition("=")
+        if key.strip() == "ep" and val.strip().isdigit():
+            return max(1, int(val))
+    return 1
 
 
 def _model_of(program: Program):

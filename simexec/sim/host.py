@@ -128,6 +128,13 @@ def dispatch_table(key: str, ep: int = 1) -> dict[str, int]:
 HOST_SYNC_BLOCKS = ("experts",)
 
 
+def exchanges_counts(ins: Instr) -> bool:
+    """Whether a collective is a forward MoE dispatch, which the executor (like Megatron-LM's
+    all-to-all token dispatcher) runs as two all-to-alls: each rank's per-expert token counts first
+    (small, and the host waits for them: they size the receive buffers), then the tokens."""
+    return ins.kind == "collective" and ins.block == "dispatch" and ins.phase != "bwd"
+
+
 def shares_cores(cluster: ClusterSpec) -> bool:
     """Whether the cluster's ranks are CPU processes sharing the host's cores (simexec.sim.host)."""
     return bool(getattr(cluster.costs, "cores_shared", False))
@@ -320,20 +327,24 @@ class HostCosts:
     def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:
         """Run a collective / message on the host: the call's latency, then per step every member's
         communication thread needs `burst` of CPU (waiting for a core if none is free) and the data
-        `wire` seconds on the loopback; `done()` when the last step is over."""
+        `wire` seconds on the loopback; `done()` when the last step is over. A forward MoE dispatch
+        is two all-to-alls, the token counts' first (`exchanges_counts`)."""
         steps, chunk = self.comm_steps(ins)
-        call, burst, wire = self.comm_seconds(steps, chunk)
+        calls = [(steps, *self.comm_seconds(steps, chunk))]
+        if exchanges_counts(ins):
+            calls.insert(0, (steps, *self.comm_seconds(steps, 0.0)))
         members = tuple(ranks) or (ins.rank,)
-        env.process(self._comm(env, cores, members, steps, call, burst, wire, done))
+        env.process(self._comm(env, cores, members, calls, done))
 
     @staticmethod
-    def _comm(env, cores, members, steps, call, burst, wire, done):
-        if call > 0:
-            yield env.timeout(call)
-        for _ in range(steps):
-            yield env.all_of([cores.run((r, "comm"), burst) for r in members])
-            if wire > 0:
-                yield env.timeout(wire)
+    def _comm(env, cores, members, calls, done):
+        for steps, call, burst, wire in calls:
+            if call > 0:
+                yield env.timeout(call)
+            for _ in range(steps):
+                yield env.all_of([cores.run((r, "comm"), burst) for r in members])
+                if wire > 0:
+                    yield env.timeout(wire)
         done()
 
     def cores_for(self, env) -> "Cores":

@@ -9,6 +9,7 @@ from __future__ import annotations
 from simexec.cluster import ClusterSpec
 from simexec.program import Instr, Program
 from simexec.sim.compute import ComputeModel
+from simexec.sim.host import exchanges_counts
 from simexec.sim.network import Fluid, Network
 
 
@@ -50,10 +51,14 @@ class Machine:
     # --- transfers -------------------------------------------------------------------------------
 
     def collective(self, ins: Instr):
-        key = (ins.op, ins.group, ins.bytes)
+        counts = exchanges_counts(ins)
+        key = (ins.op, ins.group, ins.bytes, counts)
         out = self._phases.get(key)
         if out is None:
-            out = self._phases[key] = self.network.collective(ins.collective, ins.group, ins.bytes)
+            out = self.network.collective(ins.collective, ins.group, ins.bytes)
+            if counts:  # the token counts' all-to-all first (latency-bound: a few bytes per expert)
+                out = self.network.collective("alltoall", ins.group, 0.0) + out
+            self._phases[key] = out
         return out
 
     def comm_ranks(self, ins: Instr) -> tuple[int, ...]:

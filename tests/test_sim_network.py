@@ -174,3 +174,15 @@ def test_alltoall_sends_all_but_its_own_share():
     S, n = 1e9, 8
     step, _ = run({r: [coll(r, "a", "alltoall", range(n), S, stream="comm.ep")] for r in range(n)})
     assert step == pytest.approx((n - 1) / n * S / NVL + (n - 1) * ALPHA + CALL, rel=1e-12)
+
+
+def test_forward_moe_dispatch_is_two_all_to_alls():
+    """The forward dispatch exchanges the token counts before the tokens (as the executor and
+    Megatron-LM's all-to-all dispatcher do); the other three MoE all-to-alls move tokens only."""
+    from simexec.simulate import simulate
+
+    res = simulate("mixtral-8x7b", "dgx-h100", "dp=8,ep=8,gbs=8", trace=True)
+    dur = {e.name: e.dur_us for e in res.trace.events if e.id.startswith("0:") and e.name.endswith(".L0.m0")}
+    one_call = dur["fwd.combine.L0.m0"]  # the same bytes over the same group, one call
+    assert dur["bwd.dispatch.L0.m0"] == pytest.approx(one_call)
+    assert one_call < dur["fwd.dispatch.L0.m0"] < 1.5 * one_call

@@ -122,8 +122,9 @@ def test_spanning_nodes_uses_the_faster_algorithm():
     assert step <= flat * (1 + 1e-12)
 
 
-def test_send_is_eager_and_recv_waits_for_the_data():
-    """A send starts without its recv; a recv posted late ends at once, one posted early waits."""
+def test_a_message_moves_once_both_ends_have_posted_it():
+    """Send and recv are a rendezvous: with the recv posted early the data moves at once; posted
+    after the receiver's compute, it moves then, and the send ends with it."""
     nbytes = 1e9
     send = Instr(rank=0, name="m", kind="send", stream="p2p.send", op="send", bytes=nbytes, peer=1)
     early = Instr(rank=1, name="m", kind="recv", stream="p2p.recv", op="recv", bytes=nbytes, peer=0)
@@ -132,11 +133,25 @@ def test_send_is_eager_and_recv_waits_for_the_data():
     assert times["0:m"] == pytest.approx((0.0, wire), rel=1e-12)
     assert times["1:m"] == pytest.approx((0.0, wire), rel=1e-12)
     comp = Instr(rank=1, name="c", kind="compute", stream="compute", op="gemm", flops=1e14, bytes=0.0)
-    late = Instr(rank=1, name="m", kind="recv", stream="p2p.recv", op="recv", bytes=nbytes, peer=0, deps=("c",))
-    _, times = run({0: [send], 1: [comp, late]})
+    late = Instr(rank=1, name="m", kind="recv", stream="p2p.recv", op="recv", bytes=nbytes, peer=0)
+    _, times = run({0: [send], 1: [comp, late]})  # posted when rank 1's thread gets past `c`
     t_c = times["1:c"][1]
     assert t_c > wire
-    assert times["1:m"] == (t_c, t_c)
+    assert times["1:m"] == pytest.approx((t_c, t_c + wire), rel=1e-12)
+    assert times["0:m"] == pytest.approx((0.0, t_c + wire), rel=1e-12)
+
+
+def test_messages_do_not_queue_behind_each_other():
+    """Two receives from two senders: the one whose sender is ready completes first, whatever
+    their order in the program (irecv posts both at once)."""
+    nbytes = 1e8
+    slow = Instr(rank=0, name="c", kind="compute", stream="compute", op="gemm", flops=1e15, bytes=0.0)
+    s0 = Instr(rank=0, name="a", kind="send", stream="p2p.send", op="send", bytes=nbytes, peer=2, deps=("c",))
+    s1 = Instr(rank=1, name="b", kind="send", stream="p2p.send", op="send", bytes=nbytes, peer=2)
+    r_a = Instr(rank=2, name="a", kind="recv", stream="p2p.recv", op="recv", bytes=nbytes, peer=0)
+    r_b = Instr(rank=2, name="b", kind="recv", stream="p2p.recv", op="recv", bytes=nbytes, peer=1)
+    _, times = run({0: [slow, s0], 1: [s1], 2: [r_a, r_b]})
+    assert times["2:b"][1] < times["0:c"][1] < times["2:a"][1]
 
 
 def test_traffic_leaving_a_pod_shares_the_oversubscribed_uplink():

@@ -2,7 +2,9 @@
 
 A stream runs its instructions in order; each waits for its `deps` (same rank, other streams).
 Collectives start when every present member of the group has issued them (matched by name and
-group); sends are eager; a recv ends when its send's transfer has arrived. Memory instructions take
+group). A send and its recv are a rendezvous: the message moves once both are posted, a recv being
+posted when its rank's thread gets past the compute before it in program order; neither blocks its
+stream (isend / irecv), and whoever needs the data waits on the recv's end. Memory instructions take
 no time. Every instruction's start and end are recorded in two flat arrays.
 
 What an instruction costs is not decided here: a `Machine` (see `simexec.sim.machine`) prices
@@ -133,6 +135,7 @@ class Engine:
             rank_instrs = program.ranks[rank]
             local: dict[str, int] = {}
             seqs: dict[str, list[int]] = {}
+            last_compute = -1  # a receive is posted when the rank's thread gets to it: after this
             for k, ins in enumerate(rank_instrs, base):
                 local[ins.name] = k
                 st = ins.stream
@@ -161,6 +164,7 @@ class Engine:
                         xdeps[k] = tuple(out)
                 kd = kinds.get(ins.kind, -1)
                 if kd == COMPUTE:
+                    last_compute = k
                     if ins.op == "cpu_optimizer" or st == "host":
                         kind[k] = HOST
                         work[k] = host_work(ins)
@@ -192,6 +196,9 @@ class Engine:
                             matches.append(_Match(need))
                         match[k] = mid
                 elif kd == SEND or kd == RECV:
+                    if kd == RECV and last_compute >= 0 and last_compute not in xdeps[k]:
+                        xdeps[k] = xdeps[k] + (last_compute,)
+                        signals.add(last_compute)
                     pkey = (ins.name, rank, ins.peer) if kd == SEND else (ins.name, ins.peer, rank)
                     mid = p2p_ids.get(pkey)
                     if mid is None:
@@ -364,25 +371,24 @@ class Engine:
                         ranks = machine.comm_ranks(ins)
                         self._comm_begin(ranks)
                         self._start(ins, machine.collective(ins), ranks, done)
-            elif kd == SEND:
+            elif kd == SEND or kd == RECV:
+                # A message moves once both ends have posted it (NCCL's send/recv and gloo's pairs
+                # are rendezvous), and neither end's stream waits for it: later messages are posted
+                # at once, as `isend` / `irecv` are; whoever needs the data waits on its end.
                 mt = matches[match[k]]
                 done = mt.done
                 if done is None:
                     done = mt.done = Event(env)
-                mt.xfer_start = now
-                ranks = machine.p2p_ranks(ins)
-                self._comm_begin(ranks)
-                self._start(ins, machine.p2p(ins.rank, ins.peer, ins.bytes), ranks, done)
-            elif kd == RECV:
-                mt = matches[match[k]]
-                done = mt.done
-                if done is None:
-                    done = mt.done = Event(env)
-                if mt.needed == 1:  # the sender is a symmetric copy that is not simulated
+                done.callbacks.append(lambda _ev, k=k: self._finished(k))
+                mt.arrived += 1
+                if mt.arrived == mt.needed:
                     mt.xfer_start = now
-                    ranks = (rank,)
+                    src, dst = (ins.rank, ins.peer) if kd == SEND else (ins.peer, rank)
+                    ranks = machine.p2p_ranks(ins) if mt.needed == 2 else (rank,)
                     self._comm_begin(ranks)
-                    self._start(ins, machine.p2p(ins.peer, rank, ins.bytes), ranks, done)
+                    self._start(ins, machine.p2p(src, dst, ins.bytes), ranks, done)
+                i += 1
+                continue
             elif kd == COPY:
                 done = Event(env)
                 ranks = (rank,)

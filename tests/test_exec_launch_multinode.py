@@ -45,7 +45,16 @@ finally:
     cluster.shutdown()
 """
 
-INTERRUPTED = PRELUDE + """
+# A terminal starts a program with Ctrl-C deliverable. A child of this test process inherits its
+# signal mask and ignored signals instead, and the Ray driver threads of earlier tests in this
+# process can leave SIGINT blocked there; so the child first takes the terminal's state.
+TERMINAL_SIGINT = """
+import signal
+signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+signal.signal(signal.SIGINT, signal.default_int_handler)
+"""
+
+INTERRUPTED = TERMINAL_SIGINT + PRELUDE + """
 def started(infos):
     print("STARTED", json.dumps([i["pid"] for i in infos]), flush=True)
 try:

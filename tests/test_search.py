@@ -370,8 +370,13 @@ def test_ray_multinode_cluster_gives_identical_results(tmp_path):
 
 
 _CTRL_C_SCRIPT = textwrap.dedent("""
-    import json, sys
+    import json, signal, sys
     from simexec.search import search
+
+    # a terminal starts a program with Ctrl-C deliverable; a child of the test process inherits its
+    # signal mask and ignored signals instead (see tests/test_exec_launch_multinode.py)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if __name__ == "__main__":
         # a wide Pareto window keeps this search busy for minutes: long enough to interrupt

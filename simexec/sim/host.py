@@ -62,8 +62,8 @@ def adam_ops(tensors: int, dtype: str) -> int:
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
 # a TorchDispatchMode around each instruction of a one-step run (simexec.exec.microbench.count_dispatch).
 # The count does not depend on sizes, nor (within one or two ops) on tp, pp, ZeRO or recompute; it
-# depends on the model's features (`dispatch_key`: norm, gating, positions, biases, tying, experts),
-# hence one table per set of features, named after the model it was counted on.
+# depends on the model's features (`dispatch_key`: norm, gating, positions, biases, experts; a tied
+# head differs by one or two), hence one table per set of features, named after the models it fits.
 DISPATCH: dict[str, dict[str, int]] = {
     # gpt-tiny, gpt3-*, megatron-*: LayerNorm, GeLU MLP, learned positions, biases
     "layernorm-mlp-pos-bias": {

@@ -11,7 +11,7 @@ its global batch, sequence 2048):
     no offload, full recompute, fp16, unfused attention) with tp, pp, vpp, schedule, micro-batch
     and dp free: the best plan of every distinct (tp, pp), ranked by step time. The published
     (tp, pp) must fit, and "rank among the top": its best plan within `TOLERANCE` of the best plan's
-    step time (the simulator's median error on Table 1 is 3.8%, docs/validation.md; closer plans
+    step time (the simulator's median error on Table 1 is 3.0%, docs/validation.md; closer plans
     are a tie to the simulator's accuracy). Its rank among the pairs is reported as well.
 (b) With every parallelism and memory knob free (the same kernels: fp16, unfused attention, as the
     published run had), the best plan must be at least as fast as the published pair's best.

@@ -49,7 +49,7 @@ class Sweep:
     axis: str  # the degree that varies with dp or tp: "pp" or "tp"
     partner: str  # what fills the 64 GPUs with it: "tp" or "dp"
     batches: tuple[int, ...]
-    expect: str  # "peak at 8" or "falls"
+    expect: str  # the ordering the figure shows, in words
 
 
 SWEEPS = (
@@ -114,6 +114,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", help="write the table into this file (between its markers)")
     args = ap.parse_args(argv)
+    if args.markdown and not Path(args.markdown).parent.is_dir():
+        print(f"validate_sweeps: error: no directory for --markdown {args.markdown}", file=sys.stderr)
+        return 2
     results = []
     for s in SWEEPS:
         for gbs in s.batches:

@@ -352,21 +352,25 @@ class HostCosts:
         return Cores.of(env, self.cluster, weights)
 
 
+def _plan_of(program: Program):
+    """The plan the program was lowered from (its string in the program's meta), or None."""
+    from simexec.errors import SimexecError
+    from simexec.plan import parse_plan
+
+    try:
+        return parse_plan(str(program.meta.get("plan", "")))
+    except SimexecError:
+        return None
+
+
 def _plan_dtype(program: Program) -> str:
-    plan = str(program.meta.get("plan", ""))
-    for part in plan.split(","):
-        if part.startswith("dtype="):
-            return part.split("=", 1)[1]
-    return "bf16"
+    plan = _plan_of(program)
+    return plan.dtype if plan is not None else "bf16"
 
 
 def _plan_ep(program: Program) -> int:
-    """The program's expert-parallel degree, from its plan string."""
-    for item in str(program.meta.get("plan", "")).split(","):
-        key, _, val = item.partition("=")
-        if key.strip() == "ep" and val.strip().isdigit():
-            return max(1, int(val))
-    return 1
+    plan = _plan_of(program)
+    return max(1, plan.ep) if plan is not None else 1
 
 
 def _model_of(program: Program):

@@ -128,6 +128,8 @@ def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
     r = megatron_rule(layers, tp, pp, gpus, global_batch)
     plan = (f"tp={tp},pp={pp},dp={r['dp']},mbs={r['mbs']},gbs={global_batch},recompute=full,"
             f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g}")
+    if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv)
+        plan += ",p2p_overlap=0"
     if r["vpp"] > 1:
         plan += f",vpp={r['vpp']}"
     if r["stages"]:
@@ -154,6 +156,36 @@ def predict_megatron(params_b: float, heads: int, hidden: int, layers: int, tp: 
     res = simulate(model, cluster, plan, SEQ)
     flops = eq3_flops(global_batch, SEQ, layers, hidden, model.vocab)
     return flops / res.step_time_s / gpus / 1e12, res, plan, cluster
+
+
+# Micro-batch size and virtual stages of each Table 1 run in the authors' script
+# (examples/sc21/run_table_1.sh in Megatron-LM), which the paper leaves out.
+AUTHORS_MBS_VPP = {"megatron-1.7b": (16, 1), "megatron-3.6b": (16, 1), "megatron-7.5b": (16, 1),
+                   "megatron-18.4b": (8, 1), "megatron-39.1b": (4, 1), "megatron-76.1b": (2, 3),
+                   "megatron-145.6b": (2, 2), "megatron-310.1b": (1, 2), "megatron-529.6b": (1, 3),
+                   "megatron-1t": (1, 1)}
+
+
+def authors_table() -> str:
+    """Table 1 predicted with the authors' micro-batch and interleaving instead of the rule
+    (docs/validation.md, finding 7): markdown rows."""
+    lines = ["| row | authors' mbs, vpp (run_table_1.sh) | micro-batches | bubble | predicted | error |",
+             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    for params_b, heads, hidden, layers, tp, pp, gpus, gbs, published in TABLE1:
+        name = megatron_name(params_b)
+        mbs, vpp = AUTHORS_MBS_VPP[name]
+        model = megatron_model(heads, hidden, layers, name)
+        fields = dict(kv.split("=", 1) for kv in megatron_plan(layers, tp, pp, gpus, gbs).split(",stages=")[0].split(","))
+        fields.update(mbs=str(mbs), vpp=str(vpp))
+        plan = ",".join(f"{k}={v}" for k, v in fields.items())
+        res = simulate(model, f"{gpus // 8}xdgx-a100-80g", plan, SEQ)
+        tflops = eq3_flops(gbs, SEQ, layers, hidden, model.vocab) / res.step_time_s / gpus / 1e12
+        micro = gbs // int(fields["dp"]) // mbs
+        bubble = res.breakdown_s.get("pipeline_bubble", 0.0) / res.step_time_s
+        lines.append(f"| {name} | {mbs}, {vpp} | {micro} | {100 * bubble:.1f}% | {tflops:.1f} | "
+                     f"{100 * (tflops / published - 1):+.1f}% |")
+        print(lines[-1], flush=True)
+    return "\n".join(lines)
 
 
 def megatron_rows(table: Iterable[tuple] = TABLE1, source: str = SC21_T1, suffix: Callable[[tuple], str] = None,
@@ -257,7 +289,8 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
 def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[dict]:
     """tr11-176B-ml.slurm: tp 4, pp 12, micro-batch 2, global batch 2048, bf16, ZeRO-1 (DeepSpeed's
     BF16 optimizer), --checkpoint-activations, Megatron's fused softmax (no FlashAttention), DeepSpeed's
-    pipeline (non-interleaved 1F1B; gradients reduced after the backward); 'type:transformer|embedding'
+    pipeline (non-interleaved 1F1B; gradients reduced after the backward; blocking `dist.send` / `dist.recv`,
+    deepspeed/runtime/pipe/p2p.py); 'type:transformer|embedding'
     partitioning puts the embedding and its tied head with 5 layers on the first and last stage."""
     name = "bloom-176b-384gpu"
     if only and not only(name):
@@ -265,7 +298,7 @@ def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[
     model, cluster = bloom_model(), jean_zay(48)
     stages = ",".join(str(x) for x in [5] + [6] * 10 + [5])
     plan = (f"tp=4,pp=12,dp=8,mbs=2,gbs=2048,zero=1,recompute=full,flash_attention=0,dtype=bf16,"
-            f"bucket_mb={WHOLE_BUFFER_MB:g},stages={stages}")
+            f"bucket_mb={WHOLE_BUFFER_MB:g},p2p_overlap=0,stages={stages}")
     res = simulate(model, cluster, plan, SEQ)
     tflops = eq3_flops(2048, SEQ, model.layers, model.hidden, model.vocab) / res.step_time_s / 384 / 1e12
     out = [row(name, BLOOM_SRC, TFLOPS, 150.0, tflops, model=model.name, cluster=cluster.name, plan=plan,
@@ -356,7 +389,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--markdown", help="write the table into this file (between its markers)")
     ap.add_argument("--only", help="comma-separated row names or prefixes (e.g. megatron-1.7b,zero)")
     ap.add_argument("--megatron-csv", help="Megatron-style rows to predict instead of the built-in tables")
+    ap.add_argument("--authors", action="store_true",
+                    help="Table 1 with the authors' micro-batch sizes and interleaving instead of the rule")
     args = ap.parse_args(argv)
+    if args.authors:
+        authors_table()
+        return 0
     keys = [k.strip() for k in args.only.split(",")] if args.only else None
     only = (lambda name: any(name == k or name.startswith(k) for k in keys)) if keys else None
     t0 = time.perf_counter()

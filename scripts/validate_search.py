@@ -46,9 +46,10 @@ KERNELS = {"dtype": "fp16", "flash_attention": False}  # what the 2021 kernels c
 # Megatron-LM 2021 (v2.x): local DDP all-reduces the gradients after the whole backward
 # (`model.allreduce_gradients()` in `train_step`; overlap came with --overlap-grad-reduce in 2023), and
 # its fp16 optimizer copies them to fp32 main gradients for the step (`main_param.grad =
-# main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer").
+# main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer"). Its
+# pipeline messages block: `_communicate` waits on every request of `batch_isend_irecv`.
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
-                 "recompute_layers": None, "grad_overlap": False, "master_grads": True}
+                 "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False}
 BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
 
 
@@ -128,7 +129,8 @@ def gain(best: dict, published: dict) -> str:
 
 def _short(plan: str) -> str:
     """A plan string without the knobs every plan of the row shares."""
-    drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0", "grad_overlap=0", "master_grads=1")
+    drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0", "grad_overlap=0", "master_grads=1",
+            "p2p_overlap=0")
     return ",".join(p for p in plan.split(",") if not p.startswith(drop))
 
 

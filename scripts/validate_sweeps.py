@@ -38,7 +38,7 @@ from validate_published import eq3_flops, megatron_model  # noqa: E402
 SEQ = 2048
 GPUS = 64
 CLUSTER = "8xdgx-a100-80g"
-KNOBS = "mbs=1,recompute=full,flash_attention=0,dtype=fp16,grad_overlap=0,master_grads=1"
+KNOBS = "mbs=1,recompute=full,flash_attention=0,dtype=fp16,grad_overlap=0,master_grads=1,p2p_overlap=0"
 BEGIN, END = "<!-- sweeps:begin -->", "<!-- sweeps:end -->"
 
 

@@ -87,6 +87,8 @@ class _RankLowering:
         self.L = rp.model.layers
         self.out: list[Instr] = []
         self.wait: list[str] = []  # collectives the next compute instruction must wait on
+        self.received: set[Action] = set()  # actions whose input recv is already issued
+        self.sends_to_wait: list[str] = []  # p2p_overlap=0: this group's sends, waited before the next
         self._z2_seen = 0  # ZeRO-2: grad_colls already waited at the end of a micro-batch's backward
         self.grad_dt = rp.grad_bytes
         # groups
@@ -176,13 +178,46 @@ class _RankLowering:
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
         self.setup()
-        for act in self.actions:
-            if act.kind == "F":
-                self.forward(act)
-            else:
-                self.backward(act)
+        for group in self.comm_groups():
+            if not self.p.p2p_overlap:
+                # Megatron-LM's blocking exchange between groups: it posts the group's receives with
+                # the previous group's sends and waits for all of them before the group computes
+                self.wait.extend(self.sends_to_wait)
+                self.sends_to_wait = []
+                for act in group:
+                    self.receive_input(act)
+            for act in group:
+                if act.kind == "F":
+                    self.forward(act)
+                else:
+                    self.backward(act)
         self.finish()
         return self.out
+
+    def comm_groups(self) -> list[list[Action]]:
+        """The actions between two pipeline exchanges of Megatron-LM's schedules: one action each,
+        but a forward and the backward after it in the interleaved schedule's steady state, which
+        runs both and then exchanges (`send_forward_backward_recv_forward_backward`)."""
+        groups: list[list[Action]] = []
+        pair = self.p.schedule_name == "interleaved-1f1b"
+        for act in self.actions:
+            if pair and act.kind == "B" and groups and len(groups[-1]) == 1 and groups[-1][0].kind == "F":
+                groups[-1].append(act)
+            else:
+                groups.append([act])
+        return groups
+
+    def receive_input(self, act: Action) -> None:
+        """The recv (and gather) of an action's input, once: a stage's activations, or the gradient
+        of its output."""
+        if act in self.received:
+            return
+        self.received.add(act)
+        vs = act.chunk * self.p.pp + self.pp_rank
+        if act.kind == "F" and vs > 0:
+            self.recv("act", vs - 1, act.mb)
+        elif act.kind == "B" and vs < self.rp.virtual_stages - 1:
+            self.recv("grad", vs + 1, act.mb)
 
     def units(self, chunk: int) -> list[int]:
         """Parameter units of a virtual stage in forward order: -1 embedding, layers, L the head."""
@@ -226,8 +261,7 @@ class _RankLowering:
     def forward(self, act: Action) -> None:
         c, mb = act.chunk, act.mb
         vs = c * self.p.pp + self.pp_rank
-        if vs > 0:
-            self.recv("act", vs - 1, mb)
+        self.receive_input(act)
         units = self.units(c)
         self.prefetch(units, "fwd", mb, c)
         for j, unit in enumerate(units):
@@ -326,8 +360,7 @@ class _RankLowering:
     def backward(self, act: Action) -> None:
         c, mb = act.chunk, act.mb
         vs = c * self.p.pp + self.pp_rank
-        if vs < self.rp.virtual_stages - 1:
-            self.recv("grad", vs + 1, mb)
+        self.receive_input(act)
         units = list(reversed(self.units(c)))
         self.prefetch(units, "bwd", mb, c)
         for j, unit in enumerate(units):
@@ -406,19 +439,29 @@ class _RankLowering:
         return self.rp.mesh.rank(**{**self.coords, "pp": vs % self.p.pp})
 
     def send(self, what: str, vs: int, mb: int, nbytes: float) -> None:
-        """Send the output of virtual stage vs (activations forward, gradients backward)."""
+        """Send the output of virtual stage vs (activations forward, gradients backward): this rank's
+        1/`pipeline_slices` of it."""
         dest = vs + 1 if what == "act" else vs - 1
-        self._emit(Instr(self.rank, f"p2p.{what}.v{vs}.m{mb}", "send", "p2p.send", "send", phase="fwd" if what == "act" else "bwd",
-                         block=what, mb=mb, chunk=vs // self.p.pp, bytes=nbytes, deps=(self.last_compute(),),
-                         peer=self._peer(dest)))
+        name = self._emit(Instr(self.rank, f"p2p.{what}.v{vs}.m{mb}", "send", "p2p.send", "send",
+                                phase="fwd" if what == "act" else "bwd", block=what, mb=mb, chunk=vs // self.p.pp,
+                                bytes=nbytes / self.rp.pipeline_slices, deps=(self.last_compute(),),
+                                peer=self._peer(dest)))
+        if not self.p.p2p_overlap:  # a blocking send: the next group of actions waits for it
+            self.sends_to_wait.append(name)
 
     def recv(self, what: str, src_vs: int, mb: int) -> None:
+        """Receive the input of a virtual stage; sliced over tp, the pieces are then all-gathered
+        over tp (`<recv>.gather`, block `act_gather` / `grad_gather`) before the stage computes."""
         name = f"p2p.{what}.v{src_vs}.m{mb}"
         dest = src_vs + 1 if what == "act" else src_vs - 1
-        self._emit(Instr(self.rank, name, "recv", "p2p.recv", "recv", phase="fwd" if what == "act" else "bwd",
-                         block=what, mb=mb, chunk=dest // self.p.pp, bytes=self.an.hidden_bytes,
-                         peer=self._peer(src_vs)))
-        self.wait.append(name)
+        phase, chunk, slices = "fwd" if what == "act" else "bwd", dest // self.p.pp, self.rp.pipeline_slices
+        self._emit(Instr(self.rank, name, "recv", "p2p.recv", "recv", phase=phase, block=what, mb=mb, chunk=chunk,
+                         bytes=self.an.hidden_bytes / slices, peer=self._peer(src_vs)))
+        if slices > 1:
+            self.coll(f"{name}.gather", "allgather", "tp", self.g_tp, self.an.hidden_bytes, (name,), phase=phase,
+                      block=f"{what}_gather", mb=mb, chunk=chunk)
+        else:
+            self.wait.append(name)
 
     # --- ZeRO-3 parameter gathers --------------------------------------------------------------------
     def _zero3(self) -> bool:
@@ -580,6 +623,8 @@ class _RankLowering:
 
     # --- end of step ---------------------------------------------------------------------------------
     def finish(self) -> None:
+        self.wait.extend(self.sends_to_wait)  # p2p_overlap=0: the last sends block before the step
+        self.sends_to_wait = []
         self.flush_all()
         deps = list(self.grad_colls)
         m = self.rp.model

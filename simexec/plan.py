@@ -51,6 +51,9 @@ class Plan(BaseModel):
     grad_overlap: bool = Field(
         True, description="reduce data-parallel gradients as buckets fill, overlapped with the backward (torch DDP,"
         " FSDP); False: after the backward (Megatron-LM 2021's local DDP)")
+    p2p_overlap: bool = Field(
+        True, description="pipeline sends overlap the compute after them (isend, torch pipelining); False: the"
+        " compute waits for each send as for each receive (Megatron-LM's blocking batch_isend_irecv)")
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
@@ -271,6 +274,19 @@ class ResolvedPlan:
         already fp32 and the step runs on the device, else 0 (the copy would be the buffer itself)."""
         p = self.plan
         return 4 if p.master_grads and self.grad_bytes < 4 and p.offload == "none" else 0
+
+    @property
+    def pipeline_slices(self) -> int:
+        """Pieces a pipeline message is cut into over tp (Megatron-LM's scatter/gather, SC'21 §4.1).
+
+        Without sp every tp rank holds the whole activation (and, after the f/g all-reduces, the
+        whole input gradient): each sends 1/tp of it and the receiving stage all-gathers the pieces
+        over tp, so the link between stages carries one copy, not tp. With sp the activation is
+        already split over tp, so each rank sends what it has."""
+        p = self.plan
+        if p.pp == 1 or p.tp == 1 or p.sp or self.model.hidden % p.tp:
+            return 1
+        return p.tp
 
     @property
     def tokens_per_step(self) -> int:

@@ -422,10 +422,18 @@ class _StructureBounds:
         collective that ends a stage (`Ft`, `Bt`)."""
         pp, V, m, F, B, Ft, Bt = self.pp, self.V, self.m, self.F, self.B, self.Ft, self.Bt
         Fh, Bh = self.Fh, self.Bh
-        hb = self.an.hidden_bytes
+        hb, k = self.an.hidden_bytes, self.rp.pipeline_slices
+        ranks = self.mesh.rank_of_stage
+
+        def message(src: int, dst: int) -> float:
+            """A pipeline message's seconds: its piece over the link, then the all-gather of the
+            pieces over the receiver's tp group where it is sliced."""
+            t = self.mesh.p2p(src, dst, hb / k)
+            return t + (self.mesh.coll("allgather", ranks[dst], "tp", hb) if k > 1 else 0.0)
+
         # a pipeline message's seconds after each stage's forward (to the next) and backward (from it)
-        self.p2pF = p2pF = [self.mesh.p2p(vs % pp, (vs + 1) % pp, hb) for vs in range(V - 1)]
-        self.p2pB = p2pB = [self.mesh.p2p((vs + 1) % pp, vs % pp, hb) for vs in range(V - 1)]
+        self.p2pF = p2pF = [message(vs % pp, (vs + 1) % pp) for vs in range(V - 1)]
+        self.p2pB = p2pB = [message((vs + 1) % pp, vs % pp) for vs in range(V - 1)]
         # micro-batch 0 through every forward, then back through the later stages' backwards:
         # earliest start of the first compute of F(vs, mb 0) and of B(vs, mb 0)
         reach = [0.0] * V

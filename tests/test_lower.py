@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from simexec.blocks import Anatomy
 from simexec.cluster import get_cluster
 from simexec.lower import lower
 from simexec.model import get_model
@@ -196,6 +197,57 @@ def test_pipeline_sends_match_receives_and_uneven_stages_hold_their_layers():
     sends = {i.name for i in prog.ranks[0] if i.kind == "send"}
     recvs = {i.name for i in prog.ranks[1] if i.kind == "recv"}
     assert sends == recvs
+
+
+@pytest.mark.parametrize("plan,slices", [("tp=2,pp=2,gbs=4", 2), ("tp=2,sp=1,pp=2,gbs=4", 1), ("pp=2,gbs=4", 1)])
+def test_pipeline_messages_are_sliced_over_tp_and_gathered_on_arrival(plan, slices):
+    """Megatron's scatter/gather: without sp each tp rank sends 1/tp of the activation and the
+    receiver all-gathers the pieces over tp before computing; with sp the activation is already split."""
+    rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan))
+    assert rp.pipeline_slices == slices
+    hidden = Anatomy(rp).hidden_bytes
+    prog = lower(rp, symmetric=False)
+    for rank, instrs in prog.ranks.items():
+        by_name = {i.name: i for i in instrs}
+        for ins in instrs:
+            if ins.kind in ("send", "recv"):
+                assert ins.bytes == hidden / slices
+            if ins.kind != "recv":
+                continue
+            gather = by_name.get(ins.name + ".gather")
+            readers = [i for i in instrs if i.kind == "compute" and ins.name in i.deps]
+            if slices == 1:
+                assert gather is None and readers
+                continue
+            assert gather.collective == "allgather" and gather.axis == "tp" and gather.bytes == hidden
+            assert gather.deps == (ins.name,) and len(gather.group) == 2 and rank in gather.group
+            assert not readers and any(gather.name in i.deps for i in instrs if i.kind == "compute")
+
+
+@pytest.mark.parametrize("plan", ["pp=4,gbs=8", "pp=2,vpp=2,gbs=8", "tp=2,pp=2,vpp=2,gbs=4", "pp=2,schedule=gpipe,gbs=4"])
+def test_blocking_pipeline_sends_are_waited_before_the_next_exchange_group(plan):
+    """p2p_overlap=0 (Megatron-LM's blocking exchanges): every send is a dependency of the compute
+    that opens the next group of actions; the interleaved schedule's steady state exchanges after
+    each forward-backward pair, so the pair's two receives come before the forward's first compute."""
+    from simexec.simulate import simulate
+
+    rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan + ",p2p_overlap=0"))
+    prog = lower(rp, symmetric=False)
+    for rank, instrs in prog.ranks.items():
+        computes = [k for k, i in enumerate(instrs) if i.kind == "compute"]
+        for k, ins in enumerate(instrs):
+            if ins.kind == "send" and any(c > k for c in computes):
+                waited = [c for c in computes if c > k and ins.name in instrs[c].deps]
+                assert waited, (rank, ins.name)
+    if rp.plan.vpp > 1:
+        rank0 = [i for i in prog.ranks[0] if i.kind in ("recv", "compute") and i.block != "optim"]
+        first_b = next(k for k, i in enumerate(rank0) if i.kind == "compute" and i.phase == "bwd")
+        # the steady state's first pair: its backward's gradient arrives before its forward computes
+        recv_b = next(k for k, i in enumerate(rank0) if i.kind == "recv" and i.block == "grad")
+        fwd_of_pair = max(k for k, i in enumerate(rank0[:first_b]) if i.kind == "compute" and i.phase == "fwd")
+        assert recv_b < fwd_of_pair
+    blocking = simulate("gpt-tiny", "local", plan + ",p2p_overlap=0", symmetric=False)  # no deadlock
+    assert blocking.step_time_s > 0
 
 
 def test_moe_layers_dispatch_and_combine_over_the_expert_group():

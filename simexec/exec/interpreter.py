@@ -7,6 +7,8 @@ order and dispatch on the kind. Every instruction is one call:
 - collective: issued with `async_op=True` on the real process group of its axis, waited on by the
   instructions that name it in `deps` or that read what it produces;
 - send / recv: `isend` eagerly, `irecv` posted when the recv comes, waited on like collectives;
+  without sp a tp rank sends its 1/tp piece of the tensor and the receiver's `act_gather` /
+  `grad_gather` all-gathers the pieces (`ResolvedPlan.pipeline_slices`);
 - copy: offload copies between separate device and host buffers; memory: markers, skipped (their
   deps are not waited: a marker is accounting, and waiting would hold the compute stream back).
 
@@ -1055,6 +1057,8 @@ class _Rank:
             return self.params_gather(ins, g)
         if block == "gather":
             return self.z3_gather(ins, g)
+        if block in ("act_gather", "grad_gather"):
+            return self.pipeline_gather(ins, g)
         raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
 
     def _issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> _Inflight:
@@ -1197,8 +1201,8 @@ class _Rank:
 
     # --- pipeline ---------------------------------------------------------------------------------
     def _boundary(self, ins: Instr) -> int:
-        """The layer whose input crosses this send/recv: a virtual stage's first layer, or the one
-        after its last (L = the head's input)."""
+        """The layer whose input crosses this send/recv (or the gather after it): a virtual stage's
+        first layer, or the one after its last (L = the head's input)."""
         stage = ins.chunk * self.plan.pp + self.coords["pp"]
         layers = self.rp.stage_layers[stage]
         outgoing = (ins.kind == "send") == (ins.block == "act")  # act sent / grad received: stage output
@@ -1209,18 +1213,26 @@ class _Rank:
             return self.ring_p2p(ins)
         key = ("x", self._boundary(ins), ins.mb)
         tag = zlib.crc32(ins.name.encode()) & 0x7FFFFFFF  # same name on both ends; crc32 is stable across processes
+        slices = self.rp.pipeline_slices
         if ins.kind == "send":
-            t = (self.read(key) if ins.block == "act" else self.take_grad(key)).detach().contiguous()
+            t = (self.read(key) if ins.block == "act" else self.take_grad(key)).detach()
+            if slices > 1:  # every tp rank holds the whole tensor: send this rank's piece
+                t = t.reshape(-1).chunk(slices)[self.coords["tp"]]
+            t = t.contiguous()
             self._issue(ins, [self.comm.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
             if ins.block == "act":
                 k = self.resolve(key)
                 if k is not None:
                     del self.env[k]
         else:
-            shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
-            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            work = self.comm.irecv(buf, ins.peer, tag=tag)
             grad = ins.block == "grad"
+            shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
+            if slices > 1:  # a piece, all-gathered over tp by the next instruction (`pipeline_gather`)
+                buf = torch.empty(math.prod(shape) // slices, dtype=self.dtype, device=self.device)
+                key, grad = ("piece",) + key[1:], False
+            else:
+                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+            work = self.comm.irecv(buf, ins.peer, tag=tag)
             sent = self._send_release.get(ins.name, ())
 
             def finish():
@@ -1230,6 +1242,27 @@ class _Rank:
 
             w = self._issue(ins, [work], finish)
             (self.d if grad else self.env)[key] = w
+
+    def pipeline_gather(self, ins: Instr, g) -> None:
+        """The pieces of a pipeline message, all-gathered over tp into the whole tensor (in tp order)."""
+        boundary = self.rp.stage_layers[ins.chunk * self.plan.pp + self.coords["pp"]]
+        b = boundary[-1] + 1 if ins.block == "grad_gather" else boundary[0]
+        piece = self.read(("piece", b, ins.mb))
+        del self.env[("piece", b, ins.mb)]
+        n = len(ins.group)
+        out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
+        work = self.comm.all_gather(out, piece, group=g, async_op=True)
+        order = [self.rp.mesh.coords(r)["tp"] for r in ins.group]  # the group's ranks in rank order
+        shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
+        key, grad = ("x", b, ins.mb), ins.block == "grad_gather"
+
+        def finish():
+            parts = out.chunk(n)
+            whole = torch.cat([parts[order.index(j)] for j in range(n)]) if order != sorted(order) else out
+            self._deliver(key, whole.view(shape), grad)
+
+        w = self._issue(ins, [work], finish)
+        (self.d if grad else self.env)[key] = w
 
     # --- gradients --------------------------------------------------------------------------------
     def local_grad(self, name: str) -> Tensor:

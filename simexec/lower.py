@@ -22,7 +22,7 @@ from typing import Optional
 from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
 from simexec.program import Instr, Program
-from simexec.schedules import Action, pipeline_order
+from simexec.schedules import Action, exchange_groups, pipeline_order
 from simexec.sim.host import dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
@@ -195,17 +195,11 @@ class _RankLowering:
         return self.out
 
     def comm_groups(self) -> list[list[Action]]:
-        """The actions between two pipeline exchanges of Megatron-LM's schedules: one action each,
-        but a forward and the backward after it in the interleaved schedule's steady state, which
-        runs both and then exchanges (`send_forward_backward_recv_forward_backward`)."""
-        groups: list[list[Action]] = []
-        pair = self.p.schedule_name == "interleaved-1f1b"
-        for act in self.actions:
-            if pair and act.kind == "B" and groups and len(groups[-1]) == 1 and groups[-1][0].kind == "F":
-                groups[-1].append(act)
-            else:
-                groups.append([act])
-        return groups
+        """The actions between two blocking pipeline exchanges (`simexec.schedules.exchange_groups`);
+        with p2p_overlap, the grouping changes nothing."""
+        if self.p.pp == 1:
+            return [[a] for a in self.actions]
+        return exchange_groups(self.p.schedule_name, self.p.pp, self.pp_rank, self.m, self.p.vpp)
 
     def receive_input(self, act: Action) -> None:
         """The recv (and gather) of an action's input, once: a stage's activations, or the gradient

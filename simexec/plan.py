@@ -52,8 +52,8 @@ class Plan(BaseModel):
         True, description="reduce data-parallel gradients as buckets fill, overlapped with the backward (torch DDP,"
         " FSDP); False: after the backward (Megatron-LM 2021's local DDP)")
     p2p_overlap: bool = Field(
-        True, description="pipeline sends overlap the compute after them (isend, torch pipelining); False: the"
-        " compute waits for each send as for each receive (Megatron-LM's blocking batch_isend_irecv)")
+        True, description="pipeline sends overlap the compute after them (isend, torch pipelining); False:"
+        " blocking exchanges between groups of actions (Megatron-LM's batch_isend_irecv, waited)")
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")

@@ -44,7 +44,8 @@ def interleaved_1f1b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
     """Megatron-LM's interleaved 1F1B (SC'21 §2.2.2): bubble shrinks by vpp.
 
     The k-th forward unit of a rank runs chunk (k // p) % v on micro-batch (k // (p v)) p + k % p;
-    backward units walk the chunks in reverse. Warm-up = 2 (p - rank - 1) + (v - 1) p units.
+    backward units walk the chunks in reverse. Warm-up = 2 (p - rank - 1) + (v - 1) p units, or
+    every unit when there are as many micro-batches as stages.
     """
     if m % pp:
         raise PlanError(f"interleaved-1f1b needs micro-batches ({m}) divisible by pp={pp}")
@@ -57,7 +58,7 @@ def interleaved_1f1b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
         mb = (k // (pp * vpp)) * pp + k % pp
         return Action(chunk, "F" if forward else "B", mb)
 
-    warmup = min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+    warmup = _interleaved_warmup(pp, rank, m, vpp)
     out = [unit(k, True) for k in range(warmup)]
     f, b = warmup, 0
     while f < total:
@@ -65,6 +66,29 @@ def interleaved_1f1b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
         f, b = f + 1, b + 1
     out += [unit(k, False) for k in range(b, total)]
     return out
+
+
+def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
+    """Forward units before the first backward; with as many micro-batches as stages, every rank
+    runs all its forwards first (Megatron-LM's `all_warmup_microbatches`)."""
+    total = m * vpp
+    if m == pp:
+        return total
+    return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
+
+
+def exchange_groups(schedule: str, pp: int, rank: int, m: int, vpp: int = 1) -> list[list[Action]]:
+    """A rank's actions between two blocking pipeline exchanges, as Megatron-LM's schedules run them:
+    one action each, except the interleaved schedule's steady state, which runs a forward and a
+    backward and then exchanges for both (`send_forward_backward_recv_forward_backward`)."""
+    acts = pipeline_order(schedule, pp, m, vpp)[rank]
+    if schedule != "interleaved-1f1b":
+        return [[a] for a in acts]
+    warmup = _interleaved_warmup(pp, rank, m, vpp)
+    steady_end = warmup + 2 * (m * vpp - warmup)
+    groups = [[a] for a in acts[:warmup]]
+    groups += [acts[k:k + 2] for k in range(warmup, steady_end, 2)]
+    return groups + [[a] for a in acts[steady_end:]]
 
 
 def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, list[Action]]:

@@ -249,6 +249,7 @@ CORE = [
     ("gpt-tiny", "tp=2,sp=1,recompute=full"),
     ("gpt-tiny", "dp=2,pp=2,gbs=8,grad_overlap=0"),  # gradients reduced after the backward (Megatron 2021)
     ("gpt-tiny", "tp=2,pp=2,vpp=2,gbs=4,p2p_overlap=0"),  # blocking pipeline exchanges (Megatron-LM)
+    ("gpt-tiny", "pp=2,vpp=2,gbs=2,p2p_overlap=0"),  # as many micro-batches as stages: all forwards first
     ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0"),
     ("gpt-tiny", "tp=2,gbs=2,flash_attention=0"),  # unfused attention: Q.K^T, softmax, P.V
 ]

@@ -2,12 +2,12 @@
 import pytest
 
 from simexec.errors import PlanError
-from simexec.schedules import Action, format_order, pipeline_order
+from simexec.schedules import Action, exchange_groups, format_order, pipeline_order
 
 
 @pytest.mark.parametrize("schedule,pp,m,vpp", [
     ("gpipe", 4, 6, 1), ("1f1b", 4, 6, 1), ("1f1b", 2, 1, 1), ("interleaved-1f1b", 2, 4, 2),
-    ("interleaved-1f1b", 4, 8, 3),
+    ("interleaved-1f1b", 4, 8, 3), ("interleaved-1f1b", 4, 4, 2),
 ])
 def test_every_unit_runs_once_and_forward_precedes_backward(schedule, pp, m, vpp):
     order = pipeline_order(schedule, pp, m, vpp)
@@ -45,6 +45,29 @@ def test_interleaved_matches_megatron_order_for_two_ranks_two_chunks():
     # warm-up 2*(p-1-0) + (v-1)*p = 4 forwards: chunk 0 mb 0,1 then chunk 1 mb 0,1.
     actions = pipeline_order("interleaved-1f1b", 2, 4, 2)[0]
     assert [str(a) for a in actions[:6]] == ["0F0", "0F1", "1F0", "1F1", "0F2", "1B0"]
+
+
+def test_interleaved_runs_every_forward_first_when_micro_batches_equal_stages():
+    # Megatron-LM: `num_microbatches == pipeline_parallel_size` sets all_warmup_microbatches
+    for rank, actions in pipeline_order("interleaved-1f1b", 4, 4, 2).items():
+        assert [a.kind for a in actions] == ["F"] * 8 + ["B"] * 8
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(2, 4, 2), (4, 8, 3), (4, 4, 2)])
+def test_exchange_groups_pair_only_the_interleaved_steady_state(pp, m, vpp):
+    for rank in range(pp):
+        acts = pipeline_order("interleaved-1f1b", pp, m, vpp)[rank]
+        groups = exchange_groups("interleaved-1f1b", pp, rank, m, vpp)
+        assert [a for g in groups for a in g] == acts
+        first_b = next(n for n, a in enumerate(acts) if a.kind == "B")
+        pairs = [g for g in groups if len(g) == 2]
+        assert all(g[0].kind == "F" and g[1].kind == "B" for g in pairs)
+        if pairs:  # the steady state: from the forward before the first backward, every forward pairs
+            assert pairs[0] == [acts[first_b - 1], acts[first_b]]
+            assert len(pairs) == sum(1 for a in acts[first_b - 1:] if a.kind == "F")
+        else:  # all forwards first
+            assert all(a.kind == "F" for a in acts[:first_b]) and all(a.kind == "B" for a in acts[first_b:])
+    assert all(len(g) == 1 for g in exchange_groups("1f1b", 4, 0, 8))
 
 
 def test_interleaved_needs_micro_batches_divisible_by_pp():

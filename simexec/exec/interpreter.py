@@ -1244,22 +1244,19 @@ class _Rank:
             (self.d if grad else self.env)[key] = w
 
     def pipeline_gather(self, ins: Instr, g) -> None:
-        """The pieces of a pipeline message, all-gathered over tp into the whole tensor (in tp order)."""
+        """The pieces of a pipeline message, all-gathered over tp into the whole tensor (a tp group
+        lists its ranks in tp order, so the pieces land in the order they were cut)."""
         boundary = self.rp.stage_layers[ins.chunk * self.plan.pp + self.coords["pp"]]
         b = boundary[-1] + 1 if ins.block == "grad_gather" else boundary[0]
         piece = self.read(("piece", b, ins.mb))
         del self.env[("piece", b, ins.mb)]
-        n = len(ins.group)
-        out = torch.empty(n * piece.numel(), dtype=piece.dtype, device=piece.device)
+        out = torch.empty(len(ins.group) * piece.numel(), dtype=piece.dtype, device=piece.device)
         work = self.comm.all_gather(out, piece, group=g, async_op=True)
-        order = [self.rp.mesh.coords(r)["tp"] for r in ins.group]  # the group's ranks in rank order
         shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
         key, grad = ("x", b, ins.mb), ins.block == "grad_gather"
 
         def finish():
-            parts = out.chunk(n)
-            whole = torch.cat([parts[order.index(j)] for j in range(n)]) if order != sorted(order) else out
-            self._deliver(key, whole.view(shape), grad)
+            self._deliver(key, out.view(shape), grad)
 
         w = self._issue(ins, [work], finish)
         (self.d if grad else self.env)[key] = w

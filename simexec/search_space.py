@@ -34,8 +34,9 @@ recompute_layers   all layers, or half of the layers of a virtual stage (recompu
 Kept at the plan's defaults (they change the arithmetic, not just the split): dtype (bf16),
 flash_attention, bucket_mb, rank_order; and what describes the training software rather than the
 split, which could only cost time or memory: grad_overlap (reducing the gradients after the backward
-is never faster than overlapping them with it), grad_fp32 and master_grads (Megatron-LM's gradient
-layout: more bytes per parameter, more gradient traffic). `fix` pins any field of `Plan` to one value, inside or
+is never faster than overlapping them with it), p2p_overlap (nor is waiting for pipeline sends),
+grad_fp32 and master_grads (Megatron-LM's gradient layout: more bytes per parameter, more gradient
+traffic). `fix` pins any field of `Plan` to one value, inside or
 outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...).
 
 The space factors into *structures* (everything that shapes the compute and the activations: tp,

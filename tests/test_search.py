@@ -171,10 +171,11 @@ def test_bounds_never_exceed_the_simulation_of_megatron_2021_knobs():
 
 def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
     free = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048))
-    assert all(p.grad_overlap and not p.grad_fp32 and not p.master_grads for p in free)
+    assert all(p.grad_overlap and p.p2p_overlap and not p.grad_fp32 and not p.master_grads for p in free)
     fixed = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048,
-                       parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1")))
-    assert len(fixed) == len(free) and all(not p.grad_overlap and p.grad_fp32 and p.master_grads for p in fixed)
+                       parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1,p2p_overlap=0")))
+    assert len(fixed) == len(free)
+    assert all(not p.grad_overlap and p.grad_fp32 and p.master_grads and not p.p2p_overlap for p in fixed)
 
 
 def test_time_bound_is_at_least_the_flops_bound():

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
+from simexec.plan import load_plan  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
 
 SEQ = 2048
@@ -137,6 +138,18 @@ def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
     return plan
 
 
+def megatron_spec(params_b: float, heads: int, hidden: int, layers: int) -> ModelSpec:
+    """The `megatron-*` preset of that size, or the same GPT built from its shape."""
+    name = megatron_name(params_b)
+    try:
+        model = get_model(name)
+        if (model.heads, model.hidden, model.layers) == (heads, hidden, layers):
+            return model
+    except Exception:  # noqa: BLE001 - no preset of that name
+        pass
+    return megatron_model(heads, hidden, layers, name)
+
+
 def predict_megatron(params_b: float, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int,
                      global_batch: int) -> tuple[float, SimResult, str, str]:
     """Achieved TFLOP/s per GPU (eq. 3) of a Megatron-LM GPT run on DGX A100-80GB nodes, by the rule.
@@ -144,13 +157,7 @@ def predict_megatron(params_b: float, heads: int, hidden: int, layers: int, tp: 
     Returns (TFLOP/s per GPU, the simulation result, plan, cluster)."""
     if gpus % 8:
         raise ValueError(f"{gpus} GPUs is not a whole number of DGX A100 nodes (8 GPUs each)")
-    name = megatron_name(params_b)
-    try:
-        model = get_model(name)
-        if (model.heads, model.hidden, model.layers) != (heads, hidden, layers):
-            raise KeyError(name)
-    except Exception:  # no preset of that shape: build the same GPT
-        model = megatron_model(heads, hidden, layers, name)
+    model = megatron_spec(params_b, heads, hidden, layers)
     plan = megatron_plan(layers, tp, pp, gpus, global_batch)
     cluster = f"{gpus // 8}xdgx-a100-80g"
     res = simulate(model, cluster, plan, SEQ)
@@ -166,26 +173,21 @@ AUTHORS_MBS_VPP = {"megatron-1.7b": (16, 1), "megatron-3.6b": (16, 1), "megatron
                    "megatron-1t": (1, 1)}
 
 
-def authors_table() -> str:
+def authors_table(log=print) -> None:
     """Table 1 predicted with the authors' micro-batch and interleaving instead of the rule
-    (docs/validation.md, finding 7): markdown rows."""
-    lines = ["| row | authors' mbs, vpp (run_table_1.sh) | micro-batches | bubble | predicted | error |",
-             "| --- | --- | ---: | ---: | ---: | ---: |"]
+    (docs/validation.md, finding 7), as markdown rows."""
+    log("| row | authors' mbs, vpp (run_table_1.sh) | micro-batches | bubble | predicted | error |")
+    log("| --- | --- | ---: | ---: | ---: | ---: |")
     for params_b, heads, hidden, layers, tp, pp, gpus, gbs, published in TABLE1:
         name = megatron_name(params_b)
         mbs, vpp = AUTHORS_MBS_VPP[name]
-        model = megatron_model(heads, hidden, layers, name)
-        fields = dict(kv.split("=", 1) for kv in megatron_plan(layers, tp, pp, gpus, gbs).split(",stages=")[0].split(","))
-        fields.update(mbs=str(mbs), vpp=str(vpp))
-        plan = ",".join(f"{k}={v}" for k, v in fields.items())
+        model = megatron_spec(params_b, heads, hidden, layers)
+        plan = load_plan(megatron_plan(layers, tp, pp, gpus, gbs)).model_copy(update=dict(mbs=mbs, vpp=vpp))
         res = simulate(model, f"{gpus // 8}xdgx-a100-80g", plan, SEQ)
         tflops = eq3_flops(gbs, SEQ, layers, hidden, model.vocab) / res.step_time_s / gpus / 1e12
-        micro = gbs // int(fields["dp"]) // mbs
         bubble = res.breakdown_s.get("pipeline_bubble", 0.0) / res.step_time_s
-        lines.append(f"| {name} | {mbs}, {vpp} | {micro} | {100 * bubble:.1f}% | {tflops:.1f} | "
-                     f"{100 * (tflops / published - 1):+.1f}% |")
-        print(lines[-1], flush=True)
-    return "\n".join(lines)
+        log(f"| {name} | {mbs}, {vpp} | {gbs // plan.dp // mbs} | {100 * bubble:.1f}% | {tflops:.1f} | "
+            f"{100 * (tflops / published - 1):+.1f}% |")
 
 
 def megatron_rows(table: Iterable[tuple] = TABLE1, source: str = SC21_T1, suffix: Callable[[tuple], str] = None,

@@ -196,10 +196,11 @@ class _RankLowering:
 
     def comm_groups(self) -> list[list[Action]]:
         """The actions between two blocking pipeline exchanges (`simexec.schedules.exchange_groups`);
-        with p2p_overlap, the grouping changes nothing."""
-        if self.p.pp == 1:
+        one each where sends do not block (they are lowered alike)."""
+        if self.p.pp == 1 or self.p.p2p_overlap:
             return [[a] for a in self.actions]
-        return exchange_groups(self.p.schedule_name, self.p.pp, self.pp_rank, self.m, self.p.vpp)
+        p = self.p
+        return exchange_groups(self.actions, p.schedule_name, p.pp, self.pp_rank, self.m, p.vpp)
 
     def receive_input(self, act: Action) -> None:
         """The recv (and gather) of an action's input, once: a stage's activations, or the gradient

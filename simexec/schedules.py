@@ -77,11 +77,12 @@ def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
 
-def exchange_groups(schedule: str, pp: int, rank: int, m: int, vpp: int = 1) -> list[list[Action]]:
-    """A rank's actions between two blocking pipeline exchanges, as Megatron-LM's schedules run them:
-    one action each, except the interleaved schedule's steady state, which runs a forward and a
-    backward and then exchanges for both (`send_forward_backward_recv_forward_backward`)."""
-    acts = pipeline_order(schedule, pp, m, vpp)[rank]
+def exchange_groups(acts: list[Action], schedule: str, pp: int, rank: int, m: int,
+                    vpp: int = 1) -> list[list[Action]]:
+    """A rank's actions (`pipeline_order(...)[rank]`) between two blocking pipeline exchanges, as
+    Megatron-LM's schedules run them: one action each, except the interleaved schedule's steady
+    state, which runs a forward and a backward and then exchanges for both
+    (`send_forward_backward_recv_forward_backward`)."""
     if schedule != "interleaved-1f1b":
         return [[a] for a in acts]
     warmup = _interleaved_warmup(pp, rank, m, vpp)

@@ -57,7 +57,7 @@ def test_interleaved_runs_every_forward_first_when_micro_batches_equal_stages():
 def test_exchange_groups_pair_only_the_interleaved_steady_state(pp, m, vpp):
     for rank in range(pp):
         acts = pipeline_order("interleaved-1f1b", pp, m, vpp)[rank]
-        groups = exchange_groups("interleaved-1f1b", pp, rank, m, vpp)
+        groups = exchange_groups(acts, "interleaved-1f1b", pp, rank, m, vpp)
         assert [a for g in groups for a in g] == acts
         first_b = next(n for n, a in enumerate(acts) if a.kind == "B")
         pairs = [g for g in groups if len(g) == 2]
@@ -67,7 +67,7 @@ def test_exchange_groups_pair_only_the_interleaved_steady_state(pp, m, vpp):
             assert len(pairs) == sum(1 for a in acts[first_b - 1:] if a.kind == "F")
         else:  # all forwards first
             assert all(a.kind == "F" for a in acts[:first_b]) and all(a.kind == "B" for a in acts[first_b:])
-    assert all(len(g) == 1 for g in exchange_groups("1f1b", 4, 0, 8))
+    assert all(len(g) == 1 for g in exchange_groups(pipeline_order("1f1b", 4, 8)[0], "1f1b", 4, 0, 8))
 
 
 def test_interleaved_needs_micro_batches_divisible_by_pp():

@@ -1205,8 +1205,14 @@ class _Rank:
         first layer, or the one after its last (L = the head's input)."""
         stage = ins.chunk * self.plan.pp + self.coords["pp"]
         layers = self.rp.stage_layers[stage]
-        outgoing = (ins.kind == "send") == (ins.block == "act")  # act sent / grad received: stage output
+        what = ins.block.removesuffix("_gather")
+        outgoing = (ins.kind == "send") == (what == "act")  # act sent / grad received: stage output
         return layers[-1] + 1 if outgoing else layers[0]
+
+    @property
+    def _message_shape(self) -> tuple[int, int, int]:
+        """A pipeline message's whole tensor: this rank's activation at a stage boundary."""
+        return (self.plan.mbs, self.tokens_res, self.m.hidden)
 
     def p2p(self, ins: Instr) -> None:
         if ins.block == "kv":
@@ -1226,12 +1232,11 @@ class _Rank:
                     del self.env[k]
         else:
             grad = ins.block == "grad"
-            shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
             if slices > 1:  # a piece, all-gathered over tp by the next instruction (`pipeline_gather`)
-                buf = torch.empty(math.prod(shape) // slices, dtype=self.dtype, device=self.device)
+                buf = torch.empty(math.prod(self._message_shape) // slices, dtype=self.dtype, device=self.device)
                 key, grad = ("piece",) + key[1:], False
             else:
-                buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+                buf = torch.empty(self._message_shape, dtype=self.dtype, device=self.device)
             work = self.comm.irecv(buf, ins.peer, tag=tag)
             sent = self._send_release.get(ins.name, ())
 
@@ -1246,17 +1251,15 @@ class _Rank:
     def pipeline_gather(self, ins: Instr, g) -> None:
         """The pieces of a pipeline message, all-gathered over tp into the whole tensor (a tp group
         lists its ranks in tp order, so the pieces land in the order they were cut)."""
-        boundary = self.rp.stage_layers[ins.chunk * self.plan.pp + self.coords["pp"]]
-        b = boundary[-1] + 1 if ins.block == "grad_gather" else boundary[0]
+        b = self._boundary(ins)
         piece = self.read(("piece", b, ins.mb))
         del self.env[("piece", b, ins.mb)]
         out = torch.empty(len(ins.group) * piece.numel(), dtype=piece.dtype, device=piece.device)
         work = self.comm.all_gather(out, piece, group=g, async_op=True)
-        shape = (self.plan.mbs, self.tokens_res, self.m.hidden)
         key, grad = ("x", b, ins.mb), ins.block == "grad_gather"
 
         def finish():
-            self._deliver(key, out.view(shape), grad)
+            self._deliver(key, out.view(self._message_shape), grad)
 
         w = self._issue(ins, [work], finish)
         (self.d if grad else self.env)[key] = w

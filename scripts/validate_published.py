@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
-from simexec.plan import load_plan  # noqa: E402
+from simexec.plan import Plan, balanced_stages, load_plan  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
 
 SEQ = 2048
@@ -288,6 +288,17 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
                                    "source": base.source + "; network: 4x Omni-Path 100 Gb/s per node"})
 
 
+def bloom_recipe(model: ModelSpec, tp: int, pp: int) -> dict:
+    """What Megatron-DeepSpeed (BigScience, 2022) ran BLOOM with, for one (tp, pp): bf16, ZeRO-1, full
+    recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
+    non-interleaved pipeline with blocking sends and the gradients reduced after the backward, and
+    its 'type:transformer|embedding' partition (`balanced_stages`: 5,6,...,6,5 on 12 stages)."""
+    stages = balanced_stages(model.layers, pp) if pp > 1 else None
+    return dict(tp=tp, pp=pp, vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none",
+                recompute="full", recompute_layers=None, flash_attention=False, dtype="bf16",
+                bucket_mb=WHOLE_BUFFER_MB, p2p_overlap=False, stages=stages)
+
+
 def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[dict]:
     """tr11-176B-ml.slurm: tp 4, pp 12, micro-batch 2, global batch 2048, bf16, ZeRO-1 (DeepSpeed's
     BF16 optimizer), --checkpoint-activations, Megatron's fused softmax (no FlashAttention), DeepSpeed's
@@ -298,9 +309,7 @@ def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[
     if only and not only(name):
         return []
     model, cluster = bloom_model(), jean_zay(48)
-    stages = ",".join(str(x) for x in [5] + [6] * 10 + [5])
-    plan = (f"tp=4,pp=12,dp=8,mbs=2,gbs=2048,zero=1,recompute=full,flash_attention=0,dtype=bf16,"
-            f"bucket_mb={WHOLE_BUFFER_MB:g},p2p_overlap=0,stages={stages}")
+    plan = Plan(**bloom_recipe(model, 4, 12), dp=8, mbs=2, gbs=2048).to_string()
     res = simulate(model, cluster, plan, SEQ)
     tflops = eq3_flops(2048, SEQ, model.layers, model.hidden, model.vocab) / res.step_time_s / 384 / 1e12
     out = [row(name, BLOOM_SRC, TFLOPS, 150.0, tflops, model=model.name, cluster=cluster.name, plan=plan,

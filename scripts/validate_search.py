@@ -1,4 +1,4 @@
-"""Does the plan search find the published plans of Megatron-LM SC'21 Table 1, and do at least as well?
+"""Does the plan search find published plans (Megatron-LM SC'21 Table 1, BLOOM-176B), and do at least as well?
 
     python scripts/validate_search.py                                 # every row, a table on stdout
     python scripts/validate_search.py --rows 1.7b,3.6b,7.5b           # a few rows
@@ -13,6 +13,9 @@ its global batch, sequence 2048):
     (tp, pp) must fit, and "rank among the top": its best plan within `TOLERANCE` of the best plan's
     step time (the simulator's median error on Table 1 is 3.0%, docs/validation.md; closer plans
     are a tie to the simulator's accuracy). Its rank among the pairs is reported as well.
+The same checks run for BLOOM-176B (BigScience 2022: 384 A100-80GB, global batch 2048, tp 4, pp 12),
+under what Megatron-DeepSpeed ran it with (`bloom_recipe` in validate_published.py: bf16, ZeRO-1, its
+uneven pipeline partition) instead of the 2021 knobs.
 (b) With every parallelism and memory knob free (the same kernels: fp16, unfused attention, as the
     published run had), the best plan must be at least as fast as the published pair's best.
 
@@ -38,18 +41,22 @@ from simexec.model import get_model  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
 from simexec.search_space import structures  # noqa: E402
-from validate_published import TABLE1_CSV, megatron_name, read_megatron_csv  # noqa: E402
+from validate_published import (TABLE1_CSV, bloom_model, bloom_recipe, jean_zay, megatron_name,  # noqa: E402
+                                read_megatron_csv)
 
 SEQ = 2048
 TOLERANCE = 0.05
 KERNELS = {"dtype": "fp16", "flash_attention": False}  # what the 2021 kernels computed, in every search
+BLOOM_KERNELS = {"dtype": "bf16", "flash_attention": False}
 # Megatron-LM 2021 (v2.x): local DDP all-reduces the gradients after the whole backward
 # (`model.allreduce_gradients()` in `train_step`; overlap came with --overlap-grad-reduce in 2023), and
 # its fp16 optimizer copies them to fp32 main gradients for the step (`main_param.grad =
 # main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer"). Its
 # pipeline messages block: `_communicate` waits on every request of `batch_isend_irecv`.
+# Megatron-LM 2021 splits the layers evenly over the stages (`num_layers % pipeline size == 0`).
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
-                 "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False}
+                 "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False,
+                 "stages": None}
 BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
 
 
@@ -58,8 +65,29 @@ def table1() -> list[dict]:
     rows = []
     for size, _heads, _hidden, _layers, tp, pp, gpus, gbs, _tflops in read_megatron_csv(TABLE1_CSV):
         rows.append({"name": megatron_name(size), "cluster": f"{gpus // 8}xdgx-a100-80g", "gpus": gpus,
-                     "gbs": gbs, "tp": tp, "pp": pp})
+                     "gbs": gbs, "tp": tp, "pp": pp, "recipe": "megatron-2021"})
     return rows
+
+
+def bloom() -> dict:
+    """BLOOM-176B (BigScience 2022, outside Table 1): 384 A100-80GB of Jean Zay, global batch 2048,
+    published tp 4, pp 12 (validate_published.py's BLOOM row); 70 layers, so pp 12 needs the uneven
+    split DeepSpeed made."""
+    return {"name": "bloom-176b", "cluster": "48xjean-zay-a100-80g", "gpus": 384, "gbs": 2048, "tp": 4, "pp": 12,
+            "recipe": "bloom-2022"}
+
+
+def rows_all() -> list[dict]:
+    return table1() + [bloom()]
+
+
+def row_setup(row: dict):
+    """(model, cluster, recipe(tp, pp) -> fixed knobs, knobs every plan of the row shares)."""
+    if row["recipe"] == "bloom-2022":
+        model = bloom_model()
+        shared = {k: v for k, v in bloom_recipe(model, 1, 1).items() if k not in ("tp", "pp", "stages")}
+        return model, jean_zay(48), lambda tp, pp: bloom_recipe(model, tp, pp), shared, BLOOM_KERNELS
+    return get_model(row["name"], seq_len=SEQ), get_cluster(row["cluster"]), knobs, MEGATRON_2021, KERNELS
 
 
 def knobs(tp: int, pp: int) -> dict:
@@ -71,9 +99,9 @@ def knobs(tp: int, pp: int) -> dict:
     return dict(MEGATRON_2021, tp=tp, pp=pp, grad_overlap=pp == 1)
 
 
-def pairs(model, cluster, gbs: int) -> list[tuple[int, int]]:
-    """Every (tp, pp) with at least one valid plan under the 2021 knobs."""
-    return sorted({(st.fields["tp"], st.fields["pp"]) for st in structures(model, cluster, gbs, SEQ, MEGATRON_2021)})
+def pairs(model, cluster, gbs: int, shared: dict = MEGATRON_2021) -> list[tuple[int, int]]:
+    """Every (tp, pp) with at least one valid plan under a recipe's shared knobs (the 2021 ones by default)."""
+    return sorted({(st.fields["tp"], st.fields["pp"]) for st in structures(model, cluster, gbs, SEQ, shared)})
 
 
 def _best(model, cluster, gbs: int, fix: dict, workers: int, limit: Optional[float] = None):
@@ -85,24 +113,24 @@ def _best(model, cluster, gbs: int, fix: dict, workers: int, limit: Optional[flo
 def check_row(row: dict, workers: int = 1) -> dict:
     """Criteria (a) and (b) for one row (see the module doc)."""
     t0 = time.perf_counter()
-    model, cluster = get_model(row["name"], seq_len=SEQ), get_cluster(row["cluster"])
+    model, cluster, recipe, shared, kernels = row_setup(row)
     gbs, pub = row["gbs"], (row["tp"], row["pp"])
-    published, sims = _best(model, cluster, gbs, knobs(*pub), workers)
+    published, sims = _best(model, cluster, gbs, recipe(*pub), workers)
     out = {**row, "fits": published is not None, "published_plan": published}
     if published is None:
         return {**out, "pass": False, "wall_s": time.perf_counter() - t0, "simulated": sims}
     p_step = published["step_time_s"]
     faster = []  # (step, tp, pp, plan): pairs whose best beats the published pair's
-    candidates = [pq for pq in pairs(model, cluster, gbs) if pq != pub]
+    candidates = [pq for pq in pairs(model, cluster, gbs, shared) if pq != pub]
     for tp, pp in candidates:
-        best, n = _best(model, cluster, gbs, knobs(tp, pp), workers, limit=p_step)
+        best, n = _best(model, cluster, gbs, recipe(tp, pp), workers, limit=p_step)
         sims += n
         if best is not None:
             faster.append((best["step_time_s"], tp, pp, best))
     faster.sort(key=lambda x: x[:3])
     best = faster[0][3] if faster else published
     gap = p_step / best["step_time_s"] - 1.0
-    free, n = _best(model, cluster, gbs, dict(KERNELS), workers, limit=p_step * (1 + 1e-9))
+    free, n = _best(model, cluster, gbs, dict(kernels), workers, limit=p_step * (1 + 1e-9))
     sims += n
     free = free or published  # nothing strictly faster: the published pair's plan is the best
     out.update(
@@ -130,13 +158,13 @@ def gain(best: dict, published: dict) -> str:
 def _short(plan: str) -> str:
     """A plan string without the knobs every plan of the row shares."""
     drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0", "grad_overlap=0", "master_grads=1",
-            "p2p_overlap=0")
+            "p2p_overlap=0", "bucket_mb=")
     return ",".join(p for p in plan.split(",") if not p.startswith(drop))
 
 
 def to_markdown(results: list[dict], command: str) -> str:
     lines = [BEGIN, "", f"Generated by `{command}`.", "",
-             "| row | GPUs | published tp x pp | fits | rank of (tp, pp) | published pair's best (s) | best 2021 plan "
+             "| row | GPUs | published tp x pp | fits | rank of (tp, pp) | published pair's best (s) | best plan, recipe pinned "
              "| best (s) | gap | within 5% | best, all knobs free (s) | at least as fast |",
              "| --- | ---: | --- | --- | --- | ---: | --- | ---: | ---: | --- | ---: | --- |"]
     for r in results:
@@ -156,7 +184,7 @@ def to_markdown(results: list[dict], command: str) -> str:
                   f"{sims} plans simulated in {wall:.0f} s."]
     misses = [r for r in results if r["fits"] and not r["ranks_among_top"]]
     if misses:
-        lines += ["", "What the best 2021 plan changes from the published pair's best, and what it saves "
+        lines += ["", "What the best plan (recipe pinned) changes from the published pair's best, and what it saves "
                       "(simulated breakdown, best - published):", ""]
         lines += [f"- {r['name']}: {gain(r['best_2021'], r['published_plan'])}" for r in misses]
     lines += ["", END]
@@ -175,7 +203,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--markdown", help="write the table into this file (between its markers)")
     ap.add_argument("--workers", type=int, default=1, help="local processes per search (default 1)")
     args = ap.parse_args(argv)
-    rows = table1()
+    rows = rows_all()
     if args.rows:
         keys = {k.strip().removeprefix("megatron-") for k in args.rows.split(",")}
         rows = [r for r in rows if r["name"].removeprefix("megatron-") in keys]

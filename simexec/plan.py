@@ -409,6 +409,26 @@ def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:
     return tuple(out)
 
 
+def balanced_stages(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
+    """Layers per (virtual) stage when the embedding and the output layer each count as one layer:
+    the first stage gives a layer to the embedding, the last to the head and loss, and the units left
+    over after an even split go to the middle stages, the last first (in 1F1B an earlier stage holds
+    more micro-batches' activations). This is the split of DeepSpeed's
+    `partition_method='type:transformer|embedding'` (BLOOM-176B: 70 layers on 12 stages, 5,6,...,6,5),
+    of Megatron-LM's `--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`
+    and of torchtitan's input and output weights of 1; Llama 3 405B drops a layer from both end
+    stages for the same reason. None when a stage would hold no layer."""
+    if n_stages < 2:
+        return None
+    base, extra = divmod(layers + 2, n_stages)
+    units = [base] * n_stages
+    order = list(range(n_stages - 2, 0, -1)) + [n_stages - 1, 0]
+    for i in order[:extra]:
+        units[i] += 1
+    counts = [u - (i == 0) - (i == n_stages - 1) for i, u in enumerate(units)]
+    return tuple(counts) if min(counts) >= 1 else None
+
+
 def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, seq: int) -> None:
     """The rules of parallel training, one `if` each."""
     def fail(msg: str) -> None:

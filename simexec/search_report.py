@@ -165,6 +165,10 @@ class SearchResult:
         if self.errors:
             first = self.error_examples[0] if self.error_examples else {}
             lines.append(f"  {self.errors} plan(s) failed to simulate, e.g. {first.get('plan')}: {first.get('error')}")
+        if not self.candidates and not self.interrupted:
+            lines.append(f"  no valid plan: every split of the {self.world} GPUs breaks a rule of `resolve` (dp*tp*cp*pp"
+                         f" = {self.world}, gbs {self.gbs} divisible by mbs*dp, heads by tp, ...); try another --gbs or --fix")
+            return "\n".join(lines)
         if not self.plans:
             lines.append(f"  no plan fits in {self.capacity_bytes / GiB:.1f} GiB")
             if self.closest:

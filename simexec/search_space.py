@@ -13,9 +13,13 @@ sp                 off, on (tp > 1 only)
 cp                 powers of two, keeping at least 1,024 tokens per rank (shorter chunks starve
                    the attention kernel), at most 32
 cp_impl            allgather, ring (cp > 1 only)
-pp                 every divisor of world/(tp*cp) that divides the layers evenly (no uneven
-                   `stages`: pass them with --fix)
+pp                 every divisor of world/(tp*cp) up to the layers
 vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B)
+stages             the even split when pp*vpp divides the layers, and the balanced split
+                   (`simexec.plan.balanced_stages`: the embedding and the head each count as a
+                   layer, as DeepSpeed, Megatron-LM and torchtitan can split) when it differs:
+                   without it a pp that does not divide the layers (BLOOM-176B: 70 layers, pp 12)
+                   has no plan, and with it the end stages stop being the pipeline's slowest
 schedule           pp = 1: none; vpp = 1: 1f1b, gpipe; vpp > 1: interleaved-1f1b
 dp                 what is left: world / (tp*cp*pp)
 ep                 MoE only: powers of two dividing the experts and dp
@@ -60,7 +64,7 @@ from typing import Iterator, Optional
 from simexec.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.model import ModelSpec
-from simexec.plan import Plan, ResolvedPlan, resolve
+from simexec.plan import Plan, ResolvedPlan, balanced_stages, resolve
 
 MBS = (1, 2, 4, 8)
 MIN_CP_CHUNK = 1024
@@ -72,7 +76,7 @@ STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
-    "offload", "mbs", "recompute", "recompute_layers", "gbs",
+    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages",
 }
 
 
@@ -141,7 +145,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
             if tp <= 0 or cp <= 0 or world % (tp * cp):
                 continue
             rest = world // (tp * cp)
-            pps = [p for p in _divisors(rest) if p <= model.layers and model.layers % p == 0]
+            pps = [p for p in _divisors(rest) if p <= model.layers]
             for pp in _choices(fix, "pp", pps):
                 if pp <= 0 or rest % pp:
                     continue
@@ -191,9 +195,23 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -
     return Structure(fields, good, rp, extra)
 
 
+def _stage_splits(model: ModelSpec, fix: dict, pp: int, vpp: int) -> list[Optional[tuple[int, ...]]]:
+    """Layers per virtual stage to try: None (the even split) when pp*vpp divides the layers, and the
+    balanced split when it exists and differs from the even one."""
+    if "stages" in fix:
+        return [fix["stages"]]
+    n = pp * vpp
+    out: list[Optional[tuple[int, ...]]] = [None] if model.layers % n == 0 else []
+    if pp > 1:
+        balanced = balanced_stages(model.layers, n)
+        if balanced is not None and len(set(balanced)) > 1:
+            out.append(balanced)
+    return out
+
+
 def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
-    layers_per_rank = model.layers // pp
-    vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 else [1]
+    layers_per_rank = model.layers // pp if model.layers % pp == 0 else 0
+    vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 and layers_per_rank else [1]
     for vpp in _choices(fix, "vpp", vpps):
         if pp == 1:
             scheds = [None]
@@ -201,24 +219,30 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
             scheds = [None, "gpipe"]  # None: 1f1b, the default
         else:
             scheds = [None]  # interleaved-1f1b, the default when vpp > 1
-        per_stage = model.layers // (pp * vpp) if pp * vpp > 0 else 0
-        for schedule in _choices(fix, "schedule", scheds):
-            for sp in _choices(fix, "sp", [False, True] if tp > 1 else [False]):
-                for cp_impl in _choices(fix, "cp_impl", ["allgather", "ring"] if cp > 1 else ["allgather"]):
-                    for ep in _choices(fix, "ep", _eps(model, dp)):
-                        for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
-                            for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
-                                if "recompute_layers" in fix:
-                                    rls = [fix["recompute_layers"]]
-                                elif recompute == "none":
-                                    rls = [None]
-                                else:
-                                    half = per_stage // 2
-                                    rls = [None] + ([half] if 1 <= half < per_stage else [])
-                                for rl in rls:
-                                    yield dict(dp=dp, tp=tp, sp=sp, cp=cp, cp_impl=cp_impl, pp=pp, vpp=vpp,
-                                               schedule=schedule, ep=ep, mbs=mbs, gbs=gbs, recompute=recompute,
-                                               recompute_layers=rl)
+        for stages in _stage_splits(model, fix, pp, vpp):
+            per_stage = min(stages) if stages else model.layers // (pp * vpp) if pp * vpp > 0 else 0
+            yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),
+                                    scheds, per_stage)
+
+
+def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
+    tp, cp, dp = split["tp"], split["cp"], split["dp"]
+    for schedule in _choices(fix, "schedule", scheds):
+        for sp in _choices(fix, "sp", [False, True] if tp > 1 else [False]):
+            for cp_impl in _choices(fix, "cp_impl", ["allgather", "ring"] if cp > 1 else ["allgather"]):
+                for ep in _choices(fix, "ep", _eps(model, dp)):
+                    for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
+                        for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
+                            if "recompute_layers" in fix:
+                                rls = [fix["recompute_layers"]]
+                            elif recompute == "none":
+                                rls = [None]
+                            else:
+                                half = per_stage // 2
+                                rls = [None] + ([half] if 1 <= half < per_stage else [])
+                            for rl in rls:
+                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
+                                           gbs=gbs, recompute=recompute, recompute_layers=rl)
 
 
 def _eps(model: ModelSpec, dp: int) -> list[int]:

@@ -10,7 +10,7 @@ import pytest
 from simexec.cluster import get_cluster
 from simexec.errors import PlanError, SimexecError, SpecError
 from simexec.model import MODELS
-from simexec.plan import Mesh, Plan, ResolvedPlan, load_plan, parse_plan, resolve
+from simexec.plan import Mesh, Plan, ResolvedPlan, balanced_stages, load_plan, parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = Path(__file__).parent / "data" / "published"  # copies of the published tables, sources inside
@@ -94,6 +94,19 @@ def test_stages_must_be_positive():
 def test_stages_allow_a_split_pp_does_not_divide():
     rp = ok(TINY, "local", "pp=3,stages=1,2,1")
     assert rp.stage_layers == ((0,), (1, 2), (3,))
+
+
+def test_balanced_stages_count_the_embedding_and_the_head_as_layers():
+    assert balanced_stages(70, 12) == (5,) + (6,) * 10 + (5,)  # BLOOM-176B on DeepSpeed's partition
+    assert balanced_stages(126, 16) == (7,) + (8,) * 14 + (7,)  # Llama 3 405B: one layer fewer at each end
+    assert balanced_stages(80, 8) == (9, 10, 10, 10, 10, 11, 11, 9)  # the spare units go to later stages
+    assert balanced_stages(4, 4) is None and balanced_stages(24, 1) is None  # an end stage would be empty
+    for layers in range(1, 60):
+        for n in range(2, layers + 1):
+            split = balanced_stages(layers, n)
+            if split is not None:
+                units = [c + (i == 0) + (i == n - 1) for i, c in enumerate(split)]
+                assert sum(split) == layers and min(split) >= 1 and max(units) - min(units) <= 1
 
 
 def test_gbs_divisible_by_mbs_times_dp():

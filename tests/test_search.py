@@ -74,7 +74,7 @@ def _raw_space(model, cluster, gbs, seq, fix=None):
             if cp > 1 and seq // cp < 1024 or world % (tp * cp):
                 continue
             rest = world // (tp * cp)
-            for pp in [p for p in range(1, rest + 1) if rest % p == 0 and model.layers % p == 0]:
+            for pp in [p for p in range(1, rest + 1) if rest % p == 0 and p <= model.layers]:
                 dp = rest // pp
                 for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
                     for state in _state_variants(fix, dp, tp, cp, gpn):
@@ -114,6 +114,24 @@ def test_space_covers_every_knob():
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
     assert seen["mbs"] == {1, 2, 4, 8} and seen["recompute"] == {"none", "selective", "full"}
     assert seen["recompute_layers"] - {None}
+    assert None in seen["stages"] and seen["stages"] - {None}  # the even split and the balanced one
+
+
+def test_space_splits_layers_unevenly_where_pp_does_not_divide_them():
+    """22 layers on 8 GPUs: pp 4 and 8 exist only with the balanced split; at pp 2 it is the even one."""
+    model = get_model("gpt3-1.3b").model_copy(update={"layers": 22})
+    cl = get_cluster("dgx-a100-80g")
+    splits = {}
+    for p in plans(model, cl, 16, 2048, {"mbs": 1, "recompute": "full", "zero": 0, "sp": False}):
+        splits.setdefault((p.pp, p.vpp), set()).add(p.stages)
+    assert splits[(4, 1)] == {(5, 6, 6, 5)} and splits[(8, 1)] == {(2, 3, 3, 3, 3, 3, 3, 2)}
+    assert splits[(2, 1)] == {None} and splits[(1, 1)] == {None}
+    pinned = {p.stages for p in plans(model, cl, 16, 2048, {"pp": 2, "stages": (11, 11), "mbs": 1})}
+    assert pinned == {(11, 11)}
+    res = search(model, cl, 16, seq_len=2048, fix={"pp": 4, "tp": 2, "mbs": 1, "zero": 0}, progress=False)
+    best = res.plans[0]
+    assert "stages=5,6,6,5" in best["plan"]
+    assert best["step_time_s"] == simulate(model, cl, best["plan"], 2048).step_time_s
 
 
 def test_fix_pins_fields_even_outside_the_space():
@@ -329,6 +347,11 @@ def test_nothing_fits_says_how_close():
     assert "no plan fits" in res.format()
 
 
+def test_no_valid_plan_says_so_rather_than_that_nothing_fits():
+    res = search(*SMALL[:2], 12, seq_len=2048, fix={"dp": 8}, workers=1, progress=False)
+    assert res.candidates == 0 and "no valid plan" in res.format() and "fits" not in res.format()
+
+
 # --- parallel, repeat, Ray, Ctrl-C ----------------------------------------------------------------
 
 
@@ -461,6 +484,17 @@ def test_megatron_table1_plan_ranks_among_the_top(name):
     r = _table1_check(name)
     assert r["ranks_among_top"], (f"published ({r['tp']}, {r['pp']}) ranks {r['rank']} of {r['pairs']}, "
                                   f"{100 * r['gap']:.1f}% slower than {r['best_2021']['plan']}")
+
+
+def test_bloom_published_pair_is_searched_with_deepspeeds_split():
+    """BLOOM-176B's tp 4 x pp 12 on 70 layers exists only with an uneven split (scripts/validate_search.py
+    runs the whole row: the published pair ranks first of 16, docs/validation.md)."""
+    row = vs.bloom()
+    model, cluster, recipe, shared, _ = vs.row_setup(row)
+    assert (4, 12) in vs.pairs(model, cluster, row["gbs"], shared)
+    assert recipe(4, 12)["stages"] == (5,) + (6,) * 10 + (5,)
+    # 384 GPUs and a global batch of 2048: pp must hold the factor 3, which 70 layers cannot split evenly
+    assert vs.pairs(model, cluster, row["gbs"], {**shared, "stages": None}) == []
 
 
 # --- published rankings: Megatron-LM SC'21 Figures 13-15 (scripts/validate_sweeps.py) ---------------

@@ -14,7 +14,8 @@ cp                 powers of two, keeping at least 1,024 tokens per rank (shorte
                    the attention kernel), at most 32
 cp_impl            allgather, ring (cp > 1 only)
 pp                 every divisor of world/(tp*cp) up to the layers
-vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B)
+vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B); 1
+                   alone when pp does not divide the layers
 stages             the even split when pp*vpp divides the layers, and the balanced split
                    (`simexec.plan.balanced_stages`: the embedding and the head each count as a
                    layer, as DeepSpeed, Megatron-LM and torchtitan can split) when it differs:
@@ -220,7 +221,7 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
         else:
             scheds = [None]  # interleaved-1f1b, the default when vpp > 1
         for stages in _stage_splits(model, fix, pp, vpp):
-            per_stage = min(stages) if stages else model.layers // (pp * vpp) if pp * vpp > 0 else 0
+            per_stage = min(stages) if stages else model.layers // (pp * vpp)
             yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),
                                     scheds, per_stage)
 

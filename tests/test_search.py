@@ -187,6 +187,17 @@ def test_bounds_never_exceed_the_simulation_of_megatron_2021_knobs():
         assert b.refine(c) <= r.step_time_s, c.plan_string
 
 
+def test_bounds_never_exceed_the_simulation_of_uneven_splits():
+    model, cl, cands = _candidates("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    uneven = [c for c in cands if "stages=" in c.plan_string]
+    assert uneven
+    b = Bounds(model, cl, 2048)
+    for c in random.Random(5).sample(uneven, 20):
+        r = simulate(model, cl, parse_plan(c.plan_string), 2048)
+        assert c.time_lb <= r.step_time_s and b.refine(c) <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+
+
 def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
     free = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048))
     assert all(p.grad_overlap and p.p2p_overlap and not p.grad_fp32 and not p.master_grads for p in free)

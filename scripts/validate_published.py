@@ -288,15 +288,18 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
                                    "source": base.source + "; network: 4x Omni-Path 100 Gb/s per node"})
 
 
+# What Megatron-DeepSpeed (BigScience, 2022) ran BLOOM with, whatever the (tp, pp): bf16, ZeRO-1, full
+# recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
+# non-interleaved pipeline with blocking sends and the gradients reduced after the backward.
+BLOOM_2022 = dict(vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none", recompute="full",
+                  recompute_layers=None, flash_attention=False, dtype="bf16", bucket_mb=WHOLE_BUFFER_MB,
+                  p2p_overlap=False)
+
+
 def bloom_recipe(model: ModelSpec, tp: int, pp: int) -> dict:
-    """What Megatron-DeepSpeed (BigScience, 2022) ran BLOOM with, for one (tp, pp): bf16, ZeRO-1, full
-    recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
-    non-interleaved pipeline with blocking sends and the gradients reduced after the backward, and
-    its 'type:transformer|embedding' partition (`balanced_stages`: 5,6,...,6,5 on 12 stages)."""
-    stages = balanced_stages(model.layers, pp) if pp > 1 else None
-    return dict(tp=tp, pp=pp, vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none",
-                recompute="full", recompute_layers=None, flash_attention=False, dtype="bf16",
-                bucket_mb=WHOLE_BUFFER_MB, p2p_overlap=False, stages=stages)
+    """`BLOOM_2022` for one (tp, pp), with DeepSpeed's 'type:transformer|embedding' partition
+    (`balanced_stages`: 5,6,...,6,5 on 12 stages)."""
+    return dict(BLOOM_2022, tp=tp, pp=pp, stages=balanced_stages(model.layers, pp) if pp > 1 else None)
 
 
 def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[dict]:

@@ -254,7 +254,7 @@ def cmd_search(args) -> int:
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)
-    return 0
+    return 1 if not result.candidates and not result.interrupted else 0  # no valid plan: a bad gbs or fix
 
 
 def cmd_execute(args) -> int:

@@ -358,9 +358,14 @@ def test_nothing_fits_says_how_close():
     assert "no plan fits" in res.format()
 
 
-def test_no_valid_plan_says_so_rather_than_that_nothing_fits():
+def test_no_valid_plan_says_so_rather_than_that_nothing_fits(capsys):
+    from simexec.cli import main
+
     res = search(*SMALL[:2], 12, seq_len=2048, fix={"dp": 8}, workers=1, progress=False)
     assert res.candidates == 0 and "no valid plan" in res.format() and "fits" not in res.format()
+    assert main(["search", "--model", SMALL[0], "--cluster", SMALL[1], "--gbs", "12", "--fix", "dp=8",
+                 "--workers", "1"]) == 1
+    assert "no valid plan" in capsys.readouterr().out
 
 
 # --- parallel, repeat, Ray, Ctrl-C ----------------------------------------------------------------

@@ -14,7 +14,8 @@ table goes to stdout, `DIR/validation.json` and, with --markdown, between the ma
 
 --refit DIR measures nothing: it fits both profiles again from an earlier run's raw micro-benchmark
 timings and traces in DIR and predicts its runs again (after a change of the cost model), rewriting
-DIR's profiles and validation.json.
+DIR's profiles and validation.json. DIR can also be a recording of `scripts/record_traces.py`
+(`traces/local`, the measurements behind docs/calibration.md): it is copied to --out first.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate_eval import (  # noqa: E402
-    MATRIX, refit, repeatability, run_validation, save_outcome, summary_table, table,
+    MATRIX, from_recording, refit, repeatability, run_validation, save_outcome, summary_table, table,
 )
 from simexec.errors import SimexecError  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
@@ -82,6 +83,8 @@ def main(argv=None) -> int:
     try:
         if args.refit:
             out = Path(args.refit)
+            if (out / "manifest.json").is_file() and not (out / "validation.json").is_file():
+                out = from_recording(out, Path(args.out), args.name)
             outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress)
         else:
             out = Path(args.out)

@@ -412,6 +412,35 @@ def save_outcome(outcome: Outcome, out_dir: Path) -> Path:
     return path
 
 
+def from_recording(traces_dir: Path, out_dir: Path, name: str = "local") -> Path:
+    """A validation directory (what `run_validation` leaves) rebuilt from a recording of
+    `scripts/record_traces.py` (`traces/<name>`: its manifest, traces and raw micro-benchmark timings,
+    with `traces/profiles/<name>-*.json`), so that `refit` can fit and predict the committed
+    measurements again without measuring."""
+    import shutil
+
+    from simexec.trace import load_json, save_json
+
+    traces_dir, out_dir = Path(traces_dir), Path(out_dir)
+    manifest = load_json(traces_dir / "manifest.json", "recording manifest")
+    specs = {s.name: s for s in MATRIX}
+    (out_dir / "traces").mkdir(parents=True, exist_ok=True)
+    (out_dir / "profiles").mkdir(parents=True, exist_ok=True)
+    runs = []
+    for r in manifest["runs"]:
+        spec = specs.get(r["name"]) or PlanSpec(r["name"], r["model"], r["plan"], r["role"], r.get("dims", ""))
+        shutil.copy(traces_dir / r["file"], out_dir / "traces" / r["file"])
+        runs.append({"spec": asdict(spec), "round": r["round"],
+                     "trace_path": str((out_dir / "traces" / r["file"]).resolve()), "step_s": r["step_time_s"],
+                     "steps_s": r["step_times_s"], "peak": r["peak_memory_bytes_per_rank"],
+                     "background": r.get("background_cores")})
+    shutil.copy(traces_dir / "microbench.json.gz", out_dir / "microbench.json.gz")
+    profile = traces_dir.parent / "profiles" / f"{name}-microbench.json"
+    shutil.copy(profile, out_dir / "profiles" / profile.name)
+    save_json({"summary": manifest["summary"], "rows": [], "runs": runs}, out_dir / "validation.json")
+    return out_dir
+
+
 def load_outcome(out_dir: Path) -> Outcome:
     """An outcome saved by `save_outcome` (with its profiles), to keep or report it again."""
     from simexec.trace import load_json

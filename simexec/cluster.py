@@ -90,6 +90,9 @@ class CostParams(_Spec):
     compute_contention: float = Field(
         1.0, ge=1.0, description="ranks per core-set sharing compute (CPU ranks on shared cores); 1 on GPUs"
     )
+    collective_threads: int = Field(
+        1, ge=1, description="collectives of one process group in flight at once: NCCL runs a communicator's "
+        "on one stream (1); gloo hands a group's async collectives to 2 worker threads (ProcessGroupGloo's default)")
     workspace_bytes: float = Field(ge=0, description="runtime context + library workspaces per device")
     allocator_overhead: float = Field(ge=0, description="caching-allocator fragmentation, fraction of dynamic bytes")
     # --- CPU ranks sharing one host's cores (the `local` cluster; simexec.sim.host). Off unless
@@ -212,11 +215,13 @@ _HOPPER_NODE = dict(
 
 # The `local` cluster: CPU ranks on this host. Its numbers are placeholders of the right order
 # (one AVX2 core: ~50 GFLOP/s fp32; DDR4 ~20 GB/s; loopback gloo ~2 GB/s) until
-# `simexec calibrate` measures the machine and writes a profile.
+# `simexec calibrate` measures the machine and writes a profile. Its ranks talk gloo, whose process
+# groups run two async collectives at once (`collective_threads`): that is the backend, not a fit.
 _LOCAL_COSTS = CostParams(
     gemm_eff=0.5, gemm_half_flops=5e6, attention_eff=0.25, attention_half_flops=5e6,
     memory_eff=0.5, intra_bw_eff=0.5, inter_bw_eff=0.5, host_link_eff=0.5,
     collective_latency_s=100e-6, overlap_slowdown=1.3, workspace_bytes=0.0, allocator_overhead=0.0,
+    collective_threads=2,
 )
 
 PRESETS: dict[str, ClusterSpec] = {

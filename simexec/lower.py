@@ -120,6 +120,8 @@ class _RankLowering:
         self.z3_pending: list[tuple[int, int, int]] = []  # grad_overlap=0: ZeRO-3 units (unit, mb, chunk) to reduce
         self.grad_colls: list[str] = []
         self.gathers: dict[tuple, list[str]] = {}
+        # yafsdp: the reduce-scatter still reading each (class, parity) gradient buffer
+        self.z3_busy: dict[tuple[str, int], str] = {}
 
     # --- emit ----------------------------------------------------------------------------------------
     def _emit(self, ins: Instr) -> str:
@@ -168,12 +170,24 @@ class _RankLowering:
         return None
 
     def tp(self, block: str, phase: str, layer: int, mb: int, chunk: int, nbytes: float) -> None:
-        """One of Megatron's f/g collectives (or nothing where that side is the identity)."""
+        """One of Megatron's f/g collectives (or nothing where that side is the identity). Under sp a g
+        and the next f meet with no compute between (reduce-scatter, then all-gather of its result):
+        the second waits on the first, which a backend running two collectives at once must know."""
         fwd_op, bwd_op = _TP_OPS[block][1 if self.p.sp else 0]
         verb = bwd_op if phase == "bwd" else fwd_op
         if verb:
-            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, (self.last_compute(),),
+            deps = (self.last_compute(), self.tp_since_compute())
+            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, deps,
                       phase=phase, block=block, layer=layer, mb=mb, chunk=chunk)
+
+    def tp_since_compute(self) -> Optional[str]:
+        """The tensor-parallel collective emitted after the last compute, if any."""
+        for ins in reversed(self.out):
+            if ins.kind == "compute":
+                return None
+            if ins.kind == "collective" and ins.axis == "tp":
+                return ins.name
+        return None
 
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
@@ -482,6 +496,9 @@ class _RankLowering:
         n = self.coll(tag + ".experts", "allgather", "edp", self.g_edp, expert * dt, deps, phase=phase,
                       block="gather", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         names.append(n)
+        if self.p.zero3_flavour == "yafsdp" and phase == "bwd":
+            # the backward accumulates into the parity's gradient buffer: its last reduce-scatter first
+            names += [self.z3_busy.pop((cls, unit % 2), None) for cls in ("dense", "expert")]
         self.gathers[(unit, phase, mb)] = [n for n in names if n]
 
     def prefetch(self, units: list[int], phase: str, mb: int, c: int) -> None:
@@ -538,6 +555,9 @@ class _RankLowering:
         b = self.coll(tag + ".experts", "reducescatter", "edp", self.g_edp, expert * gdt, (after,), phase="bwd",
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         self.grad_colls += [n for n in (a, b) if n]
+        for cls, n in (("dense", a), ("expert", b)):
+            if n and self.p.zero3_flavour == "yafsdp":
+                self.z3_busy[(cls, unit % 2)] = n
         if self.p.zero3_flavour == "fsdp":
             self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
                         deps=tuple(n for n in (a, b) if n))

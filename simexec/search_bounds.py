@@ -12,11 +12,11 @@ the lowering itself builds:
   collectives the compute stream waits on (tensor-parallel f/g, context-parallel K/V, expert
   all-to-all) and the pipeline messages; then the last gradient reduction, the optimizer step
   (or its offload round trip) and the ZeRO-1/2 parameter all-gather. Also: the ZeRO stream's
-  collectives run one after another, and compute runs `overlap_slowdown` slower while they are
-  in flight. At least total FLOPs / (world x peak x best efficiency).
+  collectives take at least their summed time over its `collective_threads`, and compute runs
+  `overlap_slowdown` slower while they are in flight. At least total FLOPs / (world x peak x best efficiency).
 - refined time (for plans the first bound does not rule out): the schedule replayed action by
   action (`simexec.schedules.pipeline_order`), under ZeRO-3 unit by unit with the parameter
-  gathers (two ahead) and gradient reduce-scatters taking turns on their stream.
+  gathers (two ahead) and gradient reduce-scatters taking turns on their stream's threads.
 
 Contention, slowdowns and every wait the bounds leave out only add time, so they stay below the
 simulator (tests/test_search.py holds them to that on hundreds of plans).
@@ -144,6 +144,7 @@ class Bounds:
         self.workspace = cluster.costs.workspace_bytes
         self.dyn = 1.0 + cluster.costs.allocator_overhead
         self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
+        self.threads = max(1, int(getattr(cluster.costs, "collective_threads", 1) or 1))
 
     def cm(self, dtype: str):
         cm = self._cm.get(dtype)
@@ -172,15 +173,27 @@ class Bounds:
         return c.time_lb
 
 
-def _zero3_pass(units: list, te: float, tt: float, cf: float, arr: float) -> tuple[float, float, float]:
+def _slot(free: list[float], ready: float, seconds: float) -> float:
+    """A collective on a stream whose `len(free)` threads are free at the (sorted) times `free`: it
+    starts on the first free one, once `ready`; returns its end (and books the thread)."""
+    start = free[0] if free[0] > ready else ready
+    end = start + seconds
+    free[0] = end
+    free.sort()
+    return end
+
+
+def _zero3_pass(units: list, te: float, tt: float, cf: list[float], arr: float) -> tuple[float, float, list[float]]:
     """One forward or backward pass under ZeRO-3 (see `_StructureBounds._replay`): `te` the end of
-    the rank's previous compute, `tt` the collective closing it, `cf` when the ZeRO stream is free,
-    `arr` when the pass's pipeline message arrives. Returns the three after the pass."""
+    the rank's previous compute, `tt` the collective closing it, `cf` when each of the ZeRO stream's
+    collective threads is free (a FIFO of that many servers: a collective no slower and issued no
+    later starts no later), `arr` when the pass's pipeline message arrives. Returns the three after
+    the pass."""
     n = len(units)
+    cf = list(cf)
     g_end = [0.0] * n
     for j in range(min(2, n)):  # prefetched at the start of the pass: no dependency
-        cf += units[j][3]
-        g_end[j] = cf
+        g_end[j] = _slot(cf, 0.0, units[j][3])
     for j, (opening, body, closing, _, rs) in enumerate(units):
         start = te + tt + opening
         if arr > start:
@@ -191,10 +204,9 @@ def _zero3_pass(units: list, te: float, tt: float, cf: float, arr: float) -> tup
         te = start + body
         tt = closing
         if rs > 0.0:  # this unit's gradients
-            cf = (cf if cf > te else te) + rs
+            _slot(cf, te, rs)
         if j + 2 < n:  # the gather two units ahead, into the buffer this unit frees
-            cf = (cf if cf > te else te) + units[j + 2][3]
-            g_end[j + 2] = cf
+            g_end[j + 2] = _slot(cf, te, units[j + 2][3])
     return te, tt, cf
 
 
@@ -668,7 +680,7 @@ class _StructureBounds:
         zshard (ZeRO-3 over dp, or over dp_shard groups of that size when > 0): actions go unit by
         unit. Each pass gathers its first two units' parameters up front and unit j+2's once unit j
         has computed; a unit computes once its gather is done; a backward unit's gradients are
-        reduce-scattered after it; the gathers and reduce-scatters take turns on one stream."""
+        reduce-scattered after it; the gathers and reduce-scatters take turns on their stream's threads."""
         from simexec.schedules import pipeline_order
 
         pp, V, m = self.pp, self.V, self.m
@@ -682,7 +694,7 @@ class _StructureBounds:
         ptr = [0] * pp
         t_end = [0.0] * pp
         t_tail = [0.0] * pp
-        c_free = [0.0] * pp  # when the rank's ZeRO stream is free
+        c_free = [[0.0] * self.b.threads for _ in range(pp)]  # when each ZeRO stream thread is free
         units = None
         if zshard is not None:
             units = {(r, c): self._unit_costs(r, c, zshard) for r in range(pp) for c in range(self.vpp)}
@@ -722,7 +734,7 @@ class _StructureBounds:
                 ptr[r], t_end[r], t_tail[r], c_free[r] = i, te, tt, cf
             if not moved:  # cannot happen for the schedules simexec builds; keep the first bound
                 return [(0.0, 0.0, 0.0)] * pp
-        return list(zip(t_end, t_tail, c_free))
+        return list(zip(t_end, t_tail, [max(cf) for cf in c_free]))
 
     def bounds(self, state: tuple) -> tuple[float, float, float]:
         """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""
@@ -735,7 +747,7 @@ class _StructureBounds:
             rest = (red if red > tl[r] else tl[r]) + after
             x = lc[r] + rest
             fixed, per_mb = busy[r]
-            z = fixed + m * per_mb
+            z = (fixed + m * per_mb) / self.b.threads  # its threads share the stream's work
             if z > x:
                 x = z
             # Compute runs 1/overlap_slowdown slower while a transfer of the rank is in flight, and the

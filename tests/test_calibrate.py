@@ -164,6 +164,23 @@ def test_dispatch_table_matches_the_executor(model):
     assert not diff, f"refresh simexec.sim.host.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
 
 
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "cp=2,gbs=2"), ("moe-tiny", "cp=2,gbs=2"),
+                                        ("gpt-tiny", "cp=2,cp_impl=ring,gbs=2"),
+                                        ("gpt-tiny", "cp=2,cp_impl=ring,gbs=2,dtype=fp32")])
+def test_context_parallel_attention_counts_match_the_executor(model, plan):
+    """Under cp the executor runs another attention block; the simulator counts its operators."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.model import get_model
+    from simexec.plan import parse_plan
+    from simexec.sim.host import dispatch_key, dispatch_table
+
+    got = count_dispatch_plan(model, plan)
+    p = parse_plan(plan)
+    table = dispatch_table(dispatch_key(get_model(model)), cp=p.cp, cp_impl=p.cp_impl, dtype=p.dtype)
+    for k in ("fwd.attn", "bwd.attn"):
+        assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
+
+
 def test_moe_loops_count_the_local_experts():
     """Expert parallelism leaves each rank a share of the routed experts: its loop is shorter."""
     from simexec.sim.host import MOE_LOOP_OPS, dispatch_table

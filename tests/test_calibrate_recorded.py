@@ -68,6 +68,21 @@ def test_recorded_microbenchmarks_fit_again():
     assert abs(report["gemm"]["rel_err"][-1]) < 0.3
 
 
+def test_a_recording_becomes_a_validation_directory_to_refit(tmp_path):
+    """`validate_calibration.py --refit traces/local` starts from the recording: every run, its trace
+    copied beside it, the raw micro-benchmarks and their profile."""
+    from simexec.calibrate_eval import from_recording, load_outcome
+
+    out = from_recording(DIR, tmp_path / "v")
+    outcome = load_outcome(out)
+    runs = manifest()["runs"]
+    assert len(outcome.runs) == len(runs)
+    assert {r.spec.role for r in outcome.runs} == {"calibrate", "heldout"}
+    assert all(Path(r.trace_path).is_file() and Path(r.trace_path).parent == out / "traces" for r in outcome.runs)
+    assert outcome.runs[0].step_s == runs[0]["step_time_s"]
+    assert (out / "microbench.json.gz").is_file() and "microbench" in outcome.profiles
+
+
 GPU = ROOT / "traces" / "gpu"
 
 

@@ -178,6 +178,27 @@ def test_yafsdp_preallocates_two_buffers_and_fsdp_allocates_per_unit():
     assert [i.name for i in ya] == ["mem.alloc.yafsdp.params", "mem.alloc.yafsdp.grads"]
 
 
+def test_yafsdp_backward_waits_for_the_last_reduce_scatter_out_of_its_gradient_buffer():
+    """Two gradient buffers by layer parity: before a layer's backward accumulates into one, the
+    reduce-scatter of the layer two above (that buffer's last user) must have read it out."""
+    prog = _program("gpt-tiny", "dp=2,zero=3,zero_impl=yafsdp,gbs=2").ranks[0]
+    by = {i.name: i for i in prog}
+    assert "bwd.grads.L3.m0" in by["bwd.fc2.L1.m0"].deps
+    assert "bwd.grads.L2.m0" in by["bwd.fc2.L0.m0"].deps
+    fsdp = {i.name: i for i in _program("gpt-tiny", "dp=2,zero=3,gbs=2").ranks[0]}
+    assert not any(d.startswith("bwd.grads") for d in fsdp["bwd.fc2.L1.m0"].deps)
+
+
+def test_sequence_parallel_collectives_that_meet_wait_on_each_other():
+    """Under sp a reduce-scatter and the all-gather of its result meet with no compute between: the
+    second names the first (a backend that runs two collectives at once must not start it early)."""
+    sp = {i.name: i for i in _program("gpt-tiny", "tp=2,sp=1,gbs=1").ranks[0]}
+    assert "fwd.attn_out.L0.m0" in sp["fwd.mlp_in.L0.m0"].deps
+    assert "bwd.mlp_in.L1.m0" in sp["bwd.attn_out.L1.m0"].deps
+    plain = {i.name: i for i in _program("gpt-tiny", "tp=2,gbs=1").ranks[0]}
+    assert all(plain[d].kind == "compute" for i in plain.values() if i.axis == "tp" for d in i.deps)
+
+
 def test_full_recompute_reruns_the_forward_of_recompute_layers_only():
     prog = _program("gpt-tiny", "pp=2,gbs=2,recompute=full,recompute_layers=1")
     for rank, instrs in prog.ranks.items():

@@ -102,3 +102,44 @@ def test_waiting_on_a_memory_instruction_waits_on_its_predecessor():
                  group=(0, 1), axis="dp")
     _, times = engine({0: [gemm(0, "a"), mem, ar], 1: [peer]})
     assert times["0:ar"][0] == times["0:a"][1] == times["0:m"][0]
+
+
+def _threads(n: int):
+    return A100.model_copy(update={"costs": A100.costs.model_copy(update={"collective_threads": n})})
+
+
+def _dp_collectives(r, deps_of=None):
+    def ar(name, nbytes=1e8, deps=()):
+        return Instr(rank=r, name=name, kind="collective", stream="comm.dp", op="allreduce@dp", bytes=nbytes,
+                     group=(0, 1), axis="dp", deps=deps)
+
+    free = Instr(rank=r, name="free", kind="memory", stream="comm.dp", op="free", bytes=1e8, category="buffers",
+                 deps=("a",))
+    return [ar("a"), free, ar("b", 1e6), ar("c", deps=(deps_of or {}).get("c", ())), gemm(r, "g", deps=("c",))]
+
+
+def test_one_collective_at_a_time_per_stream_by_default():
+    """NCCL runs a communicator's collectives one after another: each starts when the one before ends."""
+    _, times = engine({r: _dp_collectives(r) for r in (0, 1)})
+    assert times["0:b"][0] == times["0:a"][1]
+    assert times["0:c"][0] == times["0:b"][1]
+
+
+def test_a_concurrent_stream_keeps_collective_threads_in_flight():
+    """With two collective threads (gloo) a collective starts beside the one before it, the next
+    when one of the two has ended; a memory marker that waits on a collective still waits for it."""
+    _, times = engine({r: _dp_collectives(r) for r in (0, 1)}, cluster=_threads(2))
+    assert times["0:b"][0] == times["0:a"][0] == 0.0
+    assert times["0:b"][1] < times["0:a"][1]  # the small one, started second, ends first
+    assert times["0:c"][0] == pytest.approx(times["0:b"][1])  # a slot frees when b ends
+    assert times["0:free"][0] == times["0:a"][1]
+    assert times["0:g"][0] == times["0:c"][1]
+    serial, _ = engine({r: _dp_collectives(r) for r in (0, 1)})
+    assert max(times["0:g"]) < max(serial.end)
+
+
+def test_a_collective_that_waits_on_one_in_flight_starts_when_it_ends():
+    """A collective that consumes another's result (sp's reduce-scatter, then all-gather) waits for it
+    on a concurrent stream too."""
+    _, times = engine({r: _dp_collectives(r, {"c": ("a",)}) for r in (0, 1)}, cluster=_threads(2))
+    assert times["0:c"][0] == times["0:a"][1]

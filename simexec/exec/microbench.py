@@ -375,44 +375,108 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
 
 
 # --- dispatch counts (the simulator's DISPATCH table) ------------------------------------------------------
+class _OpCount:
+    """Counts aten operators dispatched in this thread (a TorchDispatchMode, made on first use)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _Count(TorchDispatchMode):
+            n = 0
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.n += 1
+                return func(*args, **(kwargs or {}))
+
+        return _Count()
+
+
+class _CountTracer:
+    """A tracer that keeps, per `<phase>.<block>` compute instruction, the operators it dispatched
+    (the last micro-batch's where they differ)."""
+
+    def __init__(self, cnt):
+        self.cnt, self.open, self.out = cnt, {}, {}
+
+    def begin(self, ins, step):
+        self.open[ins.name] = self.cnt.n
+
+    def end(self, ins, step):
+        n0 = self.open.pop(ins.name, None)
+        if n0 is not None and ins.kind == "compute" and ins.block not in ("optim", "cpu_optim"):
+            self.out[f"{ins.phase}.{ins.block}"] = self.cnt.n - n0
+
+    def counter(self, *a):
+        pass
+
+
 def count_dispatch(model="gpt-tiny") -> dict[str, int]:
     """Aten operators each `<phase>.<block>` instruction of a one-rank step dispatches (the last
     micro-batch's count where they differ), in this process. `model` is a preset name or a ModelSpec;
     the count depends on its features, not its sizes (`simexec.sim.host.dispatch_key`), so a large
     model is counted on a copy shrunk to a few MB (`shrunk`)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class _Count(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.n += 1
-            return func(*args, **(kwargs or {}))
-
-    class _Tracer:
-        def __init__(self, cnt):
-            self.cnt, self.open, self.out = cnt, {}, {}
-
-        def begin(self, ins, step):
-            self.open[ins.name] = self.cnt.n
-
-        def end(self, ins, step):
-            n0 = self.open.pop(ins.name, None)
-            if n0 is not None and ins.kind == "compute" and ins.block not in ("optim", "cpu_optim"):
-                self.out[f"{ins.phase}.{ins.block}"] = self.cnt.n - n0
-
-        def counter(self, *a):
-            pass
-
     from simexec.model import get_model
 
     spec = get_model(model) if isinstance(model, str) else model
     rp, instrs = _one_rank_program(shrunk(spec))
-    cnt = _Count()
-    tr = _Tracer(cnt)
+    cnt = _OpCount()
+    tr = _CountTracer(cnt)
     with cnt:
         run_rank(rp, instrs, steps=1, groups=None, tracer=tr, device=torch.device("cpu"))
     return tr.out
+
+
+def count_dispatch_plan(model: str, plan: str, timeout_s: float = 120.0) -> dict[str, int]:
+    """`count_dispatch` for a plan of several ranks (context parallelism changes the attention block):
+    its ranks run one step as spawned gloo processes on 127.0.0.1; rank 0's counts."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from simexec.cluster import get_cluster
+    from simexec.model import get_model
+    from simexec.plan import parse_plan, resolve
+
+    world = resolve(get_model(model), get_cluster("local"), parse_plan(plan)).world
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=_count_rank, args=(r, world, port, model, plan, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return out.get(timeout=timeout_s)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+
+
+def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) -> None:
+    from simexec.cluster import get_cluster
+    from simexec.exec.groups import GroupTable, group_specs
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import parse_plan, resolve
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
+        prog = lower(rp, symmetric=False)
+        groups = GroupTable(group_specs(rp, prog), rank, timeout_s=60)
+        cnt = _OpCount()
+        tr = _CountTracer(cnt)
+        with cnt:
+            run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=tr, device=torch.device("cpu"))
+        if rank == 0:
+            out.put(tr.out)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
 
 
 def shrunk(model):

@@ -2,10 +2,13 @@
 
 A stream runs its instructions in order; each waits for its `deps` (same rank, other streams).
 Collectives start when every present member of the group has issued them (matched by name and
-group). A send and its recv are a rendezvous: the message moves once both are posted, a recv being
-posted when its rank's thread gets past the compute before it in program order; neither blocks its
-stream (isend / irecv), and whoever needs the data waits on the recv's end. Memory instructions take
-no time. Every instruction's start and end are recorded in two flat arrays.
+group). A communication stream (`comm.<axis>`, one process group) holds up to
+`costs.collective_threads` collectives in flight: NCCL runs a communicator's one after another on
+one CUDA stream, gloo hands a group's async collectives to two worker threads, so one started
+behind a slow one can finish first. A send and its recv are a rendezvous: the message moves once
+both are posted, a recv being posted when its rank's thread gets past the compute before it in
+program order; neither blocks its stream (isend / irecv), and whoever needs the data waits on the
+recv's end. Memory instructions take no time. Every instruction's start and end are recorded in two flat arrays.
 
 What an instruction costs is not decided here: a `Machine` (see `simexec.sim.machine`) prices
 compute and turns transfers into phases over shared links (`simexec.sim.network.Fluid`).
@@ -61,6 +64,31 @@ class _Match:
         self.xfer_start = -1.0
 
 
+class _Flight:
+    """The collectives a concurrent stream has in flight; `freed()` fires when one of them ends."""
+
+    __slots__ = ("env", "n", "slot")
+
+    def __init__(self, env):
+        self.env, self.n, self.slot = env, 0, None
+
+    def add(self, done: Event, finished) -> None:
+        self.n += 1
+
+        def ended(_ev):
+            finished()
+            self.n -= 1
+            slot, self.slot = self.slot, None
+            if slot is not None:
+                _fire(slot)
+
+        done.callbacks.append(ended)
+
+    def freed(self) -> Event:
+        self.slot = Event(self.env)
+        return self.slot
+
+
 class _Transfer:
     """Phases of one transfer run back to back on the fluid network; then `done` fires."""
 
@@ -109,6 +137,8 @@ class Engine:
     def _load(self, program: Program) -> None:
         """Flatten the program: global index per instruction, cross-stream deps, matches, costs."""
         m = self.machine
+        slots = max(1, int(getattr(m.cluster.costs, "collective_threads", 1) or 1))
+        self.slots = slots
         instrs: list[Instr] = []
         for rank in sorted(program.ranks):
             instrs.extend(program.ranks[rank])
@@ -125,7 +155,7 @@ class Engine:
         present = set(program.ranks)
         needed_of: dict[tuple[int, ...], int] = {}
         memory: list[int] = []  # memory instructions, in program order
-        anchor_of: dict[int, int] = {}  # memory instr not visited -> its stream predecessor (-1: none)
+        anchor_of: dict[int, int] = {}  # memory instr not visited -> the instruction it ends with (-1: none)
         signals: set[int] = set()
         cost_cache: dict[tuple[str, float, float], float] = {}
         work_of, host_work = m.work, m.host_work
@@ -142,7 +172,9 @@ class Engine:
                 seq = seqs.get(st)
                 if seq is None:
                     seq = seqs[st] = streams[(rank, st)] = []
+                concurrent = slots > 1 and st.startswith("comm.")
                 deps = ins.deps
+                last_coll = -1  # (concurrent stream) the last collective of this stream it waits on
                 if deps:
                     out = None
                     for dname in deps:
@@ -154,7 +186,10 @@ class Engine:
                             d = anchor_of[d]
                             if d < 0:
                                 continue
-                        if instrs[d].stream != st:
+                        same_coll = concurrent and instrs[d].stream == st and instrs[d].kind == "collective"
+                        if same_coll:
+                            last_coll = max(last_coll, d)
+                        if instrs[d].stream != st or same_coll:
                             if out is None:
                                 out = [d]
                             else:
@@ -179,7 +214,9 @@ class Engine:
                 kind[k] = kd
                 if kd == MEMORY:
                     memory.append(k)
-                    if xdeps[k]:
+                    if last_coll >= 0:  # it happens when that collective ends, holding no thread
+                        anchor_of[k] = last_coll
+                    elif xdeps[k] or concurrent:  # (on a concurrent stream its predecessor may still run)
                         seq.append(k)
                     else:
                         anchor_of[k] = seq[-1] if seq else -1
@@ -270,6 +307,8 @@ class Engine:
         slow = self._slow
         cores = self.cores
         proc = holder[0]
+        slots = self.slots if self.instrs[seq[0]].stream.startswith("comm.") else 1
+        flight = _Flight(env) if slots > 1 else None
         i, n = 0, len(seq)
         while i < n:
             k = seq[i]
@@ -371,6 +410,12 @@ class Engine:
                         ranks = machine.comm_ranks(ins)
                         self._comm_begin(ranks)
                         self._start(ins, machine.collective(ins), ranks, done)
+                if flight is not None:  # the next one may start while this one runs
+                    flight.add(done, lambda k=k: self._finished(k))
+                    if flight.n >= slots:
+                        yield flight.freed()
+                    i += 1
+                    continue
             elif kd == SEND or kd == RECV:
                 # A message moves once both ends have posted it (NCCL's send/recv and gloo's pairs
                 # are rendezvous), and neither end's stream waits for it: later messages are posted
@@ -400,6 +445,8 @@ class Engine:
             yield done
             self._finished(k)
             i += 1
+        while flight is not None and flight.n:
+            yield flight.freed()
 
     # --- compute chains --------------------------------------------------------------------------
 

@@ -92,6 +92,14 @@ DISPATCH: dict[str, dict[str, int]] = {
 # routed experts (`experts`) or the shared experts (`moe_out`). Counted at 4 + 1 shared (moe-tiny),
 # 8 + 0 (Mixtral-style) and 256 + 1 (DeepSeek-V3's counts, shrunk): the same two numbers fit all.
 MOE_LOOP_OPS = {"fwd.experts": (16, 5), "bwd.experts": (6, 26), "fwd.moe_out": (14, 6), "bwd.moe_out": (14, 26)}
+# Context parallelism runs another attention block (counted on gpt-tiny and moe-tiny at cp 2 and 4,
+# rank 0): the all-gather flavour builds the load-balanced causal mask of its query chunks against
+# the gathered keys (16 + 3 cp operators forward); the ring runs flash attention per K/V chunk and
+# merges the chunks by log-sum-exp, in fp32 under 16-bit types (its instructions cover every hop).
+CP_ATTN_OPS = {
+    "allgather": lambda cp, half: {"fwd.attn": 16 + 3 * cp, "bwd.attn": 10},
+    "ring": lambda cp, half: {"fwd.attn": 62 if half else 58, "bwd.attn": 68 if half else 62},
+}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 DEFAULT_OPS = 12  # a block no table knows
 
@@ -106,20 +114,23 @@ def dispatch_key(model) -> str:
     return "-".join(parts)
 
 
-def dispatch_table(key: str, ep: int = 1) -> dict[str, int]:
+def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather",
+                   dtype: str = "fp32") -> dict[str, int]:
     """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
-    borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds."""
+    borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds, the
+    attention block of context parallelism `cp` in `dtype`."""
     dense, _, moe = key.partition("-moe")
-    if not moe:
-        return DISPATCH.get(key, DISPATCH[DEFAULT_TABLE])
-    table = dict(DISPATCH.get(dense, DISPATCH[DEFAULT_TABLE]))
-    table.update(DISPATCH.get(dense + "-moe", DISPATCH["rmsnorm-swiglu-rope-moe"]))
-    experts, shared = int(moe.split("x")[0]), int(moe.split("+")[1])
-    local = math.ceil(experts / max(1, ep))
-    for block, n in (("experts", local), ("moe_out", shared)):
-        for phase in ("fwd", "bwd"):
-            fixed, per = MOE_LOOP_OPS[f"{phase}.{block}"]
-            table[f"{phase}.{block}"] = fixed + per * n
+    table = dict(DISPATCH.get(key if not moe else dense, DISPATCH[DEFAULT_TABLE]))
+    if moe:
+        table.update(DISPATCH.get(dense + "-moe", DISPATCH["rmsnorm-swiglu-rope-moe"]))
+        experts, shared = int(moe.split("x")[0]), int(moe.split("+")[1])
+        local = math.ceil(experts / max(1, ep))
+        for block, n in (("experts", local), ("moe_out", shared)):
+            for phase in ("fwd", "bwd"):
+                fixed, per = MOE_LOOP_OPS[f"{phase}.{block}"]
+                table[f"{phase}.{block}"] = fixed + per * n
+    if cp > 1:
+        table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
     return table
 
 
@@ -239,8 +250,10 @@ class HostCosts:
         self.background = getattr(c, "background_load", 0.0)
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
+        plan = _plan_of(program)
         self.table = dispatch_table(program.meta.get("dispatch") or (
-            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE), _plan_ep(program))
+            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE), _plan_ep(program),
+            plan.cp if plan is not None else 1, plan.cp_impl if plan is not None else "allgather", dtype)
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 

@@ -52,7 +52,9 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
          specs=None, steps: int = STEPS, max_nfev: int = 25) -> dict:
     """Run the demo; returns the summary (also written to out_dir/summary.json)."""
     from simexec.calibrate import CalibrationError, _jsonable, fit_traces, make_profile, save_profile
-    from simexec.calibrate_eval import DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, runnable
+    from simexec.calibrate_eval import (
+        DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, runnable, world_of,
+    )
     from simexec.calibrate_runs import Session
     from simexec.cluster import get_cluster
 
@@ -67,7 +69,9 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
     specs, skipped = runnable(specs or DEMO)
     if not specs:
         raise CalibrationError("demo: the executor runs none of the demo's plans")
-    bar = _Progress(total=len(specs) + 6, enabled=progress)
+    # stages: the preset's predictions, the micro-benchmarks, a warm-up per world size, each plan,
+    # the calibration, the calibrated predictions, the plots
+    bar = _Progress(total=len(specs) + len({world_of(s) for s in specs}) + 5, enabled=progress)
     cluster = get_cluster("local")
     timings = {}
     try:

@@ -663,6 +663,7 @@ def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -
 
 def _case(trace, where: str) -> _Case:
     from simexec.model import ModelSpec, get_model
+    from simexec.trace import ends_when_waited
 
     meta = trace.meta
     if meta.get("kind") != "measured":
@@ -681,19 +682,12 @@ def _case(trace, where: str) -> _Case:
             if e.kind in ("compute", "copy") and e.dur_us > 0 and not e.name.startswith(("optim.", "host."))}
     # a send's measured time runs from isend to the wait at the end of the step: not the transfer's;
     # nor is a gloo reduce-scatter's (its work reports completion only once waited)
-    waited = _ends_when_waited(meta)
+    waited = ends_when_waited(meta)
     comm = {e.id: e.dur_us for e in trace.events
             if e.kind in ("collective", "recv") and e.dur_us > 0 and e.op.partition("@")[0] not in waited}
     peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
     return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
                  meta.get("background_load"), meta.get("machine"))
-
-
-def _ends_when_waited(meta: dict) -> tuple[str, ...]:
-    """Collectives whose measured end is when the executor waited for them, not when they finished:
-    gloo (CPU ranks) runs a reduce-scatter as an all-reduce on a worker thread and copies the slice
-    out in `wait()`, and until then its work does not report completion."""
-    return ("reducescatter",) if (meta.get("machine") or {}).get("device") == "cpu" else ()
 
 
 def cases_machine(cases: Sequence[_Case]) -> Optional[dict]:

@@ -7,7 +7,8 @@ program fingerprint, plan or model, or no id in common) and reports
 - **step time**: signed relative error `(predicted - measured) / measured` of the summary's
   `step_time_s` (or, when a trace has none, the span of its events);
 - **op classes and streams**: for matched events with a measured duration > 0 (memory markers
-  take no time and are left out), the absolute percentage error
+  take no time and are left out, and so are collectives whose measured end is when the executor
+  waited for them, `simexec.trace.ends_when_waited`: gloo's reduce-scatters), the absolute percentage error
   `APE = |predicted - measured| / measured` (a measured duration twice the predicted one is
   50%, half of it 100%), its median and 90th percentile, the count, and the median ratio
   predicted / measured (below 1: the simulator is optimistic);
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from simexec.errors import TraceError
-from simexec.trace import Event, Trace
+from simexec.trace import Event, Trace, ends_when_waited
 
 _TOL_US = 1e-3  # a nanosecond: events closer than this are simultaneous
 
@@ -307,6 +308,10 @@ class Comparison:
         if o:
             lines.append(f"durations: {o['count']} matched events, median APE {o['median_ape']:.1%}, "
                          f"p90 {o['p90_ape']:.1%}, median predicted/measured {o['median_ratio']:.2f}")
+        waited = self.unmatched.get("ends_when_waited") or {}
+        if waited.get("count"):
+            lines.append(f"left out: {waited['count']} {', '.join(waited['ops'])} events, whose measured end "
+                         f"is when the executor waited for them (gloo)")
         for title, table in (("op class", self.op_class_errors), ("stream", self.stream_errors)):
             if not table:
                 continue
@@ -368,6 +373,17 @@ def matched_pairs(predicted: Trace, measured: Trace, rmap: Optional[dict[int, in
     return out
 
 
+def _waited(m: Event, ops: tuple[str, ...]) -> bool:
+    return m.kind == "collective" and m.op.partition("@")[0] in ops
+
+
+def timed_pairs(pairs: list[tuple[Event, Event]], measured: Trace) -> list[tuple[Event, Event]]:
+    """The matched pairs whose durations compare: measured for some time, not memory markers, and
+    not collectives whose measured end is when the executor waited for them (`ends_when_waited`)."""
+    ops = ends_when_waited(measured.meta)
+    return [(p, m) for p, m in pairs if m.kind != "memory" and m.dur_us > 0 and not _waited(m, ops)]
+
+
 def _group(pairs: Iterable[tuple[Event, Event]], key) -> dict[str, dict]:
     groups: dict[str, list[tuple[float, float]]] = {}
     for p, m in pairs:
@@ -380,7 +396,8 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     the id lists in the result (counts are always complete)."""
     rmap = check_pair(predicted, measured)
     pairs = matched_pairs(predicted, measured, rmap)
-    timed = [(p, m) for p, m in pairs if m.kind != "memory" and m.dur_us > 0]
+    timed = timed_pairs(pairs, measured)
+    waited = [m for _, m in pairs if _waited(m, ends_when_waited(measured.meta))]
 
     sp, src_p = step_time_s(predicted)
     sm, src_m = step_time_s(measured)
@@ -441,7 +458,8 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     only_p, only_m = sorted(all_p - all_m), sorted(all_m - all_p)
     unmatched = {"predicted_only": only_p[:max_ids], "measured_only": only_m[:max_ids],
                  "predicted_only_count": len(only_p), "measured_only_count": len(only_m),
-                 "matched": len(all_p & all_m)}
+                 "matched": len(all_p & all_m),
+                 "ends_when_waited": {"count": len(waited), "ops": sorted({m.op for m in waited})}}
 
     return Comparison(_label(predicted, "predicted"), _label(measured, "measured"), step, op_errors,
                       stream_errors, kind_errors, overall, critical, memory, unmatched, worst_events)

@@ -319,10 +319,9 @@ def plot_memory(traces: Sequence[Trace], out=None, *, max_ranks: int = MAX_RANKS
 # --- durations --------------------------------------------------------------------------------------
 def plot_durations(predicted: Trace, measured: Trace, out=None, *, title: Optional[str] = None):
     """Predicted against measured duration of every matched instruction, log-log, with y = x."""
-    from simexec.compare import _error_stats, matched_pairs
+    from simexec.compare import _error_stats, matched_pairs, timed_pairs
 
-    pairs = [(p, m) for p, m in matched_pairs(predicted, measured)
-             if m.kind != "memory" and p.dur_us > 0 and m.dur_us > 0]
+    pairs = [(p, m) for p, m in timed_pairs(matched_pairs(predicted, measured), measured) if p.dur_us > 0]
     if not pairs:
         raise SimexecError("plot_durations: no matched events with a duration in both traces")
     classes = _class_order({_op_class(m) for _, m in pairs})

@@ -142,6 +142,16 @@ class Trace:
         return peak
 
 
+def ends_when_waited(meta: dict) -> tuple[str, ...]:
+    """Collectives whose measured end (in a trace the executor recorded) is when it waited for them,
+    not when they finished: gloo, on CPU ranks, runs a reduce-scatter as an all-reduce on a worker
+    thread and copies the slice out in `wait()`; until then its work does not report completion
+    (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer."""
+    if meta.get("kind") == "measured" and (meta.get("machine") or {}).get("device") == "cpu":
+        return ("reducescatter",)
+    return ()
+
+
 def save_json(data: dict, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

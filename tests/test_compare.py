@@ -54,6 +54,22 @@ def test_measured_half_predicted_is_100_percent_ape():
     assert c.step_time_error == pytest.approx(1.0)
 
 
+def test_gloo_reduce_scatters_measured_to_their_wait_are_left_out():
+    """On CPU ranks a gloo reduce-scatter reports completion only once waited: its measured span is
+    not its transfer, so its error is not reported; GPU traces keep theirs."""
+    def with_rs(kind, meta=None):
+        t = make(kind, meta=meta)
+        t.events = [replace(e, op="reducescatter@tp") if e.op == "allreduce@tp" else e for e in t.events]
+        return t
+
+    cpu = compare(with_rs("predicted"), with_rs("measured", {"machine": {"device": "cpu"}}))
+    assert "reducescatter@tp" not in cpu.op_class_errors and "comm.tp" not in cpu.stream_errors
+    assert cpu.to_json()["unmatched"]["ends_when_waited"] == {"count": 4, "ops": ["reducescatter@tp"]}
+    assert "left out: 4 reducescatter@tp events" in cpu.format()
+    gpu = compare(with_rs("predicted"), with_rs("measured", {"machine": {"device": "cuda"}}))
+    assert gpu.op_class_errors["reducescatter@tp"]["count"] == 4
+
+
 def test_median_and_p90_per_op_class():
     pred, meas = make("predicted", ranks=1, layers=10), make("measured", ranks=1, layers=10)
     attention = [e for e in meas.events if e.op == "attention"]

@@ -426,18 +426,30 @@ def from_recording(traces_dir: Path, out_dir: Path, name: str = "local") -> Path
     specs = {s.name: s for s in MATRIX}
     (out_dir / "traces").mkdir(parents=True, exist_ok=True)
     (out_dir / "profiles").mkdir(parents=True, exist_ok=True)
+    where = traces_dir / "manifest.json"
     runs = []
-    for r in manifest["runs"]:
-        spec = specs.get(r["name"]) or PlanSpec(r["name"], r["model"], r["plan"], r["role"], r.get("dims", ""))
-        shutil.copy(traces_dir / r["file"], out_dir / "traces" / r["file"])
-        runs.append({"spec": asdict(spec), "round": r["round"],
-                     "trace_path": str((out_dir / "traces" / r["file"]).resolve()), "step_s": r["step_time_s"],
-                     "steps_s": r["step_times_s"], "peak": r["peak_memory_bytes_per_rank"],
-                     "background": r.get("background_cores")})
-    shutil.copy(traces_dir / "microbench.json.gz", out_dir / "microbench.json.gz")
-    profile = traces_dir.parent / "profiles" / f"{name}-microbench.json"
-    shutil.copy(profile, out_dir / "profiles" / profile.name)
-    save_json({"summary": manifest["summary"], "rows": [], "runs": runs}, out_dir / "validation.json")
+    try:
+        for r in manifest["runs"]:
+            spec = specs.get(r["name"]) or PlanSpec(r["name"], r["model"], r["plan"], r["role"], r.get("dims", ""))
+            if not (traces_dir / r["file"]).is_file():
+                raise CalibrationError(f"recording manifest {where}: its trace {r['file']} is not in {traces_dir}")
+            shutil.copy(traces_dir / r["file"], out_dir / "traces" / r["file"])
+            runs.append({"spec": asdict(spec), "round": r["round"],
+                         "trace_path": str((out_dir / "traces" / r["file"]).resolve()), "step_s": r["step_time_s"],
+                         "steps_s": r["step_times_s"], "peak": r["peak_memory_bytes_per_rank"],
+                         "background": r.get("background_cores")})
+        summary = manifest["summary"]
+    except KeyError as exc:
+        raise CalibrationError(f"recording manifest {where}: a run or the manifest lacks {exc}") from None
+    except TypeError:
+        raise CalibrationError(f"recording manifest {where}: `runs` must be a list of objects") from None
+    for src, dst in ((traces_dir / "microbench.json.gz", out_dir / "microbench.json.gz"),
+                     (traces_dir.parent / "profiles" / f"{name}-microbench.json",
+                      out_dir / "profiles" / f"{name}-microbench.json")):
+        if not src.is_file():
+            raise CalibrationError(f"recording {traces_dir}: {src} is missing (scripts/record_traces.py writes it)")
+        shutil.copy(src, dst)
+    save_json({"summary": summary, "rows": [], "runs": runs}, out_dir / "validation.json")
     return out_dir
 
 

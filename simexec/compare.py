@@ -6,9 +6,10 @@ program fingerprint, plan or model, or no id in common) and reports
 
 - **step time**: signed relative error `(predicted - measured) / measured` of the summary's
   `step_time_s` (or, when a trace has none, the span of its events);
-- **op classes and streams**: for matched events with a measured duration > 0 (memory markers
-  take no time and are left out, and so are collectives whose measured end is when the executor
-  waited for them, `simexec.trace.ends_when_waited`: gloo's reduce-scatters), the absolute percentage error
+- **op classes, streams and blocks** (`<phase>.<block>`, in the JSON only): for matched events
+  with a measured duration > 0 (memory markers take no time and are left out, and so are
+  collectives whose measured end is when the executor waited for them,
+  `simexec.trace.ends_when_waited`: gloo's reduce-scatters), the absolute percentage error
   `APE = |predicted - measured| / measured` (a measured duration twice the predicted one is
   50%, half of it 100%), its median and 90th percentile, the count, and the median ratio
   predicted / measured (below 1: the simulator is optimistic);
@@ -262,6 +263,7 @@ class Comparison:
     op_class_errors: dict[str, dict]
     stream_errors: dict[str, dict]
     kind_errors: dict[str, dict]
+    block_errors: dict[str, dict]  # per `<phase>.<block>` (the instruction name without layer and micro-batch)
     overall: dict
     critical_path: dict
     memory: dict  # per_rank {rank: {predicted, measured, error}}, worst_rank, error
@@ -282,7 +284,7 @@ class Comparison:
             "step_time_error": self.step_time["error"], "step_time": self.step_time,
             "peak_memory_error": self.memory["error"], "peak_memory": self.memory,
             "op_class_errors": self.op_class_errors, "stream_errors": self.stream_errors,
-            "kind_errors": self.kind_errors, "overall": self.overall,
+            "kind_errors": self.kind_errors, "block_errors": self.block_errors, "overall": self.overall,
             "critical_path": self.critical_path, "unmatched": self.unmatched,
             "worst_events": self.worst_events,
         }
@@ -397,7 +399,8 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     rmap = check_pair(predicted, measured)
     pairs = matched_pairs(predicted, measured, rmap)
     timed = timed_pairs(pairs, measured)
-    waited = [m for _, m in pairs if _waited(m, ends_when_waited(measured.meta))]
+    waited_ops = ends_when_waited(measured.meta)
+    waited = [m for _, m in pairs if _waited(m, waited_ops)]
 
     sp, src_p = step_time_s(predicted)
     sm, src_m = step_time_s(measured)
@@ -407,6 +410,7 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     op_errors = _group(timed, lambda p, m: m.op or m.kind)
     stream_errors = _group(timed, lambda p, m: m.stream)
     kind_errors = _group(timed, lambda p, m: m.kind)
+    block_errors = _group(timed, lambda p, m: m.name.split(".L", 1)[0])
     overall = _error_stats([(p.dur_us, m.dur_us) for p, m in timed]) if timed else {}
     worst = sorted((pm for pm in timed if pm[0].dur_us != pm[1].dur_us),
                    key=lambda pm: -abs(pm[0].dur_us - pm[1].dur_us))[:20]
@@ -462,7 +466,7 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
                  "ends_when_waited": {"count": len(waited), "ops": sorted({m.op for m in waited})}}
 
     return Comparison(_label(predicted, "predicted"), _label(measured, "measured"), step, op_errors,
-                      stream_errors, kind_errors, overall, critical, memory, unmatched, worst_events)
+                      stream_errors, kind_errors, block_errors, overall, critical, memory, unmatched, worst_events)
 
 
 def compare_files(predicted_path: str, measured_path: str) -> Comparison:

@@ -144,7 +144,7 @@ class Bounds:
         self.workspace = cluster.costs.workspace_bytes
         self.dyn = 1.0 + cluster.costs.allocator_overhead
         self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
-        self.threads = max(1, int(getattr(cluster.costs, "collective_threads", 1) or 1))
+        self.threads = cluster.costs.collective_threads
 
     def cm(self, dtype: str):
         cm = self._cm.get(dtype)

@@ -83,6 +83,21 @@ def test_a_recording_becomes_a_validation_directory_to_refit(tmp_path):
     assert (out / "microbench.json.gz").is_file() and "microbench" in outcome.profiles
 
 
+@pytest.mark.parametrize("manifest_text,message", [
+    ('{"runs": [{"name": "x"}], "summary": {}}', "lacks"),
+    ('{"runs": [{"name": "dp1", "model": "gpt-tiny", "plan": "dp=1", "role": "calibrate", "file": "nope.json.gz"}]}',
+     "nope.json.gz is not in"),
+])
+def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, message):
+    from simexec.calibrate import CalibrationError
+    from simexec.calibrate_eval import from_recording
+
+    (tmp_path / "rec").mkdir()
+    (tmp_path / "rec" / "manifest.json").write_text(manifest_text)
+    with pytest.raises(CalibrationError, match=message):
+        from_recording(tmp_path / "rec", tmp_path / "out")
+
+
 GPU = ROOT / "traces" / "gpu"
 
 

@@ -43,6 +43,8 @@ def test_measured_twice_predicted_is_50_percent_ape_and_minus_half_step_time():
             assert stats["p90_ape"] == pytest.approx(0.5)
             assert stats["median_ratio"] == pytest.approx(0.5)
     assert c.op_class_errors["gemm"]["count"] == 2 * 2 * 2  # ranks x layers x (qkv, fc)
+    assert c.block_errors["fwd.qkv"]["count"] == 2 * 2 and set(c.block_errors) == {f"fwd.{b}" for b, *_ in OPS}
+    assert c.to_json()["block_errors"]["fwd.fc"]["median_ratio"] == pytest.approx(0.5)
     assert set(c.stream_errors) == {"compute", "comm.tp"}
     assert c.step_time_error == pytest.approx(-0.5)  # span of events: predicted half of measured
     assert c.step_time["measured_source"] == "events"

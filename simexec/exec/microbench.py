@@ -375,20 +375,18 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
 
 
 # --- dispatch counts (the simulator's DISPATCH table) ------------------------------------------------------
-class _OpCount:
-    """Counts aten operators dispatched in this thread (a TorchDispatchMode, made on first use)."""
+def _op_count():
+    """A TorchDispatchMode that counts the aten operators dispatched while it is active (`.n`)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
 
-    def __new__(cls):
-        from torch.utils._python_dispatch import TorchDispatchMode
+    class _Count(TorchDispatchMode):
+        n = 0
 
-        class _Count(TorchDispatchMode):
-            n = 0
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
 
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                self.n += 1
-                return func(*args, **(kwargs or {}))
-
-        return _Count()
+    return _Count()
 
 
 class _CountTracer:
@@ -419,7 +417,7 @@ def count_dispatch(model="gpt-tiny") -> dict[str, int]:
 
     spec = get_model(model) if isinstance(model, str) else model
     rp, instrs = _one_rank_program(shrunk(spec))
-    cnt = _OpCount()
+    cnt = _op_count()
     tr = _CountTracer(cnt)
     with cnt:
         run_rank(rp, instrs, steps=1, groups=None, tracer=tr, device=torch.device("cpu"))
@@ -468,7 +466,7 @@ def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) ->
         rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
         prog = lower(rp, symmetric=False)
         groups = GroupTable(group_specs(rp, prog), rank, timeout_s=60)
-        cnt = _OpCount()
+        cnt = _op_count()
         tr = _CountTracer(cnt)
         with cnt:
             run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=tr, device=torch.device("cpu"))

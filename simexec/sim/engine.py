@@ -137,8 +137,7 @@ class Engine:
     def _load(self, program: Program) -> None:
         """Flatten the program: global index per instruction, cross-stream deps, matches, costs."""
         m = self.machine
-        slots = max(1, int(getattr(m.cluster.costs, "collective_threads", 1) or 1))
-        self.slots = slots
+        slots = self.slots = m.cluster.costs.collective_threads
         instrs: list[Instr] = []
         for rank in sorted(program.ranks):
             instrs.extend(program.ranks[rank])

@@ -218,9 +218,9 @@ def optimizer_tensors(program: Program, rank: int, model) -> int:
     layers = {i.layer for i in instrs if i.kind == "compute" and 0 <= i.layer < model.layers}
     n = (embed if "embed" in blocks else 0) + (head if "head" in blocks else 0)
     moe = getattr(model, "moe", None)
+    ep = _plan_ep(program) if moe is not None else 1
     for l in layers:
         if moe is not None and model.is_moe_layer(l):
-            ep = _plan_ep(program)
             own = math.ceil(moe.experts / ep)
             n += layer - expert + 1 + own * expert + moe.shared_experts * expert  # router + experts
         else:
@@ -236,7 +236,8 @@ class HostCosts:
         c, d, node = cluster.costs, cluster.device, cluster.node
         self.cluster = cluster
         self.program = program
-        dtype = dtype or _plan_dtype(program)
+        plan = _plan_of(program)
+        dtype = dtype or (plan.dtype if plan is not None else "bf16")
         self.dtype = dtype
         self.peak = d.peak_flops.get(dtype) or d.peak_flops.get("fp32") or max(d.peak_flops.values())
         self.eff = {"gemm": (c.gemm_eff, c.gemm_half_flops), "attention": (c.attention_eff, c.attention_half_flops)}
@@ -250,10 +251,9 @@ class HostCosts:
         self.background = getattr(c, "background_load", 0.0)
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
-        plan = _plan_of(program)
-        self.table = dispatch_table(program.meta.get("dispatch") or (
-            dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE), _plan_ep(program),
-            plan.cp if plan is not None else 1, plan.cp_impl if plan is not None else "allgather", dtype)
+        key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
+        self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype) if plan is not None \
+            else dispatch_table(key, dtype=dtype)
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self._tensors: dict[int, int] = {}
 
@@ -374,11 +374,6 @@ def _plan_of(program: Program):
         return parse_plan(str(program.meta.get("plan", "")))
     except SimexecError:
         return None
-
-
-def _plan_dtype(program: Program) -> str:
-    plan = _plan_of(program)
-    return plan.dtype if plan is not None else "bf16"
 
 
 def _plan_ep(program: Program) -> int:

@@ -146,7 +146,13 @@ def ends_when_waited(meta: dict) -> tuple[str, ...]:
     """Collectives whose measured end (in a trace the executor recorded) is when it waited for them,
     not when they finished: gloo, on CPU ranks, runs a reduce-scatter as an all-reduce on a worker
     thread and copies the slice out in `wait()`; until then its work does not report completion
-    (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer."""
+    (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer.
+
+    The executor now runs gloo's reduce-scatter as an all-reduce itself, which completes when it
+    ends, and says so in its traces (`meta["ends_when_waited"]`, empty); traces without that key
+    were recorded before, by an executor whose CPU reduce-scatters ended at the wait."""
+    if "ends_when_waited" in meta:
+        return tuple(meta["ends_when_waited"])
     if meta.get("kind") == "measured" and (meta.get("machine") or {}).get("device") == "cpu":
         return ("reducescatter",)
     return ()

@@ -314,3 +314,16 @@ def test_symmetric_simulation_matches_a_full_trace():
 def test_simulations_of_different_plans_are_refused():
     with pytest.raises(TraceError, match="different"):
         compare(_simulated(PLAN), _perturbed(_simulated("dp=4,tp=2,gbs=8")))
+
+
+def test_traces_that_say_their_reduce_scatters_end_on_completion_keep_them():
+    """The executor now times a CPU reduce-scatter to its completion and says so in the trace's meta."""
+    def with_rs(kind, meta=None):
+        t = make(kind, meta=meta)
+        t.events = [replace(e, op="reducescatter@tp") if e.op == "allreduce@tp" else e for e in t.events]
+        return t
+
+    meta = {"machine": {"device": "cpu"}, "ends_when_waited": []}
+    c = compare(with_rs("predicted"), with_rs("measured", meta))
+    assert c.op_class_errors["reducescatter@tp"]["count"] == 4
+    assert c.to_json()["unmatched"]["ends_when_waited"]["count"] == 0

@@ -281,3 +281,43 @@ def test_plan_matches_reference(model, plan):
     if why:
         pytest.xfail(why)
     check_plan(model, plan)
+
+
+def _reduce_scatter_main(rank: int, port: int, out_q) -> None:
+    """Two gloo ranks: the executor's CPU reduce-scatter reports completion before `wait()`, and its
+    slice is the sum (gloo's own reports completion only inside `wait()`)."""
+    import time
+
+    import torch.distributed as dist
+
+    from simexec.exec.interpreter import TorchComm
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    x = torch.arange(8.0) + 100 * rank
+    out = torch.empty(4)
+    work = TorchComm.reduce_scatter(out, x, async_op=True)
+    deadline = time.monotonic() + 20
+    while not work.is_completed() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    completed = work.is_completed()
+    work.wait()
+    out_q.put((rank, completed, out.tolist(), x.tolist()))
+    dist.destroy_process_group()
+
+
+def test_cpu_reduce_scatter_completes_before_its_wait():
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_reduce_scatter_main, args=(r, port, q), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    got = sorted(q.get(timeout=TIMEOUT_S) for _ in procs)
+    for p in procs:
+        p.join(timeout=10)
+    total = [100.0 + 2 * i for i in range(8)]
+    for rank, completed, out, x in got:
+        assert completed, f"rank {rank}: the reduce-scatter reported completion only when waited"
+        assert out == total[4 * rank: 4 * rank + 4]
+        assert x == [i + 100.0 * rank for i in range(8)]  # the input is left as it was

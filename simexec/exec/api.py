@@ -166,7 +166,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     if error:
         summary["error"] = error
     meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,
-            "trace_step": step, "timings": timings, **_describe(rp)}
+            "trace_step": step, "timings": timings, "ends_when_waited": [], **_describe(rp)}
     if infos:  # where it ran: calibration records it in the profile it fits
         meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch")}
     return ExecResult(losses=losses, step_time_s=step_time, step_times_s=step_times, peak_memory_bytes_per_rank=peak,

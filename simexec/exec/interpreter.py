@@ -102,14 +102,66 @@ _EMPTY: dict = {}
 _SCALAR: dict = {}
 
 
+class _SliceWork:
+    """A reduce-scatter run as an all-reduce of a copy: `wait()` copies this rank's slice out, and
+    `is_completed()` is the all-reduce's, so the executor sees it finish when it did."""
+
+    __slots__ = ("work", "full", "out", "index")
+
+    def __init__(self, work, full: Tensor, out: Tensor, index: int):
+        self.work, self.full, self.out, self.index = work, full, out, index
+
+    def wait(self) -> bool:
+        self.work.wait()
+        if self.full is not None:
+            part = self.full.view(-1, self.out.numel())[self.index]
+            if part.data_ptr() != self.out.data_ptr():
+                self.out.view(-1).copy_(part)
+            self.full = None
+        return True
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+
+def reduce_scatter_by_all_reduce(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
+    """gloo's reduce-scatter, done the way gloo does it (an all-reduce of a copy of the input, then
+    this rank's slice), but with an honest completion: gloo's own reports completion only inside
+    `wait()`, which copies the slice out (`scripts/gloo_threads.py`), so a trace would time it from
+    issue to wait. The copy is the backend's temporary, as gloo's is: not counted in peak memory."""
+    tracker = _TRACKER[0]
+    if tracker is not None:
+        tracker.in_backend += 1
+    try:
+        full = inp.detach().clone()
+        work = _SliceWork(dist.all_reduce(full, group=group, async_op=True), full, out,
+                          dist.get_rank(group) if group is not None else dist.get_rank())
+    finally:
+        if tracker is not None:
+            tracker.in_backend -= 1
+    if async_op:
+        return work
+    work.wait()
+    return None
+
+
+def _reduce_scatter_any(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
+    """torch.distributed's reduce-scatter on accelerator tensors (NCCL); gloo's (CPU tensors) as an
+    all-reduce with an honest completion time (`reduce_scatter_by_all_reduce`)."""
+    if inp.device.type == "cpu":
+        return reduce_scatter_by_all_reduce(out, inp, group=group, async_op=async_op)
+    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+
+
 class TorchComm:
-    """The communication calls the interpreter makes: torch.distributed's own, on the rank's device.
-    A backend whose process groups cannot take its tensors stands in with the same methods
-    (`simexec.exec.xla.HostComm`: XLA tensors through gloo on host copies)."""
+    """The communication calls the interpreter makes: torch.distributed's own, on the rank's device
+    (a CPU tensor's reduce-scatter as `reduce_scatter_by_all_reduce`). A backend whose process
+    groups cannot take its tensors stands in with the same methods (`simexec.exec.xla.HostComm`:
+    XLA tensors through gloo on host copies)."""
 
     all_reduce = staticmethod(dist.all_reduce)
     all_gather = staticmethod(_all_gather)
-    reduce_scatter = staticmethod(_reduce_scatter)
+    reduce_scatter = staticmethod(_reduce_scatter_any)
     all_to_all_single = staticmethod(dist.all_to_all_single)
     isend = staticmethod(dist.isend)
     irecv = staticmethod(dist.irecv)

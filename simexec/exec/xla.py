@@ -32,9 +32,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
+# torch 2.13 renamed the tensor form of all-gather; torch 2.9 (torch_xla) has the old name.
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def unavailable() -> Optional[str]:
@@ -153,8 +152,12 @@ class HostComm:
 
     @staticmethod
     def reduce_scatter(out, inp, group=None, async_op=False):
-        h = torch.empty(out.shape, dtype=out.dtype)
-        return _done(_HostWork(_reduce_scatter(h, _host(inp), group=group, async_op=True), [(out, h)]), async_op)
+        """As gloo runs it (an all-reduce, then this rank's slice), done here so that the work reports
+        completion when the all-reduce ends (`simexec.exec.interpreter.reduce_scatter_by_all_reduce`)."""
+        h = _host(inp)
+        index = dist.get_rank(group) if group is not None else dist.get_rank()
+        part = h.view(-1, out.numel())[index].view(out.shape)
+        return _done(_HostWork(dist.all_reduce(h, group=group, async_op=True), [(out, part)]), async_op)
 
     @staticmethod
     def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):

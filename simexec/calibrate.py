@@ -261,18 +261,25 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     element-wise cost per byte is its own (a streaming add is 1; GELU-tanh, softmax, layer norm and
     the loss's log-softmax cost several times more per byte on a CPU core). Linear least squares on
     relative errors with non-negative coefficients; the operator cost here is the one inside a real
-    step (a tiny operator in a warm loop runs ~2x cheaper)."""
+    step (a tiny operator in a warm loop runs ~2x cheaper). A record may name another `model` than
+    `model` (the micro-benchmarks also step moe-tiny): its blocks get keys of their own,
+    `<family>/<phase>.<block>` (`simexec.sim.host.cost_family`), and share the per-operator costs."""
     import numpy as np
     from scipy.optimize import lsq_linear
 
     from simexec.program import Instr
     from simexec.model import get_model
-    from simexec.sim.host import adam_ops, dispatch_key, dispatch_table, ops_of
+    from simexec.sim.host import adam_ops, cost_family, dispatch_key, dispatch_table, ops_of
 
-    table = dispatch_table(dispatch_key(get_model(model)))
+    def key_of(rec: dict) -> str:
+        k = f"{rec['phase']}.{rec['block']}"
+        m = rec.get("model") or model
+        return k if m == model else f"{cost_family(get_model(m))}/{k}"
+
+    tables = {m: dispatch_table(dispatch_key(get_model(m))) for m in {r.get("model") or model for r in records}}
     recs = [r for r in records if r["block"] not in ("optim", "cpu_optim") and r["phase"] in ("fwd", "bwd")]
     optim = [r for r in records if r["block"] == "optim"]
-    keys = sorted({f"{r['phase']}.{r['block']}" for r in recs if r["bytes"] > 0})
+    keys = sorted({key_of(r) for r in recs if r["bytes"] > 0})
     col = {k: 3 + i for i, k in enumerate(keys)}
     rows, ys, ts = [], [], []
     for rec in recs:
@@ -280,20 +287,20 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
         t = quantile(rec["t"], CPU_Q)
         flop_t = flop_seconds(rec["op"], rec["flops"]) if rec["op"] in ("gemm", "attention") else 0.0
         row = [0.0] * (3 + len(keys))
-        row[0], row[1], row[2] = 1.0, 1.0 if rec["phase"] == "bwd" else 0.0, ops_of(ins, table)
+        row[0], row[1] = 1.0, 1.0 if rec["phase"] == "bwd" else 0.0
+        row[2] = ops_of(ins, tables[rec.get("model") or model])
         if rec["bytes"] > 0:
-            row[col[f"{rec['phase']}.{rec['block']}"]] = rec["bytes"] / mem_bw
+            row[col[key_of(rec)]] = rec["bytes"] / mem_bw
         rows.append(row)
         ys.append(t - flop_t)
         ts.append(t)
     if len(rows) < 4 + len(keys):
         return None
     weights = [1.0] * len(rows)
-    tensors = _one_rank_tensors(model)
     for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
         t = quantile(rec["t"], CPU_Q)
         row = [0.0] * (3 + len(keys))
-        row[0], row[2] = 1.0, adam_ops(tensors, dtype)
+        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(rec.get("model") or model), dtype)
         rows.append(row)
         ys.append(t - rec["bytes"] / mem_bw)
         ts.append(t)
@@ -377,7 +384,8 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         eff, h = (att_eff, att_half) if op == "attention" else (1.0, half)
         return flops / (rate * eff * flops / (flops + h)) if flops > 0 else 0.0
 
-    blocks = fit_blocks([r for b in R["blocks"] for r in b["records"]], model, flop_seconds=flop_seconds,
+    blocks = fit_blocks([dict(r, model=b.get("model", model)) for b in R["blocks"] for r in b["records"]], model,
+                        flop_seconds=flop_seconds,
                         mem_bw=mem_bw, op_floor=op_s)
     if blocks is not None:
         op_s, instr_s, bwd_s, elementwise = blocks["op_s"], blocks["instr_s"], blocks["bwd_s"], blocks["elementwise"]

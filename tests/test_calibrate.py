@@ -236,3 +236,42 @@ def test_compute_then_all_reduce_loop_on_the_host_model():
     four = host_loop_time(c, 4, 1e-3, 16384)
     assert four > 2e-3 + host_comm_time(c, "allreduce", 4, 16384) * 0.99
     assert host_loop_time(c, 4, 4e-3, 16384) > four
+
+
+def test_block_fit_gives_another_model_family_costs_of_its_own():
+    """gpt-tiny's and moe-tiny's one-rank steps, timed by the host model with different costs for
+    the same block names (layer norm against RMSNorm before qkv) and for the MoE blocks: the fit finds both, under
+    moe-tiny's family keys, and the simulator prices each model with its own."""
+    from simexec.calibrate import fit_blocks
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+    from simexec.sim.host import HostCosts, cost_family
+
+    family = cost_family(get_model("moe-tiny"))
+    factors = {"fwd.qkv": 9.0, "bwd.fc1": 12.0, f"{family}/fwd.qkv": 3.0, f"{family}/fwd.experts": 5.0,
+               f"{family}/fwd.router": 7.0}
+    truth = json.loads(json.dumps(TRUTH))
+    truth["costs"]["elementwise_cost"] = factors
+    cluster = profiled_cluster(LOCAL, truth)
+    records = []
+    for model in ("gpt-tiny", "moe-tiny"):
+        for mbs in (1, 2, 4):
+            rp = resolve(get_model(model), cluster, load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
+            prog = lower(rp, symmetric=False)
+            host = HostCosts(cluster, prog, "fp32")
+            for ins in prog.ranks[0]:
+                if ins.kind == "compute":
+                    records.append({"name": ins.name, "phase": ins.phase, "block": ins.block, "op": ins.op,
+                                    "flops": ins.flops, "bytes": ins.bytes, "t": [host.cpu_seconds(ins)],
+                                    "model": model})
+            if model == "moe-tiny":
+                qkv = next(i for i in prog.ranks[0] if i.block == "qkv" and i.phase == "fwd")
+                assert host.elementwise_factor(qkv) == 3.0
+    d = truth["device"]
+    got = fit_blocks(records, "gpt-tiny", flop_seconds=lambda op, f: host.roofline(op, f, 0.0), mem_bw=d["memory_bw"])
+    assert got["op_s"] == pytest.approx(d["launch_overhead_s"], rel=1e-3)
+    assert any(k.startswith(family + "/") for k in got["elementwise"])
+    for key, f in got["elementwise"].items():
+        plain = key.split("/", 1)[-1]
+        want = factors.get(key, factors.get(plain, 1.0) if "/" not in key else 1.0)
+        assert f == pytest.approx(want, rel=1e-3), key

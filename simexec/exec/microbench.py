@@ -9,7 +9,7 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
 - `gemm`, `attention`, `elementwise`: matmuls, scaled-dot-product attention (forward and
   backward) and element-wise adds over a range of sizes, on one rank while the others wait;
 - `blocks`: the executor's own instructions (a one-rank step of the model's program, each
-  instruction timed), on one rank alone;
+  instruction timed), on one rank alone; also of moe-tiny's (`block_models`);
 - `sharing`: that same step on 1, 2, ... N ranks at once: how much slower compute gets when ranks
   share the cores (each step's begin and end kept, so that only steps all ranks ran together count);
 - `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
@@ -58,6 +58,9 @@ class BenchConfig:
     copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
     block_steps: int = 3
     block_mbs: tuple = (1, 2, 4)  # micro-batch sizes of the one-rank step: per-byte costs need two sizes at least
+    # other models whose one-rank step is timed too (at micro-batches 1 and 2): their families' blocks
+    # (MoE's router and experts, SwiGLU, RMSNorm, RoPE) get element-wise costs of their own
+    block_models: tuple = ("moe-tiny",)
     sharing_steps: int = 12
     sharing_rounds: int = 2
     pingpong_s: float = 1.0
@@ -70,7 +73,8 @@ class BenchConfig:
         return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
                            attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
-                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4), pingpong_s=0.5,
+                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4),
+                           block_models=(), pingpong_s=0.5,
                            interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=16)
 
 
@@ -153,6 +157,15 @@ class _Bench:
                 rec = _Recorder()
                 run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
                 self.add("blocks", mbs=mbs, records=rec.best())
+            for other in self.cfg.block_models:
+                if other == self.cfg.model:
+                    continue
+                for mbs in (1, 2):
+                    rp, instrs = _one_rank_program(other, mbs)
+                    rec = _Recorder()
+                    run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec,
+                             device=torch.device("cpu"))
+                    self.add("blocks", mbs=mbs, model=other, records=rec.best())
         _sync()
         for i, n in enumerate(list(range(1, self.world + 1)) * self.cfg.sharing_rounds):
             _sync()

@@ -114,6 +114,15 @@ def dispatch_key(model) -> str:
     return "-".join(parts)
 
 
+def cost_family(model) -> str:
+    """The kernels a model's blocks run (norm, MLP, positions, MoE), without its sizes: element-wise
+    costs measured on one model of a family (`elementwise_cost["<family>/<phase>.<block>"]`) price
+    every model of it."""
+    key = dispatch_key(model)
+    dense, _, moe = key.partition("-moe")
+    return dense + ("-moe" if moe else "")
+
+
 def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather",
                    dtype: str = "fp32") -> dict[str, int]:
     """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
@@ -255,6 +264,7 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype) if plan is not None \
             else dispatch_table(key, dtype=dtype)
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
+        self.family = cost_family(self.model) if self.model is not None else ""
         self._tensors: dict[int, int] = {}
 
     @classmethod
@@ -304,8 +314,9 @@ class HostCosts:
         """Cost of a byte of this instruction's element-wise traffic relative to a streaming add."""
         if not self.elementwise or ins.kind != "compute":
             return 1.0
-        phase = "fwd" if ins.phase == "recompute" else ins.phase
-        return self.elementwise.get(f"{phase}.{ins.block}", 1.0)
+        key = f"{'fwd' if ins.phase == 'recompute' else ins.phase}.{ins.block}"
+        own = self.elementwise.get(f"{self.family}/{key}")  # measured on this model's family
+        return own if own is not None else self.elementwise.get(key, 1.0)
 
     # --- communication over loopback: steps whose members each need a core -----------------------
     def comm_steps(self, ins: Instr) -> tuple[int, float]:

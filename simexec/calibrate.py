@@ -271,12 +271,16 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     from simexec.model import get_model
     from simexec.sim.host import adam_ops, cost_family, dispatch_key, dispatch_table, ops_of
 
-    def key_of(rec: dict) -> str:
-        k = f"{rec['phase']}.{rec['block']}"
-        m = rec.get("model") or model
-        return k if m == model else f"{cost_family(get_model(m))}/{k}"
+    def model_of(rec: dict) -> str:
+        return rec.get("model") or model
 
-    tables = {m: dispatch_table(dispatch_key(get_model(m))) for m in {r.get("model") or model for r in records}}
+    specs = {m: get_model(m) for m in {model_of(r) for r in records}}
+    tables = {m: dispatch_table(dispatch_key(spec)) for m, spec in specs.items()}
+    prefix = {m: "" if m == model else f"{cost_family(spec)}/" for m, spec in specs.items()}
+
+    def key_of(rec: dict) -> str:
+        return f"{prefix[model_of(rec)]}{rec['phase']}.{rec['block']}"
+
     recs = [r for r in records if r["block"] not in ("optim", "cpu_optim") and r["phase"] in ("fwd", "bwd")]
     optim = [r for r in records if r["block"] == "optim"]
     keys = sorted({key_of(r) for r in recs if r["bytes"] > 0})
@@ -288,7 +292,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
         flop_t = flop_seconds(rec["op"], rec["flops"]) if rec["op"] in ("gemm", "attention") else 0.0
         row = [0.0] * (3 + len(keys))
         row[0], row[1] = 1.0, 1.0 if rec["phase"] == "bwd" else 0.0
-        row[2] = ops_of(ins, tables[rec.get("model") or model])
+        row[2] = ops_of(ins, tables[model_of(rec)])
         if rec["bytes"] > 0:
             row[col[key_of(rec)]] = rec["bytes"] / mem_bw
         rows.append(row)
@@ -300,7 +304,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
         t = quantile(rec["t"], CPU_Q)
         row = [0.0] * (3 + len(keys))
-        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(rec.get("model") or model), dtype)
+        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(model_of(rec)), dtype)
         rows.append(row)
         ys.append(t - rec["bytes"] / mem_bw)
         ts.append(t)

@@ -148,9 +148,10 @@ def ends_when_waited(meta: dict) -> tuple[str, ...]:
     thread and copies the slice out in `wait()`; until then its work does not report completion
     (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer.
 
-    The executor now runs gloo's reduce-scatter as an all-reduce itself, which completes when it
-    ends, and says so in its traces (`meta["ends_when_waited"]`, empty); traces without that key
-    were recorded before, by an executor whose CPU reduce-scatters ended at the wait."""
+    The executor runs a CPU reduce-scatter as an all-reduce itself, which completes when it ends
+    (`simexec.exec.interpreter.reduce_scatter_by_all_reduce`), and says so in its traces
+    (`meta["ends_when_waited"]`, empty); a measured CPU trace without that key comes from an
+    executor that used gloo's own."""
     if "ends_when_waited" in meta:
         return tuple(meta["ends_when_waited"])
     if meta.get("kind") == "measured" and (meta.get("machine") or {}).get("device") == "cpu":

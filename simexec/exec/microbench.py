@@ -152,20 +152,14 @@ class _Bench:
     # --- the executor's blocks: alone, then on 1..N ranks at once ------------------------------------
     def blocks(self, rp1, instrs1) -> None:
         if self.rank == 0:
-            for mbs in self.cfg.block_mbs:
-                rp, instrs = (rp1, instrs1) if mbs == 1 else _one_rank_program(self.cfg.model, mbs)
+            runs = [(None, mbs) for mbs in self.cfg.block_mbs]
+            runs += [(other, mbs) for other in self.cfg.block_models if other != self.cfg.model for mbs in (1, 2)]
+            for other, mbs in runs:
+                rp, instrs = (rp1, instrs1) if (other, mbs) == (None, 1) else \
+                    _one_rank_program(other or self.cfg.model, mbs)
                 rec = _Recorder()
                 run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
-                self.add("blocks", mbs=mbs, records=rec.best())
-            for other in self.cfg.block_models:
-                if other == self.cfg.model:
-                    continue
-                for mbs in (1, 2):
-                    rp, instrs = _one_rank_program(other, mbs)
-                    rec = _Recorder()
-                    run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec,
-                             device=torch.device("cpu"))
-                    self.add("blocks", mbs=mbs, model=other, records=rec.best())
+                self.add("blocks", mbs=mbs, records=rec.best(), **({"model": other} if other else {}))
         _sync()
         for i, n in enumerate(list(range(1, self.world + 1)) * self.cfg.sharing_rounds):
             _sync()

@@ -238,6 +238,24 @@ def test_compute_then_all_reduce_loop_on_the_host_model():
     assert host_loop_time(c, 4, 4e-3, 16384) > four
 
 
+def test_a_woken_main_thread_queues_for_a_core_and_a_communication_thread_preempts():
+    """Two cores filled by two computing threads: a rank's main thread that wakes waits out a share of
+    the slice before it runs; a communication thread (it sleeps far more than it runs) runs at once."""
+    import simpy
+
+    from simexec.sim.host import Cores
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=4e-3, background=0.0, weights={})
+    for busy in (10, 11):
+        cores.run(busy, 1.0)
+    env.run(until=0.1)
+    main, comm = cores.run(0, 1e-3), cores.run((1, "comm"), 1e-3)
+    env.run(until=0.2)
+    assert comm.value == pytest.approx(0.1)  # first ran at once
+    assert main.value == pytest.approx(0.1 + 4e-3 * 1.0 / 2, rel=0.05)  # one thread too many: half a slice
+
+
 def test_block_fit_gives_another_model_family_costs_of_its_own():
     """gpt-tiny's and moe-tiny's one-rank steps, timed by the host model with different costs for
     the same block names (layer norm against RMSNorm before qkv) and for the MoE blocks: the fit finds both, under

@@ -56,7 +56,7 @@ class BenchConfig:
     verbs: tuple = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
     p2p_bytes: tuple = (256, 4096, 65536, 1 << 20, 4 << 20)
     copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-    block_steps: int = 3
+    block_steps: int = 9  # the first is discarded: each instruction's median over 8 steps, as a plan's step is
     block_mbs: tuple = (1, 2, 4)  # micro-batch sizes of the one-rank step: per-byte costs need two sizes at least
     # other models whose one-rank step is timed too (at micro-batches 1 and 2): their families' blocks
     # (MoE's router and experts, SwiGLU, RMSNorm, RoPE) get element-wise costs of their own
@@ -73,7 +73,7 @@ class BenchConfig:
         return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
                            attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
-                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=2, block_mbs=(1, 4),
+                           p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=4, block_mbs=(1, 4),
                            block_models=(), pingpong_s=0.5,
                            interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=16)
 
@@ -321,7 +321,7 @@ class _StepClock:
 
 
 class _Recorder:
-    """A tracer for `run_rank` that keeps each instruction's shortest time over the steps after the first."""
+    """A tracer for `run_rank` that keeps each compute instruction's times over the steps after the first."""
 
     def __init__(self):
         self.open: dict[str, float] = {}

@@ -32,12 +32,14 @@ spinning); communication threads run a short burst per step of a collective. Run
 share the cores the host's other users leave them (`C - background_load`, the cores' worth of CPU
 other processes took while the profile's runs were measured) as processor sharing, at most one core
 each; a core runs slower while the others are busy too (`compute_contention` when all C are: vCPUs
-that are hyperthreads of one physical core, shared caches and memory bandwidth). A thread that wakes from a wait does not run at once when the running
-threads already fill the cores: it waits until threads ahead of it have run out their slices,
-`sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread that goes straight on from
-one instruction to the next keeps its core. So a collective of more ranks than cores can wait for
-a core at each step. A rank of a
-symmetric program stands for `len(represents[r])` identical ranks: that many threads.
+that are hyperthreads of one physical core, shared caches and memory bandwidth). A rank's main
+thread that wakes from a wait does not run at once when the running threads already fill the
+cores: it has taken its share of the CPU before it slept, so it waits until threads ahead of it
+have run out their slices, `sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread
+that goes straight on from one instruction to the next keeps its core. A communication thread
+sleeps far longer than it runs, and Linux's scheduler (EEVDF) lets a woken thread that is owed CPU
+preempt the running one: it gets a core at once, at its share of the rate. A rank of a symmetric
+program stands for `len(represents[r])` identical ranks: that many threads.
 """
 from __future__ import annotations
 
@@ -416,9 +418,10 @@ class Cores:
     `run(key, seconds)` returns an event that fires once thread `key` (a rank's main thread is its
     rank, its communication thread `(rank, "comm")`) has had `seconds` of CPU; its value is the time
     the work first ran. Threads share the cores the host's other users leave (`cores -
-    background`) as processor sharing, at most one core each; a thread that was waiting (not one
-    going straight on from its previous piece of work) first waits for a core when the running threads already fill them:
-    `slice x (running + 1 - (cores - background)) / cores`.
+    background`) as processor sharing, at most one core each; a main thread that was waiting (not
+    one going straight on from its previous piece of work) first waits for a core when the running
+    threads already fill them: `slice x (running + 1 - (cores - background)) / cores`.
+    Communication threads are woken with preemption and never wait.
     """
 
     @classmethod
@@ -462,7 +465,7 @@ class Cores:
             return done
         going_on = self.last_end.get(key) == self.env.now
         job = _Job(done, seconds, self._weight(key), key)
-        wait = 0.0 if going_on else self.wake_wait()
+        wait = 0.0 if going_on or not isinstance(key, int) else self.wake_wait()  # only main threads queue
         if wait > 0.0:
             t = Timeout(self.env, wait)
             t.callbacks.append(lambda _ev, job=job: self._add(job))

@@ -41,8 +41,16 @@ def render(outcome, argv: list[str]) -> str:
     s = outcome.summary
     m = s.get("machine") or {}
     rep = s.get("repeatability")
+    command = f"`python scripts/validate_calibration.py {' '.join(argv)}`"
+    if "--refit" in argv:
+        command = ("Commands: `python scripts/validate_calibration.py --out DIR` measured the runs (`python "
+                   "scripts/record_traces.py --from DIR` keeps them in `traces/local`); " + command +
+                   " fits and predicts them again with the current simulator (no measuring, ~10 minutes), "
+                   "which made this table")
+    else:
+        command = f"Command: {command}"
     lines = [
-        f"Command: `python scripts/validate_calibration.py {' '.join(argv)}`".rstrip(),
+        command,
         "",
         f"Measured {s.get('measured_at', '')} on `{m.get('hostname', '?')}` ({m.get('cpu', '?')}, "
         f"{m.get('cores', '?')} cores, torch {m.get('torch', '?')}); {s['plans']} plans "

@@ -148,6 +148,7 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     # finite differences cannot see it either; the fit starts it at Linux's default instead
     Param("slice", "costs", "sched_slice_s", 1e-5, 2e-2, least=lambda c: linux_slice(c.node.cpu_cores)),
     Param("contention", "costs", "compute_contention", 1.0, 4.0),
+    Param("idle_wake", "costs", "idle_wake_s", 1e-6, 2e-2, start=100e-6),
     # eager PyTorch dispatches an operator in ~5-20 µs of host time (this repo's CPU micro-benchmarks:
     # ~5-8 µs per operator in a warm loop on a 2-core VM)
     Param("dispatch", "costs", "host_dispatch_s", 1e-7, 1e-3, start=1e-5),
@@ -449,7 +450,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "attention_half_flops": att_half, "memory_eff": 1.0, "intra_bw_eff": 1.0, "host_link_eff": 1.0,
         "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
-        "background_load": background, "elementwise_cost": elementwise,
+        "idle_wake_s": comm["idle_wake"], "background_load": background, "elementwise_cost": elementwise,
     }
     device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
     node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],
@@ -458,11 +459,12 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
 
 
 def _comm_cluster(base: ClusterSpec, coll: float, hop: float, bw: float, slice_s: float, background: float,
-                  cores: int) -> ClusterSpec:
+                  cores: int, idle_wake: float = 0.0) -> ClusterSpec:
     from simexec.sim.profile import apply_profile
 
     return apply_profile(base, {"costs": {"collective_latency_s": coll, "intra_bw_eff": 1.0, "cores_shared": True,
-                                          "sched_slice_s": slice_s, "background_load": background},
+                                          "sched_slice_s": slice_s, "background_load": background,
+                                          "idle_wake_s": idle_wake},
                                 "node": {"intra_latency_s": hop, "intra_bw": bw, "cpu_cores": cores}})
 
 
@@ -476,14 +478,51 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
 
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
-    for b in range(busy):
-        cores.run(100 + b, 1e9)
+    _occupy(env, cores, busy)
     kind = "send" if verb == "p2p" else "collective"
     ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(nbytes), group=tuple(range(n)), peer=1)
     out = []
+    t0 = env.now
     hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
-    env.run(until=10.0 if busy else None)
-    return out[0] if out else float("inf")
+    env.run(until=t0 + 10.0 if busy else None)
+    return out[0] - t0 if out else float("inf")
+
+
+def _occupy(env, cores, busy: int) -> None:
+    """`busy` threads computing for ever, already running (past any wake-up) when this returns."""
+    for b in range(busy):
+        cores.run(100 + b, 1e9)
+    if busy:
+        env.run(until=env.now + 0.1)
+
+
+def host_pingpong_time(cluster: ClusterSpec, nbytes: float = 4.0, busy: int = 0, iters: int = 8) -> float:
+    """Seconds of one round trip of two ranks sending a message back and forth in a tight loop (the
+    micro-benchmark `pingpong`), `busy` other ranks computing meanwhile, on the host model: the
+    cores idle only while a message is on the wire."""
+    import simpy
+
+    from simexec.program import Instr
+    from simexec.sim.host import Cores, HostCosts
+
+    env = simpy.Environment()
+    cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
+    _occupy(env, cores, busy)
+    ins = Instr(0, "bench", "send", "comm.x", "p2p@x", bytes=float(nbytes), group=(0, 1), peer=1)
+    marks: list[float] = []
+
+    def loop():
+        for _ in range(2 * iters):
+            marks.append(env.now)
+            done = env.event()
+            hc.transfer(env, cores, ins, (0, 1), done.succeed)
+            yield done
+        marks.append(env.now)
+
+    env.process(loop())
+    env.run(until=env.now + 10.0 if busy else None)
+    skip = 2
+    return (marks[-1] - marks[skip]) / ((len(marks) - 1 - skip) / 2)
 
 
 def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float, iters: int = 8) -> float:
@@ -531,10 +570,12 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
              cores: int, slice_s: Optional[float] = None, loops: Sequence[dict] = (),
              gemm_s: Optional[Callable[[float], float]] = None) -> dict:
     """The scheduler slice, the hop latency, the collective call latency and the loopback bandwidth
-    (bytes per second of a core), jointly: least squares (soft-L1) on log times of every collective
-    and message measured alone, of the small ping-pong with and without other ranks computing, and
-    of the compute-then-all-reduce loops (`loops`, their matmuls priced by `gemm_s(flops)`), each
-    predicted by the host model (`host_comm_time`, `host_loop_time`, `simexec.sim.host`). The loops
+    (bytes per second of a core) and the wake-up of an idle core, jointly: least squares (soft-L1)
+    on log times of every collective and message measured alone (after a barrier: the cores idle),
+    of the small ping-pong in a tight loop with and without other ranks computing (the cores idle
+    only while a message is on the wire, or never), and of the compute-then-all-reduce loops
+    (`loops`, their matmuls priced by `gemm_s(flops)`), each predicted by the host model
+    (`host_comm_time`, `host_pingpong_time`, `host_loop_time`, `simexec.sim.host`). The loops
     are what separates the slice from the hop latency: a slice given here fixes it instead."""
     import numpy as np
     from scipy.optimize import least_squares
@@ -542,36 +583,39 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
     obs = [(r["verb"], r["n"], r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in colls
            if r.get("mode", "solo") == "solo"]
     obs += [("p2p", 2, r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in p2p]
-    obs += [("p2p", 2, 4.0, int(r.get("busy", 0)), 2.0, quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
+    obs += [("pingpong", 2, 4.0, int(r.get("busy", 0)), 1.0, quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
     if gemm_s is not None:  # ("loop", n, bytes, CPU-seconds of compute per iteration, 1, t)
         obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), 1.0, quantile(r["t"], COMM_Q))
                 for r in loops]
     obs = [o for o in obs if o[5] > 0]
     start = [base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
-             base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
+             base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "idle_wake_s", 0.0) or 100e-6,
+             getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
+    names = ("coll_latency", "hop_latency", "intra_bw", "idle_wake", "slice")
     if not obs:
-        return dict(zip(("coll_latency", "hop_latency", "intra_bw", "slice"), start))
+        return dict(zip(names, start))
 
     fixed = slice_s is not None
 
     def pred(x):
-        coll, hop, bw = np.exp(x[:3])
-        sl = slice_s if fixed else float(np.exp(x[3]))
-        c = _comm_cluster(base, coll, hop, bw, sl, background, cores)
-        return np.array([host_loop_time(c, n, busy, b) if v == "loop" else k * host_comm_time(c, v, n, b, busy)
+        coll, hop, bw, idle = np.exp(x[:4])
+        sl = slice_s if fixed else float(np.exp(x[4]))
+        c = _comm_cluster(base, coll, hop, bw, sl, background, cores, idle)
+        return np.array([host_loop_time(c, n, busy, b) if v == "loop" else host_pingpong_time(c, b, busy)
+                         if v == "pingpong" else k * host_comm_time(c, v, n, b, busy)
                          for v, n, b, busy, k, _ in obs])
 
     y = np.log([o[5] for o in obs])
-    lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2])
+    lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2, 2e-2])
     if fixed:
-        start, lo, hi = start[:3], lo[:3], hi[:3]
+        start, lo, hi = start[:4], lo[:4], hi[:4]
     x0 = np.clip(np.log(start), lo + 1e-6, hi - 1e-6)
     res = least_squares(lambda x: np.log(pred(x)) - y, x0, loss="soft_l1", f_scale=0.2, diff_step=0.01,
                         bounds=(lo, hi))
-    coll, hop, bw = (float(v) for v in np.exp(res.x[:3]))
-    sl = slice_s if fixed else float(np.exp(res.x[3]))
+    coll, hop, bw, idle = (float(v) for v in np.exp(res.x[:4]))
+    sl = slice_s if fixed else float(np.exp(res.x[4]))
     p = pred(res.x)
-    return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "slice": sl,
+    return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "idle_wake": idle, "slice": sl,
             "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + format(busy, '.3g') if busy else ''}": float(pv / t - 1)
                         for (v, n, b, busy, _, t), pv in zip(obs, p)}}
 
@@ -638,7 +682,7 @@ def _jsonable(x):
 
 # --- trace fit -------------------------------------------------------------------------------------
 TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
-                "slice", "contention")
+                "slice", "contention", "idle_wake")
 # An accelerator's traces: no core sharing to fit, and memory-bound kernels run at the device's own
 # bandwidth (on CPU ranks the per-block element-wise costs of the micro-benchmarks stand for it). The
 # GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:

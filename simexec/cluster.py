@@ -103,6 +103,12 @@ class CostParams(_Spec):
     bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
+    idle_wake_s: float = Field(
+        0.0, ge=0, description="CPU ranks: waking a thread on a core idle past the hypervisor's poll window "
+        "(a halted vCPU the host must run again); 0 = bare metal")
+    idle_poll_s: float = Field(
+        200e-6, gt=0, description="CPU ranks: how long a hypervisor polls a halted vCPU before it gives the "
+        "physical core away (KVM's halt_poll_ns default)")
     host_dispatch_s: float = Field(
         0.0, ge=0, description="accelerators: the host thread's CPU time per operator it dispatches (eager "
         "PyTorch, simexec.sim.host.dispatch_clock); 0 = the host stays ahead of the device (fused kernels, graphs)")

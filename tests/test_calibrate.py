@@ -256,6 +256,34 @@ def test_a_woken_main_thread_queues_for_a_core_and_a_communication_thread_preemp
     assert main.value == pytest.approx(0.1 + 4e-3 * 1.0 / 2, rel=0.05)  # one thread too many: half a slice
 
 
+def test_a_thread_woken_onto_an_idle_core_waits_for_it_the_longer_it_has_idled():
+    """A halted vCPU: nothing to wake if it idled just now, `idle_wake_s` once past the poll window,
+    nothing while every core is busy. So a ping-pong beside busy ranks beats one on an idle host."""
+    import simpy
+
+    from simexec.calibrate import host_pingpong_time
+    from simexec.sim.host import Cores
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, idle_wake_s=1e-3, idle_poll_s=200e-6)
+    cold = cores.run(0, 1e-3)  # both cores idle for ever
+    env.run(until=2.1e-3)  # rank 0 ran from 1 to 2 ms; its core has idled 100 µs since
+    warm = cores.run(1, 1e-3)
+    env.run(until=5e-3)
+    assert cold.value == pytest.approx(1e-3)
+    assert warm.value == pytest.approx(2.1e-3 + 1e-3 * -math.expm1(-100e-6 / 200e-6))
+    for r in (2, 3):
+        cores.run(r, 1.0)
+    env.run(until=0.1)
+    assert not cores.idle and cores.idle_wake_wait() == 0.0  # both cores busy: no vCPU to wake
+
+    c = profiled_cluster(LOCAL, {**TRUTH, "costs": {**TRUTH["costs"], "idle_wake_s": 1e-3},
+                                 "node": {**TRUTH["node"], "intra_latency_s": 50e-6}})
+    assert host_pingpong_time(c, busy=2) < 0.5 * host_pingpong_time(c, busy=0)
+    off = profiled_cluster(LOCAL, {**TRUTH, "node": {**TRUTH["node"], "intra_latency_s": 50e-6}})
+    assert host_pingpong_time(off, busy=2) > host_pingpong_time(off, busy=0)  # without it, busier is slower
+
+
 def test_block_fit_gives_another_model_family_costs_of_its_own():
     """gpt-tiny's and moe-tiny's one-rank steps, timed by the host model with different costs for
     the same block names (layer norm against RMSNorm before qkv) and for the MoE blocks: the fit finds both, under

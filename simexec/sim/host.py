@@ -38,8 +38,13 @@ cores: it has taken its share of the CPU before it slept, so it waits until thre
 have run out their slices, `sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread
 that goes straight on from one instruction to the next keeps its core. A communication thread
 sleeps far longer than it runs, and Linux's scheduler (EEVDF) lets a woken thread that is owed CPU
-preempt the running one: it gets a core at once, at its share of the rate. A rank of a symmetric
-program stands for `len(represents[r])` identical ranks: that many threads.
+preempt the running one: it gets a core at once, at its share of the rate. A thread that wakes
+onto an idle core waits for that core instead: on a virtual machine an idle vCPU is halted, and
+once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 200 µs) the host
+gives its physical core away and must schedule it again, `idle_wake_s` (fitted; about a millisecond
+on the VM this was written on). So a member that waits for a late one in a collective wakes slowly,
+and a busy host wakes threads faster than an idle one. A rank of a symmetric program stands for
+`len(represents[r])` identical ranks: that many threads.
 """
 from __future__ import annotations
 
@@ -421,18 +426,19 @@ class Cores:
     background`) as processor sharing, at most one core each; a main thread that was waiting (not
     one going straight on from its previous piece of work) first waits for a core when the running
     threads already fill them: `slice x (running + 1 - (cores - background)) / cores`.
-    Communication threads are woken with preemption and never wait.
+    Communication threads are woken with preemption and never wait for a busy core. Any thread
+    woken while a core is idle waits for that core to wake (`idle_wake_wait`).
     """
 
     @classmethod
     def of(cls, env, cluster: ClusterSpec, weights: Optional[dict[int, int]] = None) -> "Cores":
         """The cores of the cluster's host, as its cost parameters describe them."""
         c = cluster.costs
-        return cls(env, cluster.node.cpu_cores, getattr(c, "sched_slice_s", 0.0), getattr(c, "background_load", 0.0),
-                   weights or {}, c.compute_contention)
+        return cls(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, weights or {},
+                   c.compute_contention, c.idle_wake_s, c.idle_poll_s)
 
     def __init__(self, env, cores: int, slice_s: float, background: float, weights: dict[int, int],
-                 contention: float = 1.0):
+                 contention: float = 1.0, idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
         self.env = env
         self.contention = max(1.0, float(contention))
         self.cores = max(1, int(cores))
@@ -445,6 +451,9 @@ class Cores:
         self.t = 0.0
         self.ver = 0
         self.last_end: dict = {}  # key -> when its last piece of work ended
+        self.idle_wake = max(0.0, float(idle_wake_s))
+        self.idle_poll = max(1e-9, float(idle_poll_s))
+        self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
 
     def _weight(self, key) -> int:
         rank = key[0] if isinstance(key, tuple) else key
@@ -458,6 +467,14 @@ class Cores:
         over = over + math.log1p(math.exp(-4.0 * abs(over))) / 4.0 if over > 0 else math.log1p(math.exp(4.0 * over)) / 4.0
         return self.slice * over / self.cores  # a smooth max(0, over): the fits need a smooth model
 
+    def idle_wake_wait(self) -> float:
+        """How long waking a thread on the warmest idle core takes: nothing if it went idle just now,
+        `idle_wake_s` once it has been idle past the hypervisor's poll window (its vCPU halted and
+        descheduled), smoothly in between; nothing while no core is idle."""
+        if not self.idle or self.idle_wake <= 0.0:
+            return 0.0
+        return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
+
     def run(self, key, seconds: float) -> Event:
         done = Event(self.env)
         if seconds <= 0.0:
@@ -465,7 +482,7 @@ class Cores:
             return done
         going_on = self.last_end.get(key) == self.env.now
         job = _Job(done, seconds, self._weight(key), key)
-        wait = 0.0 if going_on or not isinstance(key, int) else self.wake_wait()  # only main threads queue
+        wait = 0.0 if going_on else self.idle_wake_wait() + (self.wake_wait() if isinstance(key, int) else 0.0)
         if wait > 0.0:
             t = Timeout(self.env, wait)
             t.callbacks.append(lambda _ev, job=job: self._add(job))
@@ -497,6 +514,7 @@ class Cores:
         job.first = self.env.now
         self.active.append(job)
         self.n += job.k
+        del self.idle[max(0, len(self.idle) - job.k):]  # it takes the warmest idle cores
         self._schedule()
 
     def _schedule(self) -> None:
@@ -517,6 +535,7 @@ class Cores:
         for job in self.active:
             if job.left <= 1e-12:
                 self.n -= job.k
+                self.idle += [now] * (max(0, self.cores - self.n) - len(self.idle))
                 self.last_end[job.key] = now
                 job.done.succeed(job.first)
             else:

@@ -569,7 +569,7 @@ def linux_slice(cores: int) -> float:
 def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: ClusterSpec, *, background: float,
              cores: int, slice_s: Optional[float] = None, loops: Sequence[dict] = (),
              gemm_s: Optional[Callable[[float], float]] = None) -> dict:
-    """The scheduler slice, the hop latency, the collective call latency and the loopback bandwidth
+    """The scheduler slice, the hop latency, the collective call latency, the loopback bandwidth
     (bytes per second of a core) and the wake-up of an idle core, jointly: least squares (soft-L1)
     on log times of every collective and message measured alone (after a barrier: the cores idle),
     of the small ping-pong in a tight loop with and without other ranks computing (the cores idle
@@ -580,14 +580,15 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
     import numpy as np
     from scipy.optimize import least_squares
 
-    obs = [(r["verb"], r["n"], r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in colls
+    # (what, ranks, bytes, other ranks computing (loops: CPU-seconds of compute per iteration), seconds)
+    obs = [(r["verb"], r["n"], r["bytes"], 0, quantile(r["t"], COMM_Q)) for r in colls
            if r.get("mode", "solo") == "solo"]
-    obs += [("p2p", 2, r["bytes"], 0, 1.0, quantile(r["t"], COMM_Q)) for r in p2p]
-    obs += [("pingpong", 2, 4.0, int(r.get("busy", 0)), 1.0, quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
-    if gemm_s is not None:  # ("loop", n, bytes, CPU-seconds of compute per iteration, 1, t)
-        obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), 1.0, quantile(r["t"], COMM_Q))
+    obs += [("p2p", 2, r["bytes"], 0, quantile(r["t"], COMM_Q)) for r in p2p]
+    obs += [("pingpong", 2, 4.0, int(r.get("busy", 0)), quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
+    if gemm_s is not None:
+        obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), quantile(r["t"], COMM_Q))
                 for r in loops]
-    obs = [o for o in obs if o[5] > 0]
+    obs = [o for o in obs if o[4] > 0]
     start = [base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
              base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "idle_wake_s", 0.0) or 100e-6,
              getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
@@ -602,10 +603,9 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
         sl = slice_s if fixed else float(np.exp(x[4]))
         c = _comm_cluster(base, coll, hop, bw, sl, background, cores, idle)
         return np.array([host_loop_time(c, n, busy, b) if v == "loop" else host_pingpong_time(c, b, busy)
-                         if v == "pingpong" else k * host_comm_time(c, v, n, b, busy)
-                         for v, n, b, busy, k, _ in obs])
+                         if v == "pingpong" else host_comm_time(c, v, n, b, busy) for v, n, b, busy, _ in obs])
 
-    y = np.log([o[5] for o in obs])
+    y = np.log([o[4] for o in obs])
     lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2, 2e-2])
     if fixed:
         start, lo, hi = start[:4], lo[:4], hi[:4]
@@ -617,7 +617,7 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
     p = pred(res.x)
     return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "idle_wake": idle, "slice": sl,
             "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + format(busy, '.3g') if busy else ''}": float(pv / t - 1)
-                        for (v, n, b, busy, _, t), pv in zip(obs, p)}}
+                        for (v, n, b, busy, t), pv in zip(obs, p)}}
 
 
 def calibrate_from_microbench(cluster: Union[str, ClusterSpec] = "local", ranks: int = 4,

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from simexec.calibrate import (
-    CalibrationError, _Case, _case, _jsonable, calibrate_from_microbench, fit_traces, make_profile, predict_case,
-    profiled_cluster, save_profile, steady_step,
+    CalibrationError, _Case, _case, _jsonable, calibrate_from_microbench, fit_traces, make_profile, now_iso,
+    predict_case, profiled_cluster, save_profile, steady_step,
 )
 from simexec.cluster import ClusterSpec, get_cluster
 
@@ -342,8 +342,8 @@ def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, round
     fitted, report = fit_traces([case_of(r) for r in calib], cluster, sections, max_nfev=max_nfev)
     fitted = fit_memory(calib, cluster, fitted)
     prof_tr = make_profile(f"{name}-traces", "traces", fitted["costs"], fitted.get("device"), fitted.get("node"),
-                           machine=prof_mb.get("machine"),
-                           fit={**report, "base": f"{name}-microbench",
+                           machine=prof_mb.get("machine"), measured_at=prof_mb.get("measured_at"),
+                           fit={**report, "base": f"{name}-microbench", "fitted_at": now_iso(),
                                 "traces": [Path(r.trace_path).name for r in calib]})
     prof_tr = _jsonable(prof_tr)
     save_profile(prof_mb, out_dir / "profiles" / f"{name}-microbench.json")

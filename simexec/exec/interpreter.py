@@ -102,22 +102,27 @@ _EMPTY: dict = {}
 _SCALAR: dict = {}
 
 
+def rank_slice(full: Tensor, out: Tensor, group=None) -> Tensor:
+    """This rank's part of a reduce-scatter's input (`full`, the group's parts end to end), shaped as `out`."""
+    index = dist.get_rank(group) if group is not None else dist.get_rank()
+    return full.view(-1, out.numel())[index].view(out.shape)
+
+
 class _SliceWork:
     """A reduce-scatter run as an all-reduce of a copy: `wait()` copies this rank's slice out, and
     `is_completed()` is the all-reduce's, so the executor sees it finish when it did."""
 
-    __slots__ = ("work", "full", "out", "index")
+    __slots__ = ("work", "part", "out")
 
-    def __init__(self, work, full: Tensor, out: Tensor, index: int):
-        self.work, self.full, self.out, self.index = work, full, out, index
+    def __init__(self, work, part: Tensor, out: Tensor):
+        self.work, self.part, self.out = work, part, out
 
     def wait(self) -> bool:
         self.work.wait()
-        if self.full is not None:
-            part = self.full.view(-1, self.out.numel())[self.index]
-            if part.data_ptr() != self.out.data_ptr():
-                self.out.view(-1).copy_(part)
-            self.full = None
+        if self.part is not None:
+            if self.part.data_ptr() != self.out.data_ptr():
+                self.out.copy_(self.part)
+            self.part = None
         return True
 
     def is_completed(self) -> bool:
@@ -134,8 +139,7 @@ def reduce_scatter_by_all_reduce(out: Tensor, inp: Tensor, group=None, async_op:
         tracker.in_backend += 1
     try:
         full = inp.detach().clone()
-        work = _SliceWork(dist.all_reduce(full, group=group, async_op=True), full, out,
-                          dist.get_rank(group) if group is not None else dist.get_rank())
+        work = _SliceWork(dist.all_reduce(full, group=group, async_op=True), rank_slice(full, out, group), out)
     finally:
         if tracker is not None:
             tracker.in_backend -= 1

@@ -154,10 +154,11 @@ class HostComm:
     def reduce_scatter(out, inp, group=None, async_op=False):
         """As gloo runs it (an all-reduce, then this rank's slice), done here so that the work reports
         completion when the all-reduce ends (`simexec.exec.interpreter.reduce_scatter_by_all_reduce`)."""
+        from simexec.exec.interpreter import rank_slice
+
         h = _host(inp)
-        index = dist.get_rank(group) if group is not None else dist.get_rank()
-        part = h.view(-1, out.numel())[index].view(out.shape)
-        return _done(_HostWork(dist.all_reduce(h, group=group, async_op=True), [(out, part)]), async_op)
+        return _done(_HostWork(dist.all_reduce(h, group=group, async_op=True), [(out, rank_slice(h, out, group))]),
+                     async_op)
 
     @staticmethod
     def all_to_all_single(out, inp, output_split_sizes=None, input_split_sizes=None, group=None, async_op=False):

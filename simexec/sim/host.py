@@ -41,8 +41,8 @@ sleeps far longer than it runs, and Linux's scheduler (EEVDF) lets a woken threa
 preempt the running one: it gets a core at once, at its share of the rate. A thread that wakes
 onto an idle core waits for that core instead: on a virtual machine an idle vCPU is halted, and
 once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 200 µs) the host
-gives its physical core away and must schedule it again, `idle_wake_s` (fitted; about a millisecond
-on the VM this was written on). So a member that waits for a late one in a collective wakes slowly,
+gives its physical core away and must schedule it again, `idle_wake_s` (fitted;
+`scripts/idle_wake.py` measures it). So a member that waits for a late one in a collective wakes slowly,
 and a busy host wakes threads faster than an idle one. A rank of a symmetric program stands for
 `len(represents[r])` identical ranks: that many threads.
 """

@@ -25,8 +25,8 @@ sys.path.insert(0, str(ROOT))
 from simexec.errors import SimexecError  # noqa: E402
 
 GROUPS = {
-    "comm": ("costs.idle_wake_s", "costs.sched_slice_s", "costs.collective_latency_s", "node.intra_bw",
-             "node.intra_latency_s"),
+    "comm": ("costs.idle_wake_s", "costs.sched_slice_s", "costs.collective_latency_s", "costs.comm_cpu_s",
+             "node.intra_bw", "node.intra_latency_s"),
     "compute": ("costs.compute_contention", "costs.instr_overhead_s", "costs.bwd_overhead_s", "costs.attention_eff",
                 "device.peak_flops", "device.launch_overhead_s"),
 }

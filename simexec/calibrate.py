@@ -149,6 +149,7 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("slice", "costs", "sched_slice_s", 1e-5, 2e-2, least=lambda c: linux_slice(c.node.cpu_cores)),
     Param("contention", "costs", "compute_contention", 1.0, 4.0),
     Param("idle_wake", "costs", "idle_wake_s", 1e-6, 2e-2, start=100e-6),
+    Param("comm_cpu", "costs", "comm_cpu_s", 1e-6, 1e-2, start=20e-6),
     # eager PyTorch dispatches an operator in ~5-20 µs of host time (this repo's CPU micro-benchmarks:
     # ~5-8 µs per operator in a warm loop on a 2-core VM)
     Param("dispatch", "costs", "host_dispatch_s", 1e-7, 1e-3, start=1e-5),
@@ -170,21 +171,14 @@ def set_params(profile: dict, values: dict[str, float], base: ClusterSpec, dtype
     return out
 
 
-# --- robust statistics ---------------------------------------------------------------------------
-def quantile(xs: Sequence[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    pos = (len(xs) - 1) * q
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-# Every benchmark is read at its median: the step times it must predict are medians too, and a
-# low quantile (an operator's cost in a warm, tight loop) makes in-step costs ~30% too cheap.
-CPU_Q = 0.5
-COMM_Q = 0.5
+# --- statistics ------------------------------------------------------------------------------------
+def summed_mean(ts: Sequence[float]) -> float:
+    """What one benchmark sample adds to a step: the mean of its timings. A step sums hundreds of
+    instructions, so their means add up, not their medians, and on shared cores the tails are
+    heavy (a busy host's 4-byte ping-pong: median 0.14 ms, mean 1.1 ms; a 2-rank compute-then-
+    all-reduce loop: median 0.78 ms, mean 1.6 ms). Read at the median, the micro-benchmarks left
+    every in-step collective that much too cheap."""
+    return statistics.fmean(ts) if ts else float("nan")
 
 
 def _linfit(xs: Sequence[float], ys: Sequence[float], weights: Optional[Sequence[float]] = None) -> tuple[float, float]:
@@ -289,7 +283,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     rows, ys, ts = [], [], []
     for rec in recs:
         ins = Instr(0, rec["name"], "compute", "compute", rec["op"], phase=rec["phase"], block=rec["block"])
-        t = quantile(rec["t"], CPU_Q)
+        t = summed_mean(rec["t"])
         flop_t = flop_seconds(rec["op"], rec["flops"]) if rec["op"] in ("gemm", "attention") else 0.0
         row = [0.0] * (3 + len(keys))
         row[0], row[1] = 1.0, 1.0 if rec["phase"] == "bwd" else 0.0
@@ -303,7 +297,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
         return None
     weights = [1.0] * len(rows)
     for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
-        t = quantile(rec["t"], CPU_Q)
+        t = summed_mean(rec["t"])
         row = [0.0] * (3 + len(keys))
         row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(model_of(rec)), dtype)
         rows.append(row)
@@ -339,12 +333,12 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     report: dict = {}
 
     # dispatch cost of one operator
-    op_s = quantile(next(r for r in R["ops"] if r["what"] == "op")["t"], CPU_Q)
+    op_s = summed_mean(next(r for r in R["ops"] if r["what"] == "op")["t"])
     report["op_s"] = op_s
 
     # GEMM: t - op = (f + half) / rate  ->  linear in f
     g = R["gemm"]
-    ts = [quantile(r["t"], CPU_Q) - op_s for r in g]
+    ts = [summed_mean(r["t"]) - op_s for r in g]
     fl = [r["flops"] for r in g]
     a, b = _linfit(fl, ts, _rel_weights(ts))
     rate = 1.0 / b if b > 0 else max(f / t for f, t in zip(fl, ts))
@@ -354,7 +348,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
 
     # element-wise: t - op = bytes / bw
     e = R["elementwise"]
-    ts_e = [quantile(r["t"], CPU_Q) for r in e]
+    ts_e = [summed_mean(r["t"]) for r in e]
     by = [r["bytes"] for r in e]
     a_e, b_e = _linfit(by, ts_e, _rel_weights(ts_e))  # t = fixed + bytes / bw
     mem_bw = 1.0 / b_e if b_e > 0 else statistics.median(x / t for x, t in zip(by, ts_e))
@@ -363,7 +357,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # attention: t - op*ops - bytes/bw = (f + half) / (rate * eff)
     att = R.get("attention") or []
     if att:
-        ta = [max(1e-9, quantile(r["t"], CPU_Q) - op_s * (3 if r["phase"] == "fwd" else 6) - r["bytes"] / mem_bw)
+        ta = [max(1e-9, summed_mean(r["t"]) - op_s * (3 if r["phase"] == "fwd" else 6) - r["bytes"] / mem_bw)
               for r in att]
         fa = [r["flops"] for r in att]
         a2, b2 = _linfit(fa, ta, _rel_weights(ta))
@@ -377,7 +371,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # host copies
     cp = R.get("copies") or []
     if len(cp) >= 2:
-        tc = [quantile(r["t"], CPU_Q) for r in cp]
+        tc = [summed_mean(r["t"]) for r in cp]
         _, b_c = _linfit([r["bytes"] for r in cp], tc, _rel_weights(tc))
         copy_bw = 1.0 / b_c if b_c > 0 else base.node.host_link_bw
     else:
@@ -403,12 +397,12 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # what the host model's rate says: their share of the cores, and each core slower while the
     # others are busy too (compute_contention)
     share = sharing_steps(R["sharing"])
-    t1 = statistics.median(share[1]) if 1 in share else None
+    t1 = summed_mean(share[1]) if 1 in share else None
     background = float(measured_background) if measured_background is not None else 0.0
     contention = 1.0
     if t1:
         ns = sorted(share)
-        slow = {n: statistics.median(share[n]) / t1 for n in ns}
+        slow = {n: summed_mean(share[n]) / t1 for n in ns}
 
         def speed(n: int, bg: float, cc: float) -> float:
             r_ = min(1.0, max(0.05, cores - bg) / n)
@@ -429,16 +423,23 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # (without the compute-then-all-reduce loops the slice cannot be told from the hop latency:
     # Linux's default then)
     loops = R.get("interleaved") or []
-    slice_s = None if loops else linux_slice(cores)
+    fixed = {} if loops else {"slice": linux_slice(cores)}
 
     def gemm_s(flops: float) -> float:
         return op_s + flops / (rate * flops / (flops + half))
 
     from simexec.sim.profile import apply_profile
 
-    comm_base = apply_profile(base, {"costs": {"compute_contention": contention}})
+    # what a collective costs the cores, measured: CPU per step and the bytes a core copies per second
+    comm_cpu = fit_comm_cpu(R.get("collectives") or [], R.get("p2p") or [])
+    comm_cpu_s = comm_cpu["comm_cpu"] if comm_cpu else 0.0
+    if comm_cpu:
+        report["comm_cpu"] = comm_cpu
+        if comm_cpu["intra_bw"]:
+            fixed["intra_bw"] = comm_cpu["intra_bw"]
+    comm_base = apply_profile(base, {"costs": {"compute_contention": contention, "comm_cpu_s": comm_cpu_s}})
     comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], comm_base,
-                    background=background, cores=cores, slice_s=slice_s, loops=loops, gemm_s=gemm_s)
+                    background=background, cores=cores, fixed=fixed, loops=loops, gemm_s=gemm_s)
     slice_s = comm["slice"]
     report["comm"] = comm
 
@@ -450,7 +451,8 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "attention_half_flops": att_half, "memory_eff": 1.0, "intra_bw_eff": 1.0, "host_link_eff": 1.0,
         "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
-        "idle_wake_s": comm["idle_wake"], "background_load": background, "elementwise_cost": elementwise,
+        "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "background_load": background,
+        "elementwise_cost": elementwise,
     }
     device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
     node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],
@@ -459,12 +461,13 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
 
 
 def _comm_cluster(base: ClusterSpec, coll: float, hop: float, bw: float, slice_s: float, background: float,
-                  cores: int, idle_wake: float = 0.0) -> ClusterSpec:
+                  cores: int, idle_wake: float = 0.0, comm_cpu: Optional[float] = None) -> ClusterSpec:
     from simexec.sim.profile import apply_profile
 
+    cpu = base.costs.comm_cpu_s if comm_cpu is None else comm_cpu
     return apply_profile(base, {"costs": {"collective_latency_s": coll, "intra_bw_eff": 1.0, "cores_shared": True,
                                           "sched_slice_s": slice_s, "background_load": background,
-                                          "idle_wake_s": idle_wake},
+                                          "idle_wake_s": idle_wake, "comm_cpu_s": cpu},
                                 "node": {"intra_latency_s": hop, "intra_bw": bw, "cpu_cores": cores}})
 
 
@@ -566,8 +569,48 @@ def linux_slice(cores: int) -> float:
     return 0.75e-3 * (1 + int(math.log2(max(1, min(8, cores)))))
 
 
+def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
+    """What a collective or message costs a member's cores, from the CPU time the micro-benchmarks
+    measured for each (every thread of the process; records without `cpu` are left out): per step
+    (`HostCosts.comm_steps`), `comm_cpu` seconds for the hand-offs between gloo's threads and the
+    kernel plus the step's bytes at `intra_bw` bytes per second of a core. Non-negative least squares
+    on relative errors of the means. None without enough records."""
+    import numpy as np
+    from scipy.optimize import lsq_linear
+
+    from simexec.program import Instr
+    from simexec.sim.host import HostCosts
+
+    rows, ys, names = [], [], []
+    recs = [(r["verb"], r["n"], r) for r in colls if r.get("mode", "solo") == "solo"] + [("p2p", 2, r) for r in p2p]
+    for verb, n, rec in recs:
+        if not rec.get("cpu"):
+            continue
+        kind = "send" if verb == "p2p" else "collective"
+        ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(rec["bytes"]), group=tuple(range(n)), peer=1)
+        steps, chunk = HostCosts.comm_steps(ins)
+        cpu = summed_mean(rec["cpu"])
+        if steps <= 0 or cpu <= 0:
+            continue
+        rows.append([steps, steps * chunk])
+        ys.append(cpu)
+        names.append(f"{verb}@{n}:{int(rec['bytes'])}")
+    if len(rows) < 3:
+        return None
+    A, y = np.asarray(rows, float), np.asarray(ys, float)
+    w = 1.0 / y
+    sol = lsq_linear(A * w[:, None], y * w, bounds=(0.0, np.inf)).x
+    per_step, per_byte = float(sol[0]), float(sol[1])
+    pred = A @ sol
+    return {"comm_cpu": max(1e-7, per_step), "intra_bw": 1.0 / per_byte if per_byte > 0 else None,
+            "rel_err": {k: float(p / t - 1) for k, p, t in zip(names, pred, y)}}
+
+
+COMM_PARAMS = ("coll_latency", "hop_latency", "intra_bw", "idle_wake", "slice")
+
+
 def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: ClusterSpec, *, background: float,
-             cores: int, slice_s: Optional[float] = None, loops: Sequence[dict] = (),
+             cores: int, fixed: Optional[dict[str, float]] = None, loops: Sequence[dict] = (),
              gemm_s: Optional[Callable[[float], float]] = None) -> dict:
     """The scheduler slice, the hop latency, the collective call latency, the loopback bandwidth
     (bytes per second of a core) and the wake-up of an idle core, jointly: least squares (soft-L1)
@@ -575,47 +618,49 @@ def fit_comm(colls: list[dict], p2p: list[dict], pingpong: list[dict], base: Clu
     of the small ping-pong in a tight loop with and without other ranks computing (the cores idle
     only while a message is on the wire, or never), and of the compute-then-all-reduce loops
     (`loops`, their matmuls priced by `gemm_s(flops)`), each predicted by the host model
-    (`host_comm_time`, `host_pingpong_time`, `host_loop_time`, `simexec.sim.host`). The loops
-    are what separates the slice from the hop latency: a slice given here fixes it instead."""
+    (`host_comm_time`, `host_pingpong_time`, `host_loop_time`, `simexec.sim.host`) with `base`'s
+    `comm_cpu_s`. `fixed` holds parameters measured otherwise (`COMM_PARAMS` names): the loops are
+    what separates the slice from the hop latency, so without them the slice must be given."""
     import numpy as np
     from scipy.optimize import least_squares
 
+    fixed = dict(fixed or {})
     # (what, ranks, bytes, other ranks computing (loops: CPU-seconds of compute per iteration), seconds)
-    obs = [(r["verb"], r["n"], r["bytes"], 0, quantile(r["t"], COMM_Q)) for r in colls
+    obs = [(r["verb"], r["n"], r["bytes"], 0, summed_mean(r["t"])) for r in colls
            if r.get("mode", "solo") == "solo"]
-    obs += [("p2p", 2, r["bytes"], 0, quantile(r["t"], COMM_Q)) for r in p2p]
-    obs += [("pingpong", 2, 4.0, int(r.get("busy", 0)), quantile(r["t"], COMM_Q)) for r in pingpong]  # round trips
+    obs += [("p2p", 2, r["bytes"], 0, summed_mean(r["t"])) for r in p2p]
+    obs += [("pingpong", 2, 4.0, int(r.get("busy", 0)), summed_mean(r["t"])) for r in pingpong]  # round trips
     if gemm_s is not None:
-        obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), quantile(r["t"], COMM_Q))
+        obs += [("loop", r["n"], r["bytes"], r["gemms"] * gemm_s(r["gemm_flops"]), summed_mean(r["t"]))
                 for r in loops]
     obs = [o for o in obs if o[4] > 0]
-    start = [base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
-             base.node.intra_bw * base.costs.intra_bw_eff, getattr(base.costs, "idle_wake_s", 0.0) or 100e-6,
-             getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3]
-    names = ("coll_latency", "hop_latency", "intra_bw", "idle_wake", "slice")
-    if not obs:
-        return dict(zip(names, start))
+    start = dict(zip(COMM_PARAMS, (base.costs.collective_latency_s or 100e-6, base.node.intra_latency_s or 50e-6,
+                                   base.node.intra_bw * base.costs.intra_bw_eff,
+                                   getattr(base.costs, "idle_wake_s", 0.0) or 100e-6,
+                                   getattr(base.costs, "sched_slice_s", 0.0) or 1.5e-3)))
+    bounds = dict(zip(COMM_PARAMS, ((1e-7, 1e-1), (1e-7, 1e-1), (1e6, 1e12), (1e-6, 2e-2), (1e-5, 2e-2))))
+    free = [n for n in COMM_PARAMS if n not in fixed]
+    if not obs or not free:
+        return {**start, **fixed}
 
-    fixed = slice_s is not None
+    def values(x) -> dict[str, float]:
+        return {**fixed, **dict(zip(free, (float(v) for v in np.exp(x))))}
 
     def pred(x):
-        coll, hop, bw, idle = np.exp(x[:4])
-        sl = slice_s if fixed else float(np.exp(x[4]))
-        c = _comm_cluster(base, coll, hop, bw, sl, background, cores, idle)
-        return np.array([host_loop_time(c, n, busy, b) if v == "loop" else host_pingpong_time(c, b, busy)
-                         if v == "pingpong" else host_comm_time(c, v, n, b, busy) for v, n, b, busy, _ in obs])
+        v = values(x)
+        c = _comm_cluster(base, v["coll_latency"], v["hop_latency"], v["intra_bw"], v["slice"], background, cores,
+                          v["idle_wake"])
+        return np.array([host_loop_time(c, n, busy, b) if verb == "loop" else host_pingpong_time(c, b, busy)
+                         if verb == "pingpong" else host_comm_time(c, verb, n, b, busy)
+                         for verb, n, b, busy, _ in obs])
 
     y = np.log([o[4] for o in obs])
-    lo, hi = np.log([1e-7, 1e-7, 1e6, 1e-6, 1e-5]), np.log([1e-1, 1e-1, 1e12, 2e-2, 2e-2])
-    if fixed:
-        start, lo, hi = start[:4], lo[:4], hi[:4]
-    x0 = np.clip(np.log(start), lo + 1e-6, hi - 1e-6)
+    lo, hi = (np.log([bounds[n][i] for n in free]) for i in (0, 1))
+    x0 = np.clip(np.log([start[n] for n in free]), lo + 1e-6, hi - 1e-6)
     res = least_squares(lambda x: np.log(pred(x)) - y, x0, loss="soft_l1", f_scale=0.2, diff_step=0.01,
                         bounds=(lo, hi))
-    coll, hop, bw, idle = (float(v) for v in np.exp(res.x[:4]))
-    sl = slice_s if fixed else float(np.exp(res.x[4]))
     p = pred(res.x)
-    return {"coll_latency": coll, "hop_latency": hop, "intra_bw": bw, "idle_wake": idle, "slice": sl,
+    return {**values(res.x),
             "rel_err": {f"{v}@{n}:{int(b)}{'/busy' + format(busy, '.3g') if busy else ''}": float(pv / t - 1)
                         for (v, n, b, busy, t), pv in zip(obs, p)}}
 
@@ -682,7 +727,7 @@ def _jsonable(x):
 
 # --- trace fit -------------------------------------------------------------------------------------
 TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
-                "slice", "contention", "idle_wake")
+                "slice", "contention", "idle_wake", "comm_cpu")
 # An accelerator's traces: no core sharing to fit, and memory-bound kernels run at the device's own
 # bandwidth (on CPU ranks the per-block element-wise costs of the micro-benchmarks stand for it). The
 # GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:

@@ -106,6 +106,9 @@ class CostParams(_Spec):
     idle_wake_s: float = Field(
         0.0, ge=0, description="CPU ranks: waking a thread on a core idle past the hypervisor's poll window "
         "(a halted vCPU the host must run again); 0 = bare metal")
+    comm_cpu_s: float = Field(
+        0.0, ge=0, description="CPU ranks: CPU a member spends per step of a collective or message besides "
+        "copying its bytes (gloo's thread hand-offs and wake-ups, socket syscalls); 0 = one dispatched operator")
     idle_poll_s: float = Field(
         200e-6, gt=0, description="CPU ranks: how long a hypervisor polls a halted vCPU before it gives the "
         "physical core away (KVM's halt_poll_ns default)")

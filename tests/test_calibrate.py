@@ -321,3 +321,46 @@ def test_block_fit_gives_another_model_family_costs_of_its_own():
         plain = key.split("/", 1)[-1]
         want = factors.get(key, factors.get(plain, 1.0) if "/" not in key else 1.0)
         assert f == pytest.approx(want, rel=1e-3), key
+
+
+def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():
+    """CPU seconds per collective made from a known per-step cost and copy rate, with gloo's step
+    counts (ring all-reduce 2(n-1) steps of S/n, a message one step of S), and a little noise: the
+    fit gets both back; records that measured no CPU are left out."""
+    import random
+
+    from simexec.calibrate import fit_comm_cpu
+
+    rng = random.Random(0)
+    per_step, bw = 150e-6, 2e9
+
+    def cpu(steps: int, chunk: float) -> list[float]:
+        return [steps * (per_step + chunk / bw) * rng.uniform(0.9, 1.1) for _ in range(25)]
+
+    colls = [{"verb": "allreduce", "n": n, "mode": "solo", "bytes": float(b), "t": [1.0],
+              "cpu": cpu(2 * (n - 1), b / n)} for n in (2, 4) for b in (256, 65536, 1 << 20, 4 << 20)]
+    colls += [{"verb": "allgather", "n": 4, "mode": "all", "bytes": 256.0, "t": [1.0], "cpu": [1.0]},  # not solo
+              {"verb": "allgather", "n": 4, "mode": "solo", "bytes": 256.0, "t": [1.0]}]  # no CPU measured
+    p2p = [{"bytes": float(b), "t": [1.0], "cpu": cpu(1, b)} for b in (256, 1 << 20)]
+    fit = fit_comm_cpu(colls, p2p)
+    assert fit["comm_cpu"] == pytest.approx(per_step, rel=0.05)
+    assert fit["intra_bw"] == pytest.approx(bw, rel=0.1)
+    assert len(fit["rel_err"]) == 10
+    assert fit_comm_cpu(colls[-1:], []) is None
+
+
+def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
+    """With `comm_cpu_s` a ring step occupies every member's core that long: on two idle cores four
+    ranks' all-reduce takes at least its steps x 2 ranks per core x the per-step CPU; computing ranks
+    beside it are slowed by it, which a free-latency message would not do."""
+    from simexec.calibrate import host_comm_time
+
+    base = {**TRUTH, "node": {**TRUTH["node"], "intra_latency_s": 1e-6}}
+    cheap = profiled_cluster(LOCAL, base)
+    dear = profiled_cluster(LOCAL, {**base, "costs": {**base["costs"], "comm_cpu_s": 200e-6}})
+    assert host_comm_time(dear, "allreduce", 4, 256) >= 6 * 2 * 200e-6
+    assert host_comm_time(cheap, "allreduce", 4, 256) < 6 * 2 * 20e-6
+    step_cheap = simulate("gpt-tiny", LOCAL, "dp=4,zero=3,gbs=4,dtype=fp32", profile=base).step_time_s
+    step_dear = simulate("gpt-tiny", LOCAL, "dp=4,zero=3,gbs=4,dtype=fp32",
+                         profile={**base, "costs": {**base["costs"], "comm_cpu_s": 200e-6}}).step_time_s
+    assert step_dear > step_cheap * 1.1

@@ -13,14 +13,15 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
 - `sharing`: that same step on 1, 2, ... N ranks at once: how much slower compute gets when ranks
   share the cores (each step's begin and end kept, so that only steps all ranks ran together count);
 - `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
-  and of all ranks, across message sizes, one group alone and every disjoint group at once;
+  and of all ranks, across message sizes, one group alone and every disjoint group at once; with
+  the CPU time the group's first rank spent on each (`cpu`: every thread of its process);
 - `interleaved`: matmuls then an all-reduce, in a loop, over 2 and over all ranks: a collective's
   cost inside a step, where its members arrive from computing on shared cores;
-- `p2p`: send/recv between two ranks across sizes, and a small ping-pong while the other ranks
-  compute (how long a woken rank waits for a core);
+- `p2p`: send/recv between two ranks across sizes (time and CPU per message), and a small
+  ping-pong while the other ranks compute (how long a woken rank waits for a core);
 - `copies`: host memory copies across sizes.
 
-Times are per repetition (seconds); the driver keeps the median (and min) of each set.
+Times are per repetition (seconds); the fit reads each set at its mean (`simexec.calibrate.summed_mean`).
 `count_dispatch` counts the aten operators each instruction of the executor dispatches (the
 `simexec.sim.host.DISPATCH` table).
 """
@@ -48,6 +49,8 @@ class BenchConfig:
 
     model: str = "gpt-tiny"
     reps: int = 9
+    # collectives and messages have heavy tails and are read at their mean: more samples
+    comm_reps: int = 25
     gemm: tuple = ((64, 64, 64), (64, 64, 256), (64, 256, 64), (128, 128, 128), (64, 512, 512),
                    (256, 256, 256), (512, 512, 512))
     attention: tuple = ((1, 2, 64, 16), (1, 4, 64, 16), (2, 4, 64, 16), (1, 4, 256, 16), (1, 8, 256, 32))
@@ -56,26 +59,26 @@ class BenchConfig:
     verbs: tuple = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
     p2p_bytes: tuple = (256, 4096, 65536, 1 << 20, 4 << 20)
     copy_bytes: tuple = (1 << 12, 1 << 16, 1 << 20, 1 << 23)
-    block_steps: int = 9  # the first is discarded: each instruction's median over 8 steps, as a plan's step is
+    block_steps: int = 9  # the first is discarded: each instruction's mean over 8 steps, as many as a plan's steady state
     block_mbs: tuple = (1, 2, 4)  # micro-batch sizes of the one-rank step: per-byte costs need two sizes at least
     # other models whose one-rank step is timed too (at micro-batches 1 and 2): their families' blocks
     # (MoE's router and experts, SwiGLU, RMSNorm, RoPE) get element-wise costs of their own
     block_models: tuple = ("moe-tiny",)
-    sharing_steps: int = 12
+    sharing_steps: int = 24
     sharing_rounds: int = 2
     pingpong_s: float = 1.0
     interleave_gemms: tuple = (1, 4, 16)  # 128^3 matmuls between all-reduces (a tensor-parallel layer's pattern)
     interleave_bytes: tuple = (16384, 262144)
-    interleave_iters: int = 24
+    interleave_iters: int = 48
 
     @staticmethod
     def quick(model: str = "gpt-tiny") -> "BenchConfig":
-        return BenchConfig(model=model, reps=5, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
+        return BenchConfig(model=model, reps=5, comm_reps=9, gemm=((64, 64, 64), (64, 64, 256), (128, 128, 128), (256, 256, 256)),
                            attention=((1, 2, 64, 16), (1, 4, 64, 16), (1, 4, 256, 16)),
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
                            p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=4, block_mbs=(1, 4),
                            block_models=(), pingpong_s=0.5,
-                           interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=16)
+                           interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=24)
 
 
 def _sync(group=None) -> None:
@@ -207,16 +210,17 @@ class _Bench:
                         if mine is not None:
                             fn = self._coll(verb, mine, nbytes)
                             pg = self.groups[mine]
-                            ts = []
-                            for r in range(cfg.reps + 2):
+                            ts, cpu = [], []
+                            for r in range(cfg.comm_reps + 2):
                                 dist.barrier(group=pg)
-                                t0 = time.perf_counter()
+                                t0, c0 = time.perf_counter(), time.process_time()
                                 fn()
                                 if r >= 2:
                                     ts.append(time.perf_counter() - t0)
+                                    cpu.append(time.process_time() - c0)
                             if self.rank == mine[0]:
                                 self.add("collectives", verb=verb, group=list(mine), n=len(mine), mode=mode,
-                                         concurrent=len(active), bytes=float(nbytes), t=ts)
+                                         concurrent=len(active), bytes=float(nbytes), t=ts, cpu=cpu)
         _sync()
 
     def interleaved(self) -> None:
@@ -255,21 +259,22 @@ class _Bench:
             _sync()
             if self.rank in (0, 1):
                 x = torch.zeros(max(1, nbytes // 4))
-                ts = []
+                ts, cpu = [], []
                 pair = self.groups[(0, 1)]
-                for r in range(cfg.reps + 2):
+                for r in range(cfg.comm_reps + 2):
                     dist.barrier(group=pair)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     if self.rank == 0:
                         dist.send(x, 1)
                         dist.recv(x, 1)  # a zero-byte-ish ack would do; the echo measures the round trip
                     else:
                         dist.recv(x, 0)
                         dist.send(x, 0)
-                    if r >= 2:
+                    if r >= 2:  # per message: each rank sent one and received one
                         ts.append((time.perf_counter() - t0) / 2)
+                        cpu.append((time.process_time() - c0) / 2)
                 if self.rank == 0:
-                    self.add("p2p", bytes=float(nbytes), t=ts)
+                    self.add("p2p", bytes=float(nbytes), t=ts, cpu=cpu)
         # ping-pong of small messages while the other ranks compute: a woken rank waits for a core.
         # Everyone runs for the same window; rank 0 tells rank 1 in each message whether to go on.
         window = cfg.pingpong_s

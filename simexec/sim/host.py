@@ -326,7 +326,8 @@ class HostCosts:
         return own if own is not None else self.elementwise.get(key, 1.0)
 
     # --- communication over loopback: steps whose members each need a core -----------------------
-    def comm_steps(self, ins: Instr) -> tuple[int, float]:
+    @staticmethod
+    def comm_steps(ins: Instr) -> tuple[int, float]:
         """(steps, bytes each member moves per step) of a collective or message with gloo's algorithms:
         ring all-reduce 2(n-1) steps of S/n; all-gather, all-to-all n-1 of S/n; reduce-scatter as an
         all-reduce (gloo reduces the whole tensor, then keeps its slice); broadcast a tree of
@@ -347,12 +348,14 @@ class HostCosts:
         return n - 1, S / n
 
     def comm_seconds(self, steps: int, chunk: float) -> tuple[float, float, float]:
-        """(call latency, CPU per step per member, latency per step) on an idle host. Loopback TCP
-        moves data by copying it through the kernel, so a step's bytes cost CPU on each member at
-        `intra_bw` (x `intra_bw_eff`) bytes per second of a core, and only its latency is free."""
+        """(call latency, CPU per step per member, latency per step) on an idle host. A step costs each
+        member CPU: `comm_cpu_s` for handing the message between gloo's threads and the kernel (each
+        hand-off a thread wake-up and syscalls, measured 0.1-0.3 ms of mostly system time on this VM),
+        and its bytes at `intra_bw` (x `intra_bw_eff`) bytes per second of a core, since loopback TCP
+        copies them through the kernel. Only its latency is free."""
         c, node = self.cluster.costs, self.cluster.node
         bw = node.intra_bw * c.intra_bw_eff
-        burst = self.op_s + (chunk / bw if chunk > 0 else 0.0)
+        burst = (c.comm_cpu_s or self.op_s) + (chunk / bw if chunk > 0 else 0.0)
         return c.collective_latency_s, burst, node.intra_latency_s
 
     def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:

@@ -27,9 +27,8 @@ Times are per repetition (seconds); the fit reads each set at its mean (`simexec
 """
 from __future__ import annotations
 
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch

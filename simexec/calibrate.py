@@ -149,7 +149,6 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     Param("slice", "costs", "sched_slice_s", 1e-5, 2e-2, least=lambda c: linux_slice(c.node.cpu_cores)),
     Param("contention", "costs", "compute_contention", 1.0, 4.0),
     Param("idle_wake", "costs", "idle_wake_s", 1e-6, 2e-2, start=100e-6),
-    Param("comm_cpu", "costs", "comm_cpu_s", 1e-6, 1e-2, start=20e-6),
     # eager PyTorch dispatches an operator in ~5-20 µs of host time (this repo's CPU micro-benchmarks:
     # ~5-8 µs per operator in a warm loop on a 2-core VM)
     Param("dispatch", "costs", "host_dispatch_s", 1e-7, 1e-3, start=1e-5),
@@ -727,7 +726,7 @@ def _jsonable(x):
 
 # --- trace fit -------------------------------------------------------------------------------------
 TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
-                "slice", "contention", "idle_wake", "comm_cpu")
+                "slice", "contention", "idle_wake")
 # An accelerator's traces: no core sharing to fit, and memory-bound kernels run at the device's own
 # bandwidth (on CPU ranks the per-block element-wise costs of the micro-benchmarks stand for it). The
 # GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:

@@ -460,14 +460,21 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
 
 
 def _comm_cluster(base: ClusterSpec, coll: float, hop: float, bw: float, slice_s: float, background: float,
-                  cores: int, idle_wake: float = 0.0, comm_cpu: Optional[float] = None) -> ClusterSpec:
+                  cores: int, idle_wake: float = 0.0) -> ClusterSpec:
     from simexec.sim.profile import apply_profile
 
-    cpu = base.costs.comm_cpu_s if comm_cpu is None else comm_cpu
     return apply_profile(base, {"costs": {"collective_latency_s": coll, "intra_bw_eff": 1.0, "cores_shared": True,
                                           "sched_slice_s": slice_s, "background_load": background,
-                                          "idle_wake_s": idle_wake, "comm_cpu_s": cpu},
+                                          "idle_wake_s": idle_wake},
                                 "node": {"intra_latency_s": hop, "intra_bw": bw, "cpu_cores": cores}})
+
+
+def _bench_instr(verb: str, n: int, nbytes: float):
+    """The instruction a micro-benchmark's collective (`p2p`: one message) over n ranks stands for."""
+    from simexec.program import Instr
+
+    kind = "send" if verb == "p2p" else "collective"
+    return Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(nbytes), group=tuple(range(n)), peer=1)
 
 
 def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy: int = 0) -> float:
@@ -475,14 +482,12 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     host model of `simexec.sim.host` (`busy` other ranks computing meanwhile)."""
     import simpy
 
-    from simexec.program import Instr
     from simexec.sim.host import Cores, HostCosts
 
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
     _occupy(env, cores, busy)
-    kind = "send" if verb == "p2p" else "collective"
-    ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(nbytes), group=tuple(range(n)), peer=1)
+    ins = _bench_instr(verb, n, nbytes)
     out = []
     t0 = env.now
     hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
@@ -577,7 +582,6 @@ def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
     import numpy as np
     from scipy.optimize import lsq_linear
 
-    from simexec.program import Instr
     from simexec.sim.host import HostCosts
 
     rows, ys, names = [], [], []
@@ -585,9 +589,7 @@ def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
     for verb, n, rec in recs:
         if not rec.get("cpu"):
             continue
-        kind = "send" if verb == "p2p" else "collective"
-        ins = Instr(0, "bench", kind, "comm.x", f"{verb}@x", bytes=float(rec["bytes"]), group=tuple(range(n)), peer=1)
-        steps, chunk = HostCosts.comm_steps(ins)
+        steps, chunk = HostCosts.comm_steps(_bench_instr(verb, n, rec["bytes"]))
         cpu = summed_mean(rec["cpu"])
         if steps <= 0 or cpu <= 0:
             continue

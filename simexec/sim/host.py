@@ -350,7 +350,7 @@ class HostCosts:
     def comm_seconds(self, steps: int, chunk: float) -> tuple[float, float, float]:
         """(call latency, CPU per step per member, latency per step) on an idle host. A step costs each
         member CPU: `comm_cpu_s` for handing the message between gloo's threads and the kernel (each
-        hand-off a thread wake-up and syscalls, measured 0.1-0.3 ms of mostly system time on this VM),
+        hand-off a thread wake-up and syscalls, dear on a VM: `scripts/comm_cpu.py` measures it),
         and its bytes at `intra_bw` (x `intra_bw_eff`) bytes per second of a core, since loopback TCP
         copies them through the kernel. Only its latency is free."""
         c, node = self.cluster.costs, self.cluster.node

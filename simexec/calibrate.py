@@ -24,6 +24,7 @@ import json
 import math
 import os
 import platform
+import re
 import socket
 import statistics
 import time
@@ -419,10 +420,11 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     # the scheduler's slice and the hop latency, from the ping-pong; then the collectives
     if measured_background is not None:
         background = float(measured_background)
-    # (without the compute-then-all-reduce loops the slice cannot be told from the hop latency:
-    # Linux's default then)
+    # The scheduler's slice is Linux's (`linux_slice`): between barriers the benchmarks barely wait
+    # for a core, and a fit left free to move it finds them no better explained anywhere from 1.5 to
+    # 20 ms (its bound), where it then stalls every woken rank of a plan. The trace fit moves it.
     loops = R.get("interleaved") or []
-    fixed = {} if loops else {"slice": linux_slice(cores)}
+    fixed = {"slice": linux_slice(cores)}
 
     def gemm_s(flops: float) -> float:
         return op_s + flops / (rate * flops / (flops + half))
@@ -490,9 +492,26 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     ins = _bench_instr(verb, n, nbytes)
     out = []
     t0 = env.now
-    hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
+    if verb == "broadcast":
+        env.process(_root_of_broadcast(env, cores, hc, ins, lambda: out.append(env.now)))
+    else:
+        hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
     env.run(until=t0 + 10.0 if busy else None)
     return out[0] - t0 if out else float("inf")
+
+
+def _root_of_broadcast(env, cores, hc, ins, done):
+    """A broadcast as its root times it (the micro-benchmark's clock runs there): gloo's binomial tree
+    has the root send in each of its rounds and wait for nothing but the sends being written, so it
+    returns after the call and its own bursts, while the other members still receive. No plan lowers
+    a broadcast; this keeps the benchmark from pulling the call latency towards zero."""
+    steps, chunk = hc.comm_steps(ins)
+    call, burst, _wire = hc.comm_seconds(steps, chunk)
+    if call > 0:
+        yield env.timeout(call)
+    for _ in range(steps):
+        yield cores.run((0, "comm"), burst)
+    done()
 
 
 def _occupy(env, cores, busy: int) -> None:
@@ -756,7 +775,8 @@ class _Case:
 def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
     """A run's steady-state step time: the median of its second half of steps. The executor's own
     `step_time_s` (the median after the first step) still carries warm-up: on CPU ranks the steps
-    after the first get ~10-20% faster over the next few, and the trace holds the last step."""
+    after the first get ~10-20% faster over the next few. The trace holds the step of the second half
+    nearest this median (`simexec.exec.tracer.pick_step`)."""
     xs = [float(x) for x in step_times if x]
     if len(xs) >= 4:
         return statistics.median(xs[len(xs) // 2:])
@@ -832,10 +852,14 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
                progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
     """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
 
-    Residuals: per trace, every compute event's log(predicted / measured) (weight 1/sqrt(n) so each
-    trace counts alike), its collectives' (times `comm_weight`) and its step time's (times
-    `step_weight`); plus a weak pull of each parameter towards its starting value (`prior_weight`
-    per e-fold), which keeps parameters the traces cannot see where they were."""
+    Residuals: per trace, for each kind of compute instruction (`_event_groups`: the same block and
+    phase on every rank, layer and micro-batch) log(summed predicted / summed measured) (weight
+    `event_weight` x the square root of its share of the trace's measured time, so each trace counts
+    alike), the same for its collectives and messages (`comm_weight`), and its step time's
+    (`step_weight`); plus a weak pull of each parameter towards its starting value (`prior_weight` per
+    e-fold), which keeps parameters the traces cannot see where they were. Sums, not single events:
+    a step adds its instructions up, and on shared cores their times have heavy tails, so a fit to
+    each event's log ratio matches the typical event and leaves every sum short."""
     import numpy as np
     from scipy.optimize import least_squares
 
@@ -849,6 +873,7 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
     calls = [0]
     best = [math.inf, None]
+    groups = [(_event_groups(c.measured), _event_groups(c.comm)) for c in cases]
 
     def profile_at(x) -> dict:
         return set_params(base_profile, {p.name: _from_x(p, v) for p, v in zip(ps, x)}, base, dtype)
@@ -856,18 +881,14 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     def residuals(x):
         prof = profile_at(x)
         out = []
-        for case in cases:
+        for case, (comp, comm) in zip(cases, groups):
             try:
                 res = predict_case(case, base, prof)
             except SimexecError:
-                return np.full(_n_resid(cases, len(ps)), 10.0)
+                return np.full(_n_resid(groups, len(ps)), 10.0)
             pred = {e.id: e.dur_us for e in res.trace.events}
-            comp = [(max(pred.get(i, 0.0), 1.0), m) for i, m in case.measured.items()]  # µs; a fixed length
-            comm = [(max(pred.get(i, 0.0), 1.0), m) for i, m in case.comm.items()]
-            w = event_weight / math.sqrt(max(1, len(comp)))
-            out.extend(w * math.log(p / m) for p, m in comp)
-            wc = comm_weight / math.sqrt(max(1, len(comm)))
-            out.extend(wc * math.log(p / m) for p, m in comm)
+            out.extend(_group_residuals(comp, pred, event_weight))
+            out.extend(_group_residuals(comm, pred, comm_weight))
             out.append(step_weight * math.log(max(res.step_time_s, 1e-9) / case.step_s))
         out.extend(prior_weight * (x - x0))
         r = np.asarray(out)
@@ -908,8 +929,38 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     return prof, report
 
 
-def _n_resid(cases, nparams: int) -> int:
-    return sum(len(c.measured) + len(c.comm) + 1 for c in cases) + nparams
+def _n_resid(groups, nparams: int) -> int:
+    return sum(len(comp) + len(comm) + 1 for comp, comm in groups) + nparams
+
+
+_INDEX = re.compile(r"^(?:L-?\d+|m\d+|v\d+|s\d+|c\d+)$")
+
+
+def _event_kind(event_id: str) -> str:
+    """An event's instruction without its rank, layer, micro-batch, virtual stage or chunk:
+    `3:bwd.fc1.L2.m5` -> `bwd.fc1`."""
+    name = event_id.split(":", 1)[-1]
+    return ".".join(t for t in name.split(".") if not _INDEX.match(t)) or name
+
+
+def _event_groups(events: dict[str, float]) -> list[tuple[list[str], float, float]]:
+    """The events of one trace by kind: (ids, summed measured µs, share of the trace's measured time)."""
+    by: dict[str, list[str]] = {}
+    for i in events:
+        by.setdefault(_event_kind(i), []).append(i)
+    total = sum(events.values()) or 1.0
+    out = []
+    for kind in sorted(by):
+        ids = by[kind]
+        m = sum(events[i] for i in ids)
+        out.append((ids, max(m, 1.0), m / total))
+    return out
+
+
+def _group_residuals(groups, pred: dict[str, float], weight: float) -> list[float]:
+    """weight x sqrt(share) x log(summed predicted / summed measured) for each group of events."""
+    return [weight * math.sqrt(share) * math.log(max(sum(pred.get(i, 0.0) for i in ids), 1.0) / m)
+            for ids, m, share in groups]
 
 
 def _to_x(p: Param, v: float) -> float:

@@ -69,9 +69,13 @@ MATRIX: tuple[PlanSpec, ...] = (
     _p("cp2", "dp=2,cp=2", "heldout", "cp"),
 )
 
+# The demo's calibration plans hold each way the ranks share the cores that its held-out plans
+# have (one rank alone, one rank per core, two per core): from dp=1 and dp=4 alone the trace fit
+# cannot tell the compute contention of two ranks from the cost of four on two cores.
 DEMO: tuple[PlanSpec, ...] = (
     _p("dp1", "dp=1", "calibrate", "single rank"),
     _p("dp4", "dp=4", "calibrate", "dp"),
+    _p("dp2-rcf", "dp=2,recompute=full", "calibrate", "recompute full"),
     _p("tp2", "tp=2", "calibrate", "tp"),
     _p("pp4", "pp=4", "calibrate", "pp"),
     _p("dp2", "dp=2", "heldout", "dp"),

@@ -364,3 +364,40 @@ def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     step_dear = simulate("gpt-tiny", LOCAL, "dp=4,zero=3,gbs=4,dtype=fp32",
                          profile={**base, "costs": {**base["costs"], "comm_cpu_s": 200e-6}}).step_time_s
     assert step_dear > step_cheap * 1.1
+
+
+def test_trace_fit_matches_summed_instruction_times_not_the_typical_event():
+    """A step adds its instructions up. Residuals per kind of instruction compare sums: events whose
+    times scatter around the prediction leave no residual when their sum matches, and one long stall
+    counts at its full length (a per-event log ratio with a robust loss would all but drop it)."""
+    from simexec.calibrate import _event_groups, _event_kind, _group_residuals
+
+    assert _event_kind("3:bwd.fc1.L2.m5") == "bwd.fc1"
+    assert _event_kind("0:p2p.act.v1.m0") == "p2p.act"
+    assert _event_kind("1:bwd.grads.L-1.m0") == "bwd.grads"
+    measured = {"0:fwd.fc1.L0.m0": 100.0, "0:fwd.fc1.L1.m0": 300.0, "1:fwd.fc1.L0.m0": 200.0, "0:fwd.qkv.L0.m0": 400.0}
+    groups = _event_groups(measured)
+    assert [(len(ids), m) for ids, m, _ in groups] == [(3, 600.0), (1, 400.0)]
+    assert sum(share for *_, share in groups) == pytest.approx(1.0)
+    scattered = {"0:fwd.fc1.L0.m0": 200.0, "0:fwd.fc1.L1.m0": 200.0, "1:fwd.fc1.L0.m0": 200.0, "0:fwd.qkv.L0.m0": 400.0}
+    assert _group_residuals(groups, scattered, 1.0) == pytest.approx([0.0, 0.0])
+    stalled = {**measured, "0:fwd.fc1.L1.m0": 3000.0}
+    short = _group_residuals(_event_groups(stalled), measured, 1.0)[0]
+    assert short < 0 and math.exp(short / math.sqrt(3300 / 3700)) == pytest.approx(600 / 3300)
+
+
+def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
+    """gloo posts every send and receive of an all-to-all at once and waits for them all: one step
+    of (n-1)/n of the tensor per member. Its broadcast is a binomial tree whose root returns once its
+    sends are written: the micro-benchmark, timing the root, sees the call and the root's sends,
+    not the hops to the last member."""
+    from simexec.calibrate import _bench_instr, host_comm_time
+    from simexec.sim.host import HostCosts
+
+    assert HostCosts.comm_steps(_bench_instr("alltoall", 4, 4096)) == (1, 3072.0)
+    assert HostCosts.comm_steps(_bench_instr("allgather", 4, 4096)) == (3, 1024.0)
+    c = profiled_cluster(LOCAL, {**TRUTH, "costs": {**TRUTH["costs"], "comm_cpu_s": 100e-6}})
+    root = host_comm_time(c, "broadcast", 4, 256)
+    hops = 2 * (TRUTH["node"]["intra_latency_s"])
+    assert root == pytest.approx(TRUTH["costs"]["collective_latency_s"] + 2 * (100e-6 + 256 / 1e9), rel=0.01)
+    assert host_comm_time(c, "allgather", 4, 256) > root + hops

@@ -18,7 +18,7 @@ from simexec.cluster import get_cluster
 from simexec.errors import ExecError
 from simexec.exec.groups import WORLD, group_specs
 from simexec.exec.launcher import cpus_per_rank, live_workers
-from simexec.exec.tracer import Fault, InjectedFault, Tracer, build_events, clock_offsets
+from simexec.exec.tracer import Fault, InjectedFault, Tracer, build_events, clock_offsets, pick_step
 from simexec.lower import lower
 from simexec.model import get_model
 from simexec.plan import parse_plan, resolve
@@ -295,3 +295,15 @@ def test_real_interpreter_matches_one_rank(ray_session, tmp_path):
     traced = {e.id for e in Trace.load(tmp_path / "t.json").events}
     assert traced == {i.id for i in program if i.kind != "memory"}  # memory markers take no time
     assert all(b > 0 for b in res.peak_memory_bytes_per_rank.values())
+
+
+def test_the_trace_keeps_the_steady_step_not_one_a_stall_hit():
+    """Every step is recorded; the trace keeps the one of the second half nearest that half's median
+    time, so a stall in the last step does not become the trace a calibration fits. Runs of fewer
+    than 4 steps, and failed runs (no step times), keep the last step with events."""
+    exports = [{"records": [("fwd", s, 0, 1) for s in range(9)]}]
+    times = [0.9, 0.3, 0.2, 0.2, 0.21, 0.19, 0.23, 0.2, 0.45]  # the last step stalled
+    assert pick_step(exports, times) == 4  # second half 0.21 0.19 0.23 0.2 0.45: median 0.21
+    assert pick_step(exports, times[:8]) in (4, 7)  # 0.21 0.19 0.23 0.2: one of the two nearest 0.205
+    assert pick_step(exports, times[:3]) == 8 and pick_step(exports) == 8
+    assert pick_step([{"records": []}], times) == -1

@@ -4,8 +4,9 @@ resolve -> lower (the simulator's very program, every rank spelled out) -> refus
 interpreter cannot run yet (before any actor starts) -> Ray -> one actor per rank -> results,
 a measured trace in the shared schema, and `--json` / `--trace` / `--profile` files.
 
-The trace holds the last step (a measured step after the warm-up), so its instruction ids match
-the simulator's one step one to one; `step_times_s` has every step. A failed run still writes the
+The trace holds one step, so its instruction ids match the simulator's one step one to one: the
+steady step (the second half's step nearest its median time; the last of a run of fewer than 4
+steps); `step_times_s` has every step. A failed run still writes the
 trace (the last step with any events) and the JSON (with `error`) before raising `ExecError`.
 """
 from __future__ import annotations
@@ -149,14 +150,14 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
 def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict, error: Optional[str] = None) -> ExecResult:
     from simexec.exec.tracer import build_events, pick_step
 
-    exports = {r: o["trace"] for r, o in outs.items() if o.get("trace")}
-    step = pick_step(exports.values())
-    events, counters = build_events(program, exports, step) if exports else ([], [])
     per_rank = {r: o["losses"] for r, o in sorted(outs.items()) if o.get("losses")}
     n_steps = max((len(v) for v in per_rank.values()), default=0)
     losses = [statistics.fmean(v[s] for v in per_rank.values() if len(v) > s) for s in range(n_steps)]
     times = [o["step_times_s"] for o in outs.values() if o.get("step_times_s")]
     step_times = [max(t[s] for t in times if len(t) > s) for s in range(max(map(len, times), default=0))]
+    exports = {r: o["trace"] for r, o in outs.items() if o.get("trace")}
+    step = pick_step(exports.values(), () if error else step_times)
+    events, counters = build_events(program, exports, step) if exports else ([], [])
     measured = step_times[1:] or step_times
     step_time = statistics.median(measured) if measured else None
     peak = {r: o["peak_memory_bytes"] for r, o in sorted(outs.items()) if "peak_memory_bytes" in o}

@@ -12,9 +12,10 @@ Begin and end may interleave (a collective in flight while compute runs). The tr
 - fires an injected fault (`Fault`) at a chosen instruction, for the fault tests;
 - records memory samples the interpreter reports with `counter(category, bytes)`.
 
-Which steps go into the trace: every step is recorded, but `build_trace` keeps one (by default
-the last, a measured step after the warm-up) so that instruction ids stay unique and match the
-simulator's one step one to one. A failed run's trace keeps the last step that has any events.
+Which steps go into the trace: every step is recorded, but `build_events` keeps one (`pick_step`:
+the steady step, whose time is the median of the second half of the run's steps; the last step of
+a short run) so that instruction ids stay unique and match the simulator's one step one to one. A
+failed run's trace keeps the last step that has any events.
 
 Clocks: each rank notes `time.time_ns() - time.perf_counter_ns()` (so its perf clock maps to the
 host's wall clock, shared by all processes of a host) and its perf clock when leaving a barrier.
@@ -34,7 +35,7 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable, Optional, Sequence
 
 from simexec.errors import ExecError
 from simexec.trace import Counter, Event
@@ -265,9 +266,19 @@ def clock_offsets(clocks: dict[int, dict]) -> dict[int, int]:
     return {r: wall[r] - shift.get(c["host"], 0) for r, c in clocks.items()}
 
 
-def pick_step(exports: Iterable[dict]) -> int:
-    """The last step with any recorded event (-1 if none)."""
-    return max((rec[1] for ex in exports for rec in ex["records"]), default=-1)
+def pick_step(exports: Iterable[dict], step_times: Sequence[float] = ()) -> int:
+    """The step the trace keeps (-1 if none has events). With the run's step times (4 or more): the
+    steady step, the one of the second half whose time is nearest that half's median (the run's
+    steady-state step time, `simexec.calibrate.steady_step`), so that the trace shows what the step
+    time measures and not a step a stall happened to hit. Else the last step with any event."""
+    recorded = {rec[1] for ex in exports for rec in ex["records"]}
+    if not recorded:
+        return -1
+    half = [(s, t) for s, t in enumerate(step_times) if s >= len(step_times) // 2 and s in recorded and t]
+    if len(step_times) < 4 or not half:
+        return max(recorded)
+    mid = statistics.median(t for _, t in half)
+    return min(half, key=lambda st: (abs(st[1] - mid), -st[0]))[0]
 
 
 def build_events(program, exports: dict[int, dict], step: Optional[int] = None) -> tuple[list[Event], list[Counter]]:

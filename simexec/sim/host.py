@@ -329,7 +329,8 @@ class HostCosts:
     @staticmethod
     def comm_steps(ins: Instr) -> tuple[int, float]:
         """(steps, bytes each member moves per step) of a collective or message with gloo's algorithms:
-        ring all-reduce 2(n-1) steps of S/n; all-gather, all-to-all n-1 of S/n; reduce-scatter as an
+        ring all-reduce 2(n-1) steps of S/n; all-gather n-1 of S/n; all-to-all one step of (n-1)S/n
+        (gloo posts every send and receive at once, then waits for them all); reduce-scatter as an
         all-reduce (gloo reduces the whole tensor, then keeps its slice); broadcast a tree of
         ceil(log2 n) steps of S; send/recv one step of S."""
         S = float(ins.bytes)
@@ -341,7 +342,9 @@ class HostCosts:
         verb = ins.collective
         if verb in ("allreduce", "reducescatter"):
             return 2 * (n - 1), S / n
-        if verb in ("allgather", "alltoall"):
+        if verb == "alltoall":
+            return 1, (n - 1) * S / n
+        if verb == "allgather":
             return n - 1, S / n
         if verb == "broadcast":
             return max(1, math.ceil(math.log2(n))), S

@@ -271,13 +271,15 @@ def pick_step(exports: Iterable[dict], step_times: Sequence[float] = ()) -> int:
     steady step, the one of the second half whose time is nearest that half's median (the run's
     steady-state step time, `simexec.calibrate.steady_step`), so that the trace shows what the step
     time measures and not a step a stall happened to hit. Else the last step with any event."""
+    from simexec.calibrate import steady_step
+
     recorded = {rec[1] for ex in exports for rec in ex["records"]}
     if not recorded:
         return -1
+    mid = steady_step(step_times)
     half = [(s, t) for s, t in enumerate(step_times) if s >= len(step_times) // 2 and s in recorded and t]
-    if len(step_times) < 4 or not half:
+    if mid is None or not half:
         return max(recorded)
-    mid = statistics.median(t for _, t in half)
     return min(half, key=lambda st: (abs(st[1] - mid), -st[0]))[0]
 
 

@@ -141,6 +141,17 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
     return runs
 
 
+def typical_runs(runs: Sequence[Run]) -> list[Run]:
+    """Per plan, the round whose step time is the median of its rounds (the lower of the middle two
+    for an even count): the run that stands for the plan where one trace per plan is wanted. A host
+    shared with other virtual machines slows a whole run now and then (one round's compute 50%
+    longer than the next's), and the median round leaves those out."""
+    by: dict[str, list[Run]] = {}
+    for r in runs:
+        by.setdefault(r.spec.name, []).append(r)
+    return [sorted(rs, key=lambda r: r.step_s)[(len(rs) - 1) // 2] for rs in by.values()]
+
+
 def world_of(spec: PlanSpec) -> int:
     from simexec.model import get_model
     from simexec.plan import load_plan, resolve

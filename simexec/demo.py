@@ -8,11 +8,14 @@ with what was measured, on held-out plans too. Writes `out_dir` with
 - `summary.json`: held-out step-time MAPE before and after (`heldout_mape_before`,
   `heldout_mape_after`), peak-memory errors, the machine, timings;
 - `plots/`: timeline (predicted vs measured), memory, op durations, calibration before / after;
-- `traces/` (measured and predicted, gzip JSON) and `profiles/` (the calibrated profiles).
+- `traces/` (measured and predicted, gzip JSON; every plan is run `rounds` times, interleaved, each
+  round's trace is in `traces/rounds/`, and the median round is the plan's measured trace, the one
+  the trace fit and the plots use) and `profiles/` (the calibrated profiles).
 """
 from __future__ import annotations
 
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import Optional, Union
@@ -20,6 +23,7 @@ from typing import Optional, Union
 from simexec.errors import SimexecError
 
 STEPS = 6
+ROUNDS = 3  # each plan measured this many times, interleaved; the median round stands for it
 
 
 class _Progress:
@@ -49,11 +53,12 @@ class _Progress:
 
 
 def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, session=None,
-         specs=None, steps: int = STEPS, max_nfev: int = 25) -> dict:
+         specs=None, steps: int = STEPS, rounds: int = ROUNDS, max_nfev: int = 25) -> dict:
     """Run the demo; returns the summary (also written to out_dir/summary.json)."""
     from simexec.calibrate import CalibrationError, _jsonable, fit_traces, make_profile, save_profile
     from simexec.calibrate_eval import (
-        DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, runnable, world_of,
+        DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, repeatability, runnable, typical_runs,
+        world_of,
     )
     from simexec.calibrate_runs import Session
     from simexec.cluster import get_cluster
@@ -71,7 +76,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         raise CalibrationError("demo: the executor runs none of the demo's plans")
     # stages: the preset's predictions, the micro-benchmarks, a warm-up per world size, each plan,
     # the calibration, the calibrated predictions, the plots
-    bar = _Progress(total=len(specs) + len({world_of(s) for s in specs}) + 5, enabled=progress)
+    bar = _Progress(total=rounds * len(specs) + len({world_of(s) for s in specs}) + 5, enabled=progress)
     cluster = get_cluster("local")
     timings = {}
     try:
@@ -99,16 +104,19 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
             bar.note("micro-benchmarks")
             prof_mb = calibrate_from_microbench(cluster, 4, None, name="demo-microbench", quick=True, session=sess)
             bar("micro-benchmarks")
-            runs = measure(sess, specs, out / "traces", rounds=1, steps=steps, tick=bar)
+            runs = measure(sess, specs, out / "traces" / "rounds", rounds=rounds, steps=steps, tick=bar)
         finally:
             if own:
                 sess.__exit__(None, None, None)
         timings["measure_s"] = time.perf_counter() - t1
+        typical = typical_runs(runs)
+        for r in typical:
+            shutil.copyfile(r.trace_path, out / "traces" / f"{r.spec.name}.json.gz")
 
-        # 3. calibrate on the calibration plans' traces, starting from the micro-benchmarks
+        # 3. calibrate on the calibration plans' median rounds, starting from the micro-benchmarks
         t2 = time.perf_counter()
         bar.note("fitting the traces")
-        calib = [r for r in runs if r.spec.role == "calibrate"]
+        calib = [r for r in typical if r.spec.role == "calibrate"]
         start = _sections(prof_mb)
         fitted, report = fit_traces([case_of(r) for r in calib], cluster, start, max_nfev=max_nfev)
         fitted = fit_memory(calib, cluster, fitted)
@@ -125,12 +133,12 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         after_traces = {}
         from simexec.calibrate import predict_case
 
-        for r in runs:
+        for r in typical:
             res = predict_case(case_of(r), cluster, _sections(prof_tr), trace=True)
             after_traces[r.spec.name] = res.trace
             res.trace.save(out / "traces" / f"{r.spec.name}.predicted-after.json.gz")
         bar("simulated with the calibrated profile")
-        _plots(out, runs, rows, before_traces, after_traces)
+        _plots(out, typical, rows, before_traces, after_traces)
         bar("plots")
         timings["report_s"] = time.perf_counter() - t3
     finally:
@@ -150,6 +158,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
                            "predicted_peak_before_bytes": r.predicted_peak["before"],
                            "predicted_peak_after_bytes": r.predicted_peak["traces"],
                            "background_cores": r.background} for r in rows},
+        "rounds": rounds, "repeatability": repeatability(rows),
         "skipped": skipped, "machine": prof_mb.get("machine"), "timings": timings,
         "wall_s": time.perf_counter() - t0,
     }
@@ -197,6 +206,10 @@ def _report(rows, summary: dict) -> str:
         f"Worst peak-memory error: {100 * summary['peak_memory_worst_error_before']:.1f}% before, "
         f"{100 * summary['peak_memory_worst_error_after']:.1f}% after.",
         "",
+        f"Every plan ran {summary['rounds']} times, interleaved; measured is the median"
+        + (f", and a round differs from it by {100 * summary['repeatability']:.1f}% on average (the noise floor)."
+           if summary.get("repeatability") is not None else "."),
+        "",
         "| plan | role | measured ms | predicted before ms | error | predicted after ms | error | peak memory MiB measured / after |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -208,7 +221,8 @@ def _report(rows, summary: dict) -> str:
     lines += ["", "Background load (cores other processes used while each plan ran) is part of the prediction: "
               "see `docs/calibration.md`.", "",
               "Plots: `plots/calibration.png`, and per plan `plots/timeline-*.png`, `plots/memory-*.png`, "
-              "`plots/durations-*.png`. Traces: `traces/` (measured `NAME.json.gz`, predicted "
+              "`plots/durations-*.png`. Traces: `traces/` (measured `NAME.json.gz`, the median of "
+              f"{summary.get('rounds', 1)} rounds in `rounds/`, predicted "
               "`NAME.predicted-before.json.gz` / `NAME.predicted-after.json.gz`). Profiles: `profiles/`.", ""]
     if summary.get("skipped"):
         lines += ["Left out (the executor cannot run them yet): " + ", ".join(summary["skipped"]), ""]

@@ -401,3 +401,13 @@ def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
     hops = 2 * (TRUTH["node"]["intra_latency_s"])
     assert root == pytest.approx(TRUTH["costs"]["collective_latency_s"] + 2 * (100e-6 + 256 / 1e9), rel=0.01)
     assert host_comm_time(c, "allgather", 4, 256) > root + hops
+
+
+def test_the_median_round_stands_for_a_plan():
+    from simexec.calibrate_eval import PlanSpec, Run, typical_runs
+
+    a, b = PlanSpec("a", "gpt-tiny", "dp=1", "calibrate"), PlanSpec("b", "gpt-tiny", "dp=2", "heldout")
+    runs = [Run(a, 0, "a0", 0.30, [], {}, None), Run(b, 0, "b0", 0.10, [], {}, None),
+            Run(a, 1, "a1", 0.10, [], {}, None), Run(b, 1, "b1", 0.40, [], {}, None),
+            Run(a, 2, "a2", 0.20, [], {}, None)]
+    assert [r.trace_path for r in typical_runs(runs)] == ["a2", "b0"]  # two rounds: the faster

@@ -12,7 +12,7 @@ def test_demo_writes_report_plots_traces_and_summary(tmp_path, ray_session):
 
     specs = (PlanSpec("dp1", "gpt-tiny", "dp=1,gbs=4,dtype=fp32", "calibrate", "single rank"),
              PlanSpec("dp2", "gpt-tiny", "dp=2,gbs=4,dtype=fp32", "heldout", "dp"))
-    summary = demo(tmp_path, progress=False, specs=specs, steps=3, max_nfev=4)
+    summary = demo(tmp_path, progress=False, specs=specs, steps=3, rounds=2, max_nfev=4)
     for key in ("heldout_mape_before", "heldout_mape_after"):
         assert summary[key] >= 0
     saved = json.loads((tmp_path / "summary.json").read_text())
@@ -22,6 +22,8 @@ def test_demo_writes_report_plots_traces_and_summary(tmp_path, ray_session):
     for name in ("calibration.png", "timeline-dp1.png", "memory-dp2.png", "durations-dp2.png"):
         assert (tmp_path / "plots" / name).stat().st_size > 10_000
     assert (tmp_path / "traces" / "dp2.json.gz").exists()
+    assert saved["rounds"] == 2 and (tmp_path / "traces" / "rounds" / "dp2.r1.json.gz").exists()
+    assert saved["repeatability"] >= 0
     assert (tmp_path / "traces" / "dp2.predicted-after.json.gz").exists()
     assert (tmp_path / "profiles" / "demo-traces.json").exists()
 

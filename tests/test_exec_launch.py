@@ -307,3 +307,18 @@ def test_the_trace_keeps_the_steady_step_not_one_a_stall_hit():
     assert pick_step(exports, times[:8]) in (4, 7)  # 0.21 0.19 0.23 0.2: one of the two nearest 0.205
     assert pick_step(exports, times[:3]) == 8 and pick_step(exports) == 8
     assert pick_step([{"records": []}], times) == -1
+
+
+@pytest.mark.ray
+def test_the_optimizer_step_does_not_wait_for_eager_sends(ray_session):
+    """The program lets a stage step its optimizer while its last gradient send is in flight (the
+    end of the step waits for it); under GPipe the last stage's final send completes only once the
+    stage before it has worked back to that micro-batch, well after its own optimizer step."""
+    from simexec.exec.api import execute
+
+    res = execute("gpt-tiny", "local", "pp=2,gbs=8,schedule=gpipe,dtype=fp32", steps=2)
+    ev = {e.id: e for e in res.trace.events if e.rank == 1}
+    sends = [e for i, e in ev.items() if i.startswith("1:p2p.grad")]
+    last_send = max(sends, key=lambda e: e.end_us)
+    optim = ev["1:optim.optim.L-1.m-1"]
+    assert optim.end_us < last_send.end_us, (optim, last_send)

@@ -729,6 +729,16 @@ class _Rank:
         for w in list(self.inflight.values()):
             w.wait()
 
+    def wait_but_sends(self, ins: Instr) -> None:
+        """Before the optimizer step (or the gradients' copy to the host): wait for everything issued
+        except the eager sends `ins` does not depend on. A send carries an activation or its gradient,
+        not a parameter, and the program lets the step go on while it is in flight (`p2p_overlap`);
+        the end of the step waits for it."""
+        deps = set(ins.deps)
+        for w in list(self.inflight.values()):
+            if w.ins.kind != "send" or w.ins.name in deps:
+                w.wait()
+
     def group(self, ins: Instr):
         return self.groups.get(ins.axis, ins.group)
 
@@ -1484,7 +1494,7 @@ class _Rank:
                 if tracker is not None:
                     tracker.on_host -= 1
             return
-        self.wait_all()
+        self.wait_but_sends(ins)
         self.opt.step(self._optimizer_grads())
 
     def _host_threads(self) -> int:
@@ -1517,7 +1527,7 @@ class _Rank:
     def copy(self, ins: Instr) -> None:
         """Offload: gradients to host buffers (d2h), updated parameters back to device (h2d)."""
         if ins.block == "grads_d2h":
-            self.wait_all()
+            self.wait_but_sends(ins)
             for h, gdev in zip(self.host_grads, self._optimizer_grads()):
                 h.copy_(gdev)
         elif ins.block == "params_h2d":  # all updated parameters, or (ZeRO-Infinity) one unit's before its gather

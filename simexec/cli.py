@@ -127,6 +127,7 @@ def _add_optional_commands(subs) -> None:
     if importlib.util.find_spec("simexec.demo") is not None:
         p = _sub(subs, "demo", "simulate, execute, calibrate and re-simulate gpt-tiny's plans on this machine")
         p.add_argument("--out", default="simexec-demo", help="folder for report.md, plots, traces, summary.json")
+        p.add_argument("--rounds", type=int, default=3, help="times each plan runs, interleaved (the median counts)")
         p.set_defaults(func=cmd_demo)
 
 
@@ -284,7 +285,9 @@ def cmd_calibrate(args) -> int:
 def cmd_demo(args) -> int:
     from simexec.demo import demo
 
-    summary = demo(args.out)
+    if args.rounds < 1:
+        raise SimexecError(f"demo: --rounds must be at least 1, got {args.rounds}")
+    summary = demo(args.out, rounds=args.rounds)
     print(f"wrote {args.out}/report.md; held-out step-time MAPE {summary['heldout_mape_before']:.1%} before, "
           f"{summary['heldout_mape_after']:.1%} after calibration")
     return 0

@@ -36,3 +36,11 @@ def test_demo_refuses_an_unwritable_directory(tmp_path):
     blocker.write_text("")
     with pytest.raises(SimexecError, match="cannot write"):
         demo(blocker / "out", progress=False)
+
+
+def test_demo_refuses_fewer_than_one_round(tmp_path, capsys):
+    from simexec.cli import main
+
+    assert main(["demo", "--rounds", "0", "--out", str(tmp_path / "out")]) == 2
+    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()

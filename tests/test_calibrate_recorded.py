@@ -123,3 +123,25 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
         for label, prof in (("datasheet", None), ("traces", profile)):
             errs[label].append(abs(predict_case(case, cluster, prof, trace=False).step_time_s / case.step_s - 1))
     assert statistics.fmean(errs["traces"]) < 0.6 * statistics.fmean(errs["datasheet"])
+
+
+def test_time_split_sums_compute_and_communication_of_matching_events():
+    """scripts/time_split.py: one rank alone has no communication and its compute is predicted to
+    within the recorded profile's accuracy; a data-parallel plan's collectives are summed apart."""
+    import sys
+
+    from simexec.trace import Trace
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import time_split
+
+    profile = load_profile(PROFILES / "local-traces.json")
+    for name, has_comm in (("dp1.r1", False), ("dp4.r1", True)):
+        trace = Trace.load(DIR / f"{name}.json.gz")
+        predicted = predict_case(load_cases([DIR / f"{name}.json.gz"])[0], LOCAL, profile, trace=True).trace
+        parts = time_split.split(trace, predicted)
+        measured_compute = sum(e.dur_us for e in trace.events if e.kind == "compute")
+        assert parts["compute"][0] == pytest.approx(measured_compute)
+        assert (parts["comm"][0] > 0) == has_comm
+        if not has_comm:
+            assert parts["compute"][1] == pytest.approx(parts["compute"][0], rel=0.1)

@@ -101,6 +101,9 @@ class CostParams(_Spec):
         False, description="ranks are CPU processes time-sharing node.cpu_cores cores (simexec.sim.host)")
     instr_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: interpreter cost per instruction")
     bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
+    nograd_fwd_ratio: float = Field(
+        1.0, gt=0, le=2, description="CPU ranks: cost of a forward instruction run without autograd (a "
+        "recomputed layer's first forward: no graph recorded, nothing saved) relative to the same with it")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
     idle_wake_s: float = Field(

@@ -411,3 +411,43 @@ def test_the_median_round_stands_for_a_plan():
             Run(a, 1, "a1", 0.10, [], {}, None), Run(b, 1, "b1", 0.40, [], {}, None),
             Run(a, 2, "a2", 0.20, [], {}, None)]
     assert [r.trace_path for r in typical_runs(runs)] == ["a2", "b0"]  # two rounds: the faster
+
+
+def test_a_recomputed_layers_first_forward_costs_the_no_grad_ratio_and_the_fit_measures_it():
+    """Full recompute: the forwards that `recompute.*` repeats run without autograd; the host model
+    prices them at `nograd_fwd_ratio`, and `nograd_forward_ratio` reads that ratio back from the
+    one-rank step timed with and without recompute."""
+    from simexec.calibrate import nograd_forward_ratio
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+    from simexec.sim.host import HostCosts
+
+    truth = json.loads(json.dumps(TRUTH))
+    truth["costs"]["nograd_fwd_ratio"] = 0.7
+    cluster = profiled_cluster(LOCAL, truth)
+    blocks = []
+    for recompute in ("none", "full"):
+        rp = resolve(get_model("gpt-tiny"), cluster, load_plan(f"dp=1,mbs=1,gbs=2,dtype=fp32,recompute={recompute}"))
+        prog = lower(rp, symmetric=False)
+        host = HostCosts(cluster, prog, "fp32")
+        recs = [{"name": i.name, "phase": i.phase, "block": i.block, "t": [host.cpu_seconds(i)]}
+                for i in prog.ranks[0] if i.kind == "compute"]
+        blocks.append({"mbs": 1, "recompute": recompute, "records": recs})
+        by = {r["name"]: r["t"][0] for r in recs}
+        if recompute == "full":
+            assert host.without_grad(0) and all(n.startswith("fwd.") for n in host.without_grad(0))
+            assert "fwd.embed.L-1.m0" not in host.without_grad(0)  # only the layers are recomputed
+            plain = {r["name"]: r["t"][0] for r in blocks[0]["records"]}
+            for name in host.without_grad(0):
+                assert by[name] == pytest.approx(0.7 * plain[name])
+            assert by["fwd.embed.L-1.m0"] == pytest.approx(plain["fwd.embed.L-1.m0"])
+    assert nograd_forward_ratio(blocks) == pytest.approx(0.7)
+    assert nograd_forward_ratio(blocks[:1]) == 1.0  # no recompute run: nothing measured
+
+
+def test_a_stall_does_not_become_the_kernels_cost():
+    from simexec.calibrate import kernel_mean
+
+    ts = [5e-6] * 199 + [4e-3]  # one 4 ms stall among 200 one-operator adds
+    assert kernel_mean(ts) == pytest.approx(5e-6)
+    assert kernel_mean([5e-6, 7e-6, 30e-6]) == pytest.approx(14e-6)  # a tail, kept

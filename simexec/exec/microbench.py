@@ -9,7 +9,8 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
 - `gemm`, `attention`, `elementwise`: matmuls, scaled-dot-product attention (forward and
   backward) and element-wise adds over a range of sizes, on one rank while the others wait;
 - `blocks`: the executor's own instructions (a one-rank step of the model's program, each
-  instruction timed), on one rank alone; also of moe-tiny's (`block_models`);
+  instruction timed), on one rank alone; also of moe-tiny's (`block_models`), and the model's
+  step under full recompute (`recompute="full"`: its layers' first forward runs without autograd);
 - `sharing`: that same step on 1, 2, ... N ranks at once: how much slower compute gets when ranks
   share the cores (each step's begin and end kept, so that only steps all ranks ran together count);
 - `collectives`: all-reduce, all-gather, reduce-scatter, all-to-all and broadcast over groups of 2
@@ -162,6 +163,10 @@ class _Bench:
                 rec = _Recorder()
                 run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
                 self.add("blocks", mbs=mbs, records=rec.best(), **({"model": other} if other else {}))
+            rp, instrs = _one_rank_program(self.cfg.model, 1, recompute="full")
+            rec = _Recorder()
+            run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
+            self.add("blocks", mbs=1, recompute="full", records=rec.best())
         _sync()
         for i, n in enumerate(list(range(1, self.world + 1)) * self.cfg.sharing_rounds):
             _sync()
@@ -354,7 +359,7 @@ class _Recorder:
         return out
 
 
-def _one_rank_program(model, mbs: int = 1):
+def _one_rank_program(model, mbs: int = 1, recompute: str = "none"):
     """A one-rank program of `model` (a preset name or a ModelSpec) at this micro-batch size."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
@@ -362,7 +367,7 @@ def _one_rank_program(model, mbs: int = 1):
     from simexec.plan import load_plan, resolve
 
     spec = get_model(model) if isinstance(model, str) else model
-    rp = resolve(spec, get_cluster("local"), load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32"))
+    rp = resolve(spec, get_cluster("local"), load_plan(f"dp=1,mbs={mbs},gbs={2 * mbs},dtype=fp32,recompute={recompute}"))
     return rp, lower(rp, symmetric=False).ranks[0]
 
 

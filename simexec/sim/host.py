@@ -273,6 +273,8 @@ class HostCosts:
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self.family = cost_family(self.model) if self.model is not None else ""
         self._tensors: dict[int, int] = {}
+        self.nograd = getattr(c, "nograd_fwd_ratio", 1.0)
+        self._nograd_names: dict[int, frozenset] = {}
 
     @classmethod
     def transfers_only(cls, cluster: ClusterSpec) -> "HostCosts":
@@ -315,7 +317,20 @@ class HostCosts:
         if ins.phase == "bwd":
             t += self.bwd_s
         op = "optimizer" if ins.op == "cpu_optimizer" else ins.op
-        return t + self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))
+        t += self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))
+        if self.nograd != 1.0 and ins.phase == "fwd" and ins.name in self.without_grad(ins.rank):
+            t *= self.nograd
+        return t
+
+    def without_grad(self, rank: int) -> frozenset:
+        """The forward instructions of this rank that run without autograd: those a `recompute.*`
+        instruction repeats later (full recompute's layers, selective recompute's attention)."""
+        names = self._nograd_names.get(rank)
+        if names is None:
+            instrs = self.program.ranks.get(rank, ())
+            names = frozenset("fwd." + i.name[len("recompute."):] for i in instrs if i.name.startswith("recompute."))
+            self._nograd_names[rank] = names
+        return names
 
     def elementwise_factor(self, ins: Instr) -> float:
         """Cost of a byte of this instruction's element-wise traffic relative to a streaming add."""

@@ -23,6 +23,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -84,40 +85,29 @@ def versus(mine: dict[str, list[float]], ref: dict[str, list[float]]) -> tuple[f
     return med, mean
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("directory", help="traces/<name> (a recording) or a validate_calibration.py --out directory")
-    ap.add_argument("--profile", default=None, help="profile to predict with (default: the directory's trace profile)")
-    ap.add_argument("--versus", default=None, metavar="PLAN", help="also compare compute instructions with this plan's")
-    args = ap.parse_args(argv)
+def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Optional[str] = None) -> list[str]:
+    """The table's lines; raises SimexecError for a directory, profile or trace that cannot be read."""
     from simexec.calibrate import _case, load_profile, predict_case
     from simexec.calibrate_eval import _sections
     from simexec.cluster import get_cluster
     from simexec.trace import Trace
 
-    directory = Path(args.directory)
-    try:
-        runs = _runs(directory)
-        profile_path = Path(args.profile) if args.profile else _default_profile(directory)
-        profile = _sections(load_profile(profile_path))
-    except SimexecError as exc:
-        print(f"time_split: error: {exc}", file=sys.stderr)
-        return 2
+    runs = _runs(directory)
+    profile_path = profile_path or _default_profile(directory)
+    profile = _sections(load_profile(profile_path))
     by: dict[str, list] = {}
     for name, role, step, path in runs:
         by.setdefault(name, []).append((step, role, path))
-    if args.versus is not None and args.versus not in by:
-        print(f"time_split: error: --versus {args.versus!r} is not a plan of {directory} ({', '.join(by)})",
-              file=sys.stderr)
-        return 2
-    ref = instruction_times(Trace.load(p) for _, _, p in by[args.versus]) if args.versus else None
-    print(f"profile {profile_path}; the median round of each plan; error = predicted / measured - 1")
-    extra = f" {'median x ' + args.versus:>14s} {'mean x ' + args.versus:>12s}" if ref else ""
-    print(f"{'plan':16s} {'role':9s} {'step':>8s} {'compute':>8s} {'comm':>8s}{extra}")
+    if versus_plan is not None and versus_plan not in by:
+        raise SimexecError(f"--versus {versus_plan!r} is not a plan of {directory} ({', '.join(by)})")
+    traces = {name: [(step, role, Trace.load(path), path) for step, role, path in rs] for name, rs in by.items()}
+    ref = instruction_times(t for _, _, t, _ in traces[versus_plan]) if versus_plan else None
+    lines = [f"profile {profile_path}; the median round of each plan; error = predicted / measured - 1"]
+    extra = f" {'median x ' + versus_plan:>14s} {'mean x ' + versus_plan:>12s}" if ref else ""
+    lines.append(f"{'plan':16s} {'role':9s} {'step':>8s} {'compute':>8s} {'comm':>8s}{extra}")
     logs = {"compute": [], "comm": []}
-    for name, rs in by.items():
-        step, role, path = sorted(rs, key=lambda r: r[0])[(len(rs) - 1) // 2]
-        trace = Trace.load(path)
+    for name, rs in traces.items():
+        step, role, trace, path = sorted(rs, key=lambda r: r[0])[(len(rs) - 1) // 2]
         res = predict_case(_case(trace, str(path)), get_cluster("local"), profile, trace=True)
         parts = split(trace, res.trace)
         cells = []
@@ -129,11 +119,26 @@ def main(argv=None) -> int:
             else:
                 cells.append(f"{'-':>8s}")
         if ref is not None:
-            med, mean = versus(instruction_times(Trace.load(p) for _, _, p in rs), ref)
+            med, mean = versus(instruction_times(t for _, _, t, _ in rs), ref)
             cells.append(f"{med:14.2f} {mean:12.2f}")
-        print(f"{name:16s} {role:9s} {res.step_time_s / step - 1:+8.1%} " + " ".join(cells))
-    print("median |log(predicted / measured)|: " + ", ".join(
+        lines.append(f"{name:16s} {role:9s} {res.step_time_s / step - 1:+8.1%} " + " ".join(cells))
+    lines.append("median |log(predicted / measured)|: " + ", ".join(
         f"{k} {statistics.median(v):.3f}" for k, v in logs.items() if v))
+    return lines
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("directory", help="traces/<name> (a recording) or a validate_calibration.py --out directory")
+    ap.add_argument("--profile", default=None, help="profile to predict with (default: the directory's trace profile)")
+    ap.add_argument("--versus", default=None, metavar="PLAN", help="also compare compute instructions with this plan's")
+    args = ap.parse_args(argv)
+    try:
+        lines = report(Path(args.directory), Path(args.profile) if args.profile else None, args.versus)
+    except SimexecError as exc:
+        print(f"time_split: error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(lines))
     return 0
 
 

@@ -269,10 +269,11 @@ def nograd_forward_ratio(blocks: Sequence[dict]) -> float:
     full = next((b for b in blocks if b.get("recompute") == "full"), None)
     if plain is None or full is None:
         return 1.0
-    rec = {r["name"] for r in full["records"]}
+    from simexec.sim.host import forwards_without_grad
+
+    first = forwards_without_grad(r["name"] for r in full["records"])
     with_grad = {r["name"]: kernel_mean(r["t"]) for r in plain["records"]}
-    no_grad = {r["name"]: kernel_mean(r["t"]) for r in full["records"]
-               if r["name"].startswith("fwd.") and "recompute." + r["name"][4:] in rec and r["name"] in with_grad}
+    no_grad = {r["name"]: kernel_mean(r["t"]) for r in full["records"] if r["name"] in first and r["name"] in with_grad}
     if not no_grad:
         return 1.0
     ratio = sum(no_grad.values()) / sum(with_grad[n] for n in no_grad)

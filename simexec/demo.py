@@ -63,6 +63,8 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
     from simexec.calibrate_runs import Session
     from simexec.cluster import get_cluster
 
+    if rounds < 1:
+        raise SimexecError(f"demo: rounds (--rounds) must be at least 1, got {rounds}")
     out = Path(out_dir)
     try:
         out.mkdir(parents=True, exist_ok=True)

@@ -42,5 +42,5 @@ def test_demo_refuses_fewer_than_one_round(tmp_path, capsys):
     from simexec.cli import main
 
     assert main(["demo", "--rounds", "0", "--out", str(tmp_path / "out")]) == 2
-    assert "--rounds must be at least 1, got 0" in capsys.readouterr().err
+    assert "rounds (--rounds) must be at least 1, got 0" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

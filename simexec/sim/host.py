@@ -49,7 +49,7 @@ and a busy host wakes threads faster than an idle one. A rank of a symmetric pro
 from __future__ import annotations
 
 import math
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 from simpy.events import Event, Timeout
 
@@ -160,6 +160,12 @@ def exchanges_counts(ins: Instr) -> bool:
     all-to-all token dispatcher) runs as two all-to-alls: each rank's per-expert token counts first
     (small, and the host waits for them: they size the receive buffers), then the tokens."""
     return ins.kind == "collective" and ins.block == "dispatch" and ins.phase != "bwd"
+
+
+def forwards_without_grad(names: Iterable[str]) -> frozenset:
+    """Of a rank's instruction names, the forwards the executor runs without autograd (no graph
+    recorded, nothing saved): those a `recompute.*` instruction repeats later."""
+    return frozenset("fwd." + n[len("recompute."):] for n in names if n.startswith("recompute."))
 
 
 def shares_cores(cluster: ClusterSpec) -> bool:
@@ -327,9 +333,7 @@ class HostCosts:
         instruction repeats later (full recompute's layers, selective recompute's attention)."""
         names = self._nograd_names.get(rank)
         if names is None:
-            instrs = self.program.ranks.get(rank, ())
-            names = frozenset("fwd." + i.name[len("recompute."):] for i in instrs if i.name.startswith("recompute."))
-            self._nograd_names[rank] = names
+            names = self._nograd_names[rank] = forwards_without_grad(i.name for i in self.program.ranks.get(rank, ()))
         return names
 
     def elementwise_factor(self, ins: Instr) -> float:

@@ -16,6 +16,9 @@ table goes to stdout, `DIR/validation.json` and, with --markdown, between the ma
 timings and traces in DIR and predicts its runs again (after a change of the cost model), rewriting
 DIR's profiles and validation.json. DIR can also be a recording of `scripts/record_traces.py`
 (`traces/local`, the measurements behind docs/calibration.md): it is copied to --out first.
+
+--cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.SlicedCores`)
+instead of processor sharing, in both fits and every prediction.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, from_recording, refit, repeatability, run_validation, save_outcome, summary_table, table,
 )
+from simexec.cluster import get_cluster  # noqa: E402
 from simexec.errors import SimexecError  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 
@@ -81,7 +85,11 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", default=None, help="a Markdown file to write the table into (between markers)")
     ap.add_argument("--name", default="local", help="profile name prefix")
     ap.add_argument("--refit", default=None, metavar="DIR", help="fit and predict an earlier run's products again")
+    ap.add_argument("--cpu-scheduler", choices=("sharing", "slices"), default="sharing",
+                    help="how the model shares the host's cores (costs.cpu_scheduler; docs/calibration.md)")
     args = ap.parse_args(argv)
+    local = get_cluster("local")
+    cluster = local.model_copy(update={"costs": local.costs.model_copy(update={"cpu_scheduler": args.cpu_scheduler})})
 
     t0 = time.perf_counter()
 
@@ -93,11 +101,11 @@ def main(argv=None) -> int:
             out = Path(args.refit)
             if (out / "manifest.json").is_file() and not (out / "validation.json").is_file():
                 out = from_recording(out, Path(args.out), args.name)
-            outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress)
+            outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster)
         else:
             out = Path(args.out)
             outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
-                                     max_nfev=args.max_nfev, name=args.name, progress=progress)
+                                     max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster)
     except SimexecError as exc:
         print(f"validate_calibration: error: {exc}", file=sys.stderr)
         return 2

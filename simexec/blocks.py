@@ -290,14 +290,17 @@ class Anatomy:
         ea_f, ea_b = ea_f * moe.top_k, ea_b * moe.top_k
         expert_w = local_experts * (h * width + moe.expert_ffn * h) / t
         sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
-        # combine: un-permute, weight and sum the top_k outputs, then the residual add
+        # combine: un-permute, weight and sum the top_k outputs, then the residual add. It saves the
+        # un-permuted outputs and the weights (the weights' gradient); the shared experts' input is
+        # the router's norm output, saved once (by the router)
         combine = 2 * dt * routed * h + dt * routed * h
         return {
             "router": Block("gemm", fr, b_router, 2 * ln_bytes(T, h, dt, sp) + T * moe.experts * 4, bb_router),
             "experts": Block("gemm", fe1 + fe2, ea_f, routed * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
             "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
-                             T * (h + shared_ffn * (3 if m.gated else 2) / t) * dt + self._mask,
+                             (routed * h + T * moe.top_k + T * shared_ffn * (3 if m.gated else 2) / t) * dt
+                             + self._mask,
                              sa_b + 2 * combine + self._residual_bwd(False)
                              + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t)),
         }

@@ -292,7 +292,8 @@ LABELS = {"before": "before (preset)", "microbench": "after micro-benchmarks", "
 
 def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds: int = 3, steps: int = STEPS,
                    quick_bench: bool = False, max_nfev: int = 40, session=None, name: str = "local",
-                   progress: Optional[Callable[[str], None]] = None) -> Outcome:
+                   progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None
+                   ) -> Outcome:
     """Micro-benchmark calibration, the plan matrix measured `rounds` times, trace calibration on the
     calibration plans, predictions of every plan before and after each calibration."""
     from simexec.calibrate_runs import Session
@@ -303,7 +304,7 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
     ok, skipped = runnable(specs)
     if not any(s.role == "calibrate" for s in ok) or not any(s.role == "heldout" for s in ok):
         raise CalibrationError("the plan matrix needs runnable calibration and held-out plans")
-    cluster = get_cluster("local")
+    cluster = cluster or get_cluster("local")
     own = session is None
     sess = session or Session()
     if own:
@@ -318,13 +319,15 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
         if own:
             sess.__exit__(None, None, None)
     return fit_and_evaluate(out_dir, runs, prof_mb, rounds=rounds, steps=steps, skipped=skipped, max_nfev=max_nfev,
-                            name=name, tick=tick, timing={"measure_s": time.perf_counter() - t0, "t0": t0})
+                            name=name, tick=tick, timing={"measure_s": time.perf_counter() - t0, "t0": t0},
+                            cluster=cluster)
 
 
 def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
-          progress: Optional[Callable[[str], None]] = None) -> Outcome:
+          progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None) -> Outcome:
     """Fit and predict again from a validation run's products (its raw micro-benchmark timings and its
-    traces), measuring nothing: how a change of the cost model moves the same measurements."""
+    traces), measuring nothing: how a change of the cost model moves the same measurements. `cluster`:
+    the `local` preset by default (another, e.g. with `costs.cpu_scheduler` "slices", compares models)."""
     from simexec.calibrate import fit_microbench, load_profile
     from simexec.trace import load_json
 
@@ -333,7 +336,8 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
     old = load_outcome(out_dir)
     raw = load_json(out_dir / "microbench.json.gz", "micro-benchmark timings")
     old_mb = load_profile(out_dir / "profiles" / f"{name}-microbench.json")
-    sections, report = fit_microbench(raw["extras"], get_cluster("local"), measured_background=raw.get("background"))
+    cluster = cluster or get_cluster("local")
+    sections, report = fit_microbench(raw["extras"], cluster, measured_background=raw.get("background"))
     prof_mb = make_profile(f"{name}-microbench", "microbench", sections["costs"], sections["device"], sections["node"],
                            machine=old_mb.get("machine"), measured_at=old_mb.get("measured_at"),
                            fit={**(old_mb.get("fit") or {}), "report": _jsonable(report), "refit": True})
@@ -341,14 +345,15 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
                             steps=old.summary.get("steps", STEPS), skipped=old.skipped, max_nfev=max_nfev, name=name,
                             tick=progress or (lambda msg: None),
                             timing={"measure_s": old.summary.get("measure_s", 0.0),
-                                    "t0": t0 - old.summary.get("measure_s", 0.0)})
+                                    "t0": t0 - old.summary.get("measure_s", 0.0)}, cluster=cluster)
 
 
 def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, rounds: int, steps: int, skipped: dict,
-                     max_nfev: int, name: str, tick: Callable[[str], None], timing: dict) -> Outcome:
+                     max_nfev: int, name: str, tick: Callable[[str], None], timing: dict,
+                     cluster: Optional[ClusterSpec] = None) -> Outcome:
     """The trace fit on the calibration runs (from the micro-benchmark profile), both profiles saved
     under out_dir/profiles, every run predicted before and after each calibration."""
-    cluster = get_cluster("local")
+    cluster = cluster or get_cluster("local")
     calib = [r for r in runs if r.spec.role == "calibrate"]
     tick("fitting the traces")
     sections = {k: v for k, v in prof_mb.items() if k in ("costs", "device", "node")}

@@ -105,6 +105,9 @@ class CostParams(_Spec):
         1.0, gt=0, le=2, description="CPU ranks: cost of a forward instruction run without autograd (a "
         "recomputed layer's first forward: no graph recorded, nothing saved) relative to the same with it")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
+    cpu_scheduler: Literal["sharing", "slices"] = Field(
+        "sharing", description="CPU ranks: how the cores are shared (simexec.sim.host): `sharing`, a mean-field "
+        "processor sharing; `slices`, threads run whole slices of `sched_slice_s` in turn, as the OS does")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
     idle_wake_s: float = Field(
         0.0, ge=0, description="CPU ranks: waking a thread on a core idle past the hypervisor's poll window "

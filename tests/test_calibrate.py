@@ -256,6 +256,68 @@ def test_a_woken_main_thread_queues_for_a_core_and_a_communication_thread_preemp
     assert main.value == pytest.approx(0.1 + 4e-3 * 1.0 / 2, rel=0.05)  # one thread too many: half a slice
 
 
+def _sliced_run(jobs: dict, cores: int = 2, slice_s: float = 1.5e-3, **kw) -> dict:
+    """Each key runs its list of CPU times one after another on `SlicedCores`: (first ran, ended) per job."""
+    import simpy
+
+    from simexec.sim.host import SlicedCores
+
+    env = simpy.Environment()
+    host = SlicedCores(env, cores, slice_s, 0.0, **kw)
+    out: dict = {}
+
+    def thread(key, works):
+        for w in works:
+            ev = host.run(key, w)
+            first = yield ev
+            out.setdefault(key, []).append((first, env.now))
+
+    for key, works in jobs.items():
+        env.process(thread(key, works))
+    env.run()
+    return out
+
+
+def test_sliced_cores_run_whole_slices_in_turn_and_a_thread_keeps_its_core_between_instructions():
+    """Four ranks of four 1 ms instructions on two cores: two run at full speed, through their
+    instruction boundaries, until their 1.5 ms slices end; then the other two take the cores. Work
+    is conserved (all done at 8 ms, as processor sharing), but the ranks run out of step and an
+    instruction lasts 1 ms or, cut by a slice, 2.5 ms; processor sharing makes every one 2 ms."""
+    out = _sliced_run({r: [1e-3] * 4 for r in range(4)})
+    assert max(end for jobs in out.values() for _, end in jobs) == pytest.approx(8e-3)
+    assert out[0][0] == pytest.approx((0.0, 1e-3))  # went straight on into its second instruction
+    assert out[0][1] == pytest.approx((1e-3, 3.5e-3))  # slice over at 1.5 ms, back at 2.5 ms
+    assert out[2][0] == pytest.approx((1.5e-3, 2.5e-3))  # waited for a slice to end
+    durations = sorted(round((e - f) * 1e3, 6) for jobs in out.values() for f, e in jobs)
+    assert durations[0] == pytest.approx(1.0) and durations[-1] == pytest.approx(2.5)
+    alone = _sliced_run({0: [1e-3] * 4})  # nobody waits: no slice ends
+    assert alone[0][-1] == pytest.approx((3e-3, 4e-3))
+
+
+def test_sliced_cores_let_a_communication_thread_preempt_and_the_preempted_thread_resume_first():
+    """Two computing ranks fill two cores (contention 1.5 while both run); a communication burst
+    takes a core at once, the thread it displaced waits for it, not for the queue."""
+    out = _sliced_run({0: [4e-3], 1: [4e-3], (2, "comm"): [0.2e-3], 3: [1e-3]}, slice_s=10e-3, contention=1.5)
+    assert out[(2, "comm")][0][0] == pytest.approx(0.0)
+    assert out[(2, "comm")][0][1] == pytest.approx(0.3e-3)  # 0.2 ms of CPU at 1/1.5 speed
+    ends = sorted(out[r][0][1] for r in (0, 1))
+    assert ends[0] == pytest.approx(6e-3) and ends[1] == pytest.approx(6.3e-3)  # one lost 0.3 ms to the burst
+    assert out[3][0][0] == pytest.approx(6e-3)  # queued behind both slices (10 ms) until a rank finished
+
+
+def test_the_cluster_chooses_the_scheduler_model_and_copies_of_a_rank_stay_mean_field():
+    import simpy
+
+    from simexec.sim.host import Cores, SlicedCores
+
+    c = profiled_cluster(LOCAL, TRUTH)
+    sliced = c.model_copy(update={"costs": c.costs.model_copy(update={"cpu_scheduler": "slices"})})
+    env = simpy.Environment()
+    assert type(Cores.of(env, c)) is Cores
+    assert type(Cores.of(env, sliced)) is SlicedCores
+    assert type(Cores.of(env, sliced, {0: 2})) is Cores
+
+
 def test_a_thread_woken_onto_an_idle_core_waits_for_it_the_longer_it_has_idled():
     """A halted vCPU: nothing to wake if it idled just now, `idle_wake_s` once past the poll window,
     nothing while every core is busy. So a ping-pong beside busy ranks beats one on an idle host."""
@@ -320,7 +382,8 @@ def test_block_fit_gives_another_model_family_costs_of_its_own():
     for key, f in got["elementwise"].items():
         plain = key.split("/", 1)[-1]
         want = factors.get(key, factors.get(plain, 1.0) if "/" not in key else 1.0)
-        assert f == pytest.approx(want, rel=1e-3), key
+        assert f == pytest.approx(want, rel=1e-2), key  # (a block whose bytes are a sliver of its time, as
+        # the loss's backward, is pinned down to ~0.2%)
 
 
 def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():

@@ -192,6 +192,9 @@ _BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "loss": (("ceg",), ("loss",)),
 }
 
+# blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
+_PERMUTED_INPUT = {"experts": "xr", "moe_out": "yc"}
+
 # collective block: (input name, output name, dimension it gathers/scatters along).
 # Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C).
 _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
@@ -746,7 +749,10 @@ class _Rank:
         b = self._batches.get(mb)
         if b is None:
             b = data.micro_batch(self.rp, self.seed, self.step_no, self.coords["dp"], mb, self.coords["cp"])
-            b = data.Batch(b.tokens.to(self.device), b.targets.to(self.device), b.pos.to(self.device))
+            if self._pos is None or not torch.equal(self._pos[0], b.pos):
+                self._pos = (b.pos, b.pos.to(self.device))
+            # one positions tensor for the run: the model builds its rotary tables once for it
+            b = data.Batch(b.tokens.to(self.device), b.targets.to(self.device), self._pos[1])
             self._batches[mb] = b
         return b
 
@@ -811,6 +817,7 @@ class _Rank:
         self.d: dict[tuple, Any] = {}
         self.records: dict[tuple, tuple] = {}
         self._batches: dict[int, data.Batch] = {}
+        self._pos: Optional[tuple[Tensor, Tensor]] = None  # this rank's positions (on the CPU, on the device)
         self.loss: Optional[Tensor] = None
         self._attach_grads()
         inflight, tracer, cut = self.inflight, self.tracer, self.cut
@@ -921,17 +928,19 @@ class _Rank:
         if _DEALLOCATE and not self.xla:
             for o in outs:
                 _deallocate(o)
-            if ins.block == "experts":
-                self._free_expert_input(l, mb, vals[0])
+            if ins.block in _PERMUTED_INPUT:
+                name = _PERMUTED_INPUT[ins.block]
+                self._free_permuted_input(name, l, mb, vals[ins_names.index(name)])
         self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
 
-    def _free_expert_input(self, l: int, mb: int, xr: Tensor) -> None:
-        """The experts' tokens as received: once permuted into expert order (the copy the expert
-        GEMMs save, Megatron's sort_chunks_by_idxs), nothing needs them: the permutation's backward
-        keeps only the indices. The record keeps a leaf of the same shape over a single element
-        (a zero-stride expansion: autograd accumulates its gradient by the leaf's shape), and the
-        environment lets go of the received buffer."""
-        k = self.resolve(("xr", l, mb))
+    def _free_permuted_input(self, name: str, l: int, mb: int, xr: Tensor) -> None:
+        """Tokens as an all-to-all delivered them: once permuted (into expert order for the experts,
+        Megatron's sort_chunks_by_idxs; back into token order for the combine, its unpermute), nothing
+        needs them: the permutation's backward keeps only the indices, the GEMMs and the routing
+        weights save the permuted copy. The record keeps a leaf of the same shape over a single
+        element (a zero-stride expansion: autograd accumulates its gradient by the leaf's shape), and
+        the environment lets go of the received buffer."""
+        k = self.resolve((name, l, mb))
         if k is not None:
             del self.env[k]
         if xr.requires_grad and xr.grad_fn is None and xr.numel() > 1:

@@ -183,15 +183,67 @@ def add_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
     return y + F.pad(t, (lo, y.shape[-1] - lo - t.shape[-1]))
 
 
-def rope(x: Tensor, pos: Tensor, base: float = 10000.0) -> Tensor:
-    """Rotary embedding (Su et al. 2021, rotate-half form) of x (B, nh, T, hd) at positions pos (T,)."""
-    hd = x.shape[-1]
-    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=x.device, dtype=torch.float32) / hd)
+def rope_tables(pos: Tensor, hd: int, dtype: torch.dtype, base: float = 10000.0) -> tuple[Tensor, Tensor]:
+    """cos and sin (T, hd) of the rotary embedding at positions pos (T,), rotate-half layout."""
+    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=pos.device, dtype=torch.float32) / hd)
     ang = pos.to(torch.float32)[:, None] * inv[None, :]  # (T, hd/2)
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
-    sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
-    x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
-    return x * cos + torch.cat([-x2, x1], -1) * sin
+    return torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
+
+
+def _rotate_half(x: Tensor, sign: int) -> Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat([-x[..., h:], x[..., :h]], -1) if sign > 0 else torch.cat([x[..., h:], -x[..., :h]], -1)
+
+
+class _Rope(torch.autograd.Function):
+    """Rotary embedding that saves only the tables it was given (Megatron computes them once per
+    forward pass and hands the same to every layer's fused RoPE): autograd's version keeps its own
+    cos / sin per call."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        ctx.save_for_backward(cos, sin)
+        return x * cos + _rotate_half(x, 1) * sin
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        cos, sin = ctx.saved_tensors
+        return g * cos + _rotate_half(g * sin, -1), None, None
+
+
+def rope(x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
+    """Rotary embedding (Su et al. 2021, rotate-half form) of x (B, nh, T, hd) with `rope_tables`."""
+    return _Rope.apply(x, *tables)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm saving its input and 1/rms only (Megatron's fused RMSNorm): torch's CPU `rms_norm`
+    is composed of operators and also keeps the normalised input for the weight's gradient."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
+        xo = _opmath(x)
+        rstd = torch.rsqrt(xo.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, rstd, w)
+        return (xo * rstd).to(x.dtype) * w
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        x, rstd, w = ctx.saved_tensors
+        xhat = _opmath(x) * rstd
+        gw = (_opmath(g) * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
+        gx = _opmath(g) * _opmath(w)
+        dx = rstd * (gx - xhat * (gx * xhat).mean(-1, keepdim=True))
+        return dx.to(x.dtype), gw, None
+
+
+def _opmath(t: Tensor) -> Tensor:
+    """16-bit values are normalised in fp32 (as torch's and Megatron's norms do)."""
+    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def rms_norm(x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
+    return _RMSNorm.apply(x, w, eps)
 
 
 
@@ -343,12 +395,20 @@ class GPT:
         self.hlo, self.hhi = split_range(H, lay.tp, lay.tp_rank)  # this rank's hidden slice
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
+        self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
+
+    def _rope_tables(self, pos: Tensor, hd: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """The rotary tables of positions `pos`, built once for every layer of a micro-batch."""
+        c = self._rope
+        if c is None or c[0] is not pos or c[1] != (hd, dtype):
+            c = self._rope = (pos, (hd, dtype), rope_tables(pos, hd, dtype))
+        return c[2]
 
     def _norm(self, prefix: str, x: Tensor) -> Tensor:
         w = self.p[f"{prefix}.w"]
         if self.m.norm == "layernorm":
             return F.layer_norm(x, (x.shape[-1],), w, self.p[f"{prefix}.b"], eps=1e-5)
-        return F.rms_norm(x, (x.shape[-1],), w, eps=1e-5)
+        return rms_norm(x, w, eps=1e-5)
 
     def _lin(self, x: Tensor, prefix: str, w: str, b: str) -> Tensor:
         y = x @ self.p[f"{prefix}.{w}"]
@@ -392,7 +452,8 @@ class GPT:
         k = self._lin(h, pre, "wk", "bk").view(B, T, self.nkv, hd).transpose(1, 2)
         v = self._lin(h, pre, "wv", "bv").view(B, T, self.nkv, hd).transpose(1, 2)
         if not self.m.learned_pos:
-            q, k = rope(q, pos), rope(k, pos)
+            tables = self._rope_tables(pos, hd, q.dtype)
+            q, k = rope(q, tables), rope(k, tables)
         return q, torch.stack([k, v])
 
     def attn(self, l: int, q: Tensor, kv: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:

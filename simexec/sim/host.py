@@ -44,7 +44,8 @@ once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 20
 gives its physical core away and must schedule it again, `idle_wake_s` (fitted;
 `scripts/idle_wake.py` measures it). So a member that waits for a late one in a collective wakes slowly,
 and a busy host wakes threads faster than an idle one. A rank of a symmetric program stands for
-`len(represents[r])` identical ranks: that many threads.
+`len(represents[r])` identical ranks: that many threads. `SlicedCores` (`costs.cpu_scheduler`
+"slices") is the other model of the same scheduler: whole slices in turn, ranks drifting out of step.
 """
 from __future__ import annotations
 
@@ -81,18 +82,18 @@ DISPATCH: dict[str, dict[str, int]] = {
     },
     # Llama, Mistral, TinyLlama (GQA or not): RMSNorm, SwiGLU, rotary positions, no biases
     "rmsnorm-swiglu-rope": {
-        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.fc1": 17, "fwd.fc2": 8,
+        "fwd.embed": 17, "fwd.qkv": 39, "fwd.attn": 9, "fwd.proj": 8, "fwd.fc1": 17, "fwd.fc2": 8,
         "fwd.head": 14, "fwd.xent": 18, "fwd.loss": 10,
-        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.fc2": 10, "bwd.fc1": 44, "bwd.proj": 10,
-        "bwd.attn": 9, "bwd.qkv": 71, "bwd.embed": 3,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 19, "bwd.fc2": 10, "bwd.fc1": 37, "bwd.proj": 10,
+        "bwd.attn": 9, "bwd.qkv": 60, "bwd.embed": 3,
     },
     # MoE layers of the same (moe-tiny, traces/gpu/mixtral-mini.json); `experts` and `moe_out` come
     # from MOE_LOOP_OPS
     "rmsnorm-swiglu-rope-moe": {
-        "fwd.embed": 17, "fwd.qkv": 70, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.head": 14,
+        "fwd.embed": 17, "fwd.qkv": 39, "fwd.attn": 9, "fwd.proj": 8, "fwd.router": 23, "fwd.head": 14,
         "fwd.xent": 18, "fwd.loss": 10,
-        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 26, "bwd.router": 42, "bwd.proj": 10, "bwd.attn": 9,
-        "bwd.qkv": 71, "bwd.embed": 3,
+        "bwd.loss": 9, "bwd.xent": 8, "bwd.head": 19, "bwd.router": 35, "bwd.proj": 10, "bwd.attn": 9,
+        "bwd.qkv": 60, "bwd.embed": 3,
     },
 }
 # The MoE blocks loop over experts, in Python: operators = fixed + per expert, over the rank's local
@@ -456,9 +457,14 @@ class Cores:
     """
 
     @classmethod
-    def of(cls, env, cluster: ClusterSpec, weights: Optional[dict[int, int]] = None) -> "Cores":
-        """The cores of the cluster's host, as its cost parameters describe them."""
+    def of(cls, env, cluster: ClusterSpec, weights: Optional[dict[int, int]] = None):
+        """The cores of the cluster's host, as its cost parameters describe them: `SlicedCores` under
+        `costs.cpu_scheduler` "slices" (unless a rank stands for several: identical copies are shared
+        mean-field), else processor sharing."""
         c = cluster.costs
+        if getattr(c, "cpu_scheduler", "sharing") == "slices" and not any(k > 1 for k in (weights or {}).values()):
+            return SlicedCores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load,
+                               c.compute_contention, c.idle_wake_s, c.idle_poll_s)
         return cls(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, weights or {},
                    c.compute_contention, c.idle_wake_s, c.idle_poll_s)
 
@@ -566,4 +572,174 @@ class Cores:
             else:
                 left.append(job)
         self.active = left
+        self._schedule()
+
+
+class _Thread:
+    __slots__ = ("done", "first", "left", "key", "comm", "since")
+
+    def __init__(self, done: Event, left: float, key):
+        self.done, self.first, self.left, self.key = done, None, left, key
+        self.comm = isinstance(key, tuple)
+        self.since = 0.0  # when it last got its core (its slice runs from then)
+
+
+_HANDOFF_S = 1e-9  # how long a finished thread keeps its core for its next instruction (same instant)
+
+
+class SlicedCores:
+    """The host's cores as an OS scheduler runs them: whole slices, in turn.
+
+    Same interface as `Cores` (`run(key, seconds)`), another model of the same scheduler. Each of
+    the C cores runs one thread at a time, at full speed but for `compute_contention` while the
+    other cores are busy too (and the share the host's other users leave, `background_load`). A
+    main thread that wakes takes an idle core (after `idle_wake_wait`, as in `Cores`) or queues;
+    one going straight on to its next instruction keeps its core. A main thread that has run a
+    slice (`sched_slice_s`) while others queue goes to the back of the queue. A communication
+    thread preempts a main thread (Linux's EEVDF lets a woken thread that is owed CPU do so), which
+    resumes first once the burst is over. So ranks that share cores drift out of step: some compute
+    at full speed while others wait, and one communicates while another computes, where processor
+    sharing runs them all in lockstep at a fraction of the speed.
+    """
+
+    def __init__(self, env, cores: int, slice_s: float, background: float, contention: float = 1.0,
+                 idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
+        self.env = env
+        self.cores = max(1, int(cores))
+        self.slice = max(50e-6, float(slice_s))
+        self.background = max(0.0, float(background))
+        self.capacity = max(0.05, self.cores - self.background)
+        self.contention = max(1.0, float(contention))
+        self.idle_wake = max(0.0, float(idle_wake_s))
+        self.idle_poll = max(1e-9, float(idle_poll_s))
+        self.free = self.cores  # cores nobody holds (not running, not waking, not kept for a hand-off)
+        self.idle: list[float] = [-math.inf] * self.cores  # when each free core went idle, the warmest last
+        self.running: list[_Thread] = []
+        self.main_q: list[_Thread] = []
+        self.comm_q: list[_Thread] = []
+        self.kept: dict = {}  # key -> (slice start, token): a finished main thread's core, until its next run
+        self.last_end: dict = {}
+        self.t = 0.0
+        self.ver = 0
+        self._token = 0
+
+    def idle_wake_wait(self) -> float:
+        if not self.idle or self.idle_wake <= 0.0:
+            return 0.0
+        return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
+
+    def run(self, key, seconds: float) -> Event:
+        done = Event(self.env)
+        if seconds <= 0.0:
+            done.succeed(self.env.now)
+            return done
+        th = _Thread(done, seconds, key)
+        if not th.comm and key in self.kept:
+            since, _ = self.kept.pop(key)
+            self._start(th, since)
+        elif self.free > 0:
+            wait = 0.0 if self.last_end.get(key) == self.env.now else self.idle_wake_wait()
+            self.free -= 1
+            self.idle.pop()
+            if wait > 0.0:
+                t = Timeout(self.env, wait)
+                t.callbacks.append(lambda _ev, th=th: self._start(th, self.env.now))
+            else:
+                self._start(th, self.env.now)
+        elif th.comm and any(not r.comm for r in self.running):
+            victim = min((r for r in self.running if not r.comm), key=lambda r: r.since)
+            self._advance()
+            self.running.remove(victim)
+            self.main_q.insert(0, victim)
+            self._start(th, self.env.now)
+        elif th.comm:
+            self.comm_q.append(th)
+        else:
+            self.main_q.append(th)
+            self._advance()
+            self._schedule()  # the running threads' slices now end
+        return done
+
+    def _rate(self) -> float:
+        n = len(self.running)
+        if n <= 0:
+            return 1.0
+        share = min(1.0, self.capacity / n)
+        busy = min(float(self.cores), n + self.background)
+        if self.cores > 1 and self.contention > 1.0:
+            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
+        return share
+
+    def _advance(self) -> None:
+        now = self.env.now
+        if self.running and now > self.t:
+            moved = (now - self.t) * self._rate()
+            for th in self.running:
+                th.left -= moved
+        self.t = now
+
+    def _start(self, th: _Thread, since: float) -> None:
+        self._advance()
+        if th.first is None:
+            th.first = self.env.now
+        th.since = since
+        self.running.append(th)
+        self._schedule()
+
+    def _release(self) -> None:
+        """A core is given up: the next waiting thread takes it (it is warm), or it goes idle."""
+        q = self.comm_q or self.main_q
+        if q:
+            self._start(q.pop(0), self.env.now)
+        else:
+            self.free += 1
+            self.idle.append(self.env.now)
+
+    def _handoff(self, key, token: int) -> None:
+        kept = self.kept.get(key)
+        if kept is not None and kept[1] == token:
+            del self.kept[key]
+            self._advance()
+            self._release()
+            self._schedule()
+
+    def _schedule(self) -> None:
+        self.ver += 1
+        if not self.running:
+            return
+        rate = self._rate()
+        dt = max(0.0, min(th.left for th in self.running)) / rate
+        if self.main_q:
+            now = self.env.now
+            for th in self.running:
+                if not th.comm:
+                    dt = min(dt, max(0.0, th.since + self.slice - now))
+        ver = self.ver
+        t = Timeout(self.env, dt)
+        t.callbacks.append(lambda _ev, ver=ver: self._tick(ver))
+
+    def _tick(self, ver: int) -> None:
+        if ver != self.ver:
+            return
+        self._advance()
+        now = self.env.now
+        finished = [th for th in self.running if th.left <= 1e-12]
+        for th in finished:
+            self.running.remove(th)
+            self.last_end[th.key] = now
+            th.done.succeed(th.first)
+            if not th.comm and (self.main_q or self.comm_q):
+                self._token += 1
+                self.kept[th.key] = (th.since, self._token)
+                t = Timeout(self.env, _HANDOFF_S)
+                t.callbacks.append(lambda _ev, key=th.key, tok=self._token: self._handoff(key, tok))
+            else:
+                self._release()
+        if self.main_q:
+            for th in [th for th in self.running if not th.comm and th.since + self.slice <= now + 1e-12]:
+                if not self.main_q:
+                    break
+                self.running.remove(th)
+                self.main_q.append(th)
+                self._release()
         self._schedule()

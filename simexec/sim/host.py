@@ -443,7 +443,62 @@ class _Job:
         self.done, self.first, self.left, self.k, self.key = done, None, left, k, key
 
 
-class Cores:
+class _HostCores:
+    """What both models of the host's cores share: the cores, the other users' load, the slowdown of
+    busy sibling cores and the wake-up of an idle (halted) vCPU."""
+
+    def __init__(self, env, cores: int, slice_s: float, background: float, contention: float,
+                 idle_wake_s: float, idle_poll_s: float):
+        self.env = env
+        self.cores = max(1, int(cores))
+        self.slice = max(0.0, float(slice_s))
+        self.background = max(0.0, float(background))
+        self.capacity = max(0.05, self.cores - self.background)
+        self.contention = max(1.0, float(contention))
+        self.idle_wake = max(0.0, float(idle_wake_s))
+        self.idle_poll = max(1e-9, float(idle_poll_s))
+        self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
+        self.last_end: dict = {}  # key -> when its last piece of work ended
+        self.t = 0.0
+        self.ver = 0
+        self.active: list = []  # the threads running now, with the work they have left
+
+    def idle_wake_wait(self) -> float:
+        """How long waking a thread on the warmest idle core takes: nothing if it went idle just now,
+        `idle_wake_s` once it has been idle past the hypervisor's poll window (its vCPU halted and
+        descheduled), smoothly in between; nothing while no core is idle."""
+        if not self.idle or self.idle_wake <= 0.0:
+            return 0.0
+        return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
+
+    def _advance(self) -> None:
+        """Bring every running thread's remaining work up to now."""
+        now = self.env.now
+        if self.active and now > self.t:
+            moved = (now - self.t) * self._rate()
+            for job in self.active:
+                job.left -= moved
+        self.t = now
+
+    def _tick_in(self, dt: float) -> None:
+        """`_tick` after dt, unless the state changes first (a later `_schedule` bumps `ver`)."""
+        ver = self.ver
+        t = Timeout(self.env, dt)
+        t.callbacks.append(lambda _ev: self._tick(ver))
+
+    def rate(self, n: float) -> float:
+        """Each of n running threads' speed: its share of the cores the ranks get, times the slowdown
+        of a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches)."""
+        if n <= 0:
+            return 1.0
+        share = min(1.0, self.capacity / n)
+        busy = min(float(self.cores), n + self.background)
+        if self.cores > 1 and self.contention > 1.0:
+            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
+        return share
+
+
+class Cores(_HostCores):
     """The host's cores as the ranks' threads see them; see the module doc.
 
     `run(key, seconds)` returns an event that fires once thread `key` (a rank's main thread is its
@@ -470,21 +525,9 @@ class Cores:
 
     def __init__(self, env, cores: int, slice_s: float, background: float, weights: dict[int, int],
                  contention: float = 1.0, idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
-        self.env = env
-        self.contention = max(1.0, float(contention))
-        self.cores = max(1, int(cores))
-        self.slice = max(0.0, float(slice_s))
-        self.background = max(0.0, float(background))
-        self.capacity = max(0.05, self.cores - self.background)
+        super().__init__(env, cores, slice_s, background, contention, idle_wake_s, idle_poll_s)
         self.weights = weights
-        self.active: list[_Job] = []
         self.n = 0  # threads running (copies counted)
-        self.t = 0.0
-        self.ver = 0
-        self.last_end: dict = {}  # key -> when its last piece of work ended
-        self.idle_wake = max(0.0, float(idle_wake_s))
-        self.idle_poll = max(1e-9, float(idle_poll_s))
-        self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
 
     def _weight(self, key) -> int:
         rank = key[0] if isinstance(key, tuple) else key
@@ -497,14 +540,6 @@ class Cores:
         over = self.n + 1 - self.capacity
         over = over + math.log1p(math.exp(-4.0 * abs(over))) / 4.0 if over > 0 else math.log1p(math.exp(4.0 * over)) / 4.0
         return self.slice * over / self.cores  # a smooth max(0, over): the fits need a smooth model
-
-    def idle_wake_wait(self) -> float:
-        """How long waking a thread on the warmest idle core takes: nothing if it went idle just now,
-        `idle_wake_s` once it has been idle past the hypervisor's poll window (its vCPU halted and
-        descheduled), smoothly in between; nothing while no core is idle."""
-        if not self.idle or self.idle_wake <= 0.0:
-            return 0.0
-        return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
 
     def run(self, key, seconds: float) -> Event:
         done = Event(self.env)
@@ -522,23 +557,7 @@ class Cores:
         return done
 
     def _rate(self) -> float:
-        """Each running thread's speed: its share of the cores the ranks get, times the slowdown of
-        a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches)."""
-        if self.n <= 0:
-            return 1.0
-        share = min(1.0, self.capacity / self.n)
-        busy = min(float(self.cores), self.n + self.background)
-        if self.cores > 1 and self.contention > 1.0:
-            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
-        return share
-
-    def _advance(self) -> None:
-        now = self.env.now
-        if self.active and now > self.t:
-            moved = (now - self.t) * self._rate()
-            for job in self.active:
-                job.left -= moved
-        self.t = now
+        return self.rate(self.n)
 
     def _add(self, job: _Job) -> None:
         self._advance()
@@ -552,10 +571,7 @@ class Cores:
         self.ver += 1
         if not self.active:
             return
-        dt = max(0.0, min(j.left for j in self.active)) / self._rate()
-        ver = self.ver
-        t = Timeout(self.env, dt)
-        t.callbacks.append(lambda _ev, ver=ver: self._tick(ver))
+        self._tick_in(max(0.0, min(j.left for j in self.active)) / self._rate())
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
@@ -587,7 +603,7 @@ class _Thread:
 _HANDOFF_S = 1e-9  # how long a finished thread keeps its core for its next instruction (same instant)
 
 
-class SlicedCores:
+class SlicedCores(_HostCores):
     """The host's cores as an OS scheduler runs them: whole slices, in turn.
 
     Same interface as `Cores` (`run(key, seconds)`), another model of the same scheduler. Each of
@@ -604,29 +620,13 @@ class SlicedCores:
 
     def __init__(self, env, cores: int, slice_s: float, background: float, contention: float = 1.0,
                  idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
-        self.env = env
-        self.cores = max(1, int(cores))
-        self.slice = max(50e-6, float(slice_s))
-        self.background = max(0.0, float(background))
-        self.capacity = max(0.05, self.cores - self.background)
-        self.contention = max(1.0, float(contention))
-        self.idle_wake = max(0.0, float(idle_wake_s))
-        self.idle_poll = max(1e-9, float(idle_poll_s))
+        super().__init__(env, cores, max(50e-6, float(slice_s)), background, contention, idle_wake_s, idle_poll_s)
         self.free = self.cores  # cores nobody holds (not running, not waking, not kept for a hand-off)
-        self.idle: list[float] = [-math.inf] * self.cores  # when each free core went idle, the warmest last
-        self.running: list[_Thread] = []
+        self.active: list[_Thread] = []
         self.main_q: list[_Thread] = []
         self.comm_q: list[_Thread] = []
         self.kept: dict = {}  # key -> (slice start, token): a finished main thread's core, until its next run
-        self.last_end: dict = {}
-        self.t = 0.0
-        self.ver = 0
         self._token = 0
-
-    def idle_wake_wait(self) -> float:
-        if not self.idle or self.idle_wake <= 0.0:
-            return 0.0
-        return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
 
     def run(self, key, seconds: float) -> Event:
         done = Event(self.env)
@@ -646,10 +646,10 @@ class SlicedCores:
                 t.callbacks.append(lambda _ev, th=th: self._start(th, self.env.now))
             else:
                 self._start(th, self.env.now)
-        elif th.comm and any(not r.comm for r in self.running):
-            victim = min((r for r in self.running if not r.comm), key=lambda r: r.since)
+        elif th.comm and any(not r.comm for r in self.active):
+            victim = min((r for r in self.active if not r.comm), key=lambda r: r.since)
             self._advance()
-            self.running.remove(victim)
+            self.active.remove(victim)
             self.main_q.insert(0, victim)
             self._start(th, self.env.now)
         elif th.comm:
@@ -661,29 +661,14 @@ class SlicedCores:
         return done
 
     def _rate(self) -> float:
-        n = len(self.running)
-        if n <= 0:
-            return 1.0
-        share = min(1.0, self.capacity / n)
-        busy = min(float(self.cores), n + self.background)
-        if self.cores > 1 and self.contention > 1.0:
-            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
-        return share
-
-    def _advance(self) -> None:
-        now = self.env.now
-        if self.running and now > self.t:
-            moved = (now - self.t) * self._rate()
-            for th in self.running:
-                th.left -= moved
-        self.t = now
+        return self.rate(len(self.active))
 
     def _start(self, th: _Thread, since: float) -> None:
         self._advance()
         if th.first is None:
             th.first = self.env.now
         th.since = since
-        self.running.append(th)
+        self.active.append(th)
         self._schedule()
 
     def _release(self) -> None:
@@ -705,27 +690,25 @@ class SlicedCores:
 
     def _schedule(self) -> None:
         self.ver += 1
-        if not self.running:
+        if not self.active:
             return
         rate = self._rate()
-        dt = max(0.0, min(th.left for th in self.running)) / rate
+        dt = max(0.0, min(th.left for th in self.active)) / rate
         if self.main_q:
             now = self.env.now
-            for th in self.running:
+            for th in self.active:
                 if not th.comm:
                     dt = min(dt, max(0.0, th.since + self.slice - now))
-        ver = self.ver
-        t = Timeout(self.env, dt)
-        t.callbacks.append(lambda _ev, ver=ver: self._tick(ver))
+        self._tick_in(dt)
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
             return
         self._advance()
         now = self.env.now
-        finished = [th for th in self.running if th.left <= 1e-12]
+        finished = [th for th in self.active if th.left <= 1e-12]
         for th in finished:
-            self.running.remove(th)
+            self.active.remove(th)
             self.last_end[th.key] = now
             th.done.succeed(th.first)
             if not th.comm and (self.main_q or self.comm_q):
@@ -736,10 +719,10 @@ class SlicedCores:
             else:
                 self._release()
         if self.main_q:
-            for th in [th for th in self.running if not th.comm and th.since + self.slice <= now + 1e-12]:
+            for th in [th for th in self.active if not th.comm and th.since + self.slice <= now + 1e-12]:
                 if not self.main_q:
                     break
-                self.running.remove(th)
+                self.active.remove(th)
                 self.main_q.append(th)
                 self._release()
         self._schedule()

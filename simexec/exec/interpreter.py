@@ -751,7 +751,7 @@ class _Rank:
             b = data.micro_batch(self.rp, self.seed, self.step_no, self.coords["dp"], mb, self.coords["cp"])
             if self._pos is None or not torch.equal(self._pos[0], b.pos):
                 self._pos = (b.pos, b.pos.to(self.device))
-            # one positions tensor for the run: the model builds its rotary tables once for it
+            # one positions tensor for the step: the model builds its rotary tables once for it
             b = data.Batch(b.tokens.to(self.device), b.targets.to(self.device), self._pos[1])
             self._batches[mb] = b
         return b

@@ -398,7 +398,8 @@ class GPT:
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
 
     def _rope_tables(self, pos: Tensor, hd: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """The rotary tables of positions `pos`, built once for every layer of a micro-batch."""
+        """The rotary tables of positions `pos`, built once for every layer and micro-batch that share
+        that tensor (the interpreter hands the same one to a step's micro-batches)."""
         c = self._rope
         if c is None or c[0] is not pos or c[1] != (hd, dtype):
             c = self._rope = (pos, (hd, dtype), rope_tables(pos, hd, dtype))

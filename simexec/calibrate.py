@@ -490,7 +490,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
         "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "background_load": background,
         "elementwise_cost": elementwise, "nograd_fwd_ratio": nograd,
-        "cpu_scheduler": getattr(base.costs, "cpu_scheduler", "sharing"),
+        "cpu_scheduler": base.costs.cpu_scheduler,
     }
     device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
     node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],

@@ -305,6 +305,23 @@ def test_sliced_cores_let_a_communication_thread_preempt_and_the_preempted_threa
     assert out[3][0][0] == pytest.approx(6e-3)  # queued behind both slices (10 ms) until a rank finished
 
 
+def test_sliced_cores_give_a_waking_core_to_a_burst_that_queued_meanwhile():
+    """One core, idle for long: a main thread waits 1 ms for it to wake; a communication burst that
+    arrives meanwhile (no main thread running to preempt) queues, and takes the core once awake."""
+    import simpy
+
+    from simexec.sim.host import SlicedCores
+
+    env = simpy.Environment()
+    host = SlicedCores(env, 1, 1.5e-3, 0.0, idle_wake_s=1e-3, idle_poll_s=1e-6)
+    main = host.run(0, 2e-3)
+    env.run(until=0.5e-3)
+    burst = host.run((1, "comm"), 0.2e-3)
+    env.run()
+    assert burst.value == pytest.approx(1e-3)  # ran as soon as the core woke
+    assert main.value == pytest.approx(1.2e-3) and env.now == pytest.approx(3.2e-3)
+
+
 def test_the_cluster_chooses_the_scheduler_model_and_copies_of_a_rank_stay_mean_field():
     import simpy
 

@@ -517,7 +517,7 @@ class Cores(_HostCores):
         `costs.cpu_scheduler` "slices" (unless a rank stands for several: identical copies are shared
         mean-field), else processor sharing."""
         c = cluster.costs
-        if getattr(c, "cpu_scheduler", "sharing") == "slices" and not any(k > 1 for k in (weights or {}).values()):
+        if c.cpu_scheduler == "slices" and not any(k > 1 for k in (weights or {}).values()):
             return SlicedCores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load,
                                c.compute_contention, c.idle_wake_s, c.idle_poll_s)
         return cls(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, weights or {},
@@ -664,6 +664,9 @@ class SlicedCores(_HostCores):
         return self.rate(len(self.active))
 
     def _start(self, th: _Thread, since: float) -> None:
+        if not th.comm and self.comm_q:  # a burst queued while this core was waking: it goes first
+            self.main_q.insert(0, th)
+            th, since = self.comm_q.pop(0), self.env.now
         self._advance()
         if th.first is None:
             th.first = self.env.now

@@ -73,6 +73,11 @@ class Anatomy:
         self.seq = rp.seq_len
         self.tokens = p.mbs * rp.seq_len // p.cp  # tokens of one micro-batch on one cp rank
         self.sp_div = p.tp if p.sp else 1  # what sequence parallelism divides replicated activations by
+        # Megatron's sequence-parallel layout: each norm runs on this rank's slice of the sequence, in a
+        # block of its own between the g-conjugate's reduce-scatter and the f-conjugate's all-gather,
+        # and the column-parallel GEMM after it saves its input as that slice (re-gathered for the
+        # weight gradient in the backward: `lower`'s `*_regather` all-gathers)
+        self.sp = bool(p.sp)
         self.h = m.hidden
         self.grad_dt = 4 if p.dtype == "fp32" else 2
         # dropout on the attention probabilities and the residual branches (ModelSpec.dropout: 0.1 for
@@ -195,9 +200,11 @@ class Anatomy:
         f_qkv = 2.0 * T * qkv_params / t
         qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
         has_bias = m.bias or m.qkv_bias
-        # qkv: norm, GEMM, bias add (matmul then add: read + write the output), rotary on q and k
-        b_qkv = self._norm_fwd() + (2 * dt * T * qkv_out if has_bias else 0.0)
-        bb_qkv = self._norm_bwd() + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
+        # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
+        # output), rotary on q and k
+        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        b_qkv = norm_f + (2 * dt * T * qkv_out if has_bias else 0.0)
+        bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
         if not m.learned_pos:
             rope = 2 * dt * T * (m.heads + (m.kv_heads if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk) / t
             b_qkv += rope
@@ -233,10 +240,18 @@ class Anatomy:
         ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
         return {
-            "qkv": Block("gemm", f_qkv, b_qkv, 2 * ln, bb_qkv),
+            **self._sp_norm("norm1"),
+            "qkv": Block("gemm", f_qkv, b_qkv, ln if self.sp else 2 * ln, bb_qkv),
             "attn": attn,
             "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj),
         }
+
+    def _sp_norm(self, name: str) -> dict[str, Block]:
+        """Under sp, the norm before a column-parallel block as a block of its own, on this rank's
+        slice of the sequence: it saves its input; the GEMM block saves the norm's output."""
+        if not self.sp:
+            return {}
+        return {name: Block("elementwise", 0.0, self._norm_fwd(), self.hidden_bytes, self._norm_bwd())}
 
     @property
     def _mask(self) -> float:
@@ -262,9 +277,11 @@ class Anatomy:
         f2, _ = _gemm(T, m.ffn / t, h, dt)
         a_f, a_b = self._act(m.ffn / t)
         ln = T * h * dt / sp
+        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
         return {
-            "fc1": Block("gemm", f1, self._norm_fwd() + a_f, 2 * ln + T * width * dt / t,
-                         self._norm_bwd() + a_b + self._wgrad(h * width / t)),
+            **self._sp_norm("norm2"),
+            "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + T * width * dt / t,
+                         norm_b + a_b + self._wgrad(h * width / t)),
             "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
                          self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t)),
         }
@@ -284,8 +301,9 @@ class Anatomy:
         # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
         gate = 3 * 4 * T * moe.experts
         permute = 2 * dt * routed * h
-        b_router = self._norm_fwd() + gate + permute
-        bb_router = self._norm_bwd() + 2 * gate + permute + self._wgrad(h * moe.experts)
+        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        b_router = norm_f + gate + permute
+        bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
         ea_f, ea_b = self._act(moe.expert_ffn / t)
         ea_f, ea_b = ea_f * moe.top_k, ea_b * moe.top_k
         expert_w = local_experts * (h * width + moe.expert_ffn * h) / t
@@ -295,7 +313,9 @@ class Anatomy:
         # the router's norm output, saved once (by the router)
         combine = 2 * dt * routed * h + dt * routed * h
         return {
-            "router": Block("gemm", fr, b_router, 2 * ln_bytes(T, h, dt, sp) + T * moe.experts * 4, bb_router),
+            **self._sp_norm("norm2"),
+            "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + T * moe.experts * 4,
+                            bb_router),
             "experts": Block("gemm", fe1 + fe2, ea_f, routed * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
             "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
@@ -324,16 +344,27 @@ class Anatomy:
         f, _ = _gemm(T, h, m.vocab / t, dt)
         n_logits = T * m.vocab / t
         logits = n_logits * 4  # fp32 logits for the cross entropy
-        # final norm, GEMM, logits cast to fp32 (read dt, write 4)
-        b_head = self._norm_fwd() + (dt + 4) * n_logits
-        bb_head = 3 * dt * T * h / self.sp_div + self._wgrad(h * m.vocab / t)
+        # final norm (a block of its own under sp), GEMM, logits cast to fp32 (read dt, write 4)
+        norm_f, norm_b = self._norm_fwd(), 3 * dt * T * h / self.sp_div
+        b_head = (0.0 if self.sp else norm_f) + (dt + 4) * n_logits
+        bb_head = (0.0 if self.sp else norm_b) + self._wgrad(h * m.vocab / t)
+        wgrad_tmp = self._wgrad_tmp(h * m.vocab / t)
+        if self.sp:
+            # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
+            # GEMM's input gradient (gathered), the norm's (this rank's slice)
+            blocks = {
+                "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes, norm_b, self.hidden_bytes),
+                "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head, self.full_hidden_bytes + wgrad_tmp),
+            }
+        else:
+            # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
+            # and the norm's, plus autograd's weight-gradient temporary
+            blocks = {"head": Block("gemm", f, b_head, 2 * T * h * dt + logits, bb_head,
+                                    2 * self.full_hidden_bytes + wgrad_tmp)}
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
         return {
-            # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
-            # (gathered) and the norm's (this rank's shard), plus autograd's weight-gradient temporary
-            "head": Block("gemm", f, b_head, T * h * dt / self.sp_div + T * h * dt + logits, bb_head,
-                          self.full_hidden_bytes + self.hidden_bytes + self._wgrad_tmp(h * m.vocab / t)),
+            **blocks,
             "xent": Block("loss", 0.0, 32.0 * n_logits, 0.0, (8.0 + 4.0 + dt) * n_logits),
             "loss": Block("loss", 0.0, 8.0 * T, 0.0),
         }

@@ -297,7 +297,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
 
     from simexec.program import Instr
     from simexec.model import get_model
-    from simexec.sim.host import adam_ops, cost_family, dispatch_key, dispatch_table, ops_of
+    from simexec.sim.host import ADAM_FLOPS_PER_PARAM, adam_ops, cost_family, dispatch_key, dispatch_table, ops_of
 
     def model_of(rec: dict) -> str:
         return rec.get("model") or model
@@ -332,7 +332,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
         t = kernel_mean(rec["t"])
         row = [0.0] * (3 + len(keys))
-        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(model_of(rec)), dtype)
+        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(model_of(rec)), dtype, rec["flops"] / ADAM_FLOPS_PER_PARAM)
         rows.append(row)
         ys.append(t - rec["bytes"] / mem_bw)
         ts.append(t)

@@ -23,7 +23,7 @@ from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
 from simexec.program import Instr, Program
 from simexec.schedules import Action, exchange_groups, pipeline_order
-from simexec.sim.host import dispatch_key
+from simexec.sim.host import ADAM_FLOPS_PER_PARAM, dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
 _TP_OPS = {
@@ -35,7 +35,6 @@ _TP_OPS = {
     "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
 }
 ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
-ADAM_FLOPS_PER_PARAM = 12.0
 
 
 def adam_bytes_per_param(rp: ResolvedPlan) -> float:
@@ -170,24 +169,12 @@ class _RankLowering:
         return None
 
     def tp(self, block: str, phase: str, layer: int, mb: int, chunk: int, nbytes: float) -> None:
-        """One of Megatron's f/g collectives (or nothing where that side is the identity). Under sp a g
-        and the next f meet with no compute between (reduce-scatter, then all-gather of its result):
-        the second waits on the first, which a backend running two collectives at once must know."""
+        """One of Megatron's f/g collectives (or nothing where that side is the identity)."""
         fwd_op, bwd_op = _TP_OPS[block][1 if self.p.sp else 0]
         verb = bwd_op if phase == "bwd" else fwd_op
         if verb:
-            deps = (self.last_compute(), self.tp_since_compute())
-            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, deps,
+            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, (self.last_compute(),),
                       phase=phase, block=block, layer=layer, mb=mb, chunk=chunk)
-
-    def tp_since_compute(self) -> Optional[str]:
-        """The tensor-parallel collective emitted after the last compute, if any."""
-        for ins in reversed(self.out):
-            if ins.kind == "compute":
-                return None
-            if ins.kind == "collective" and ins.axis == "tp":
-                return ins.name
-        return None
 
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
@@ -292,6 +279,8 @@ class _RankLowering:
 
     def layer_forward(self, l: int, mb: int, c: int, phase: str) -> None:
         an, blocks = self.an, self.an.layer(l)
+        if self.p.sp:
+            self.compute(phase, "norm1", l, mb, c, blocks["norm1"])
         self.tp("attn_in", phase, l, mb, c, an.full_hidden_bytes)
         self.compute(phase, "qkv", l, mb, c, blocks["qkv"])
         if self.p.cp > 1 and self.p.cp_impl == "ring":
@@ -303,6 +292,8 @@ class _RankLowering:
             self.compute(phase, "attn", l, mb, c, blocks["attn"])
         self.compute(phase, "proj", l, mb, c, blocks["proj"])
         self.tp("attn_out", phase, l, mb, c, an.full_hidden_bytes)
+        if self.p.sp:
+            self.compute(phase, "norm2", l, mb, c, blocks["norm2"])
         self.tp("mlp_in", phase, l, mb, c, an.full_hidden_bytes)
         if "fc1" in blocks:
             self.compute(phase, "fc1", l, mb, c, blocks["fc1"])
@@ -353,8 +344,10 @@ class _RankLowering:
 
     def head_forward(self, mb: int, c: int) -> None:
         an, L = self.an, self.L
-        self.tp("head_in", "fwd", L, mb, c, an.full_hidden_bytes)
         head = an.head
+        if self.p.sp:
+            self.compute("fwd", "norm", L, mb, c, head["norm"])
+        self.tp("head_in", "fwd", L, mb, c, an.full_hidden_bytes)
         self.compute("fwd", "head", L, mb, c, head["head"])
         ce_bytes = 4.0 * an.tokens
         self.coll(f"fwd.ce_max.L{L}.m{mb}", "allreduce", "tp", self.g_tp, ce_bytes, (self.last_compute(),),
@@ -364,6 +357,8 @@ class _RankLowering:
                   phase="fwd", block="ce_sum", layer=L, mb=mb, chunk=c)
         self.compute("fwd", "loss", L, mb, c, head["loss"])
         self.memory("alloc", "activations", head["head"].saved, f"act.L{L}.m{mb}")
+        if self.p.sp:
+            self.memory("alloc", "activations", head["norm"].saved, f"act.norm.L{L}.m{mb}")
 
     # --- backward ------------------------------------------------------------------------------------
     def backward(self, act: Action) -> None:
@@ -376,11 +371,16 @@ class _RankLowering:
             self.wait_gather(unit, "bwd", mb)
             if unit == self.L:
                 head = self.an.head
+                again = self.regather("head", unit, mb, c)
                 self.compute("bwd", "loss", unit, mb, c, head["loss"])
                 self.compute("bwd", "xent", unit, mb, c, head["xent"])
-                self.compute("bwd", "head", unit, mb, c, head["head"])
+                self.compute_regathered("head", unit, mb, c, head["head"], again)
                 self.memory("free", "activations", head["head"].saved, f"act.L{unit}.m{mb}")
                 self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
+                if self.p.sp:
+                    self.compute("bwd", "norm", unit, mb, c, head["norm"])
+                    self.memory("free", "activations", head["norm"].saved, f"act.norm.L{unit}.m{mb}")
+                    self.norm_grads(unit, mb, c, self.rp.model.final_norm_params())
             elif unit == -1:
                 self.tp("embed_out", "bwd", -1, mb, c, self.an.full_hidden_bytes)
                 self.compute("bwd", "embed", -1, mb, c, self.an.embed)
@@ -412,17 +412,22 @@ class _RankLowering:
             self.layer_forward(l, mb, c, "recompute")
             self.memory("alloc", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
         self.tp("mlp_out", "bwd", l, mb, c, an.full_hidden_bytes)
+        again = self.regather("mlp", l, mb, c)
         if "fc1" in blocks:
             self.compute("bwd", "fc2", l, mb, c, blocks["fc2"])
-            self.compute("bwd", "fc1", l, mb, c, blocks["fc1"])
+            self.compute_regathered("fc1", l, mb, c, blocks["fc1"], again)
         else:
-            self.compute("bwd", "moe_out", l, mb, c, blocks["moe_out"])
+            # the shared experts' GEMMs read the gathered input too: the first block waits for it
+            self.compute_regathered("moe_out", l, mb, c, blocks["moe_out"], again, release=False)
             self.a2a("combine", "bwd", l, mb, c)
             self.compute("bwd", "experts", l, mb, c, blocks["experts"])
             self.a2a("dispatch", "bwd", l, mb, c)
-            self.compute("bwd", "router", l, mb, c, blocks["router"])
+            self.compute_regathered("router", l, mb, c, blocks["router"], again, wait=False)
         self.tp("mlp_in", "bwd", l, mb, c, an.full_hidden_bytes)
+        if self.p.sp:
+            self.compute("bwd", "norm2", l, mb, c, blocks["norm2"])
         self.tp("attn_out", "bwd", l, mb, c, an.full_hidden_bytes)
+        again = self.regather("attn", l, mb, c)
         self.compute("bwd", "proj", l, mb, c, blocks["proj"])
         ring = self.p.cp > 1 and self.p.cp_impl == "ring"
         if rc and self.p.recompute == "selective":
@@ -437,11 +442,57 @@ class _RankLowering:
         if self.p.cp > 1 and not ring:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
-        self.compute("bwd", "qkv", l, mb, c, blocks["qkv"])
-        self.memory("free", "activations", an.hidden_bytes if full else saved, f"act.L{l}.m{mb}")
+        self.compute_regathered("qkv", l, mb, c, blocks["qkv"], again)
+        if self.p.sp:
+            # the first norm's input (the layer's input) is saved until the norm's backward
+            kept = an.hidden_bytes if full else blocks["norm1"].saved
+            self.memory("free", "activations", (an.hidden_bytes if full else saved) - kept, f"act.L{l}.m{mb}")
+        else:
+            self.memory("free", "activations", an.hidden_bytes if full else saved, f"act.L{l}.m{mb}")
         if full:
             self.memory("free", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
         self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes)
+        if self.p.sp:
+            self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
+            self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
+            self.norm_grads(l, mb, c, self.rp.model.norm_params_per_layer() / 2)
+
+    # --- sequence parallelism ------------------------------------------------------------------------
+    def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:
+        """Under sp, the all-gather of a norm's output (saved as this rank's slice) that the
+        column-parallel GEMM after it needs whole for its weight gradient (Megatron-LM's
+        `LinearWithGradAccumulationAndAsyncCommunication`). Megatron issues it with the GEMM's backward
+        and overlaps it with the input gradient; a block's backward here is one instruction, so it is
+        issued as the sub-layer's backward starts, beside the blocks before the GEMM. Its buffer
+        lives until the GEMM's backward ends."""
+        if not self.p.sp:
+            return None
+        name = f"bwd.{where}_regather.L{layer}.m{mb}"
+        got = self.coll(name, "allgather", "tp", self.g_tp, self.an.full_hidden_bytes, (self.last_compute(),),
+                        phase="bwd", block=f"{where}_regather", layer=layer, mb=mb, chunk=chunk, wait=False)
+        if got:
+            self.memory("alloc", "activations", self.an.full_hidden_bytes, name, stream="comm.tp", deps=(name,))
+        return got
+
+    def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
+                           wait: bool = True, release: bool = True) -> None:
+        """A backward block that reads a re-gathered input (`regather`): it waits for the gather,
+        and the last reader frees its buffer."""
+        if again and wait:
+            self.wait.append(again)
+        name = self.compute("bwd", block, layer, mb, chunk, b)
+        if again and release:
+            self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(name,))
+
+    def norm_grads(self, unit: int, mb: int, chunk: int, params: float) -> None:
+        """Under sp a norm's weight gradient is a sum over this rank's slice of the sequence: a
+        unit's last norm (the one no later backward collective carries) has it summed over tp here,
+        before the unit's gradients are reduced over dp. Megatron-LM all-reduces every
+        sequence-parallel norm's gradient once after the backward; per micro-batch, these few bytes
+        overlap the backward instead."""
+        self.coll(f"bwd.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.g_tp, params * self.grad_dt,
+                  (self.last_compute(),), phase="bwd", block="norm_grads", layer=unit, mb=mb, chunk=chunk,
+                  wait=False)
 
     # --- pipeline ------------------------------------------------------------------------------------
     def _peer(self, vs: int) -> int:

@@ -181,6 +181,21 @@ def test_context_parallel_attention_counts_match_the_executor(model, plan):
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
 
 
+@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny"])
+def test_sequence_parallel_block_counts_match_the_executor(model):
+    """Under sp the norms are blocks of their own and the column-parallel GEMMs save the weight, not
+    the gathered input: the simulator counts the operators of those blocks as the executor runs them."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.model import get_model
+    from simexec.sim.host import dispatch_key, dispatch_table
+
+    got = count_dispatch_plan(model, "tp=2,sp=1,gbs=2")
+    table = dispatch_table(dispatch_key(get_model(model)), sp=True)
+    blocks = ("norm1", "norm2", "norm", "qkv", "head") + (("router", "moe_out") if model == "moe-tiny" else ("fc1",))
+    diff = {k: (table[k], got[k]) for b in blocks for k in (f"fwd.{b}", f"bwd.{b}") if abs(table[k] - got[k]) > 1}
+    assert not diff, diff
+
+
 def test_moe_loops_count_the_local_experts():
     """Expert parallelism leaves each rank a share of the routed experts: its loop is shorter."""
     from simexec.sim.host import MOE_LOOP_OPS, dispatch_table

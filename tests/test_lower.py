@@ -7,7 +7,7 @@ import pytest
 
 from simexec.blocks import Anatomy
 from simexec.cluster import get_cluster
-from simexec.lower import lower
+from simexec.lower import _TP_OPS, lower
 from simexec.model import get_model
 from simexec.plan import parse_plan, resolve
 from simexec.program import Instr, Program
@@ -85,9 +85,35 @@ def test_tensor_parallel_issues_two_allreduces_per_layer_each_way():
 
 def test_sequence_parallel_swaps_allreduce_for_allgather_and_reducescatter():
     prog = _program("gpt-tiny", "tp=2,sp=1,gbs=1")
-    ops = Counter(i.op for i in prog.ranks[0] if i.axis == "tp" and i.block not in ("ce_max", "ce_sum"))
+    conj = ("embed_out", "attn_in", "attn_out", "mlp_in", "mlp_out", "head_in")
+    ops = Counter(i.op for i in prog.ranks[0] if i.axis == "tp" and i.block in conj)
     assert "allreduce@tp" not in ops
     assert ops["allgather@tp"] == ops["reducescatter@tp"]  # every one has its conjugate
+
+
+def test_sequence_parallel_norms_run_on_the_slice_and_the_backward_regathers_their_output():
+    """Megatron's layout: norm (on this rank's slice) -> all-gather -> column-parallel GEMM, which
+    saves the slice and all-gathers it again for its weight gradient; the partial norm gradients of
+    a unit's first norm are summed over tp by an all-reduce of their own."""
+    model = get_model("gpt-tiny")
+    instrs = _program("gpt-tiny", "tp=2,sp=1,gbs=1").ranks[0]
+    names = [i.name for i in instrs if i.kind in ("compute", "collective")]
+    for l in range(model.layers):
+        fwd = [n for n in names if n.startswith("fwd.") and f".L{l}." in n]
+        assert fwd.index(f"fwd.norm1.L{l}.m0") < fwd.index(f"fwd.attn_in.L{l}.m0") < fwd.index(f"fwd.qkv.L{l}.m0")
+        assert fwd.index(f"fwd.attn_out.L{l}.m0") < fwd.index(f"fwd.norm2.L{l}.m0") < fwd.index(f"fwd.mlp_in.L{l}.m0")
+    by = {i.name: i for i in instrs}
+    again = [i for i in instrs if i.block.endswith("_regather")]
+    assert len(again) == 2 * model.layers + 1 and all(i.op == "allgather@tp" and i.phase == "bwd" for i in again)
+    for i in again:  # the GEMM that reads it waits for it, and is the last to hold its buffer
+        reader = {"attn": "qkv", "mlp": "fc1", "head": "head"}[i.block.split("_")[0]]
+        assert i.name in by[f"bwd.{reader}.L{i.layer}.m0"].deps
+    sums = [i for i in instrs if i.block == "norm_grads"]
+    assert sorted(i.layer for i in sums) == list(range(model.layers + 1))
+    grad = resolve(model, get_cluster("local"), parse_plan("tp=2,sp=1,gbs=1")).grad_bytes
+    assert all(i.op == "allreduce@tp" and i.bytes == model.hidden * 2 * grad for i in sums)  # LayerNorm: w and b
+    plain = _program("gpt-tiny", "tp=2,gbs=1").ranks[0]
+    assert not any(i.block.endswith("_regather") or i.block.startswith("norm") for i in plain)
 
 
 def test_data_parallel_reduces_gradients_only_in_the_last_micro_batch():
@@ -189,14 +215,16 @@ def test_yafsdp_backward_waits_for_the_last_reduce_scatter_out_of_its_gradient_b
     assert not any(d.startswith("bwd.grads") for d in fsdp["bwd.fc2.L1.m0"].deps)
 
 
-def test_sequence_parallel_collectives_that_meet_wait_on_each_other():
-    """Under sp a reduce-scatter and the all-gather of its result meet with no compute between: the
-    second names the first (a backend that runs two collectives at once must not start it early)."""
+def test_sequence_parallel_collectives_have_a_norm_between_them():
+    """Under sp a reduce-scatter and the all-gather after it have the norm between them: every
+    tensor-parallel activation collective follows a compute block, as without sp."""
+    for plan in ("tp=2,sp=1,gbs=1", "tp=2,gbs=1"):
+        prog = {i.name: i for i in _program("gpt-tiny", plan).ranks[0]}
+        acts = [i for i in prog.values() if i.axis == "tp" and i.block in _TP_OPS]
+        assert acts and all(prog[d].kind == "compute" for i in acts for d in i.deps)
     sp = {i.name: i for i in _program("gpt-tiny", "tp=2,sp=1,gbs=1").ranks[0]}
-    assert "fwd.attn_out.L0.m0" in sp["fwd.mlp_in.L0.m0"].deps
-    assert "bwd.mlp_in.L1.m0" in sp["bwd.attn_out.L1.m0"].deps
-    plain = {i.name: i for i in _program("gpt-tiny", "tp=2,gbs=1").ranks[0]}
-    assert all(plain[d].kind == "compute" for i in plain.values() if i.axis == "tp" for d in i.deps)
+    assert sp["fwd.mlp_in.L0.m0"].deps == ("fwd.norm2.L0.m0",)
+    assert sp["bwd.attn_out.L1.m0"].deps == ("bwd.norm2.L1.m0",)
 
 
 def test_full_recompute_reruns_the_forward_of_recompute_layers_only():

@@ -28,9 +28,10 @@ Per-block autograd. A forward block takes detached copies of its inputs that req
 block, keeps (inputs, outputs) in a record; its backward calls `torch.autograd.backward(outputs,
 grad_outputs)` and hands the inputs' `.grad` on. Activations and their gradients live in two dicts
 keyed by (name, layer, micro-batch); the names and which block or collective makes each are in
-`_BLOCKS` and `_COLLS`. Where the program has no collective between two names (tp = 1, or the
-identity side of an f/g pair), a read falls through to the name before it (forward) or after it
-(backward).
+`_BLOCKS` and `_COLLS` (`_BLOCKS_SP` and `_COLLS_SP` under sequence parallelism, where the norms
+are blocks of their own and the column-parallel GEMMs re-gather their input for the backward). Where
+the program has no collective between two names (tp = 1, or the identity side of an f/g pair), a
+read falls through to the name before it (forward) or after it (backward).
 
 Gradients are sums: every micro-batch loss is scaled by 1 / (tokens of the global batch), so summing
 over micro-batches and ranks gives the gradient of the global mean loss, as the single-process
@@ -100,6 +101,17 @@ def _deallocate(t: Any) -> None:
 
 _EMPTY: dict = {}
 _SCALAR: dict = {}
+
+
+def _shrink_leaf(x: Tensor) -> None:
+    """A recorded input leaf whose data nothing needs any more keeps only its shape: a zero-stride
+    expansion of one element (autograd accumulates its gradient by the leaf's shape)."""
+    if isinstance(x, Tensor) and x.requires_grad and x.grad_fn is None and x.numel() > 1:
+        key = (x.dtype, x.device)
+        e = _SCALAR.get(key)
+        if e is None:
+            e = _SCALAR[key] = torch.zeros((), dtype=x.dtype, device=x.device)
+        x.data = e.expand(x.shape)
 
 
 def rank_slice(full: Tensor, out: Tensor, group=None) -> Tensor:
@@ -210,13 +222,43 @@ _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
     "dispatch": ("xs", "xr", 0),
     "combine": ("yr", "yc", 0),
 }
-_TP_PARTIAL = ("attn_in", "mlp_in", "head_in")
+# Under sp the norms run on the sequence slice, between the g and f collectives (n1, n2, nf: their
+# outputs, kept as slices until the backward's re-gather); the residual is added on the sequence slice
+# (proj and fc2 read the slice x / xm); the MoE shared experts read the gathered norm output.
+_BLOCKS_SP = {
+    **_BLOCKS,
+    "norm1": (("x",), ("n1",)),
+    "norm2": (("xm",), ("n2",)),
+    "norm": (("x",), ("nf",)),
+    "proj": (("o", "x"), ("yp",)),
+    "fc2": (("a", "xm"), ("y2p",)),
+    "moe_out": (("xm", "xma", "w", "yc"), ("y2p",)),
+}
+_COLLS_SP = {
+    **_COLLS,
+    "attn_in": ("n1", "xa", 1),
+    "mlp_in": ("n2", "xma", 1),
+    "head_in": ("nf", "xh", 1),
+    # the backward's re-gathers of a norm's output for the GEMM after it (delivered as activations)
+    "attn_regather": ("n1", "xa", 1),
+    "mlp_regather": ("n2", "xma", 1),
+    "head_regather": ("nf", "xh", 1),
+}
+_REGATHER = frozenset(("attn_regather", "mlp_regather", "head_regather"))
+# sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
+_GATHERED_LAST = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
+_TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
+# sp: which backward collective sums a replicated parameter's partial gradient (ParamSpec.tp_partial
+# names the one without sp): a norm's backward now follows the f-conjugate's reduce-scatter, so the
+# second norm's rides the sub-layer's next one (attn_in) and the first and final norms', which no
+# later collective of their unit carries, an all-reduce of their own (`norm_grads`)
+_SP_PARTIAL = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
 _CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax"))  # their backward also sums replicated params' grads
 
 
-def _coll_keys(block: str, layer: int, mb: int) -> tuple[tuple, tuple]:
-    src, dst, _ = _COLLS[block]
+def _coll_keys(block: str, layer: int, mb: int, table: dict = _COLLS) -> tuple[tuple, tuple]:
+    src, dst, _ = table[block]
     out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
     return (src, layer, mb), (dst, out_layer, mb)
 
@@ -266,9 +308,8 @@ def unsupported(rp) -> Optional[str]:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
-    if p.dtype != "fp32" and (p.grad_fp32 or p.master_grads):
-        missing.append(f"fp32 gradient buffers or master-gradient copies under dtype={p.dtype} "
-                       f"(grad_fp32={int(p.grad_fp32)}, master_grads={int(p.master_grads)})")
+    if p.dtype != "fp32" and p.grad_fp32:
+        missing.append(f"fp32 gradient buffers under dtype={p.dtype} (grad_fp32=1)")
     if not missing and (p.sp or p.cp > 1):
         missing += _lowering_gaps(rp)
     if not missing:
@@ -483,6 +524,11 @@ class _Rank:
         if self.coords["pp"] == p.pp - 1:
             units.add(self.L)
         self.specs = {s.name: s for s in param_specs(m) if s.unit in units and holds(s, m, self.lay)}
+        self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
+        self.colls = _COLLS_SP if p.sp else _COLLS
+        # the backward collective that sums each tp-replicated parameter's partial gradient
+        self.partial_by = {n: (_SP_PARTIAL[s.tp_partial] if p.sp and ".norm" in n else s.tp_partial)
+                           for n, s in self.specs.items() if s.tp_partial}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
             n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()
@@ -674,7 +720,7 @@ class _Rank:
             self.host_grads = [torch.empty_like(h) for h in self.host]
             self.opt = Adam(self.host)
         else:
-            self.opt = Adam(tensors)
+            self.opt = Adam(tensors, master_grads=self.plan.master_grads)
         self.opt_tensors = tensors
 
     # --- env reads and writes ---------------------------------------------------------------------
@@ -876,7 +922,13 @@ class _Rank:
             b = self.batch(mb)
             return (M.embed(b.tokens, b.pos),)
         if block == "qkv":
-            return M.qkv(l, xs[0], self.batch(mb).pos)
+            return M.qkv(l, xs[0], self.batch(mb).pos, self._fetch("xa", l, mb))
+        if block == "norm1":
+            return (M.norm1(l, xs[0]),)
+        if block == "norm2":
+            return (M.norm2(l, xs[0]),)
+        if block == "norm":
+            return (M.final_norm(xs[0]),)
         if block == "attn":
             pos = self.batch(mb).pos
             kpos = self._kpos if xs[1].shape[3] != xs[0].shape[2] else pos
@@ -884,25 +936,60 @@ class _Rank:
         if block == "proj":
             return (M.proj(l, xs[0], xs[1]),)
         if block == "fc1":
-            return (M.fc1(l, xs[0]),)
+            return (M.fc1(l, xs[0], self._fetch("xma", l, mb)),)
         if block == "fc2":
             return (M.fc2(l, xs[0], xs[1]),)
         if block == "router":
-            return M.router(l, xs[0])
+            return M.router(l, xs[0], self._fetch("xma", l, mb))
         if block == "experts":
             counts = self.env.get(("rcounts", l, mb))
             if counts is None:  # no dispatch (ep = 1): every routed token is here
                 counts = self.read(("route", l, mb)).counts.view(1, -1)
             return (M.experts(l, xs[0], counts),)
         if block == "moe_out":
-            return (M.moe_out(l, *xs, self.read(("route", l, mb))),)
+            return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
         if block == "head":
-            return M.head(xs[0])
+            return M.head(xs[0], self._fetch("xh", l, mb))
         if block == "xent":
             return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
         if block == "loss":
             return (M.loss(xs[0], self.loss_scale),)
         raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")
+
+    def _fetch(self, name: str, l: int, mb: int) -> Optional[Callable[[], Tensor]]:
+        """Under sp, how a column-parallel GEMM's backward gets its input whole again: the value of
+        the program's re-gather (`*_regather`), which has run by then."""
+        if not self.plan.sp:
+            return None
+        key = (name, l, mb)
+
+        def fetch() -> Tensor:
+            v = self.env.get(key)
+            if isinstance(v, _Inflight):
+                v.wait()
+                v = self.env.get(key)
+            if v is None:
+                raise RuntimeError(f"rank {self.rank}: the backward of layer {l} micro-batch {mb} needs {name} "
+                                   "re-gathered, and no re-gather has delivered it")
+            return v
+
+        return fetch
+
+    def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
+        """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps
+        it (the GEMMs saved only the slice, re-gathered in the backward). The environment lets go of
+        it, and so do the readers' records, whose inputs become one-element expansions of its shape."""
+        name = _GATHERED_LAST[block]
+        self.env.pop((name, l, mb), None)
+        if not _DEALLOCATE or self.xla:
+            return
+        leaves = [v for n, v in zip(self.blocks_io[block][0], vals) if n == name]
+        if block == "moe_out":
+            rec = self.records.get(("router", l, mb))
+            if rec is not None:
+                leaves += [v for n, v in zip(rec[0], rec[1]) if n == name]
+        for v in leaves:
+            _shrink_leaf(v)
 
     @property
     def _kpos(self) -> Tensor:
@@ -911,7 +998,7 @@ class _Rank:
 
     def forward(self, ins: Instr, record: bool) -> None:
         l, mb = ins.layer, ins.mb
-        ins_names, out_names = _BLOCKS[ins.block]
+        ins_names, out_names = self.blocks_io[ins.block]
         vals = [self.read((n, l, mb)) for n in ins_names]
         if record:
             vals = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v for v in vals]
@@ -922,6 +1009,8 @@ class _Rank:
         if not record:
             for n, o in zip(out_names, outs):
                 self.env[(n, l, mb)] = o
+            if self.plan.sp and ins.block in _GATHERED_LAST:
+                self._release_gathered(ins.block, l, mb, [])
             return
         for n, o in zip(out_names, outs):
             self.env[(n, l, mb)] = o.detach() if isinstance(o, Tensor) and o.grad_fn is not None else o
@@ -932,6 +1021,8 @@ class _Rank:
                 name = _PERMUTED_INPUT[ins.block]
                 self._free_permuted_input(name, l, mb, vals[ins_names.index(name)])
         self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
+        if self.plan.sp and ins.block in _GATHERED_LAST:
+            self._release_gathered(ins.block, l, mb, vals)
 
     def _free_permuted_input(self, name: str, l: int, mb: int, xr: Tensor) -> None:
         """Tokens as an all-to-all delivered them: once permuted (into expert order for the experts,
@@ -943,12 +1034,7 @@ class _Rank:
         k = self.resolve((name, l, mb))
         if k is not None:
             del self.env[k]
-        if xr.requires_grad and xr.grad_fn is None and xr.numel() > 1:
-            key = (xr.dtype, xr.device)
-            e = _SCALAR.get(key)
-            if e is None:
-                e = _SCALAR[key] = torch.zeros((), dtype=xr.dtype, device=xr.device)
-            xr.data = e.expand(xr.shape)
+        _shrink_leaf(xr)
 
     def backward(self, ins: Instr) -> None:
         l, mb = ins.layer, ins.mb
@@ -969,6 +1055,8 @@ class _Rank:
             if isinstance(v, Tensor) and v.grad is not None:
                 self.add_grad((n, l, mb), v.grad)
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
+            if n == "xma" and ins.block == "moe_out" and self.plan.sp:
+                continue  # the router's backward reads the re-gathered input after this one
             k = self.resolve((n, l, mb))
             if k is not None:
                 del self.env[k]
@@ -1120,8 +1208,10 @@ class _Rank:
         block = ins.block
         verb = ins.collective
         g = self.group(ins)
-        if block in _COLLS:
+        if block in self.colls:
             return self.activation_collective(ins, verb, g)
+        if block == "norm_grads":
+            return self.norm_grads(ins, g)
         if block == "grads":
             return self.z3_grads(ins, g)
         if block.startswith("grads_rep"):
@@ -1142,10 +1232,12 @@ class _Rank:
         return w
 
     def activation_collective(self, ins: Instr, verb: str, g) -> None:
-        src, dst = _coll_keys(ins.block, ins.layer, ins.mb)
-        dim = _COLLS[ins.block][2]
+        src, dst = _coll_keys(ins.block, ins.layer, ins.mb, self.colls)
+        dim = self.colls[ins.block][2]
         n = len(ins.group)
-        backward = ins.phase == "bwd"
+        backward = ins.phase == "bwd" and ins.block not in _REGATHER
+        # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
+        gathered_input = self.plan.sp and not backward and ins.block in ("attn_in", "mlp_in", "head_in", *_REGATHER)
         if ins.block in ("dispatch", "combine"):
             return self.alltoall(ins, g, src, dst, backward)
         if backward:
@@ -1177,7 +1269,10 @@ class _Rank:
             work = self.comm.all_gather(out, xt, group=g, async_op=True)
 
             def finish():
-                self._deliver(target, out.movedim(0, dim), backward)
+                t = out.movedim(0, dim)
+                if gathered_input:  # Megatron's (s, b, h) gathers are contiguous; a (B, T, C) one is made so
+                    t = t.contiguous()
+                self._deliver(target, t, backward)
         elif verb == "reducescatter":
             xt = x.movedim(dim, 0).contiguous()
             chunks = xt.chunk(n, dim=0)
@@ -1199,7 +1294,22 @@ class _Rank:
                 self.g_pending[name] = w
         else:
             self.env[target] = w
-            self._consumed(src)
+            if ins.block in _REGATHER:
+                self.env.pop(src, None)  # the slice's last reader
+            else:
+                self._consumed(src)
+
+    def norm_grads(self, ins: Instr, g) -> None:
+        """Under sp: sum over tp the partial gradients of the norms no activation collective
+        carries (`_SP_PARTIAL`)."""
+        extras = self._tp_partial_grads(ins)
+        if not extras:
+            return
+        buf = torch.cat([e.reshape(-1) for _, e in extras])
+        work = self.comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        w = self._issue(ins, [work], lambda: self._deliver_extras(extras, buf))
+        for name, _ in extras:
+            self.g_pending[name] = w
 
     def _consumed(self, key: tuple) -> None:
         """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
@@ -1230,7 +1340,7 @@ class _Rank:
         unit = ins.layer
         out = []
         for n, s in self.specs.items():
-            if s.unit == unit and s.tp_partial == ins.block:
+            if s.unit == unit and self.partial_by.get(n) == ins.block:
                 p = self.p[n]
                 g = p.grad if p.grad is not None else torch.zeros(self.shapes[n], dtype=p.dtype, device=self.device)
                 p.grad = None

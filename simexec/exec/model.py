@@ -246,6 +246,35 @@ def rms_norm(x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
     return _RMSNorm.apply(x, w, eps)
 
 
+def add_seq_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
+    """y (B, T, C) + t (B, Ts, C) placed at [lo, lo + Ts) of the sequence (zeros elsewhere)."""
+    if t.shape[1] == y.shape[1]:
+        return y + t
+    return y + F.pad(t, (0, 0, lo, y.shape[1] - lo - t.shape[1]))
+
+
+class _GatheredLinear(torch.autograd.Function):
+    """x @ w where x is a norm's output all-gathered over the sequence (sp), saving w but not x:
+    the weight gradient reads x whole, which the backward gets from `fetch` (the interpreter's
+    re-gather of the slice each rank kept), as Megatron-LM's column-parallel linear does under
+    sequence parallelism."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w: Tensor, fetch) -> Tensor:
+        ctx.save_for_backward(w)
+        ctx.fetch = fetch
+        return x @ w
+
+    @staticmethod
+    def backward(ctx, gy: Tensor):
+        (w,) = ctx.saved_tensors
+        gx = gy @ w.t() if ctx.needs_input_grad[0] else None
+        gw = None
+        if ctx.needs_input_grad[1]:
+            x = ctx.fetch()
+            gw = x.reshape(-1, x.shape[-1]).t() @ gy.reshape(-1, gy.shape[-1])
+        return gx, gw, None
+
 
 # ---------------------------------------------------------------------------------------------------
 # Ring attention pieces (context parallel, cp_impl=ring)
@@ -411,17 +440,42 @@ class GPT:
             return F.layer_norm(x, (x.shape[-1],), w, self.p[f"{prefix}.b"], eps=1e-5)
         return rms_norm(x, w, eps=1e-5)
 
-    def _lin(self, x: Tensor, prefix: str, w: str, b: str) -> Tensor:
-        y = x @ self.p[f"{prefix}.{w}"]
+    def _lin(self, x: Tensor, prefix: str, w: str, b: str, fetch=None) -> Tensor:
+        """x @ W (+ bias); `fetch` given: x is gathered over the sequence and not saved (sp)."""
+        W = self.p[f"{prefix}.{w}"]
+        y = x @ W if fetch is None else _GatheredLinear.apply(x, W, fetch)
         bias = self.p.get(f"{prefix}.{b}")
         return y if bias is None else y + bias
 
-    def _ffn_up(self, prefix: str, h: Tensor) -> Tensor:
+    def _ffn_up(self, prefix: str, h: Tensor, fetch=None) -> Tensor:
         """Up (and gate) projection + activation: column-parallel, no communication."""
-        up = self._lin(h, prefix, "w1", "b1")
+        up = self._lin(h, prefix, "w1", "b1", fetch)
         if self.m.gated:
-            return _SwiGLU.apply(self._lin(h, prefix, "wg", "bg"), up)  # SwiGLU (Shazeer 2020)
+            return _SwiGLU.apply(self._lin(h, prefix, "wg", "bg", fetch), up)  # SwiGLU (Shazeer 2020)
         return F.gelu(up, approximate="tanh")  # GPT-2's GELU
+
+    def _residual(self, y: Tensor, x: Tensor) -> Tensor:
+        """A row-parallel partial sum y (B, T, C) plus the residual x, so that the sum over tp holds
+        x once: this rank's hidden slice of x (x whole, replicated over tp), or under sp x as this
+        rank's slice of the sequence (the reduce-scatter then hands each rank its slice, with its
+        residual)."""
+        if self.lay.sp:
+            return add_seq_slice(y, x, self.lay.tp_rank * x.shape[1])
+        return add_slice(y, x[..., self.hlo : self.hhi], self.hlo)
+
+    # -- sequence-parallel norms --------------------------------------------------------------------
+    # Under sp (Korthikanti et al. 2022) each norm runs on this rank's slice of the sequence, between
+    # the reduce-scatter that ends a sub-layer and the all-gather of its output that starts the next
+    # one; without sp the norms open the column-parallel blocks (qkv, fc1, router, head).
+
+    def norm1(self, l: int, x: Tensor) -> Tensor:
+        return self._norm(f"layers.{l}.norm1", x)
+
+    def norm2(self, l: int, x: Tensor) -> Tensor:
+        return self._norm(f"layers.{l}.norm2", x)
+
+    def final_norm(self, x: Tensor) -> Tensor:
+        return self._norm("head.norm", x)
 
     def _ffn_down(self, prefix: str, a: Tensor) -> Tensor:
         """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice."""
@@ -443,15 +497,16 @@ class GPT:
 
     # -- attention ----------------------------------------------------------------------------------
 
-    def qkv(self, l: int, x: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """First norm + Q/K/V (column-parallel by heads). x (B, T, C) -> q (B, nh, T, hd) and
-        kv (2, B, nkv, T, hd); RoPE at positions pos (T,) unless the model learns positions."""
+    def qkv(self, l: int, x: Tensor, pos: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
+        """First norm (under sp: `norm1`, before the gather) + Q/K/V (column-parallel by heads).
+        x (B, T, C) -> q (B, nh, T, hd) and kv (2, B, nkv, T, hd); RoPE at positions pos (T,) unless
+        the model learns positions."""
         B, T, _ = x.shape
         pre, hd = f"layers.{l}.attn", self.m.head_dim
-        h = self._norm(f"layers.{l}.norm1", x)
-        q = self._lin(h, pre, "wq", "bq").view(B, T, self.nh, hd).transpose(1, 2)
-        k = self._lin(h, pre, "wk", "bk").view(B, T, self.nkv, hd).transpose(1, 2)
-        v = self._lin(h, pre, "wv", "bv").view(B, T, self.nkv, hd).transpose(1, 2)
+        h = x if self.lay.sp else self._norm(f"layers.{l}.norm1", x)
+        q = self._lin(h, pre, "wq", "bq", fetch).view(B, T, self.nh, hd).transpose(1, 2)
+        k = self._lin(h, pre, "wk", "bk", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
+        v = self._lin(h, pre, "wv", "bv", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
         if not self.m.learned_pos:
             tables = self._rope_tables(pos, hd, q.dtype)
             q, k = rope(q, tables), rope(k, tables)
@@ -473,38 +528,47 @@ class GPT:
         return o.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
 
     def proj(self, l: int, o: Tensor, x: Tensor) -> Tensor:
-        """Output projection (row-parallel) + residual: o (B, T, nh*hd), x (B, T, C) -> (B, T, C)
-        partial; residual and bias on this rank's hidden slice."""
+        """Output projection (row-parallel) + residual: o (B, T, nh*hd), x (B, T, C) (under sp
+        (B, T/tp, C)) -> (B, T, C) partial; bias on this rank's hidden slice."""
         y = o @ self.p[f"layers.{l}.attn.wo"]
-        r = x[..., self.hlo : self.hhi]
         b = self.p.get(f"layers.{l}.attn.bo")
-        return add_slice(y, r if b is None else r + b, self.hlo)
+        return self._residual(y if b is None else add_slice(y, b, self.hlo), x)
 
     # -- dense MLP ----------------------------------------------------------------------------------
 
-    def fc1(self, l: int, x: Tensor) -> Tensor:
-        """Second norm + up (and gate) projection + activation: (B, T, C) -> (B, T, ffn/tp)."""
-        return self._ffn_up(f"layers.{l}.mlp", self._norm(f"layers.{l}.norm2", x))
+    def fc1(self, l: int, x: Tensor, fetch=None) -> Tensor:
+        """Second norm (under sp: `norm2`) + up (and gate) projection + activation:
+        (B, T, C) -> (B, T, ffn/tp)."""
+        h = x if self.lay.sp else self._norm(f"layers.{l}.norm2", x)
+        return self._ffn_up(f"layers.{l}.mlp", h, fetch)
 
     def fc2(self, l: int, a: Tensor, x: Tensor) -> Tensor:
         """Down projection (row-parallel) + residual: (B, T, ffn/tp), (B, T, C) -> (B, T, C) partial."""
-        return add_slice(self._ffn_down(f"layers.{l}.mlp", a), x[..., self.hlo : self.hhi], self.hlo)
+        return self._residual(self._ffn_down(f"layers.{l}.mlp", a), x)
 
     # -- MoE MLP ------------------------------------------------------------------------------------
 
-    def router(self, l: int, x: Tensor) -> tuple[Tensor, Tensor, Tensor, Route]:
-        """Second norm + gate + top-k, no token dropped. x (B, T, C) -> h (N, C) normed tokens,
-        w (N, k) routing weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies
-        sorted by expert (what dispatch sends), and the Route."""
+    def router(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
+        """Second norm (under sp: `norm2`) + gate + top-k, no token dropped. x (B, T, C) -> h (N, C)
+        normed tokens (None under sp, where the shared experts read the gathered x themselves), w (N, k)
+        routing weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies sorted by
+        expert (what dispatch sends), and the Route."""
         moe = self.m.moe
-        h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
-        probs = torch.softmax(h @ self.p[f"layers.{l}.moe.router"], dim=-1)  # (N, E)
+        if self.lay.sp:
+            logits = _GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
+            probs = torch.softmax(logits.reshape(-1, moe.experts), dim=-1)  # (N, E)
+        else:
+            h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
+            probs = torch.softmax(h @ self.p[f"layers.{l}.moe.router"], dim=-1)  # (N, E)
         top, idx = probs.topk(moe.top_k, dim=-1)  # (N, k)
         w = top / top.sum(-1, keepdim=True)
         flat = idx.reshape(-1)  # (N*k,) expert of each assignment
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=moe.experts)
-        return h, w, h[order // moe.top_k], Route(order, counts)
+        token = order // moe.top_k
+        if self.lay.sp:
+            return None, w, x.reshape(-1, x.shape[-1])[token], Route(order, counts)
+        return h, w, h[token], Route(order, counts)
 
     def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
         """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
@@ -523,27 +587,31 @@ class GPT:
         y = torch.cat(ys) if ys else xr[:0]
         return y[torch.argsort(perm)]  # back to arrival order
 
-    def moe_out(self, l: int, x: Tensor, h: Tensor, w: Tensor, yc: Tensor, route: Route) -> Tensor:
+    def moe_out(self, l: int, x: Tensor, h: Tensor, w: Tensor, yc: Tensor, route: Route, fetch=None) -> Tensor:
         """Weighted sum of the k expert outputs per token (yc (N*k, C), expert-sorted, as combine
-        returns them), plus the shared experts on h (N, C), plus the residual x (B, T, C) on this
-        rank's hidden slice -> (B, T, C) partial over tp."""
+        returns them), plus the shared experts on the normed tokens h (N, C; under sp the gathered
+        (B, T, C)), plus the residual x -> (B, T, C) partial over tp."""
         N, k = w.shape
         per_slot = yc[torch.argsort(route.order)].view(N, k, -1)  # (N, k, C) in token order
         y = (w.unsqueeze(-1) * per_slot).sum(1)  # (N, C)
+        if self.lay.sp:
+            y = y.view(h.shape)
         for s in range(self.m.moe.shared_experts):
             pre = f"layers.{l}.moe.s{s}"
-            y = y + self._ffn_down(pre, self._ffn_up(pre, h))
-        y = y.view(x.shape)
-        return add_slice(y, x[..., self.hlo : self.hhi], self.hlo)
+            y = y + self._ffn_down(pre, self._ffn_up(pre, h, fetch))
+        return self._residual(y if self.lay.sp else y.view(x.shape), x)
 
     # -- head and loss ------------------------------------------------------------------------------
 
-    def head(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Final norm + LM head (vocab-parallel): (B, T, C) -> logits (B, T, V/tp) in fp32 (the cross
-        entropy's precision, whatever the model's) and their local max (B, T), which carries no
-        gradient (softmax does not depend on the shift)."""
+    def head(self, x: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
+        """Final norm (under sp: `final_norm`) + LM head (vocab-parallel): (B, T, C) -> logits
+        (B, T, V/tp) in fp32 (the cross entropy's precision, whatever the model's) and their local max
+        (B, T), which carries no gradient (softmax does not depend on the shift)."""
         w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
-        logits = (self._norm("head.norm", x) @ w).float()
+        if self.lay.sp:
+            logits = _GatheredLinear.apply(x, w, fetch).float()
+        else:
+            logits = (self._norm("head.norm", x) @ w).float()
         return logits, logits.detach().amax(-1)
 
     def xent(self, logits: Tensor, gmax: Tensor, targets: Tensor) -> Tensor:

@@ -59,12 +59,26 @@ from simexec.program import Instr, Program
 
 ADAM_FUSED_OPS = 2  # _foreach_add_ on the step counts, _fused_adam_ (simexec.exec.optim.Adam)
 ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded copy into the parameter
+# elements of 16-bit gradients the executor's Adam casts and updates per fused call: small on a CPU
+# rank (its memory is what the peak measures), large on an accelerator (each call is a kernel launch)
+ADAM_PIECE = {"cpu": 1 << 14, "accelerator": 1 << 24}
+ADAM_FLOPS_PER_PARAM = 12.0
 FLOP_BOUND = ("gemm", "attention")
 
 
-def adam_ops(tensors: int, dtype: str) -> int:
-    """Aten operators of one Adam step over `tensors` parameter tensors held in `dtype`."""
-    return ADAM_FUSED_OPS + (ADAM_OPS_PER_16BIT_TENSOR * tensors if dtype in ("bf16", "fp16") else 0)
+def adam_ops(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool = False,
+             piece: int = ADAM_PIECE["cpu"]) -> int:
+    """Aten operators of one Adam step over `tensors` parameter tensors of `elements` in all, held in
+    `dtype`. 16-bit gradients are cast to fp32 all at once under `master_grads`; else the kernel runs
+    per `piece` elements (a tensor split where a piece fills up): two operators a call, a slice and a
+    cast a piece, a flattening view and the master's copy into the parameter a tensor."""
+    if dtype not in ("bf16", "fp16"):
+        return ADAM_FUSED_OPS
+    if master_grads:
+        return ADAM_FUSED_OPS + ADAM_OPS_PER_16BIT_TENSOR * tensors
+    calls = max(1, math.ceil(elements / piece))
+    pieces = tensors + calls - 1
+    return ADAM_FUSED_OPS * calls + 2 * pieces + 2 * tensors
 
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
@@ -108,6 +122,23 @@ CP_ATTN_OPS = {
     "allgather": lambda cp, half: {"fwd.attn": 16 + 3 * cp, "bwd.attn": 10},
     "ring": lambda cp, half: {"fwd.attn": 62 if half else 58, "bwd.attn": 68 if half else 62},
 }
+# Sequence parallelism moves each norm into a block of its own (`norm1`, `norm2`, `norm` before the
+# head) and gives the column-parallel GEMMs a custom autograd function that saves the weight, not the
+# gathered input (re-gathered for the backward): counted on gpt-tiny, moe-tiny, moe-tiny with 0 and 2
+# shared experts and a shrunk llama3-8b at tp 2 (`count_dispatch_plan`), the same at micro-batch 1
+# and 2. MoE's shared experts then cost (fixed, per shared expert) as MOE_LOOP_OPS.
+SP_OPS: dict[str, dict[str, int]] = {
+    "layernorm-mlp-pos-bias": {
+        "fwd.norm1": 3, "fwd.norm2": 3, "fwd.norm": 3, "bwd.norm1": 5, "bwd.norm2": 5, "bwd.norm": 4,
+        "fwd.qkv": 23, "bwd.qkv": 49, "fwd.fc1": 8, "bwd.fc1": 14, "fwd.head": 9, "bwd.head": 11,
+    },
+    "rmsnorm-swiglu-rope": {
+        "fwd.norm1": 10, "fwd.norm2": 10, "fwd.norm": 10, "bwd.norm1": 19, "bwd.norm2": 19, "bwd.norm": 18,
+        "fwd.qkv": 34, "bwd.qkv": 53, "fwd.fc1": 11, "bwd.fc1": 29, "fwd.head": 9, "bwd.head": 11,
+        "fwd.router": 18, "bwd.router": 28,
+    },
+}
+SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 DEFAULT_OPS = 12  # a block no table knows
 
@@ -132,19 +163,23 @@ def cost_family(model) -> str:
 
 
 def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather",
-                   dtype: str = "fp32") -> dict[str, int]:
+                   dtype: str = "fp32", sp: bool = False) -> dict[str, int]:
     """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
     borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds, the
-    attention block of context parallelism `cp` in `dtype`."""
+    attention block of context parallelism `cp` in `dtype`, the blocks of sequence parallelism."""
     dense, _, moe = key.partition("-moe")
     table = dict(DISPATCH.get(key if not moe else dense, DISPATCH[DEFAULT_TABLE]))
     if moe:
         table.update(DISPATCH.get(dense + "-moe", DISPATCH["rmsnorm-swiglu-rope-moe"]))
+    if sp:
+        table.update(SP_OPS.get(dense, SP_OPS[DEFAULT_TABLE]))
+    if moe:
         experts, shared = int(moe.split("x")[0]), int(moe.split("+")[1])
         local = math.ceil(experts / max(1, ep))
         for block, n in (("experts", local), ("moe_out", shared)):
             for phase in ("fwd", "bwd"):
-                fixed, per = MOE_LOOP_OPS[f"{phase}.{block}"]
+                loops = SP_MOE_OUT_OPS if sp and block == "moe_out" else MOE_LOOP_OPS
+                fixed, per = loops[f"{phase}.{block}"]
                 table[f"{phase}.{block}"] = fixed + per * n
     if cp > 1:
         table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
@@ -275,8 +310,9 @@ class HostCosts:
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
-        self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype) if plan is not None \
+        self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
             else dispatch_table(key, dtype=dtype)
+        self.master_grads = bool(plan.master_grads) if plan is not None else False
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self.family = cost_family(self.model) if self.model is not None else ""
         self._tensors: dict[int, int] = {}
@@ -313,7 +349,10 @@ class HostCosts:
         if ins.kind == "copy":
             return self.tensors(ins.rank)  # one copy_ per tensor
         if ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim"):
-            return adam_ops(self.tensors(ins.rank), self.dtype)
+            host = ins.op == "cpu_optimizer" or ins.block == "cpu_optim"  # its FLOPs are its elements
+            elements = ins.flops if host else ins.flops / ADAM_FLOPS_PER_PARAM
+            piece = ADAM_PIECE["cpu" if host or self.cluster.device.name == "cpu" else "accelerator"]
+            return adam_ops(self.tensors(ins.rank), self.dtype, elements, self.master_grads and not host, piece)
         return ops_of(ins, self.table)
 
     def cpu_seconds(self, ins: Instr) -> float:
@@ -337,11 +376,21 @@ class HostCosts:
             names = self._nograd_names[rank] = forwards_without_grad(i.name for i in self.program.ranks.get(rank, ()))
         return names
 
+    def cost_block(self, ins: Instr) -> str:
+        """The block whose measured element-wise cost prices `ins`: a norm split out under sp keeps
+        that of the block it opens without sp (the block fits measure the norm inside it)."""
+        if ins.block == "norm1":
+            return "qkv"
+        if ins.block == "norm2":
+            moe = self.model is not None and self.model.is_moe_layer(ins.layer)
+            return "router" if moe else "fc1"
+        return "head" if ins.block == "norm" else ins.block
+
     def elementwise_factor(self, ins: Instr) -> float:
         """Cost of a byte of this instruction's element-wise traffic relative to a streaming add."""
         if not self.elementwise or ins.kind != "compute":
             return 1.0
-        key = f"{'fwd' if ins.phase == 'recompute' else ins.phase}.{ins.block}"
+        key = f"{'fwd' if ins.phase == 'recompute' else ins.phase}.{self.cost_block(ins)}"
         own = self.elementwise.get(f"{self.family}/{key}")  # measured on this model's family
         return own if own is not None else self.elementwise.get(key, 1.0)
 

@@ -29,6 +29,8 @@ EXTENDED = [
     ("gpt-tiny", "dp=2,zero=3,offload=optimizer"),
     ("gpt-tiny", "dp=4,zero=3,offload=optimizer+params"),
     # combinations
+    ("gpt-tiny", "dp=2,tp=2,sp=1,zero=3"),  # sequence-parallel norms' gradients into ZeRO-3 units
+    ("gpt-tiny", "tp=2,sp=1,pp=2,vpp=2,gbs=8,mbs=2"),  # gathers of several sequences, virtual stages
     ("moe-tiny", "dp=2,ep=2,tp=2,zero=3"),
     ("moe-tiny", "dp=4,ep=2,zero=3,zero_impl=yafsdp"),
     ("moe-tiny", "dp=4,ep=2,zero=2,dp_shard=2,gbs=8"),

@@ -166,6 +166,8 @@ class Anatomy:
             "proj": n_s + ctx + self._wgrad_tmp(o_params / t),
             "qkv": n_s + qkv + n + self._wgrad_tmp(qkv_params / t),
         }
+        if self.sp:  # a norm on the sequence slice: its input gradient
+            ws["norm1"] = ws["norm2"] = n_s
         if self.rp.plan.flash_attention:
             ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
         else:
@@ -353,7 +355,7 @@ class Anatomy:
             # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
             # GEMM's input gradient (gathered), the norm's (this rank's slice)
             blocks = {
-                "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes, norm_b, self.hidden_bytes),
+                "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes, norm_b, self.hidden_bytes),  # as norm1
                 "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head, self.full_hidden_bytes + wgrad_tmp),
             }
         else:

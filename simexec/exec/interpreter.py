@@ -234,17 +234,11 @@ _BLOCKS_SP = {
     "fc2": (("a", "xm"), ("y2p",)),
     "moe_out": (("xm", "xma", "w", "yc"), ("y2p",)),
 }
-_COLLS_SP = {
-    **_COLLS,
-    "attn_in": ("n1", "xa", 1),
-    "mlp_in": ("n2", "xma", 1),
-    "head_in": ("nf", "xh", 1),
-    # the backward's re-gathers of a norm's output for the GEMM after it (delivered as activations)
-    "attn_regather": ("n1", "xa", 1),
-    "mlp_regather": ("n2", "xma", 1),
-    "head_regather": ("nf", "xh", 1),
-}
-_REGATHER = frozenset(("attn_regather", "mlp_regather", "head_regather"))
+# sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
+# (`<sub-layer>_regather`, delivered as an activation, not a gradient)
+_SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
+_REGATHERS = {b.replace("_in", "_regather"): names for b, names in _SP_GATHERS.items()}
+_COLLS_SP = {**_COLLS, **_SP_GATHERS, **_REGATHERS}
 # sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
 _GATHERED_LAST = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
 _TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
@@ -1235,9 +1229,9 @@ class _Rank:
         src, dst = _coll_keys(ins.block, ins.layer, ins.mb, self.colls)
         dim = self.colls[ins.block][2]
         n = len(ins.group)
-        backward = ins.phase == "bwd" and ins.block not in _REGATHER
+        backward = ins.phase == "bwd" and ins.block not in _REGATHERS
         # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
-        gathered_input = self.plan.sp and not backward and ins.block in ("attn_in", "mlp_in", "head_in", *_REGATHER)
+        gathered_input = self.plan.sp and not backward and (ins.block in _SP_GATHERS or ins.block in _REGATHERS)
         if ins.block in ("dispatch", "combine"):
             return self.alltoall(ins, g, src, dst, backward)
         if backward:
@@ -1294,7 +1288,7 @@ class _Rank:
                 self.g_pending[name] = w
         else:
             self.env[target] = w
-            if ins.block in _REGATHER:
+            if ins.block in _REGATHERS:
                 self.env.pop(src, None)  # the slice's last reader
             else:
                 self._consumed(src)

@@ -32,14 +32,16 @@ spinning); communication threads run a short burst per step of a collective. Run
 share the cores the host's other users leave them (`C - background_load`, the cores' worth of CPU
 other processes took while the profile's runs were measured) as processor sharing, at most one core
 each; a core runs slower while the others are busy too (`compute_contention` when all C are: vCPUs
-that are hyperthreads of one physical core, shared caches and memory bandwidth). A rank's main
-thread that wakes from a wait does not run at once when the running threads already fill the
-cores: it has taken its share of the CPU before it slept, so it waits until threads ahead of it
-have run out their slices, `sched_slice_s x (running + 1 - (C - background_load)) / C`; a thread
-that goes straight on from one instruction to the next keeps its core. A communication thread
-sleeps far longer than it runs, and Linux's scheduler (EEVDF) lets a woken thread that is owed CPU
-preempt the running one: it gets a core at once, at its share of the rate. A thread that wakes
-onto an idle core waits for that core instead: on a virtual machine an idle vCPU is halted, and
+that are hyperthreads of one physical core, shared caches and memory bandwidth). A thread that wakes
+(a rank's main thread from a wait, or a communication thread for its next burst) does not run at
+once when the running threads already fill the cores: Linux's scheduler (EEVDF) lets a running
+thread finish its slice, so the woken one waits until threads ahead of it have run out their
+slices, `sched_slice_s x (running + 1 - (C - background_load)) / C`, counting only the running
+threads that woke less than a slice ago: one that has run a whole slice since it woke gives its
+core to a woken thread that is owed CPU (a ping-pong beside two ranks computing in a loop runs as
+fast as beside none, as the micro-benchmarks measure). A thread that goes straight on from one
+instruction to the next keeps its core. A thread that wakes onto an idle core waits for that core
+instead: on a virtual machine an idle vCPU is halted, and
 once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 200 µs) the host
 gives its physical core away and must schedule it again, `idle_wake_s` (fitted;
 `scripts/idle_wake.py` measures it). So a member that waits for a late one in a collective wakes slowly,
@@ -553,11 +555,11 @@ class Cores(_HostCores):
     `run(key, seconds)` returns an event that fires once thread `key` (a rank's main thread is its
     rank, its communication thread `(rank, "comm")`) has had `seconds` of CPU; its value is the time
     the work first ran. Threads share the cores the host's other users leave (`cores -
-    background`) as processor sharing, at most one core each; a main thread that was waiting (not
-    one going straight on from its previous piece of work) first waits for a core when the running
-    threads already fill them: `slice x (running + 1 - (cores - background)) / cores`.
-    Communication threads are woken with preemption and never wait for a busy core. Any thread
-    woken while a core is idle waits for that core to wake (`idle_wake_wait`).
+    background`) as processor sharing, at most one core each; a thread that was waiting (not one
+    going straight on from its previous piece of work) first waits for a core when the running
+    threads that woke less than a slice ago already fill them: `slice x (running + 1 - (cores -
+    background)) / cores`. Any thread woken while a core is idle waits for that core to wake
+    (`idle_wake_wait`).
     """
 
     @classmethod
@@ -577,6 +579,7 @@ class Cores(_HostCores):
         super().__init__(env, cores, slice_s, background, contention, idle_wake_s, idle_poll_s)
         self.weights = weights
         self.n = 0  # threads running (copies counted)
+        self.awake: dict = {}  # key -> when its thread last woke (its slice runs from then)
 
     def _weight(self, key) -> int:
         rank = key[0] if isinstance(key, tuple) else key
@@ -584,9 +587,12 @@ class Cores(_HostCores):
 
     def wake_wait(self) -> float:
         """How long a thread that wakes now waits for a core: nothing while the ranks' running threads
-        leave a core free; else, per thread too many, a share of a slice (the threads ahead of it
-        run out their slices on the C cores first)."""
-        over = self.n + 1 - self.capacity
+        leave a core free or one of them has run a whole slice since it woke (EEVDF gives the core of
+        a thread past its slice to a woken one); else, per thread too many, a share of a slice (the
+        threads ahead of it run out their slices on the C cores first)."""
+        now = self.env.now
+        within = sum(j.k for j in self.active if now - self.awake.get(j.key, -math.inf) < self.slice)
+        over = within + 1 - self.capacity
         over = over + math.log1p(math.exp(-4.0 * abs(over))) / 4.0 if over > 0 else math.log1p(math.exp(4.0 * over)) / 4.0
         return self.slice * over / self.cores  # a smooth max(0, over): the fits need a smooth model
 
@@ -597,7 +603,9 @@ class Cores(_HostCores):
             return done
         going_on = self.last_end.get(key) == self.env.now
         job = _Job(done, seconds, self._weight(key), key)
-        wait = 0.0 if going_on else self.idle_wake_wait() + (self.wake_wait() if isinstance(key, int) else 0.0)
+        wait = 0.0 if going_on else self.idle_wake_wait() + self.wake_wait()
+        if not going_on:
+            self.awake[key] = self.env.now + wait
         if wait > 0.0:
             t = Timeout(self.env, wait)
             t.callbacks.append(lambda _ev, job=job: self._add(job))
@@ -661,8 +669,10 @@ class SlicedCores(_HostCores):
     main thread that wakes takes an idle core (after `idle_wake_wait`, as in `Cores`) or queues;
     one going straight on to its next instruction keeps its core. A main thread that has run a
     slice (`sched_slice_s`) while others queue goes to the back of the queue. A communication
-    thread preempts a main thread (Linux's EEVDF lets a woken thread that is owed CPU do so), which
-    resumes first once the burst is over. So ranks that share cores drift out of step: some compute
+    thread that wakes beside busy cores preempts a main thread that has run a whole slice on its
+    core (Linux's EEVDF gives a woken thread that is owed CPU the core of a thread past its slice),
+    which resumes first once the burst is over; else it queues ahead of the main threads, for the
+    first core whose slice ends. So ranks that share cores drift out of step: some compute
     at full speed while others wait, and one communicates while another computes, where processor
     sharing runs them all in lockstep at a fraction of the speed.
     """
@@ -695,16 +705,14 @@ class SlicedCores(_HostCores):
                 t.callbacks.append(lambda _ev, th=th: self._start(th, self.env.now))
             else:
                 self._start(th, self.env.now)
-        elif th.comm and any(not r.comm for r in self.active):
+        elif th.comm and any(not r.comm and self.env.now - r.since >= self.slice for r in self.active):
             victim = min((r for r in self.active if not r.comm), key=lambda r: r.since)
             self._advance()
             self.active.remove(victim)
             self.main_q.insert(0, victim)
             self._start(th, self.env.now)
-        elif th.comm:
-            self.comm_q.append(th)
         else:
-            self.main_q.append(th)
+            (self.comm_q if th.comm else self.main_q).append(th)
             self._advance()
             self._schedule()  # the running threads' slices now end
         return done
@@ -746,7 +754,7 @@ class SlicedCores(_HostCores):
             return
         rate = self._rate()
         dt = max(0.0, min(th.left for th in self.active)) / rate
-        if self.main_q:
+        if self.main_q or self.comm_q:
             now = self.env.now
             for th in self.active:
                 if not th.comm:
@@ -770,9 +778,9 @@ class SlicedCores(_HostCores):
                 t.callbacks.append(lambda _ev, key=th.key, tok=self._token: self._handoff(key, tok))
             else:
                 self._release()
-        if self.main_q:
+        if self.main_q or self.comm_q:
             for th in [th for th in self.active if not th.comm and th.since + self.slice <= now + 1e-12]:
-                if not self.main_q:
+                if not (self.main_q or self.comm_q):
                     break
                 self.active.remove(th)
                 self.main_q.append(th)

@@ -96,6 +96,11 @@ class Anatomy:
         """Norm backward (read x, dy; write dx) + the residual stream's gradient sum (read 2, write 1)."""
         return 6 * self.dt * self.tokens * self.h / self.sp_div
 
+    def _opening_norm(self) -> tuple[float, float]:
+        """(forward, backward) bytes of the norm that opens a column-parallel block; nothing under sp,
+        where the norm is a block of its own (`_sp_norm`)."""
+        return (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+
     def _residual_fwd(self) -> float:
         """(bias +) dropout + residual add: read branch and residual, write the sum (+ a 1-byte mask)."""
         n = self.tokens * self.h / self.sp_div
@@ -204,7 +209,7 @@ class Anatomy:
         has_bias = m.bias or m.qkv_bias
         # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
         # output), rotary on q and k
-        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        norm_f, norm_b = self._opening_norm()
         b_qkv = norm_f + (2 * dt * T * qkv_out if has_bias else 0.0)
         bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
         if not m.learned_pos:
@@ -279,7 +284,7 @@ class Anatomy:
         f2, _ = _gemm(T, m.ffn / t, h, dt)
         a_f, a_b = self._act(m.ffn / t)
         ln = T * h * dt / sp
-        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        norm_f, norm_b = self._opening_norm()
         return {
             **self._sp_norm("norm2"),
             "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + T * width * dt / t,
@@ -303,7 +308,7 @@ class Anatomy:
         # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
         gate = 3 * 4 * T * moe.experts
         permute = 2 * dt * routed * h
-        norm_f, norm_b = (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        norm_f, norm_b = self._opening_norm()
         b_router = norm_f + gate + permute
         bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
         ea_f, ea_b = self._act(moe.expert_ffn / t)

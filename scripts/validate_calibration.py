@@ -32,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate_eval import (  # noqa: E402
-    MATRIX, from_recording, refit, repeatability, run_validation, save_outcome, summary_table, table,
+    MATRIX, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.errors import SimexecError  # noqa: E402

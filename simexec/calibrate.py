@@ -149,6 +149,7 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     # finite differences cannot see it either; the fit starts it at Linux's default instead
     Param("slice", "costs", "sched_slice_s", 1e-5, 2e-2, least=lambda c: linux_slice(c.node.cpu_cores)),
     Param("contention", "costs", "compute_contention", 1.0, 4.0),
+    Param("timeslicing", "costs", "timeslice_contention", 1.0, 4.0),
     Param("idle_wake", "costs", "idle_wake_s", 1e-6, 2e-2, start=100e-6),
     # eager PyTorch dispatches an operator in ~5-20 µs of host time (this repo's CPU micro-benchmarks:
     # ~5-8 µs per operator in a warm loop on a 2-core VM)
@@ -218,6 +219,49 @@ def merge_results(extras: dict) -> dict[str, list[dict]]:
             for rec in recs:
                 out.setdefault(kind, []).append({**rec, "rank": int(rank)})
     return out
+
+
+_SAMPLES = ("t", "cpu")  # a benchmark record's timings; its other fields say what was measured
+
+
+def _identity(rec: dict) -> tuple:
+    return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in rec.items() if k not in _SAMPLES))
+
+
+def pool_microbench(raws: Sequence[dict]) -> dict:
+    """Several micro-benchmark runs of the same configuration (raw timings: `{"extras", "background"}`)
+    as one: each benchmark's timings from every run together, each run's sharing rounds kept apart
+    (their steps are aligned within a run). A host whose speed drifts over minutes is then measured
+    across them, as the plans that the profile predicts are."""
+    if len(raws) == 1:
+        return raws[0]
+    extras: dict[str, dict] = {}
+    for i, raw in enumerate(raws):
+        for rank, ex in raw["extras"].items():
+            out = extras.setdefault(str(rank), {**ex, "results": {}})["results"]
+            for kind, recs in (ex.get("results") or {}).items():
+                pooled = out.setdefault(kind, [])
+                for rec in recs:
+                    if kind == "sharing":
+                        pooled.append({**rec, "round": 1000 * i + rec.get("round", 0)})
+                        continue
+                    nested = "records" if kind == "blocks" else None
+                    key = _identity({k: v for k, v in rec.items() if k != nested})
+                    same = next((p for p in pooled if _identity({k: v for k, v in p.items() if k != nested}) == key),
+                                None)
+                    if same is None:
+                        pooled.append(json.loads(json.dumps(rec)))
+                    elif nested:
+                        by_name = {r["name"]: r for r in same[nested]}
+                        for r in rec[nested]:
+                            if r["name"] in by_name:
+                                by_name[r["name"]]["t"] = by_name[r["name"]]["t"] + r["t"]
+                    else:
+                        for k in _SAMPLES:
+                            if k in rec:
+                                same[k] = same.get(k, []) + rec[k]
+    bgs = [raw.get("background") for raw in raws]
+    return {"extras": extras, "background": None if None in bgs else statistics.fmean(bgs), "runs": len(raws)}
 
 
 # The one-rank step has one optimizer step against ~150 block instructions: its rows weigh this
@@ -348,6 +392,28 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
             "rel_err": float(np.median(np.abs((pred - y) / np.asarray(ts)))), "records": len(rows)}
 
 
+def fit_sharing(slow: dict[int, float], cores: int, background: Optional[float] = None) -> tuple[float, float, float]:
+    """(background_load, compute_contention, timeslice_contention) that make the host model's rate
+    (`simexec.sim.host`) slow n ranks stepping at once by `slow[n]` against one alone: a grid search
+    on log ratios. The background is fitted too unless measured; the time-slicing slowdown only when
+    some n exceeds the cores."""
+    import numpy as np
+
+    from simexec.sim.host import _HostCores
+
+    ns = sorted(slow)
+
+    def loss(bg: float, cc: float, ts: float) -> float:
+        host = _HostCores(None, cores, 0.0, bg, cc, 0.0, 1.0, ts)
+        return sum((math.log(host.rate(1) / host.rate(n)) - math.log(slow[n])) ** 2 for n in ns)
+
+    bgs = [float(background)] if background is not None else list(np.linspace(0.0, cores - 0.1, 40))
+    ccs = list(np.linspace(1.0, 3.0, 81))
+    tss = list(np.linspace(1.0, 2.0, 41)) if max(ns) > cores else [1.0]
+    best = min(((b, c, t) for b in bgs for c in ccs for t in tss), key=lambda x: loss(*x))
+    return tuple(float(v) for v in best)
+
+
 def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = None, model: str = "gpt-tiny",
                    measured_background: Optional[float] = None) -> tuple[dict, dict]:
     """Cost parameters from micro-benchmark results (`run_microbench`'s `extra` of every rank).
@@ -355,8 +421,6 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     measured_background: the cores the host's other users took while the benchmarks ran (the
     session's CPU meter); without it, the background is fitted to the sharing benchmark.
     Returns (profile sections {costs, device, node}, a report of each fit with its residuals)."""
-    import numpy as np
-
     R = merge_results(extras)
     need = ("ops", "gemm", "elementwise", "collectives", "blocks", "sharing")
     missing = [k for k in need if not R.get(k)]
@@ -430,28 +494,18 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     report["op_s"], report["instr_s"], report["bwd_s"] = op_s, instr_s, bwd_s
 
     # cores shared: n ranks running the same one-rank step at once take longer than one alone by
-    # what the host model's rate says: their share of the cores, and each core slower while the
-    # others are busy too (compute_contention)
+    # what the host model's rate says (`simexec.sim.host`): their share of the cores, each core slower
+    # while the others are busy too (compute_contention), and slower again while it alternates
+    # between ranks (timeslice_contention: 3 and 4 ranks on 2 cores against 2)
     share = sharing_steps(R["sharing"])
     t1 = summed_mean(share[1]) if 1 in share else None
     background = float(measured_background) if measured_background is not None else 0.0
-    contention = 1.0
+    contention, timeslicing = 1.0, 1.0
     if t1:
-        ns = sorted(share)
-        slow = {n: summed_mean(share[n]) / t1 for n in ns}
-
-        def speed(n: int, bg: float, cc: float) -> float:
-            r_ = min(1.0, max(0.05, cores - bg) / n)
-            busy = min(float(cores), n + bg)
-            return r_ / (1.0 + (cc - 1.0) * (busy - 1.0) / (cores - 1.0)) if cores > 1 else r_
-
-        def loss(bg: float, cc: float) -> float:
-            return sum((math.log(speed(1, bg, cc) / speed(n, bg, cc)) - math.log(slow[n])) ** 2 for n in ns)
-
-        bgs = [background] if measured_background is not None else list(np.linspace(0.0, cores - 0.1, 40))
-        ccs = list(np.linspace(1.0, 3.0, 81))
-        background, contention = (float(v) for v in min(((b, c) for b in bgs for c in ccs), key=lambda bc: loss(*bc)))
-        report["sharing"] = {"slowdown": slow, "background": background, "contention": contention}
+        slow = {n: summed_mean(share[n]) / t1 for n in sorted(share)}
+        background, contention, timeslicing = fit_sharing(slow, cores, measured_background)
+        report["sharing"] = {"slowdown": slow, "background": background, "contention": contention,
+                             "timeslicing": timeslicing}
 
     # the scheduler's slice and the hop latency, from the ping-pong; then the collectives
     if measured_background is not None:
@@ -474,7 +528,8 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         report["comm_cpu"] = comm_cpu
         if comm_cpu["intra_bw"]:
             fixed["intra_bw"] = comm_cpu["intra_bw"]
-    comm_base = apply_profile(base, {"costs": {"compute_contention": contention, "comm_cpu_s": comm_cpu_s}})
+    comm_base = apply_profile(base, {"costs": {"compute_contention": contention, "timeslice_contention": timeslicing,
+                                               "comm_cpu_s": comm_cpu_s}})
     comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], comm_base,
                     background=background, cores=cores, fixed=fixed, loops=loops, gemm_s=gemm_s)
     slice_s = comm["slice"]
@@ -487,6 +542,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "cores_shared": True, "gemm_eff": 1.0, "gemm_half_flops": half, "attention_eff": att_eff,
         "attention_half_flops": att_half, "memory_eff": 1.0, "intra_bw_eff": 1.0, "host_link_eff": 1.0,
         "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
+        "timeslice_contention": timeslicing,
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
         "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "background_load": background,
         "elementwise_cost": elementwise, "nograd_fwd_ratio": nograd,
@@ -730,37 +786,61 @@ def calibrate_from_microbench(cluster: Union[str, ClusterSpec] = "local", ranks:
 
     session: a `simexec.calibrate_runs.Session` to reuse (else one is started and stopped here).
     raw_path: also save the raw timings (JSON) there. Returns the profile."""
-    import functools
-
     from simexec.calibrate_runs import Session
-    from simexec.exec.microbench import BenchConfig, run_microbench
 
-    base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
-    if not base.sized_to_plan:
-        raise CalibrationError(f"cluster {base.name}: micro-benchmarks run on this machine's CPU ranks; "
-                               "use the `local` cluster (or a file based on it)")
-    if not isinstance(ranks, int) or ranks < 2:
-        raise CalibrationError(f"ranks must be an integer >= 2 (groups of 2 and of all ranks), got {ranks!r}")
-    cfg = BenchConfig.quick(model) if quick else BenchConfig(model=model)
-    runner = functools.partial(run_microbench, config=cfg)
+    base = _microbench_cluster(cluster, ranks)
     t0 = time.perf_counter()
     own = session is None
     sess = session or Session()
     if own:
         sess.__enter__()
     try:
-        m = sess.execute(model, f"dp={ranks},gbs={ranks},dtype=fp32", steps=1, runner=runner, timeout_s=600.0)
+        raw = measure_microbench(sess, ranks, model=model, quick=quick)
     finally:
         if own:
             sess.__exit__(None, None, None)
-    extras = m.result.extra
+    return microbench_profile([raw], base, out_path, name=name, model=model, quick=quick, raw_path=raw_path,
+                              wall_s=time.perf_counter() - t0)
+
+
+def _microbench_cluster(cluster: Union[str, ClusterSpec], ranks: int) -> ClusterSpec:
+    base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    if not base.sized_to_plan:
+        raise CalibrationError(f"cluster {base.name}: micro-benchmarks run on this machine's CPU ranks; "
+                               "use the `local` cluster (or a file based on it)")
+    if not isinstance(ranks, int) or ranks < 2:
+        raise CalibrationError(f"ranks must be an integer >= 2 (groups of 2 and of all ranks), got {ranks!r}")
+    return base
+
+
+def measure_microbench(session, ranks: int = 4, *, model: str = "gpt-tiny", quick: bool = False) -> dict:
+    """One run of the micro-benchmarks on the session's `ranks` rank actors: the raw timings of every
+    rank and the host's background load meanwhile (`{"extras", "background"}`)."""
+    import functools
+
+    from simexec.exec.microbench import BenchConfig, run_microbench
+
+    cfg = BenchConfig.quick(model) if quick else BenchConfig(model=model)
+    runner = functools.partial(run_microbench, config=cfg)
+    m = session.execute(model, f"dp={ranks},gbs={ranks},dtype=fp32", steps=1, runner=runner, timeout_s=600.0)
+    return {"extras": {str(k): v for k, v in m.result.extra.items()}, "background": m.background}
+
+
+def microbench_profile(raws: Sequence[dict], cluster: Union[str, ClusterSpec] = "local",
+                       out_path: Optional[PathLike] = None, *, name: Optional[str] = None, model: str = "gpt-tiny",
+                       quick: bool = False, raw_path: Optional[PathLike] = None, wall_s: float = 0.0) -> dict:
+    """The profile fitted to one or more runs of the micro-benchmarks (`measure_microbench`, pooled by
+    `pool_microbench`); the pooled timings saved at raw_path, the profile at out_path."""
+    raw = pool_microbench(raws)
+    ranks = len(raw["extras"])
+    base = _microbench_cluster(cluster, ranks)
     if raw_path:
-        save_json_plain({"extras": {str(k): v for k, v in extras.items()}, "background": m.background}, raw_path)
-    sections, report = fit_microbench(extras, base, model=model, measured_background=m.background)
+        save_json_plain(raw, raw_path)
+    sections, report = fit_microbench(raw["extras"], base, model=model, measured_background=raw["background"])
     prof = make_profile(name or f"{socket.gethostname()}-microbench", "microbench", sections["costs"],
                         sections["device"], sections["node"],
-                        fit={"ranks": ranks, "quick": quick, "wall_s": time.perf_counter() - t0,
-                             "background_sampled": m.background, "report": _jsonable(report)})
+                        fit={"ranks": ranks, "quick": quick, "runs": len(raws), "wall_s": wall_s,
+                             "background_sampled": raw["background"], "report": _jsonable(report)})
     if out_path:
         save_profile(prof, out_path)
     return prof
@@ -784,7 +864,7 @@ def _jsonable(x):
 
 # --- trace fit -------------------------------------------------------------------------------------
 TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_latency", "hop_latency", "intra_bw",
-                "slice", "contention", "idle_wake")
+                "slice", "contention", "timeslicing", "idle_wake")
 # An accelerator's traces: no core sharing to fit, and memory-bound kernels run at the device's own
 # bandwidth (on CPU ranks the per-block element-wise costs of the micro-benchmarks stand for it). The
 # GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:

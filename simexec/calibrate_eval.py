@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from simexec.calibrate import (
-    CalibrationError, _Case, _case, _jsonable, calibrate_from_microbench, fit_traces, make_profile, now_iso,
-    predict_case, profiled_cluster, save_profile, steady_step,
+    CalibrationError, _Case, _case, _jsonable, fit_traces, make_profile, measure_microbench, microbench_profile,
+    now_iso, predict_case, profiled_cluster, save_profile, steady_step,
 )
 from simexec.cluster import ClusterSpec, get_cluster
 
@@ -120,8 +120,10 @@ class Run:
 
 
 def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 1, steps: int = STEPS,
-            tick: Optional[Callable[[str], None]] = None) -> list[Run]:
-    """Execute every plan `rounds` times (round by round), saving each trace under out_dir."""
+            tick: Optional[Callable[[str], None]] = None,
+            between_rounds: Optional[Callable[[int], None]] = None) -> list[Run]:
+    """Execute every plan `rounds` times (round by round), saving each trace under out_dir;
+    `between_rounds(r)` runs after every round r but the last."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     warm_up(session, specs, tick)
@@ -138,6 +140,8 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
                             m.background))
             if tick is not None:
                 tick(f"{s.name} {m.result.step_time_s * 1e3:.0f} ms")
+        if between_rounds is not None and r < rounds - 1:
+            between_rounds(r)
     return runs
 
 
@@ -309,15 +313,21 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
     sess = session or Session()
     if own:
         sess.__enter__()
+    raws = []
+
+    def bench(_round: Optional[int] = None) -> None:
+        tick(f"micro-benchmarks ({len(raws) + 1} of {rounds})")
+        raws.append(measure_microbench(sess, 4, quick=quick_bench))
+
     try:
-        tick("micro-benchmarks")
-        prof_mb = calibrate_from_microbench(cluster, 4, out_dir / "profiles" / f"{name}-microbench.json",
-                                            name=f"{name}-microbench", quick=quick_bench, session=sess,
-                                            raw_path=out_dir / "microbench.json.gz")
-        runs = measure(sess, ok, out_dir / "traces", rounds=rounds, steps=steps, tick=tick)
+        bench()  # and again between rounds: the host's speed drifts over minutes, and so do the plans'
+        runs = measure(sess, ok, out_dir / "traces", rounds=rounds, steps=steps, tick=tick, between_rounds=bench)
     finally:
         if own:
             sess.__exit__(None, None, None)
+    prof_mb = microbench_profile(raws, cluster, out_dir / "profiles" / f"{name}-microbench.json",
+                                 name=f"{name}-microbench", quick=quick_bench, raw_path=out_dir / "microbench.json.gz",
+                                 wall_s=time.perf_counter() - t0)
     return fit_and_evaluate(out_dir, runs, prof_mb, rounds=rounds, steps=steps, skipped=skipped, max_nfev=max_nfev,
                             name=name, tick=tick, timing={"measure_s": time.perf_counter() - t0, "t0": t0},
                             cluster=cluster)

@@ -10,8 +10,6 @@ host took meanwhile, which slows CPU ranks down and which the cost model takes a
 from __future__ import annotations
 
 import os
-import statistics
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional

@@ -109,6 +109,9 @@ class CostParams(_Spec):
         "sharing", description="CPU ranks: how the cores are shared (simexec.sim.host): `sharing`, a mean-field "
         "processor sharing; `slices`, threads run whole slices of `sched_slice_s` in turn, as the OS does")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
+    timeslice_contention: float = Field(
+        1.0, ge=1.0, description="CPU ranks: slowdown of a core that alternates between threads (twice as many "
+        "runnable as cores): context switches, and each thread's caches refilled when it is switched back in")
     idle_wake_s: float = Field(
         0.0, ge=0, description="CPU ranks: waking a thread on a core idle past the hypervisor's poll window "
         "(a halted vCPU the host must run again); 0 = bare metal")

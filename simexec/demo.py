@@ -18,7 +18,7 @@ import json
 import shutil
 import time
 from pathlib import Path
-from typing import Optional, Union
+from typing import Union
 
 from simexec.errors import SimexecError
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, fields
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 from simexec.errors import SimexecError
 

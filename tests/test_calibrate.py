@@ -279,6 +279,59 @@ def test_a_woken_thread_queues_behind_threads_within_their_slice_and_preempts_on
     assert late_comm.value == pytest.approx(0.1, abs=20e-6) and late_main.value == pytest.approx(0.1, abs=20e-6)
 
 
+def test_a_core_that_alternates_between_threads_runs_slower_and_the_sharing_fit_measures_it():
+    """Two cores: two threads run each on its own core at 1/contention; three or four alternate on
+    them and pay the time-slicing slowdown too (half of it at three: one core of two alternates).
+    The sharing benchmark's slowdowns give both factors back."""
+    import simpy
+
+    from simexec.calibrate import fit_sharing
+    from simexec.sim.host import Cores
+
+    def finish(n: int) -> float:
+        env = simpy.Environment()
+        cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, contention=1.2, timeslicing=1.3)
+        for k in range(n):
+            cores.run(k, 1.0)
+        env.run()
+        return env.now
+
+    assert finish(1) == pytest.approx(1.0)
+    assert finish(2) == pytest.approx(1.2)
+    assert finish(3) == pytest.approx(1.5 * 1.2 * 1.15)
+    assert finish(4) == pytest.approx(2.0 * 1.2 * 1.3)
+    slow = {n: finish(n) for n in (1, 2, 3, 4)}
+    bg, cc, ts = fit_sharing(slow, 2, 0.0)
+    assert (bg, cc, ts) == (0.0, pytest.approx(1.2), pytest.approx(1.3))
+    _, cc2, ts2 = fit_sharing({1: 1.0, 2: 1.2}, 2, 0.0)  # no more ranks than cores: nothing to see
+    assert cc2 == pytest.approx(1.2) and ts2 == 1.0
+
+
+def test_micro_benchmark_runs_pool_into_one_set_of_timings():
+    """Runs of the micro-benchmarks spread over a session pool: each benchmark's timings (and CPU
+    times) from every run together, the one-rank step's instructions by name, each run's sharing
+    rounds apart; the pooled set fits like one run."""
+    from simexec.calibrate import merge_results, pool_microbench
+
+    def raw(t: float, bg: float) -> dict:
+        return {"background": bg, "extras": {
+            "0": {"results": {
+                "gemm": [{"m": 64, "k": 64, "n": 64, "flops": 1.0, "bytes": 2.0, "t": [t, t]}],
+                "collectives": [{"verb": "allreduce", "group": [0, 1], "n": 2, "bytes": 256.0, "t": [t], "cpu": [t / 2]}],
+                "blocks": [{"mbs": 1, "records": [{"name": "fwd.qkv.L0.m0", "t": [t]}]}],
+                "sharing": [{"active": 1, "round": 0, "steps": [t], "spans": [[0.0, t]]}]}},
+            "1": {"results": {"sharing": [{"active": 2, "round": 1, "steps": [t], "spans": [[0.0, t]]}]}}}}
+
+    pooled = pool_microbench([raw(1.0, 0.0), raw(2.0, 0.2)])
+    R = merge_results(pooled["extras"])
+    assert [r["t"] for r in R["gemm"]] == [[1.0, 1.0, 2.0, 2.0]]
+    assert [(r["t"], r["cpu"]) for r in R["collectives"]] == [([1.0, 2.0], [0.5, 1.0])]
+    assert R["blocks"][0]["records"][0]["t"] == [1.0, 2.0]
+    assert sorted((r["active"], r["round"]) for r in R["sharing"]) == [(1, 0), (1, 1000), (2, 1), (2, 1001)]
+    assert pooled["background"] == pytest.approx(0.1) and pooled["runs"] == 2
+    assert pool_microbench([raw(1.0, 0.0)]) == raw(1.0, 0.0)
+
+
 def _sliced_run(jobs: dict, cores: int = 2, slice_s: float = 1.5e-3, **kw) -> dict:
     """Each key runs its list of CPU times one after another on `SlicedCores`: (first ran, ended) per job."""
     import simpy

@@ -1247,7 +1247,6 @@ class _Rank:
         x = x.detach()
         shape = x.shape
         flat_extras = [e.reshape(-1) for _, e in extras]
-        n_extra = sum(e.numel() for e in flat_extras)
 
         if verb == "allreduce":
             buf = torch.cat([x.reshape(-1)] + flat_extras) if extras else x.clone()

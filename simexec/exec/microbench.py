@@ -181,7 +181,6 @@ class _Bench:
     def _coll(self, verb: str, group: tuple[int, ...], nbytes: int):
         pg = self.groups[group]
         n = len(group)
-        i = group.index(self.rank)
         el = max(n, nbytes // 4 // n * n)
         if verb == "allreduce":
             x = torch.zeros(el)

@@ -32,7 +32,9 @@ spinning); communication threads run a short burst per step of a collective. Run
 share the cores the host's other users leave them (`C - background_load`, the cores' worth of CPU
 other processes took while the profile's runs were measured) as processor sharing, at most one core
 each; a core runs slower while the others are busy too (`compute_contention` when all C are: vCPUs
-that are hyperthreads of one physical core, shared caches and memory bandwidth). A thread that wakes
+that are hyperthreads of one physical core, shared caches and memory bandwidth), and slower again
+while it alternates between threads (`timeslice_contention` once twice as many are runnable as there
+are cores: each switch, and each thread's caches refilled when it comes back). A thread that wakes
 (a rank's main thread from a wait, or a communication thread for its next burst) does not run at
 once when the running threads already fill the cores: Linux's scheduler (EEVDF) lets a running
 thread finish its slice, so the woken one waits until threads ahead of it have run out their
@@ -499,13 +501,14 @@ class _HostCores:
     busy sibling cores and the wake-up of an idle (halted) vCPU."""
 
     def __init__(self, env, cores: int, slice_s: float, background: float, contention: float,
-                 idle_wake_s: float, idle_poll_s: float):
+                 idle_wake_s: float, idle_poll_s: float, timeslicing: float = 1.0):
         self.env = env
         self.cores = max(1, int(cores))
         self.slice = max(0.0, float(slice_s))
         self.background = max(0.0, float(background))
         self.capacity = max(0.05, self.cores - self.background)
         self.contention = max(1.0, float(contention))
+        self.timeslicing = max(1.0, float(timeslicing))
         self.idle_wake = max(0.0, float(idle_wake_s))
         self.idle_poll = max(1e-9, float(idle_poll_s))
         self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
@@ -537,15 +540,21 @@ class _HostCores:
         t = Timeout(self.env, dt)
         t.callbacks.append(lambda _ev: self._tick(ver))
 
-    def rate(self, n: float) -> float:
+    def rate(self, n: float, runnable: Optional[float] = None) -> float:
         """Each of n running threads' speed: its share of the cores the ranks get, times the slowdown
-        of a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches)."""
+        of a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches),
+        times that of a core that alternates between threads (`timeslicing` once there are twice as
+        many `runnable` threads, running or queued, as cores: each thread in turn switched in and its
+        caches refilled; in proportion to the cores that alternate below that)."""
         if n <= 0:
             return 1.0
         share = min(1.0, self.capacity / n)
         busy = min(float(self.cores), n + self.background)
         if self.cores > 1 and self.contention > 1.0:
             share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
+        if self.timeslicing > 1.0:
+            alternating = min(1.0, max(0.0, (n if runnable is None else runnable) - self.capacity) / self.capacity)
+            share /= 1.0 + (self.timeslicing - 1.0) * alternating
         return share
 
 
@@ -570,13 +579,14 @@ class Cores(_HostCores):
         c = cluster.costs
         if c.cpu_scheduler == "slices" and not any(k > 1 for k in (weights or {}).values()):
             return SlicedCores(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load,
-                               c.compute_contention, c.idle_wake_s, c.idle_poll_s)
+                               c.compute_contention, c.idle_wake_s, c.idle_poll_s, c.timeslice_contention)
         return cls(env, cluster.node.cpu_cores, c.sched_slice_s, c.background_load, weights or {},
-                   c.compute_contention, c.idle_wake_s, c.idle_poll_s)
+                   c.compute_contention, c.idle_wake_s, c.idle_poll_s, c.timeslice_contention)
 
     def __init__(self, env, cores: int, slice_s: float, background: float, weights: dict[int, int],
-                 contention: float = 1.0, idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
-        super().__init__(env, cores, slice_s, background, contention, idle_wake_s, idle_poll_s)
+                 contention: float = 1.0, idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6,
+                 timeslicing: float = 1.0):
+        super().__init__(env, cores, slice_s, background, contention, idle_wake_s, idle_poll_s, timeslicing)
         self.weights = weights
         self.n = 0  # threads running (copies counted)
         self.awake: dict = {}  # key -> when its thread last woke (its slice runs from then)
@@ -678,8 +688,9 @@ class SlicedCores(_HostCores):
     """
 
     def __init__(self, env, cores: int, slice_s: float, background: float, contention: float = 1.0,
-                 idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6):
-        super().__init__(env, cores, max(50e-6, float(slice_s)), background, contention, idle_wake_s, idle_poll_s)
+                 idle_wake_s: float = 0.0, idle_poll_s: float = 200e-6, timeslicing: float = 1.0):
+        super().__init__(env, cores, max(50e-6, float(slice_s)), background, contention, idle_wake_s, idle_poll_s,
+                         timeslicing)
         self.free = self.cores  # cores nobody holds (not running, not waking, not kept for a hand-off)
         self.active: list[_Thread] = []
         self.main_q: list[_Thread] = []
@@ -712,13 +723,13 @@ class SlicedCores(_HostCores):
             self.main_q.insert(0, victim)
             self._start(th, self.env.now)
         else:
-            (self.comm_q if th.comm else self.main_q).append(th)
             self._advance()
+            (self.comm_q if th.comm else self.main_q).append(th)
             self._schedule()  # the running threads' slices now end
         return done
 
     def _rate(self) -> float:
-        return self.rate(len(self.active))
+        return self.rate(len(self.active), len(self.active) + len(self.main_q) + len(self.comm_q))
 
     def _start(self, th: _Thread, since: float) -> None:
         if not th.comm and self.comm_q:  # a burst queued while this core was waking: it goes first

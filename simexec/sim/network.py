@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from typing import Callable, Iterable, Optional
+from typing import Callable, Iterable
 
 from simpy.events import Timeout
 

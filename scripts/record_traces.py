@@ -6,8 +6,8 @@
 Runs what `scripts/validate_calibration.py` runs (the micro-benchmarks, then every plan of the
 matrix in one Ray session, then the trace fit on the calibration plans) and keeps its products:
 
-    traces/local/<plan>.json.gz        measured traces (gzip Chrome JSON, the last measured step)
-    traces/local/microbench.json.gz    the raw micro-benchmark timings
+    traces/local/<plan>.json.gz        measured traces (gzip Chrome JSON, the steady step nearest their median)
+    traces/local/microbench.json.gz    the raw micro-benchmark timings (every run of them, pooled)
     traces/local/manifest.json         plans, roles, measured step times, background load, machine
     traces/profiles/<name>-microbench.json, traces/profiles/<name>-traces.json
 

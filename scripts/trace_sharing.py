@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""How much slower a rank's compute runs when ranks share the cores, read from recorded traces.
+
+    python scripts/trace_sharing.py [traces/local] [--versus dp1]
+
+For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it), over its
+rounds (medians): the traced step's span, the summed forward and backward compute per micro-batch
+and rank against the `--versus` plan's, how many ranks were computing on average while any was
+(a sweep over the compute events of every rank), and the slowdown per core's worth: the compute
+ratio divided by the share of a core each computing rank had, max(1, computing / cores). Plans
+whose ranks hold the same layers as the reference (data parallelism, ZeRO) compare directly; the
+others hold fewer layers or shards of them, and their ratio says so.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import gzip
+import json
+import statistics
+import sys
+from pathlib import Path
+
+
+def plan_sharing(trace: dict) -> dict:
+    """Span, compute per (rank, micro-batch), and mean ranks computing, of one trace."""
+    ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
+    comp = [e for e in ev if e["args"].get("kind") == "compute" and e["args"].get("phase") in ("fwd", "bwd")]
+    span = max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)
+    edges = sorted([(e["ts"], 1) for e in comp] + [(e["ts"] + e["dur"], -1) for e in comp])
+    level, last, time_at = 0, edges[0][0], collections.Counter()
+    for x, step in edges:
+        time_at[level] += x - last
+        level, last = level + step, x
+    busy = sum(t for k, t in time_at.items() if k > 0)
+    units = len({(e["pid"], e["args"]["mb"]) for e in comp})
+    return {"ranks": len({e["pid"] for e in ev}), "span_ms": span / 1e3,
+            "compute_ms": sum(e["dur"] for e in comp) / units / 1e3,
+            "computing": sum(k * t for k, t in time_at.items()) / busy}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("recording", nargs="?", default="traces/local")
+    ap.add_argument("--versus", default="dp1", help="the plan whose compute per micro-batch is 1")
+    ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
+    args = ap.parse_args(argv)
+    root = Path(args.recording)
+    try:
+        manifest = json.loads((root / "manifest.json").read_text())
+    except (OSError, ValueError) as exc:
+        print(f"trace_sharing: error: {root / 'manifest.json'}: {exc}", file=sys.stderr)
+        return 2
+    by_plan: dict[str, list[dict]] = collections.defaultdict(list)
+    cores = args.cores
+    for run in manifest["runs"]:
+        with gzip.open(root / run["file"], "rt") as fh:
+            trace = json.load(fh)
+        if cores is None:
+            cores = int(((trace["metadata"].get("cluster_spec") or {}).get("node") or {}).get("cpu_cores") or 2)
+        by_plan[run["name"]].append(plan_sharing(trace))
+    if args.versus not in by_plan:
+        print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
+        return 2
+    ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
+    print(f"{'plan':16} {'ranks':>5} {'span ms':>8} {'compute/mb':>10} {'x ' + args.versus:>8} {'computing':>9} "
+          f"{'per core':>8}")
+    for name, rs in by_plan.items():
+        med = {k: statistics.median(r[k] for r in rs) for k in ("span_ms", "compute_ms", "computing")}
+        ratio = med["compute_ms"] / ref
+        print(f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
+              f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -399,13 +399,13 @@ def fit_sharing(slow: dict[int, float], cores: int, background: Optional[float] 
     some n exceeds the cores."""
     import numpy as np
 
-    from simexec.sim.host import _HostCores
+    from simexec.sim.host import thread_rate
 
     ns = sorted(slow)
 
     def loss(bg: float, cc: float, ts: float) -> float:
-        host = _HostCores(None, cores, 0.0, bg, cc, 0.0, 1.0, ts)
-        return sum((math.log(host.rate(1) / host.rate(n)) - math.log(slow[n])) ** 2 for n in ns)
+        one = thread_rate(1, cores, bg, cc, ts)
+        return sum((math.log(one / thread_rate(n, cores, bg, cc, ts)) - math.log(slow[n])) ** 2 for n in ns)
 
     bgs = [float(background)] if background is not None else list(np.linspace(0.0, cores - 0.1, 40))
     ccs = list(np.linspace(1.0, 3.0, 81))

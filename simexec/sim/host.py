@@ -541,21 +541,28 @@ class _HostCores:
         t.callbacks.append(lambda _ev: self._tick(ver))
 
     def rate(self, n: float, runnable: Optional[float] = None) -> float:
-        """Each of n running threads' speed: its share of the cores the ranks get, times the slowdown
-        of a core whose siblings are busy too (`contention` when all C run: hyperthreads, shared caches),
-        times that of a core that alternates between threads (`timeslicing` once there are twice as
-        many `runnable` threads, running or queued, as cores: each thread in turn switched in and its
-        caches refilled; in proportion to the cores that alternate below that)."""
-        if n <= 0:
-            return 1.0
-        share = min(1.0, self.capacity / n)
-        busy = min(float(self.cores), n + self.background)
-        if self.cores > 1 and self.contention > 1.0:
-            share /= 1.0 + (self.contention - 1.0) * (busy - 1.0) / (self.cores - 1.0)
-        if self.timeslicing > 1.0:
-            alternating = min(1.0, max(0.0, (n if runnable is None else runnable) - self.capacity) / self.capacity)
-            share /= 1.0 + (self.timeslicing - 1.0) * alternating
-        return share
+        return thread_rate(n, self.cores, self.background, self.contention, self.timeslicing, runnable)
+
+
+def thread_rate(n: float, cores: int, background: float = 0.0, contention: float = 1.0, timeslicing: float = 1.0,
+                runnable: Optional[float] = None) -> float:
+    """Each of n running threads' speed on `cores` cores of which the host's other users take
+    `background`: its share of the cores left, times the slowdown of a core whose siblings are busy
+    too (`contention` when all run: hyperthreads, shared caches), times that of a core that
+    alternates between threads (`timeslicing` once there are twice as many `runnable` threads,
+    running or queued, as cores: each thread in turn switched in and its caches refilled; in
+    proportion to the cores that alternate below that)."""
+    if n <= 0:
+        return 1.0
+    capacity = max(0.05, cores - background)
+    share = min(1.0, capacity / n)
+    busy = min(float(cores), n + background)
+    if cores > 1 and contention > 1.0:
+        share /= 1.0 + (contention - 1.0) * (busy - 1.0) / (cores - 1.0)
+    if timeslicing > 1.0:
+        alternating = min(1.0, max(0.0, (n if runnable is None else runnable) - capacity) / capacity)
+        share /= 1.0 + (timeslicing - 1.0) * alternating
+    return share
 
 
 class Cores(_HostCores):

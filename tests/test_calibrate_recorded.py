@@ -145,3 +145,25 @@ def test_time_split_sums_compute_and_communication_of_matching_events():
         assert (parts["comm"][0] > 0) == has_comm
         if not has_comm:
             assert parts["compute"][1] == pytest.approx(parts["compute"][0], rel=0.1)
+
+
+def test_trace_sharing_counts_the_ranks_computing_at_once():
+    """scripts/trace_sharing.py: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
+    a time on average over the 1.5 ms that either does; on the recording, one rank alone computes one
+    at a time and the four ranks of `dp=4` more than two."""
+    import gzip
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import trace_sharing
+
+    def ev(pid: int, ts: float, dur: float) -> dict:
+        return {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "args": {"kind": "compute", "phase": "fwd", "mb": 0}}
+
+    got = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
+    assert got["computing"] == pytest.approx(2000.0 / 1500.0) and got["ranks"] == 2
+    assert got["compute_ms"] == pytest.approx(1.0) and got["span_ms"] == pytest.approx(1.5)
+    for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
+        with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
+            computing = trace_sharing.plan_sharing(json.load(fh))["computing"]
+        assert lo - 1e-9 <= computing <= hi + 1e-9

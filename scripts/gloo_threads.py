@@ -10,7 +10,9 @@ each has ended (ms after the issue). If the group ran one collective at a time, 
 would end at 1x, 2x, 3x and 4x one alone; gloo's two worker threads per group
 (`ProcessGroupGloo`'s default) end them in pairs. The simulator's `costs.collective_threads`
 (docs/cluster.md) is that number. Also shows that a gloo reduce-scatter's work does not report
-completion before `wait()` (which copies its slice out).
+completion before `wait()` (which copies its slice out), and how long an all-reduce of the
+gathered size takes alone and beside an all-gather (ZeRO-3's backward: the executor's
+reduce-scatter of one layer's gradients beside the gather of the next layer's parameters).
 """
 from __future__ import annotations
 
@@ -37,10 +39,14 @@ def _worker(rank: int, world: int, port: int, numel: int, reps: int) -> None:
     def red():
         return rs(rs_out, rs_in, async_op=True)
 
+    def ar():  # the whole tensor: how the executor reduce-scatters on gloo (simexec.exec.interpreter)
+        return dist.all_reduce(rs_in, async_op=True)
+
     cases = [("1 all-gather", lambda: [ag()]), ("1 reduce-scatter", lambda: [red()]),
              ("4 all-gathers", lambda: [ag() for _ in range(4)]),
              ("reduce-scatter, 3 all-gathers", lambda: [red()] + [ag() for _ in range(3)]),
-             ("3 reduce-scatters", lambda: [red() for _ in range(3)])]
+             ("3 reduce-scatters", lambda: [red() for _ in range(3)]),
+             ("1 all-reduce", lambda: [ar()]), ("all-reduce, all-gather", lambda: [ar(), ag()])]
     for label, issue in cases:
         ends = []
         for _ in range(reps):

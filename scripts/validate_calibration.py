@@ -4,8 +4,9 @@
     python scripts/validate_calibration.py [--out DIR] [--rounds 3] [--markdown docs/calibration.md]
     python scripts/validate_calibration.py --refit DIR [--markdown docs/calibration.md]
 
-One Ray session runs everything: the micro-benchmarks (-> a micro-benchmark profile), then every
-plan of `simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times; the trace fit
+One Ray session runs everything: the micro-benchmarks, then every plan of
+`simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times, with the micro-benchmarks
+again between rounds (all their runs pooled -> a micro-benchmark profile); the trace fit
 (`scipy.optimize.least_squares`) on the calibration plans' traces (-> a trace profile). Every plan
 is then predicted with the `local` preset (before), the micro-benchmark profile and the trace
 profile; the held-out plans' step-time MAPE and the worst peak-memory error are the result. The

@@ -1,0 +1,77 @@
+#!/usr/bin/env python
+"""Do the micro-benchmarks and the plans see the same host? Run them side by side, alternating.
+
+    python scripts/bench_drift.py [--rounds 3]
+
+In one Ray session, each round runs the micro-benchmarks' one-rank step (`simexec.exec.microbench`:
+gpt-tiny at micro-batch 1, two micro-batches and the optimizer step, every instruction timed; the
+other benchmarks cut to a token size) and then the `dp=1` plan (global batch 8: eight
+micro-batches), and prints the benchmark's step (the median over its timed steps of the summed
+instruction times) against the plan's equivalent (its steady step less the optimizer step, per two
+micro-batches, plus the optimizer step). Apart, the two drift with the host (docs/calibration.md,
+"When they run"); side by side they should agree.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gzip
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+PLAN = "dp=1,gbs=8,dtype=fp32"
+
+
+def _bench_step(extra: dict) -> float:
+    from simexec.calibrate import merge_results
+
+    recs = merge_results({str(k): v for k, v in extra.items()})["blocks"][0]["records"]
+    return statistics.median(sum(r["t"][i] for r in recs) for i in range(len(recs[0]["t"])))
+
+
+def _plan_equivalent(result, tmp: Path) -> float:
+    """The plan's steady step as two micro-batches and one optimizer step (from its trace)."""
+    from simexec.calibrate import steady_step
+
+    step = steady_step(result.step_times_s, result.step_time_s)
+    path = tmp / "dp1.json.gz"
+    result.trace.save(path)
+    with gzip.open(path, "rt") as fh:
+        events = [e for e in json.load(fh)["traceEvents"] if e.get("ph") == "X"]
+    optim = sum(e["dur"] for e in events if e["args"].get("phase") == "optim") / 1e6
+    micro = len({e["args"]["mb"] for e in events if e["args"].get("mb", -1) >= 0})
+    return (step - optim) * 2 / micro + optim
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args(argv)
+    from simexec.calibrate_runs import Session
+    from simexec.exec.microbench import BenchConfig, run_microbench
+
+    cfg = BenchConfig(gemm=(), attention=(), elementwise=(), copy_bytes=(), collective_bytes=(256,),
+                      verbs=("allreduce",), p2p_bytes=(256,), block_models=(), block_mbs=(1,),
+                      interleave_gemms=(1,), interleave_bytes=(16384,), interleave_iters=4, pingpong_s=0.1,
+                      sharing_rounds=1)
+    runner = functools.partial(run_microbench, config=cfg)
+    t0 = time.perf_counter()
+    with Session() as sess, tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            bench = _bench_step(sess.execute("gpt-tiny", "dp=4,gbs=4,dtype=fp32", steps=1, runner=runner,
+                                             timeout_s=600.0).result.extra)
+            plan = _plan_equivalent(sess.execute("gpt-tiny", PLAN, steps=16).result, Path(tmp))
+            print(f"[{time.perf_counter() - t0:6.1f} s] round {r}: benchmark step {bench * 1e3:.2f} ms, "
+                  f"`{PLAN}` as the same work {plan * 1e3:.2f} ms, ratio {bench / plan:.3f}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

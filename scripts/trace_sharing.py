@@ -26,6 +26,8 @@ def plan_sharing(trace: dict) -> dict:
     """Span, compute per (rank, micro-batch), and mean ranks computing, of one trace."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     comp = [e for e in ev if e["args"].get("kind") == "compute" and e["args"].get("phase") in ("fwd", "bwd")]
+    if not comp:
+        raise ValueError("no forward or backward compute events")
     span = max(e["ts"] + e["dur"] for e in ev) - min(e["ts"] for e in ev)
     edges = sorted([(e["ts"], 1) for e in comp] + [(e["ts"] + e["dur"], -1) for e in comp])
     level, last, time_at = 0, edges[0][0], collections.Counter()
@@ -53,12 +55,18 @@ def main(argv=None) -> int:
         return 2
     by_plan: dict[str, list[dict]] = collections.defaultdict(list)
     cores = args.cores
-    for run in manifest["runs"]:
-        with gzip.open(root / run["file"], "rt") as fh:
-            trace = json.load(fh)
-        if cores is None:
-            cores = int(((trace["metadata"].get("cluster_spec") or {}).get("node") or {}).get("cpu_cores") or 2)
-        by_plan[run["name"]].append(plan_sharing(trace))
+    for run in manifest.get("runs", []):
+        path = root / str(run.get("file"))
+        try:
+            with gzip.open(path, "rt") as fh:
+                trace = json.load(fh)
+            if cores is None:
+                node = ((trace.get("metadata") or {}).get("cluster_spec") or {}).get("node") or {}
+                cores = int(node.get("cpu_cores") or 2)
+            by_plan[run["name"]].append(plan_sharing(trace))
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            print(f"trace_sharing: error: {path}: not a measured step trace ({exc})", file=sys.stderr)
+            return 2
     if args.versus not in by_plan:
         print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
         return 2

@@ -236,6 +236,7 @@ def pool_microbench(raws: Sequence[dict]) -> dict:
     if len(raws) == 1:
         return raws[0]
     extras: dict[str, dict] = {}
+    index: dict[tuple, dict] = {}  # (rank, kind, what a record measured) -> its pooled record
     for i, raw in enumerate(raws):
         for rank, ex in raw["extras"].items():
             out = extras.setdefault(str(rank), {**ex, "results": {}})["results"]
@@ -246,11 +247,11 @@ def pool_microbench(raws: Sequence[dict]) -> dict:
                         pooled.append({**rec, "round": 1000 * i + rec.get("round", 0)})
                         continue
                     nested = "records" if kind == "blocks" else None
-                    key = _identity({k: v for k, v in rec.items() if k != nested})
-                    same = next((p for p in pooled if _identity({k: v for k, v in p.items() if k != nested}) == key),
-                                None)
+                    key = (str(rank), kind, _identity({k: v for k, v in rec.items() if k != nested}))
+                    same = index.get(key)
                     if same is None:
-                        pooled.append(json.loads(json.dumps(rec)))
+                        same = index[key] = json.loads(json.dumps(rec))
+                        pooled.append(same)
                     elif nested:
                         by_name = {r["name"]: r for r in same[nested]}
                         for r in rec[nested]:

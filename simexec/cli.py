@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from typing import Callable, Optional
 
 from simexec.errors import SimexecError
@@ -277,7 +278,10 @@ def cmd_calibrate(args) -> int:
             raise _Err("calibrate traces needs at least one measured trace file")
         profile = calibrate_from_traces(args.traces, args.cluster, args.out, base_profile=args.base_profile)
     else:
-        profile = calibrate_from_microbench(args.cluster, args.ranks, args.out, progress=True)
+        t0 = time.perf_counter()
+        profile = calibrate_from_microbench(
+            args.cluster, args.ranks, args.out,
+            progress=lambda msg: print(f"[{time.perf_counter() - t0:6.1f} s] {msg}", file=sys.stderr, flush=True))
     print(f"wrote {args.out} ({profile.get('method', args.method)})")
     return 0
 

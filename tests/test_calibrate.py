@@ -521,6 +521,14 @@ def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():
     assert len(fit["rel_err"]) == 10
     assert fit_comm_cpu(colls[-1:], []) is None
 
+    # records scattered by factors of 2 either way about the truth: the fit finds the middle in ratio
+    # terms (a fit on relative errors, for which half counts -0.5 and twice +1, would run low)
+    scattered = [{**c, "cpu": [x * (2.0 if i % 2 else 0.5) for x in c["cpu"]]} for i, c in enumerate(colls[:8])]
+    fit = fit_comm_cpu(scattered, [])
+    assert fit["comm_cpu"] == pytest.approx(per_step, rel=0.25)
+    assert fit["intra_bw"] == pytest.approx(bw, rel=0.25)
+    assert sum(e < 0 for e in fit["rel_err"].values()) == 4
+
 
 def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     """With `comm_cpu_s` a ring step occupies every member's core that long: on two idle cores four

@@ -506,7 +506,7 @@ class _HostCores:
         self.cores = max(1, int(cores))
         self.slice = max(0.0, float(slice_s))
         self.background = max(0.0, float(background))
-        self.capacity = max(0.05, self.cores - self.background)
+        self.capacity = free_cores(self.cores, self.background)
         self.contention = max(1.0, float(contention))
         self.timeslicing = max(1.0, float(timeslicing))
         self.idle_wake = max(0.0, float(idle_wake_s))
@@ -544,6 +544,12 @@ class _HostCores:
         return thread_rate(n, self.cores, self.background, self.contention, self.timeslicing, runnable)
 
 
+def free_cores(cores: float, background: float) -> float:
+    """The cores' worth of CPU the ranks' threads share: what the host's other users leave (never
+    quite none, so that a host measured fully loaded still runs the ranks)."""
+    return max(0.05, cores - background)
+
+
 def thread_rate(n: float, cores: int, background: float = 0.0, contention: float = 1.0, timeslicing: float = 1.0,
                 runnable: Optional[float] = None) -> float:
     """Each of n running threads' speed on `cores` cores of which the host's other users take
@@ -554,7 +560,7 @@ def thread_rate(n: float, cores: int, background: float = 0.0, contention: float
     proportion to the cores that alternate below that)."""
     if n <= 0:
         return 1.0
-    capacity = max(0.05, cores - background)
+    capacity = free_cores(cores, background)
     share = min(1.0, capacity / n)
     busy = min(float(cores), n + background)
     if cores > 1 and contention > 1.0:

@@ -692,7 +692,7 @@ def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
     (`HostCosts.comm_steps`), `comm_cpu` seconds for the hand-offs between gloo's threads and the
     kernel plus the step's bytes at `intra_bw` bytes per second of a core. Least squares on the log
     means, started from the linear fit on relative errors: a relative error counts a time predicted
-    half as long as -0.5 and one predicted twice as long as +1, so that fit alone runs low (on 40 of
+    half as long as -0.5 and one predicted twice as long as +1, so that fit alone runs low (on 42 of
     the 55 records of the 2026-11-24 09:03 recording, a byte 1.7x too cheap). None without enough
     records."""
     import numpy as np

@@ -167,3 +167,29 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
             computing = trace_sharing.plan_sharing(json.load(fh))["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
+
+
+def test_collective_joins_times_a_collective_from_its_last_member_on():
+    """scripts/collective_joins.py: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
+    3.5 ms once the last had joined; on the recording, `dp=2`'s gradient all-reduce is found on both
+    ranks, positive, and the script's report names its micro-benchmark."""
+    import sys
+
+    from simexec.trace import Event, Trace
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import collective_joins
+
+    def ev(rank: int, start_ms: float, end_ms: float) -> Event:
+        return Event(id=f"{rank}:bwd.grads0", rank=rank, stream="comm.dp", name="bwd.grads0", kind="collective",
+                     op="allreduce@dp", start_us=start_ms * 1e3, dur_us=(end_ms - start_ms) * 1e3, bytes=4096.0)
+
+    got = collective_joins.joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
+    assert got == [("bwd.grads0", "allreduce", 4096, pytest.approx(3.5))]
+    trace = Trace.load(DIR / "dp2.r1.json.gz")
+    (name, verb, nbytes, ms), = collective_joins.joins(trace.events, "comm.dp", ("bwd.grads",))
+    assert verb == "allreduce" and nbytes > 0 and ms > 0
+    alone = collective_joins.bench_alone(DIR, "allreduce", 2, nbytes)
+    assert alone is not None and alone[0] > 0 and alone[2] == 1 << 20
+    assert collective_joins.main([str(DIR)]) == 0
+    assert collective_joins.main([str(DIR), "--stream", "comm.nowhere"]) == 2

@@ -70,6 +70,31 @@ def test_cores_are_shared_by_cpu_ranks():
     assert simulate("gpt-tiny", LOCAL, "dp=4,gbs=8,dtype=fp32", profile=busy, symmetric=False).step_time_s > 1.5 * t4
 
 
+def test_a_rank_pays_its_own_thread_for_issuing_a_gradient_bucket():
+    """The bucket's issue and its views (2 per parameter tensor at the launch overhead, plus the
+    interpreter's per-instruction Python) join the compute instruction that comes before it."""
+    from simexec.exec.model import param_specs
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+    from simexec.sim.engine import Engine
+    from simexec.sim.machine import Machine
+
+    cluster = profiled_cluster(LOCAL, TRUTH)
+    rp = resolve(get_model("gpt-tiny"), cluster, load_plan("dp=2,gbs=4,dtype=fp32"), None)
+    prog = lower(rp, symmetric=False)
+    eng = Engine(prog, Machine(cluster, prog, "fp32"))
+    instrs = prog.ranks[0]
+    k = next(i for i, ins in enumerate(instrs) if ins.block == "grads0")
+    before = max(i for i in range(k) if instrs[i].kind == "compute")
+    tensors = len(param_specs(get_model("gpt-tiny")))  # the bucket holds every parameter
+    issue = TRUTH["costs"]["instr_overhead_s"] + 2 * tensors * TRUTH["device"]["launch_overhead_s"]
+    assert eng.work[before] == pytest.approx(eng.host.cpu_seconds(instrs[before]) + issue)
+    # a message carries no parameters: the Python around it alone
+    pp = resolve(get_model("gpt-tiny"), cluster, load_plan("pp=2,gbs=4,dtype=fp32"), None)
+    send = next(i for i in lower(pp, symmetric=False).ranks[0] if i.kind == "send")
+    assert eng.host.issue_seconds(send) == TRUTH["costs"]["instr_overhead_s"]
+
+
 def test_the_local_preset_does_not_share_cores_until_calibrated():
     assert not LOCAL.costs.cores_shared
     assert profiled_cluster(LOCAL, TRUTH).costs.cores_shared

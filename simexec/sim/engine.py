@@ -131,6 +131,26 @@ class Engine:
             for k, ins in enumerate(self.instrs):
                 if self.kind[k] in (COMPUTE, HOST, COPY):
                     self.work[k] = self.host.cpu_seconds(ins)
+            self._charge_issues()
+
+    def _charge_issues(self) -> None:
+        """The rank's thread issues its collectives and messages between two compute instructions
+        (`HostCosts.issue_seconds`): each one's cost joins the compute instruction before it in
+        program order (the first compute after it, where none comes before)."""
+        owner, pending, rank = -1, 0.0, None
+        for k, ins in enumerate(self.instrs):
+            if ins.rank != rank:
+                owner, pending, rank = -1, 0.0, ins.rank
+            kd = self.kind[k]
+            if kd == COMPUTE:
+                owner = k
+                self.work[k] += pending
+                pending = 0.0
+            elif kd in (COLLECTIVE, SEND, RECV):
+                if owner >= 0:
+                    self.work[owner] += self.host.issue_seconds(ins)
+                else:
+                    pending += self.host.issue_seconds(ins)
 
     # --- preparation -----------------------------------------------------------------------------
 

@@ -26,6 +26,13 @@ tensor under 16-bit types (the gradient's fp32 copy, the rounded copy back into 
 tensors being the rank's parameters (ZeRO 0), its flat buckets (ZeRO 1-2) or its gathered units
 (ZeRO 3).
 
+A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
+the interpreter's Python around it, `instr_overhead_s`, and for one that carries parameter units
+(a gradient bucket, a ZeRO gather or shard) two tensor views per parameter tensor at
+`launch_overhead_s`, into the flat buffer and back out. The thread issues it between two compute
+instructions, so the engine adds it to the compute instruction before it in program order. For
+gpt-tiny's 69-tensor bucket that is about 0.8 ms of a 40-50 ms step.
+
 **How the cores are shared** (`Cores`), a mean-field model of the OS scheduler: each rank's main
 thread is one runnable thread while it computes, and none while it waits (gloo blocks without
 spinning); communication threads run a short burst per step of a collective. Runnable threads
@@ -68,6 +75,7 @@ ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded 
 ADAM_PIECE = {"cpu": 1 << 14, "accelerator": 1 << 24}
 ADAM_FLOPS_PER_PARAM = 12.0
 FLOP_BOUND = ("gemm", "attention")
+ISSUE_OPS_PER_TENSOR = 2  # a parameter unit's collective: the tensor's view into the flat buffer, and back
 
 
 def adam_ops(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool = False,
@@ -275,19 +283,25 @@ def optimizer_tensors(program: Program, rank: int, model) -> int:
         return len(buckets) + len(units)
     if model is None:
         return 1
-    embed, layer, head, expert = unit_tensors(model)
     blocks = {i.block for i in instrs if i.kind == "compute"}
     layers = {i.layer for i in instrs if i.kind == "compute" and 0 <= i.layer < model.layers}
-    n = (embed if "embed" in blocks else 0) + (head if "head" in blocks else 0)
+    units = layers | ({-1} if "embed" in blocks else set()) | ({model.layers} if "head" in blocks else set())
+    ep = _plan_ep(program) if getattr(model, "moe", None) is not None else 1
+    return max(1, sum(unit_tensor_count(model, u, ep) for u in units))
+
+
+def unit_tensor_count(model, unit: int, ep: int = 1, part: str = "all") -> int:
+    """Parameter tensors a rank holds of one unit (-1 the embedding, `model.layers` the head, else a
+    layer): its `part` "dense", "expert" (a MoE layer's routed experts, this rank's share of ep) or
+    "all"."""
+    embed, layer, head, expert = unit_tensors(model)
     moe = getattr(model, "moe", None)
-    ep = _plan_ep(program) if moe is not None else 1
-    for l in layers:
-        if moe is not None and model.is_moe_layer(l):
-            own = math.ceil(moe.experts / ep)
-            n += layer - expert + 1 + own * expert + moe.shared_experts * expert  # router + experts
-        else:
-            n += layer
-    return max(1, n)
+    if unit < 0 or unit >= model.layers or moe is None or not model.is_moe_layer(unit):
+        dense = embed if unit < 0 else head if unit >= model.layers else layer
+        return 0 if part == "expert" else dense
+    routed = math.ceil(moe.experts / ep) * expert
+    dense = layer - expert + 1 + moe.shared_experts * expert  # the router and the shared experts
+    return {"dense": dense, "expert": routed}.get(part, dense + routed)
 
 
 # --- what an instruction costs ------------------------------------------------------------------------
@@ -370,6 +384,20 @@ class HostCosts:
         t += self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))
         if self.nograd != 1.0 and ins.phase == "fwd" and ins.name in self.without_grad(ins.rank):
             t *= self.nograd
+        return t
+
+    def issue_seconds(self, ins: Instr) -> float:
+        """CPU-seconds the rank's own thread spends on a collective or message, apart from the
+        transfer: the interpreter's Python around it (`instr_overhead_s`) and, for one that carries
+        parameter units (gradient buckets, ZeRO gathers and shards), two tensor views per parameter
+        tensor at `launch_overhead_s` each: one to put the tensor into the flat buffer, one to take
+        the result out (`simexec.exec.interpreter`: `grads_bucket`, `z3_gather`, `z3_grads`)."""
+        t = self.instr_s
+        if ins.items and self.model is not None:
+            part = "expert" if ins.axis == "edp" else "dense"
+            ep = _plan_ep(self.program) if part == "expert" else 1
+            tensors = sum(unit_tensor_count(self.model, u, ep, part) for u in ins.items)
+            t += ISSUE_OPS_PER_TENSOR * tensors * self.op_s
         return t
 
     def without_grad(self, rank: int) -> frozenset:

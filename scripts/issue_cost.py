@@ -1,62 +1,118 @@
 #!/usr/bin/env python
-"""What a gradient bucket costs its rank's own thread inside a step, and the all-reduce after it.
+"""What a step's collectives cost their rank's own thread, beside the transfer, against the model.
 
     python scripts/issue_cost.py [--plan dp=2,gbs=8,dtype=fp32] [--model gpt-tiny] [--steps 24]
+                                 [--profile traces/profiles/local-microbench.json]
 
 Runs the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execute` does, with the
-interpreter's gradient-bucket call timed in three parts: from its start to the moment it calls
-`all_reduce` (the interpreter's Python: moving each gradient into the flat buffer, one view per
-parameter tensor), from then to the end of the wait, and from the last member's call to the end
-(the collective alone, the members' arrival spread taken out). Medians over the steps after the
-first four, per rank. The simulator charges the first part to the rank's thread
-(`simexec.sim.host.HostCosts.issue_seconds`) and the rest to the transfer.
+interpreter's collectives timed, per kind of collective (`block`, buckets and layers merged):
+- `before`: from the interpreter taking the instruction to its call into torch.distributed (moving
+  gradients into a flat buffer, allocating the output);
+- `after`: from that call's return until the interpreter goes on;
+- `finish`: the result put in place once the collective is waited on (views back into the
+  parameters or gradients);
+- `model`: what the simulator charges the rank's thread for it (`HostCosts.issue_seconds` under
+  `--profile`), to compare with before + after + finish.
+Medians over the steps after the first four, over ranks. For the gradient bucket of ZeRO-0 (waited
+at once), also the time from the call to the end of the wait and from the last member's call to the
+end: the collective alone, the members' arrival spread taken out.
 """
 from __future__ import annotations
 
 import argparse
+import collections
 import statistics
 import sys
 import time
 
+VERBS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+
+
+def kind_of(block: str) -> str:
+    return block.rstrip("0123456789")
+
 
 def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
-    """`simexec.exec.interpreter.run_rank`, with every gradient bucket timed (see the module doc)."""
+    """`simexec.exec.interpreter.run_rank`, with every collective's own Python timed."""
     import torch
     import torch.distributed as dist
 
     from simexec.exec import interpreter as interp
 
-    marks: dict[str, list[float]] = {"python": [], "wait": [], "after_last": []}
-    calls: list[float] = []
-    all_reduce = interp.TorchComm.all_reduce
-    grads_bucket = interp._Rank.grads_bucket
+    marks: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    calls: list[tuple[float, float]] = []
+    saved = {v: getattr(interp.TorchComm, v) for v in VERBS}
+    collective, inflight_init = interp._Rank.collective, interp._Inflight.__init__
 
-    def timed_all_reduce(*args, **kwargs):
-        calls.append(time.time())
-        return all_reduce(*args, **kwargs)
+    def timed_verb(fn):
+        def call(*args, **kwargs):
+            t = time.time()
+            out = fn(*args, **kwargs)
+            calls.append((t, time.time()))
+            return out
+        return staticmethod(call)
 
-    def timed_bucket(self, ins, verb, g):
+    def timed_collective(self, ins):
         calls.clear()
         t0 = time.time()
-        grads_bucket(self, ins, verb, g)
-        self.inflight[ins.name].wait()
+        collective(self, ins)
         t1 = time.time()
-        issued = calls[0] if calls else t0
-        last = torch.tensor([issued], dtype=torch.float64)
-        dist.all_reduce(last, op=dist.ReduceOp.MAX, group=g)
-        marks["python"].append(issued - t0)
-        marks["wait"].append(t1 - issued)
-        marks["after_last"].append(t1 - float(last))
+        if not calls or self.step_no < 4:
+            return
+        m = marks[kind_of(ins.block)]
+        m["before"].append(calls[0][0] - t0)
+        m["after"].append(t1 - calls[-1][1])
+        if ins.block.startswith("grads") and not ins.block.startswith("grads_rep") and ins.collective == "allreduce":
+            self.inflight[ins.name].wait()
+            t2 = time.time()
+            last = torch.tensor([calls[0][0]], dtype=torch.float64)
+            dist.all_reduce(last, op=dist.ReduceOp.MAX, group=self.group(ins))
+            m["call_to_end"].append(t2 - calls[0][0])
+            m["last_call_to_end"].append(t2 - float(last))
 
-    interp.TorchComm.all_reduce = staticmethod(timed_all_reduce)
-    interp._Rank.grads_bucket = timed_bucket
+    def timed_inflight(self, rank, ins, works, finish):
+        if finish is not None:
+            inner = finish
+
+            def finish():
+                t = time.time()
+                inner()
+                if rank.step_no >= 4:
+                    marks[kind_of(ins.block)]["finish"].append(time.time() - t)
+        inflight_init(self, rank, ins, works, finish)
+
+    for v in VERBS:
+        setattr(interp.TorchComm, v, timed_verb(saved[v]))
+    interp._Rank.collective = timed_collective
+    interp._Inflight.__init__ = timed_inflight
     try:
         out = interp.run_rank(rp, instrs, steps=steps, groups=groups, tracer=tracer, device=device, seed=seed)
     finally:
-        interp.TorchComm.all_reduce = staticmethod(all_reduce)
-        interp._Rank.grads_bucket = grads_bucket
-    out["extra"] = {k: statistics.median(v[4:] or v) * 1e3 if v else float("nan") for k, v in marks.items()}
+        for v in VERBS:
+            setattr(interp.TorchComm, v, staticmethod(saved[v]))
+        interp._Rank.collective, interp._Inflight.__init__ = collective, inflight_init
+    out["extra"] = {k: {part: list(v) for part, v in m.items()} for k, m in marks.items()}
     return out
+
+
+def model_prices(model: str, plan: str, profile: str) -> dict[str, float]:
+    """The simulator's charge to the rank's thread per kind of collective (median over rank 0's)."""
+    from simexec.cluster import get_cluster
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+    from simexec.sim.host import HostCosts
+    from simexec.sim.profile import apply_profile
+
+    cluster = apply_profile(get_cluster("local"), profile)
+    rp = resolve(get_model(model), cluster, load_plan(plan), None)
+    prog = lower(rp, symmetric=False)
+    hc = HostCosts(cluster, prog, rp.plan.dtype)
+    prices = collections.defaultdict(list)
+    for ins in prog.ranks[min(prog.ranks)]:
+        if ins.kind == "collective":
+            prices[kind_of(ins.block)].append(hc.issue_seconds(ins))
+    return {k: statistics.median(v) for k, v in prices.items()}
 
 
 def main(argv=None) -> int:
@@ -64,6 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", default="dp=2,gbs=8,dtype=fp32")
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--profile", default="traces/profiles/local-microbench.json")
     args = ap.parse_args(argv)
     if args.steps < 5:
         print(f"issue_cost: error: --steps must be at least 5 (the first four are warm-up), got {args.steps}",
@@ -73,15 +130,27 @@ def main(argv=None) -> int:
     from simexec.errors import SimexecError
 
     try:
+        prices = model_prices(args.model, args.plan, args.profile)
         with Session() as session:
             m = session.execute(args.model, args.plan, steps=args.steps, runner=runner, timeout_s=300.0)
     except SimexecError as exc:
         print(f"issue_cost: error: {exc}", file=sys.stderr)
         return 2
-    print(f"{args.model} {args.plan}: gradient bucket, medians in ms")
-    print("rank  python before the call  call to end of wait  last member's call to end")
-    for rank, ex in sorted(m.result.extra.items()):
-        print(f"{rank:>4}  {ex['python']:>22.2f}  {ex['wait']:>19.2f}  {ex['after_last']:>25.2f}")
+    pooled: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
+    for ex in m.result.extra.values():
+        for kind, parts in ex.items():
+            for part, v in parts.items():
+                pooled[kind][part].extend(v)
+
+    def ms(v):
+        return f"{statistics.median(v) * 1e3:.3f}" if v else "-"
+
+    print(f"{args.model} {args.plan}: medians in ms over ranks and steps 5-{args.steps}")
+    print(f"{'collective':<14}{'count':>6}{'before':>9}{'after':>9}{'finish':>9}{'model':>9}"
+          f"{'call to end':>13}{'last call to end':>18}")
+    for kind, p in sorted(pooled.items()):
+        print(f"{kind:<14}{len(p['before']):>6}{ms(p['before']):>9}{ms(p['after']):>9}{ms(p['finish']):>9}"
+              f"{prices.get(kind, float('nan')) * 1e3:>9.3f}{ms(p['call_to_end']):>13}{ms(p['last_call_to_end']):>18}")
     return 0
 
 

@@ -610,6 +610,23 @@ def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
     assert host_comm_time(c, "allgather", 4, 256) > root + hops
 
 
+def test_a_collective_keeps_two_steps_on_the_wire_as_gloo_does():
+    """gloo's rings send the next piece while the previous two are in flight (`gloo/allreduce.cc`,
+    `gloo/allgather.cc`): a step's latency overlaps the next step's CPU. A 4-rank all-gather (3
+    steps) with a core per member, each step 0.1 ms of CPU and 0.2 ms on the wire: the call, two
+    bursts back to back, the third once the first step's data is through, then its own wire."""
+    from simexec.calibrate import host_comm_time
+
+    call, burst, wire = 60e-6, 100e-6, 200e-6
+    costs = {**TRUTH["costs"], "comm_cpu_s": burst, "collective_latency_s": call, "sched_slice_s": 0.0,
+             "idle_wake_s": 0.0, "compute_contention": 1.0, "timeslice_contention": 1.0}
+    c = profiled_cluster(LOCAL, {**TRUTH, "costs": costs,
+                                 "node": {**TRUTH["node"], "cpu_cores": 4, "intra_latency_s": wire, "intra_bw": 1e15}})
+    t = host_comm_time(c, "allgather", 4, 256)
+    assert t == pytest.approx(call + burst + wire + burst + wire, rel=1e-3)
+    assert t < call + 3 * (burst + wire)
+
+
 def test_the_median_round_stands_for_a_plan():
     from simexec.calibrate_eval import PlanSpec, Run, typical_runs
 

@@ -467,7 +467,9 @@ class HostCosts:
     def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:
         """Run a collective / message on the host: the call's latency, then per step every member's
         communication thread needs `burst` of CPU (waiting for a core if none is free) and the data
-        `wire` seconds on the loopback; `done()` when the last step is over. A forward MoE dispatch
+        `wire` seconds on the loopback, two steps on the wire at most (gloo's rings send the next
+        piece while the previous two are in flight: `gloo/allreduce.cc`, `gloo/allgather.cc`), so
+        a step's latency overlaps the next one's CPU; `done()` when the last step is over. A forward MoE dispatch
         is two all-to-alls, the token counts' first (`exchanges_counts`)."""
         steps, chunk = self.comm_steps(ins)
         calls = [(steps, *self.comm_seconds(steps, chunk))]
@@ -481,10 +483,15 @@ class HostCosts:
         for steps, call, burst, wire in calls:
             if call > 0:
                 yield env.timeout(call)
+            flying = []
             for _ in range(steps):
+                if len(flying) >= 2:
+                    yield flying.pop(0)
                 yield env.all_of([cores.run((r, "comm"), burst) for r in members])
                 if wire > 0:
-                    yield env.timeout(wire)
+                    flying.append(env.timeout(wire))
+            for w in flying:
+                yield w
         done()
 
     def cores_for(self, env) -> "Cores":

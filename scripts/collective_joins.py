@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import math
 import statistics
 import sys
@@ -62,14 +61,14 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="bwd.grads", help="comma-separated name prefixes of the collectives")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
-    from simexec.trace import Trace
+    from simexec.trace import Trace, load_json
 
     root = Path(args.recording)
     kinds = tuple(k for k in args.kinds.split(",") if k)
     try:
-        manifest = json.loads((root / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        print(f"collective_joins: error: {root / 'manifest.json'}: {exc}", file=sys.stderr)
+        manifest = load_json(root / "manifest.json", "recording manifest")
+    except SimexecError as exc:
+        print(f"collective_joins: error: {exc}", file=sys.stderr)
         return 2
     rows: dict[tuple, list[float]] = collections.defaultdict(list)
     for run in manifest.get("runs", []):

@@ -47,11 +47,14 @@ def main(argv=None) -> int:
     ap.add_argument("--versus", default="dp1", help="the plan whose compute per micro-batch is 1")
     ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
     args = ap.parse_args(argv)
+    from simexec.errors import SimexecError
+    from simexec.trace import load_json
+
     root = Path(args.recording)
     try:
-        manifest = json.loads((root / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        print(f"trace_sharing: error: {root / 'manifest.json'}: {exc}", file=sys.stderr)
+        manifest = load_json(root / "manifest.json", "recording manifest")
+    except SimexecError as exc:
+        print(f"trace_sharing: error: {exc}", file=sys.stderr)
         return 2
     by_plan: dict[str, list[dict]] = collections.defaultdict(list)
     cores = args.cores

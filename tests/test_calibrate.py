@@ -332,6 +332,40 @@ def test_a_core_that_alternates_between_threads_runs_slower_and_the_sharing_fit_
     assert cc2 == pytest.approx(1.2) and ts2 == 1.0
 
 
+def test_a_communication_burst_runs_at_its_share_of_the_cores_without_their_slowdowns():
+    """The busy and alternating cores slow the main threads alone: a burst's CPU-seconds are fitted
+    to collectives measured with every member running (`fit_comm_cpu`), which holds that slowdown.
+    Two cores, contention 1.2, time-slicing 1.3: a burst beside one computing rank runs at full speed
+    while the rank runs at 1/1.2; four threads, two of them bursts, share the cores at half a core
+    each, the bursts at that and the main threads at 1/(2 x 1.2 x 1.3)."""
+    import simpy
+
+    from simexec.sim.host import Cores
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, contention=1.2, timeslicing=1.3)
+    main, burst = cores.run(0, 1.2e-3), cores.run((1, "comm"), 1e-3)
+    ends = {}
+    main.callbacks.append(lambda _ev: ends.setdefault("main", env.now))
+    burst.callbacks.append(lambda _ev: ends.setdefault("burst", env.now))
+    env.run()
+    # the rank had 1/1.2 ms of its work by then, and runs the rest alone at full speed
+    assert ends == {"burst": pytest.approx(1e-3), "main": pytest.approx(1e-3 + 1.2e-3 - 1e-3 / 1.2)}
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, contention=1.2, timeslicing=1.3)
+    mains = [cores.run(k, 1.0) for k in (0, 1)]
+    bursts = [cores.run((k, "comm"), 0.5) for k in (2, 3)]
+    env.run(until=bursts[0])
+    assert env.now == pytest.approx(1.0)  # half a core each, no slowdown
+    assert not mains[0].triggered
+    env.run()
+    # by then the main threads had 1 / (2 x 1.2 x 1.3) of their second each; alone on their cores,
+    # each at 1/1.2 for the rest
+    done = 1.0 / (2 * 1.2 * 1.3)
+    assert env.now == pytest.approx(1.0 + (1.0 - done) * 1.2)
+
+
 def test_micro_benchmark_runs_pool_into_one_set_of_timings():
     """Runs of the micro-benchmarks spread over a session pool: each benchmark's timings (and CPU
     times) from every run together, the one-rank step's instructions by name, each run's sharing
@@ -417,8 +451,9 @@ def test_sliced_cores_let_a_communication_thread_preempt_a_thread_past_its_slice
     assert late.value == pytest.approx(5e-3)  # past their slices: preempted at once
     assert all(m.value == pytest.approx(0.0) for m in mains)
     # the displaced thread takes the other core (its thread past its slice too) at once; the main
-    # thread that queued behind it gets the burst's core when the burst is over
-    assert q.value == pytest.approx(5.3e-3)
+    # thread that queued behind it gets the burst's core when the burst is over (a burst runs at full
+    # speed: the busy cores' slowdown is the main threads')
+    assert q.value == pytest.approx(5.2e-3)
     # work is conserved: 12 + 0.4 + 1 ms of CPU, at 1/1.5 speed while both cores run
     assert env.now == pytest.approx((12e-3 + 0.4e-3 + 1e-3) * 1.5 / 2, rel=0.1)
 

@@ -43,7 +43,11 @@ other processes took while the profile's runs were measured) as processor sharin
 each; a core runs slower while the others are busy too (`compute_contention` when all C are: vCPUs
 that are hyperthreads of one physical core, shared caches and memory bandwidth), and slower again
 while it alternates between threads (`timeslice_contention` once twice as many are runnable as there
-are cores: each switch, and each thread's caches refilled when it comes back). A thread that wakes
+are cores: each switch, and each thread's caches refilled when it comes back). Those two slowdowns
+are the main threads': a communication burst runs at its bare share of the cores, since its
+CPU-seconds are fitted to the CPU time of collectives that ran on every member at once
+(`simexec.calibrate.fit_comm_cpu`), the cores as busy as a collective keeps them, and so hold that
+slowdown already. A thread that wakes
 (a rank's main thread from a wait, or a communication thread for its next burst) does not run at
 once when the running threads already fill the cores: Linux's scheduler (EEVDF) lets a running
 thread finish its slice, so the woken one waits until threads ahead of it have run out their
@@ -527,10 +531,11 @@ def _model_of(program: Program):
 
 # --- the cores ------------------------------------------------------------------------------------------
 class _Job:
-    __slots__ = ("done", "first", "left", "k", "key")
+    __slots__ = ("done", "first", "left", "k", "key", "comm")
 
     def __init__(self, done: Event, left: float, k: int, key):
         self.done, self.first, self.left, self.k, self.key = done, None, left, k, key
+        self.comm = isinstance(key, tuple)
 
 
 class _HostCores:
@@ -566,9 +571,9 @@ class _HostCores:
         """Bring every running thread's remaining work up to now."""
         now = self.env.now
         if self.active and now > self.t:
-            moved = (now - self.t) * self._rate()
+            main, comm = self._rates()
             for job in self.active:
-                job.left -= moved
+                job.left -= (now - self.t) * (comm if job.comm else main)
         self.t = now
 
     def _tick_in(self, dt: float) -> None:
@@ -579,6 +584,17 @@ class _HostCores:
 
     def rate(self, n: float, runnable: Optional[float] = None) -> float:
         return thread_rate(n, self.cores, self.background, self.contention, self.timeslicing, runnable)
+
+    def _rates(self) -> tuple[float, float]:
+        """(a main thread's speed, a communication thread's speed) now. A burst's CPU-seconds were
+        measured with the cores as busy as a collective keeps them (`fit_comm_cpu` fits the CPU
+        time of collectives run on every rank at once), so the slowdowns of busy and alternating
+        cores are in them already: a communication thread gets its share of the cores alone."""
+        return self._rate(), self._share()
+
+    def _left_time(self, job) -> float:
+        main, comm = self._rates()
+        return max(0.0, job.left) / (comm if job.comm else main)
 
 
 def free_cores(cores: float, background: float) -> float:
@@ -676,6 +692,9 @@ class Cores(_HostCores):
     def _rate(self) -> float:
         return self.rate(self.n)
 
+    def _share(self) -> float:
+        return thread_rate(self.n, self.cores, self.background)
+
     def _add(self, job: _Job) -> None:
         self._advance()
         job.first = self.env.now
@@ -688,7 +707,7 @@ class Cores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        self._tick_in(max(0.0, min(j.left for j in self.active)) / self._rate())
+        self._tick_in(min(self._left_time(j) for j in self.active))
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
@@ -781,6 +800,9 @@ class SlicedCores(_HostCores):
     def _rate(self) -> float:
         return self.rate(len(self.active), len(self.active) + len(self.main_q) + len(self.comm_q))
 
+    def _share(self) -> float:
+        return thread_rate(len(self.active), self.cores, self.background)
+
     def _start(self, th: _Thread, since: float) -> None:
         if not th.comm and self.comm_q:  # a burst queued while this core was waking: it goes first
             self.main_q.insert(0, th)
@@ -813,8 +835,7 @@ class SlicedCores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        rate = self._rate()
-        dt = max(0.0, min(th.left for th in self.active)) / rate
+        dt = min(self._left_time(th) for th in self.active)
         if self.main_q or self.comm_q:
             now = self.env.now
             for th in self.active:

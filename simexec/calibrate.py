@@ -268,16 +268,18 @@ def pool_microbench(raws: Sequence[dict]) -> dict:
 # The one-rank step has one optimizer step against ~150 block instructions: its rows weigh this
 # much more, so that its memory traffic (the fused Adam streams every parameter's states) is priced.
 OPTIM_WEIGHT = 5.0
+# Adam's element-wise cost, one for every model: the kernel is the same whatever the layers are (on a
+# CPU core its square roots and divisions cost more than the bytes it streams)
+OPTIM_KEY = "optim.optim"
 
 
 def _one_rank_tensors(model: str) -> int:
     """Parameter tensors of the model on one rank (what the one-rank step's Adam updates)."""
     from simexec.model import get_model
-    from simexec.sim.host import unit_tensors
+    from simexec.sim.host import unit_tensor_count
 
     m = get_model(model)
-    embed, layer, head, _ = unit_tensors(m)
-    return embed + m.layers * layer + head
+    return sum(unit_tensor_count(m, unit) for unit in range(-1, m.layers + 1))
 
 
 def sharing_steps(records: Sequence[dict]) -> dict[int, list[float]]:
@@ -336,13 +338,17 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     relative errors with non-negative coefficients; the operator cost here is the one inside a real
     step (a tiny operator in a warm loop runs ~2x cheaper). A record may name another `model` than
     `model` (the micro-benchmarks also step moe-tiny): its blocks get keys of their own,
-    `<family>/<phase>.<block>` (`simexec.sim.host.cost_family`), and share the per-operator costs."""
+    `<family>/<phase>.<block>` (`simexec.sim.host.cost_family`), and share the per-operator costs.
+    The optimizer step (Adam) is its operators, its kernel's pass per tensor at an operator's cost
+    (`simexec.sim.host.adam_kernel_passes`) and its bytes at an element-wise cost of its own,
+    `optim.optim`, one for every model."""
     import numpy as np
     from scipy.optimize import lsq_linear
 
     from simexec.program import Instr
     from simexec.model import get_model
-    from simexec.sim.host import ADAM_FLOPS_PER_PARAM, adam_ops, cost_family, dispatch_key, dispatch_table, ops_of
+    from simexec.sim.host import (ADAM_FLOPS_PER_PARAM, adam_kernel_passes, adam_ops, cost_family, dispatch_key,
+                                  dispatch_table, ops_of)
 
     def model_of(rec: dict) -> str:
         return rec.get("model") or model
@@ -355,8 +361,8 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
         return f"{prefix[model_of(rec)]}{rec['phase']}.{rec['block']}"
 
     recs = [r for r in records if r["block"] not in ("optim", "cpu_optim") and r["phase"] in ("fwd", "bwd")]
-    optim = [r for r in records if r["block"] == "optim"]
-    keys = sorted({key_of(r) for r in recs if r["bytes"] > 0})
+    optim = [r for r in records if r["block"] == "optim" and r["bytes"] > 0]
+    keys = sorted({key_of(r) for r in recs if r["bytes"] > 0} | ({OPTIM_KEY} if optim else set()))
     col = {k: 3 + i for i, k in enumerate(keys)}
     rows, ys, ts = [], [], []
     for rec in recs:
@@ -374,12 +380,14 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     if len(rows) < 4 + len(keys):
         return None
     weights = [1.0] * len(rows)
-    for rec in optim:  # Adam: the fused kernel's operators, and its memory traffic
+    for rec in optim:  # Adam: the operators, the kernel's pass per tensor, its element-wise traffic
         t = kernel_mean(rec["t"])
         row = [0.0] * (3 + len(keys))
-        row[0], row[2] = 1.0, adam_ops(_one_rank_tensors(model_of(rec)), dtype, rec["flops"] / ADAM_FLOPS_PER_PARAM)
+        tensors, elements = _one_rank_tensors(model_of(rec)), rec["flops"] / ADAM_FLOPS_PER_PARAM
+        row[0], row[2] = 1.0, adam_ops(tensors, dtype, elements) + adam_kernel_passes(tensors, dtype, elements)
+        row[col[OPTIM_KEY]] = rec["bytes"] / mem_bw
         rows.append(row)
-        ys.append(t - rec["bytes"] / mem_bw)
+        ys.append(t)
         ts.append(t)
         weights.append(OPTIM_WEIGHT)
     A, y, w = np.asarray(rows), np.asarray(ys), np.asarray(weights) / np.asarray(ts)

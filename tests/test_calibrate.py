@@ -234,14 +234,14 @@ def test_moe_loops_count_the_local_experts():
 
 def test_block_fit_recovers_per_byte_element_wise_costs():
     """One-rank steps at two micro-batch sizes, timed by the host model with known costs (GELU and
-    the loss several times an add per byte): the block fit finds the costs again."""
+    the loss several times an add per byte, Adam twice): the block fit finds the costs again."""
     from simexec.calibrate import _one_rank_tensors, fit_blocks
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
     from simexec.sim.host import HostCosts
 
     truth = json.loads(json.dumps(TRUTH))
-    factors = {"fwd.fc1": 9.0, "bwd.fc1": 12.0, "fwd.xent": 6.0, "bwd.xent": 4.0}
+    factors = {"fwd.fc1": 9.0, "bwd.fc1": 12.0, "fwd.xent": 6.0, "bwd.xent": 4.0, "optim.optim": 2.0}
     truth["costs"]["elementwise_cost"] = factors
     cluster = profiled_cluster(LOCAL, truth)
     records = []
@@ -261,6 +261,10 @@ def test_block_fit_recovers_per_byte_element_wise_costs():
     assert got["bwd_s"] == pytest.approx(truth["costs"]["bwd_overhead_s"], rel=1e-3)
     for key, f in got["elementwise"].items():
         assert f == pytest.approx(factors.get(key, 1.0), rel=1e-3), key
+    assert "optim.optim" in got["elementwise"]
+    # Adam on a CPU core: a kernel pass per tensor, priced as an operator, beside its two operators
+    optim = next(i for i in prog.ranks[0] if i.block == "optim")
+    assert host.kernel_passes(optim) == host.tensors(0) and host.ops(optim) == 2
 
 
 def test_compute_then_all_reduce_loop_on_the_host_model():

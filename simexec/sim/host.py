@@ -24,7 +24,9 @@ by `simexec.exec.microbench.count_dispatch`, checked against the executor by the
 optimizer torch's fused Adam (`simexec.exec.optim`): two operators for the whole step, plus two per
 tensor under 16-bit types (the gradient's fp32 copy, the rounded copy back into the parameter), the
 tensors being the rank's parameters (ZeRO 0), its flat buckets (ZeRO 1-2) or its gathered units
-(ZeRO 3).
+(ZeRO 3). On a CPU core the fused kernel also sets up a pass per tensor, priced as an operator
+(`adam_kernel_passes`), and its bytes cost an element-wise factor of their own (`optim.optim`:
+square roots and divisions), fitted to the one-rank step's optimizer.
 
 A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
 the interpreter's Python around it, `instr_overhead_s`, and for one that carries parameter units
@@ -97,6 +99,19 @@ def adam_ops(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool
     calls = max(1, math.ceil(elements / piece))
     pieces = tensors + calls - 1
     return ADAM_FUSED_OPS * calls + 2 * pieces + 2 * tensors
+
+
+def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool = False,
+                       piece: int = ADAM_PIECE["cpu"]) -> int:
+    """Tensors torch's CPU fused Adam runs its kernel over one at a time: `_fused_adam_` is one
+    operator, but on a CPU it loops over its tensor lists and sets up a pass per tensor, which costs
+    about what an operator's dispatch does (timed on the 2-core VM with torch 2.13: 7 µs a tensor,
+    0.04 ms for one tensor of 16 K elements against 0.40 ms for 53 tensors of the same elements in
+    all). The tensors are the parameters, or under 16-bit gradients cast a piece at a time, the
+    pieces' views (`adam_ops`)."""
+    if dtype in ("bf16", "fp16") and not master_grads:
+        return tensors + max(1, math.ceil(elements / piece)) - 1
+    return tensors
 
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
@@ -379,9 +394,21 @@ class HostCosts:
             return adam_ops(self.tensors(ins.rank), self.dtype, elements, self.master_grads and not host, piece)
         return ops_of(ins, self.table)
 
+    def kernel_passes(self, ins: Instr) -> int:
+        """Per-tensor passes of an Adam step run on a CPU core (`adam_kernel_passes`), priced as
+        operators; none for other instructions, nor for an accelerator's Adam (one fused launch per
+        chunk of tensors)."""
+        if not (ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim")):
+            return 0
+        host = ins.op == "cpu_optimizer" or ins.block == "cpu_optim"
+        if not host and self.cluster.device.name != "cpu":
+            return 0
+        elements = ins.flops if host else ins.flops / ADAM_FLOPS_PER_PARAM
+        return adam_kernel_passes(self.tensors(ins.rank), self.dtype, elements, self.master_grads and not host)
+
     def cpu_seconds(self, ins: Instr) -> float:
         """CPU-seconds of a compute, copy or host-optimizer instruction on one idle core."""
-        t = self.instr_s + self.ops(ins) * self.op_s
+        t = self.instr_s + (self.ops(ins) + self.kernel_passes(ins)) * self.op_s
         if ins.kind == "copy":
             return t + (ins.bytes / self.copy_bw if ins.bytes > 0 else 0.0)
         if ins.phase == "bwd":
@@ -417,6 +444,8 @@ class HostCosts:
     def cost_block(self, ins: Instr) -> str:
         """The block whose measured element-wise cost prices `ins`: a norm split out under sp keeps
         that of the block it opens without sp (the block fits measure the norm inside it)."""
+        if ins.block == "cpu_optim":
+            return "optim"  # the same fused Adam kernel on a core of the same host
         if ins.block == "norm1":
             return "qkv"
         if ins.block == "norm2":

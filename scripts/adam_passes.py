@@ -6,8 +6,8 @@
 Times one fp32 Adam step (`torch.optim.adam.adam(..., fused=True)`, as `simexec.exec.optim.Adam`
 runs it) over T tensors holding E elements in all, one intra-op thread, the median of 50 steps after
 10 discarded; then, for a calibrated `local` profile, what the host model charges the same step
-(`HostCosts`: two operators, a kernel pass per tensor at `launch_overhead_s`, the bytes at the
-memory bandwidth times `elementwise_cost["optim.optim"]`). The per-tensor column is the step over T
+(`HostCosts.cpu_seconds`: two operators, a kernel pass per tensor at `launch_overhead_s`, the bytes
+at the memory bandwidth times `elementwise_cost["optim.optim"]`). The per-tensor column is the step over T
 tensors less the step over one, per extra tensor.
 """
 from __future__ import annotations
@@ -20,9 +20,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-ADAM_BYTES_FP32 = 28.0  # read the weight, gradient and moments; write the weight and moments
-
 
 def _ints(text: str) -> list[int]:
     try:
@@ -54,15 +51,31 @@ def time_step(tensors: int, elements: int, steps: int = 60, warm: int = 10) -> f
     return statistics.median(times[warm:])
 
 
-def model_step(profile: dict, tensors: int, elements: int) -> float:
-    """The host model's CPU-seconds for the same step (`simexec.sim.host.HostCosts.cpu_seconds`)."""
-    from simexec.sim.host import ADAM_FUSED_OPS, adam_kernel_passes
+def pricer(profile: str):
+    """The host model's CPU-seconds for the same step, as a function of (tensors, elements):
+    `HostCosts.cpu_seconds` of the optimizer instruction the lowering emits for that many fp32
+    parameters, held in that many tensors."""
+    from simexec.cluster import get_cluster
+    from simexec.lower import adam_bytes_per_param
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+    from simexec.program import Instr, Program
+    from simexec.sim.host import ADAM_FLOPS_PER_PARAM, HostCosts
+    from simexec.sim.profile import apply_profile
 
-    costs, device = profile["costs"], profile["device"]
-    op = device["launch_overhead_s"]
-    factor = (costs.get("elementwise_cost") or {}).get("optim.optim", 1.0)
-    return (costs.get("instr_overhead_s", 0.0) + (ADAM_FUSED_OPS + adam_kernel_passes(tensors, "fp32")) * op
-            + elements * ADAM_BYTES_FP32 * factor / device["memory_bw"])
+    cluster = apply_profile(get_cluster("local"), profile)
+    per_param = adam_bytes_per_param(resolve(get_model("gpt-tiny"), cluster, load_plan("dp=1,gbs=1,dtype=fp32")))
+
+    def price(tensors: int, elements: int) -> float:
+        class Priced(HostCosts):
+            def tensors(self, rank: int) -> int:  # the step's tensors, not a program's
+                return tensors
+
+        ins = Instr(0, "optim.optim", "compute", "compute", "optimizer", phase="optim", block="optim",
+                    flops=elements * ADAM_FLOPS_PER_PARAM, bytes=elements * per_param)
+        return Priced(cluster, Program(meta={}, ranks={0: [ins]}), "fp32").cpu_seconds(ins)
+
+    return price
 
 
 def main(argv=None) -> int:
@@ -74,15 +87,11 @@ def main(argv=None) -> int:
                     help="a calibrated local profile to price the steps with")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
-    from simexec.trace import load_json
 
     try:
-        profile = load_json(args.profile, "profile")
+        price = pricer(args.profile)
     except SimexecError as exc:
         print(f"adam_passes: error: {exc}", file=sys.stderr)
-        return 2
-    if "costs" not in profile or "device" not in profile:
-        print(f"adam_passes: error: {args.profile} is not a hardware profile (no costs or device)", file=sys.stderr)
         return 2
     import torch
 
@@ -94,7 +103,7 @@ def main(argv=None) -> int:
             ms = time_step(t, e) * 1e3
             one = ms if t == 1 else one
             extra = f"{(ms - one) / (t - 1) * 1e3:20.1f}" if one is not None and t > 1 else f"{'':20s}"
-            print(f"{e:9d} {t:7d} {ms:11.3f} {model_step(profile, t, e) * 1e3:9.3f} {extra}")
+            print(f"{e:9d} {t:7d} {ms:11.3f} {price(t, e) * 1e3:9.3f} {extra}")
     return 0
 
 

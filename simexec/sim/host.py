@@ -105,9 +105,8 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
                        piece: int = ADAM_PIECE["cpu"]) -> int:
     """Tensors torch's CPU fused Adam runs its kernel over one at a time: `_fused_adam_` is one
     operator, but on a CPU it loops over its tensor lists and sets up a pass per tensor, which costs
-    about what an operator's dispatch does (timed on the 2-core VM with torch 2.13: 7 µs a tensor,
-    0.04 ms for one tensor of 16 K elements against 0.40 ms for 53 tensors of the same elements in
-    all). The tensors are the parameters, or under 16-bit gradients cast a piece at a time, the
+    about what an operator's dispatch does (`scripts/adam_passes.py`: 4.5-5.4 µs a tensor in a warm
+    loop on the 2-core VM with torch 2.13). The tensors are the parameters, or under 16-bit gradients cast a piece at a time, the
     pieces' views (`adam_ops`)."""
     if dtype in ("bf16", "fp16") and not master_grads:
         return tensors + max(1, math.ceil(elements / piece)) - 1
@@ -383,28 +382,34 @@ class HostCosts:
             n = self._tensors[rank] = optimizer_tensors(self.program, rank, self.model)
         return n
 
+    def _adam(self, ins: Instr) -> Optional[tuple[bool, float, bool]]:
+        """For an Adam step (on the device or the host's): (run by the host, its elements, the fp32
+        gradient copy); None for any other instruction."""
+        if not (ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim")):
+            return None
+        host = ins.op == "cpu_optimizer" or ins.block == "cpu_optim"  # its FLOPs are its elements
+        return host, ins.flops if host else ins.flops / ADAM_FLOPS_PER_PARAM, self.master_grads and not host
+
     def ops(self, ins: Instr) -> int:
         """Aten operators of one instruction (compute, host optimizer or offload copy)."""
         if ins.kind == "copy":
             return self.tensors(ins.rank)  # one copy_ per tensor
-        if ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim"):
-            host = ins.op == "cpu_optimizer" or ins.block == "cpu_optim"  # its FLOPs are its elements
-            elements = ins.flops if host else ins.flops / ADAM_FLOPS_PER_PARAM
+        adam = self._adam(ins)
+        if adam is not None:
+            host, elements, master = adam
             piece = ADAM_PIECE["cpu" if host or self.cluster.device.name == "cpu" else "accelerator"]
-            return adam_ops(self.tensors(ins.rank), self.dtype, elements, self.master_grads and not host, piece)
+            return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece)
         return ops_of(ins, self.table)
 
     def kernel_passes(self, ins: Instr) -> int:
         """Per-tensor passes of an Adam step run on a CPU core (`adam_kernel_passes`), priced as
         operators; none for other instructions, nor for an accelerator's Adam (one fused launch per
         chunk of tensors)."""
-        if not (ins.op in ("optimizer", "cpu_optimizer") or ins.block in ("optim", "cpu_optim")):
+        adam = self._adam(ins)
+        if adam is None or not (adam[0] or self.cluster.device.name == "cpu"):
             return 0
-        host = ins.op == "cpu_optimizer" or ins.block == "cpu_optim"
-        if not host and self.cluster.device.name != "cpu":
-            return 0
-        elements = ins.flops if host else ins.flops / ADAM_FLOPS_PER_PARAM
-        return adam_kernel_passes(self.tensors(ins.rank), self.dtype, elements, self.master_grads and not host)
+        _, elements, master = adam
+        return adam_kernel_passes(self.tensors(ins.rank), self.dtype, elements, master)
 
     def cpu_seconds(self, ins: Instr) -> float:
         """CPU-seconds of a compute, copy or host-optimizer instruction on one idle core."""
@@ -621,9 +626,10 @@ class _HostCores:
         cores are in them already: a communication thread gets its share of the cores alone."""
         return self._rate(), self._share()
 
-    def _left_time(self, job) -> float:
+    def _next_end(self) -> float:
+        """Seconds until the first running thread finishes its work, at today's speeds."""
         main, comm = self._rates()
-        return max(0.0, job.left) / (comm if job.comm else main)
+        return min(max(0.0, j.left) / (comm if j.comm else main) for j in self.active)
 
 
 def free_cores(cores: float, background: float) -> float:
@@ -736,7 +742,7 @@ class Cores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        self._tick_in(min(self._left_time(j) for j in self.active))
+        self._tick_in(self._next_end())
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
@@ -864,7 +870,7 @@ class SlicedCores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        dt = min(self._left_time(th) for th in self.active)
+        dt = self._next_end()
         if self.main_q or self.comm_q:
             now = self.env.now
             for th in self.active:

@@ -37,12 +37,13 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
     import torch
     import torch.distributed as dist
 
+    from simexec.exec import collectives
     from simexec.exec import interpreter as interp
 
     marks: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     calls: list[tuple[float, float]] = []
-    saved = {v: getattr(interp.TorchComm, v) for v in VERBS}
-    collective, inflight_init = interp._Rank.collective, interp._Inflight.__init__
+    saved = {v: getattr(collectives.TorchComm, v) for v in VERBS}
+    collective, inflight_init = interp._Rank.collective, collectives._Inflight.__init__
 
     def timed_verb(fn):
         def call(*args, **kwargs):
@@ -82,15 +83,15 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
         inflight_init(self, rank, ins, works, finish)
 
     for v in VERBS:
-        setattr(interp.TorchComm, v, timed_verb(saved[v]))
+        setattr(collectives.TorchComm, v, timed_verb(saved[v]))
     interp._Rank.collective = timed_collective
-    interp._Inflight.__init__ = timed_inflight
+    collectives._Inflight.__init__ = timed_inflight
     try:
         out = interp.run_rank(rp, instrs, steps=steps, groups=groups, tracer=tracer, device=device, seed=seed)
     finally:
         for v in VERBS:
-            setattr(interp.TorchComm, v, staticmethod(saved[v]))
-        interp._Rank.collective, interp._Inflight.__init__ = collective, inflight_init
+            setattr(collectives.TorchComm, v, staticmethod(saved[v]))
+        interp._Rank.collective, collectives._Inflight.__init__ = collective, inflight_init
     out["extra"] = {k: {part: list(v) for part, v in m.items()} for k, m in marks.items()}
     return out
 

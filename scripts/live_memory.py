@@ -32,11 +32,12 @@ def tagging_runner(out_dir: str):
         import torch
 
         from simexec.exec import interpreter as interp
+        from simexec.exec import live_memory
 
         torch.set_num_threads(1)
         now, op = ["start"], ["?"]
         origin: dict[int, tuple] = {}
-        track, dispatch = interp._LiveBytes.track, interp._LiveBytes.__torch_dispatch__
+        track, dispatch = live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__
 
         def tagged_track(self, t, created=False):
             key = nbytes = None
@@ -55,7 +56,7 @@ def tagging_runner(out_dir: str):
             op[0] = str(func)
             return dispatch(self, func, types, args, kwargs)
 
-        interp._LiveBytes.track, interp._LiveBytes.__torch_dispatch__ = tagged_track, tagged_dispatch
+        live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__ = tagged_track, tagged_dispatch
         best = {"peak": -1, "at": None, "live": []}
 
         class Tagging:
@@ -65,7 +66,7 @@ def tagging_runner(out_dir: str):
 
             def end(self, ins, step):
                 tracer.end(ins, step)
-                t = interp._TRACKER[0]
+                t = live_memory._TRACKER[0]
                 if t is not None and t.peak > best["peak"]:
                     best.update(peak=t.peak, at=ins.name,
                                 live=[origin[k] for k, f in t._seen.items() if f.alive and k in origin])
@@ -76,7 +77,7 @@ def tagging_runner(out_dir: str):
         try:
             res = interp.run_rank(rp, instrs, steps=steps, groups=groups, tracer=Tagging(), device=device, seed=seed)
         finally:
-            interp._LiveBytes.track, interp._LiveBytes.__torch_dispatch__ = track, dispatch
+            live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__ = track, dispatch
         Path(out_dir, f"rank{instrs[0].rank}.json").write_text(json.dumps(best))
         return res
 

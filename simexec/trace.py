@@ -149,7 +149,7 @@ def ends_when_waited(meta: dict) -> tuple[str, ...]:
     (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer.
 
     The executor runs a CPU reduce-scatter as an all-reduce itself, which completes when it ends
-    (`simexec.exec.interpreter.reduce_scatter_by_all_reduce`), and says so in its traces
+    (`simexec.exec.collectives.reduce_scatter_by_all_reduce`), and says so in its traces
     (`meta["ends_when_waited"]`, empty); a measured CPU trace without that key comes from an
     executor that used gloo's own."""
     if "ends_when_waited" in meta:

@@ -290,7 +290,7 @@ def _reduce_scatter_main(rank: int, port: int, out_q) -> None:
 
     import torch.distributed as dist
 
-    from simexec.exec.interpreter import TorchComm
+    from simexec.exec.collectives import TorchComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

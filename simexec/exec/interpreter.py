@@ -19,55 +19,44 @@ On an XLA device (`simexec.exec.xla`) every compute instruction ends with a grap
 lazy XLA graph, executed and timed on its own; collectives go through `comm` (torch.distributed,
 or gloo on host copies on the XLA CPU runtime).
 
-Ring context parallelism (cp_impl=ring): attention is computed one K/V chunk per hop, partial results
-merged by log-sum-exp; the backward is flash attention's per chunk from the saved output and
-log-sum-exp, with dK/dV travelling around the ring with their K/V and home on the last hop (see
-`ring_forward`).
-
 Per-block autograd. A forward block takes detached copies of its inputs that require grad, runs the
 block, keeps (inputs, outputs) in a record; its backward calls `torch.autograd.backward(outputs,
 grad_outputs)` and hands the inputs' `.grad` on. Activations and their gradients live in two dicts
-keyed by (name, layer, micro-batch); the names and which block or collective makes each are in
-`_BLOCKS` and `_COLLS` (`_BLOCKS_SP` and `_COLLS_SP` under sequence parallelism, where the norms
-are blocks of their own and the column-parallel GEMMs re-gather their input for the backward). Where
-the program has no collective between two names (tp = 1, or the identity side of an f/g pair), a
-read falls through to the name before it (forward) or after it (backward).
+keyed by (name, layer, micro-batch), named as `simexec.exec.dataflow` tables them.
 
 Gradients are sums: every micro-batch loss is scaled by 1 / (tokens of the global batch), so summing
 over micro-batches and ranks gives the gradient of the global mean loss, as the single-process
 reference computes it.
 
-Parameter storage per plan: plain tensors (ZeRO 0); plus one flat shard per gradient bucket, updated
-by Adam and all-gathered back (ZeRO 1-2); or one flat shard per unit (embedding, layer, head) and
-class (dense, expert), all-gathered into a buffer before each use (ZeRO-3: `fsdp` allocates it on
-demand and frees it after the unit's last use; `yafsdp` uses two buffers preallocated at start,
-even units in one and odd units in the other).
+The rest of a rank, one module each: `simexec.exec.collectives` (the communication calls and the
+handle of an issued one), `simexec.exec.dataflow` (what each block reads and writes),
+`simexec.exec.sharding` (parameters and gradients under ZeRO 0-3, a mixin of `_Rank`),
+`simexec.exec.ring` (ring context parallelism, a mixin of `_Rank`) and `simexec.exec.live_memory`
+(peak memory on CPU).
 """
 from __future__ import annotations
 
 import math
 import os
 import time
-import weakref
 import zlib
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from simexec.exec import data
-from simexec.exec.model import (GPT, Layout, Route, attn_merge, attn_partial, attn_partial_bwd, holds, init_full,
-                                 param_specs, shard)
+from simexec.exec.collectives import TorchComm, _Inflight
+from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
+                                   _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
+                                   _coll_keys, _downstream, _upstream)
+from simexec.exec.live_memory import _TRACKER, _LiveBytes
+from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard
 from simexec.exec.optim import Adam
+from simexec.exec.ring import RingAttention
+from simexec.exec.sharding import Sharding
 from simexec.program import Instr
-
-# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _engine_backward(tensors: tuple, grads: tuple) -> None:
@@ -112,175 +101,6 @@ def _shrink_leaf(x: Tensor) -> None:
         if e is None:
             e = _SCALAR[key] = torch.zeros((), dtype=x.dtype, device=x.device)
         x.data = e.expand(x.shape)
-
-
-def rank_slice(full: Tensor, out: Tensor, group=None) -> Tensor:
-    """This rank's part of a reduce-scatter's input (`full`, the group's parts end to end), shaped as `out`."""
-    index = dist.get_rank(group) if group is not None else dist.get_rank()
-    return full.view(-1, out.numel())[index].view(out.shape)
-
-
-class _SliceWork:
-    """A reduce-scatter run as an all-reduce of a copy: `wait()` copies this rank's slice out, and
-    `is_completed()` is the all-reduce's, so the executor sees it finish when it did."""
-
-    __slots__ = ("work", "part", "out")
-
-    def __init__(self, work, part: Tensor, out: Tensor):
-        self.work, self.part, self.out = work, part, out
-
-    def wait(self) -> bool:
-        self.work.wait()
-        if self.part is not None:
-            if self.part.data_ptr() != self.out.data_ptr():
-                self.out.copy_(self.part)
-            self.part = None
-        return True
-
-    def is_completed(self) -> bool:
-        return self.work.is_completed()
-
-
-def reduce_scatter_by_all_reduce(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
-    """gloo's reduce-scatter, done the way gloo does it (an all-reduce of a copy of the input, then
-    this rank's slice), but with an honest completion: gloo's own reports completion only inside
-    `wait()`, which copies the slice out (`scripts/gloo_threads.py`), so a trace would time it from
-    issue to wait. The copy is the backend's temporary, as gloo's is: not counted in peak memory."""
-    tracker = _TRACKER[0]
-    if tracker is not None:
-        tracker.in_backend += 1
-    try:
-        full = inp.detach().clone()
-        work = _SliceWork(dist.all_reduce(full, group=group, async_op=True), rank_slice(full, out, group), out)
-    finally:
-        if tracker is not None:
-            tracker.in_backend -= 1
-    if async_op:
-        return work
-    work.wait()
-    return None
-
-
-def _reduce_scatter_any(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
-    """torch.distributed's reduce-scatter on accelerator tensors (NCCL); gloo's (CPU tensors) as an
-    all-reduce with an honest completion time (`reduce_scatter_by_all_reduce`)."""
-    if inp.device.type == "cpu":
-        return reduce_scatter_by_all_reduce(out, inp, group=group, async_op=async_op)
-    return _reduce_scatter(out, inp, group=group, async_op=async_op)
-
-
-class TorchComm:
-    """The communication calls the interpreter makes: torch.distributed's own, on the rank's device
-    (a CPU tensor's reduce-scatter as `reduce_scatter_by_all_reduce`). A backend whose process
-    groups cannot take its tensors stands in with the same methods (`simexec.exec.xla.HostComm`:
-    XLA tensors through gloo on host copies)."""
-
-    all_reduce = staticmethod(dist.all_reduce)
-    all_gather = staticmethod(_all_gather)
-    reduce_scatter = staticmethod(_reduce_scatter_any)
-    all_to_all_single = staticmethod(dist.all_to_all_single)
-    isend = staticmethod(dist.isend)
-    irecv = staticmethod(dist.irecv)
-
-
-# ---------------------------------------------------------------------------------------------------
-# What each block reads and writes (env names; every key is (name, layer, micro-batch))
-# ---------------------------------------------------------------------------------------------------
-
-# block: (inputs, outputs). x: residual stream entering a layer; xa / xma: after the f-conjugate
-# (gathered under sp); yp / y2p: partial sums before the g-conjugate; xm: residual after attention.
-_BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "embed": ((), ("emb",)),
-    "qkv": (("xa",), ("q", "kv")),
-    "attn": (("q", "kvf"), ("o",)),
-    "proj": (("o", "xa"), ("yp",)),
-    "fc1": (("xma",), ("a",)),
-    "fc2": (("a", "xma"), ("y2p",)),
-    "router": (("xma",), ("h", "w", "xs", "route")),
-    "experts": (("xr",), ("yr",)),
-    "moe_out": (("xma", "h", "w", "yc"), ("y2p",)),
-    "head": (("xh",), ("logits", "lmax")),
-    "xent": (("logits", "gmax"), ("ce",)),
-    "loss": (("ceg",), ("loss",)),
-}
-
-# blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
-_PERMUTED_INPUT = {"experts": "xr", "moe_out": "yc"}
-
-# collective block: (input name, output name, dimension it gathers/scatters along).
-# Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C).
-_COLLS: dict[str, tuple[str, str, Optional[int]]] = {
-    "embed_out": ("emb", "x", 1),
-    "attn_in": ("x", "xa", 1),
-    "attn_out": ("yp", "xm", 1),
-    "mlp_in": ("xm", "xma", 1),
-    "mlp_out": ("y2p", "x", 1),
-    "head_in": ("x", "xh", 1),
-    "ce_max": ("lmax", "gmax", None),
-    "ce_sum": ("ce", "ceg", None),
-    "kv": ("kv", "kvf", 3),
-    "dispatch": ("xs", "xr", 0),
-    "combine": ("yr", "yc", 0),
-}
-# Under sp the norms run on the sequence slice, between the g and f collectives (n1, n2, nf: their
-# outputs, kept as slices until the backward's re-gather); the residual is added on the sequence slice
-# (proj and fc2 read the slice x / xm); the MoE shared experts read the gathered norm output.
-_BLOCKS_SP = {
-    **_BLOCKS,
-    "norm1": (("x",), ("n1",)),
-    "norm2": (("xm",), ("n2",)),
-    "norm": (("x",), ("nf",)),
-    "proj": (("o", "x"), ("yp",)),
-    "fc2": (("a", "xm"), ("y2p",)),
-    "moe_out": (("xm", "xma", "w", "yc"), ("y2p",)),
-}
-# sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
-# (`<sub-layer>_regather`, delivered as an activation, not a gradient)
-_SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
-_REGATHERS = {b.replace("_in", "_regather"): names for b, names in _SP_GATHERS.items()}
-_COLLS_SP = {**_COLLS, **_SP_GATHERS, **_REGATHERS}
-# sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
-_GATHERED_LAST = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
-_TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
-# sp: which backward collective sums a replicated parameter's partial gradient (ParamSpec.tp_partial
-# names the one without sp): a norm's backward now follows the f-conjugate's reduce-scatter, so the
-# second norm's rides the sub-layer's next one (attn_in) and the first and final norms', which no
-# later collective of their unit carries, an all-reduce of their own (`norm_grads`)
-_SP_PARTIAL = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
-# names whose one forward reader is the collective after them (when that collective exists)
-_CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax"))  # their backward also sums replicated params' grads
-
-
-def _coll_keys(block: str, layer: int, mb: int, table: dict = _COLLS) -> tuple[tuple, tuple]:
-    src, dst, _ = table[block]
-    out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
-    return (src, layer, mb), (dst, out_layer, mb)
-
-
-_UP = {dst: src for src, dst, _ in _COLLS.values() if dst != "x"}  # each name but x has one maker
-_DOWN = {src: dst for src, dst, _ in _COLLS.values() if src not in ("emb", "y2p", "x")}
-
-
-def _upstream(key: tuple) -> Optional[tuple]:
-    """The name a collective turns into `key`, for reads where that collective is absent."""
-    name, l, mb = key
-    if name == "x":
-        return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
-    src = _UP.get(name)
-    return None if src is None else (src, l, mb)
-
-
-def _downstream(key: tuple, layers: int) -> Optional[tuple]:
-    """The name `key` turns into through a collective, for gradient reads where it is absent."""
-    name, l, mb = key
-    if name == "emb":
-        return ("x", 0, mb)
-    if name == "y2p":
-        return ("x", l + 1, mb)
-    if name == "x":
-        return ("xh", l, mb) if l == layers else ("xa", l, mb)
-    dst = _DOWN.get(name)
-    return None if dst is None else (dst, l, mb)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -334,37 +154,8 @@ def _lowering_gaps(rp) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------------
-# Asynchronous work
+# One rank
 # ---------------------------------------------------------------------------------------------------
-
-
-class _Inflight:
-    """An issued collective / send / recv: waited once, then `finish` stores its result."""
-
-    __slots__ = ("ins", "works", "finish", "done", "rank")
-
-    def __init__(self, rank: "_Rank", ins: Instr, works: list, finish: Optional[Callable[[], None]]):
-        self.rank, self.ins, self.works, self.finish, self.done = rank, ins, works, finish, False
-
-    def wait(self) -> None:
-        if self.done:
-            return
-        self.done = True
-        tracker = _TRACKER[0]
-        if tracker is not None:
-            tracker.in_backend += 1
-        try:
-            for w in self.works:
-                w.wait()
-        finally:
-            if tracker is not None:
-                tracker.in_backend -= 1
-        self.works = ()  # a finished Work can hold the backend's temporaries: let them go now
-        if self.finish is not None:
-            self.finish()
-            self.finish = None  # nor keep what its closure captured (a reduce-scatter's output, once summed)
-        self.rank.tracer.end(self.ins, self.rank.step_no)
-        self.rank.inflight.pop(self.ins.name, None)
 
 
 class _NullTracer:
@@ -378,116 +169,11 @@ class _NullTracer:
         pass
 
 
-# ---------------------------------------------------------------------------------------------------
-# Peak memory on CPU: live tensor storages
-# ---------------------------------------------------------------------------------------------------
+class _Rank(Sharding, RingAttention):
+    """One rank's program, run step by step: its loop, the compute blocks, the activation collectives
+    and the pipeline messages; the parameter and gradient storage is `Sharding`'s, ring attention
+    `RingAttention`'s."""
 
-
-_TRACKER: list = [None]  # the active _LiveBytes, if any (read by _Inflight.wait)
-
-
-class _LiveBytes(TorchDispatchMode):
-    """Counts the bytes of every storage an op creates until that storage dies (CPU has no
-    max_memory_allocated). Storages are tracked once, by identity, with a weakref finaliser."""
-
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # else torch wraps __torch_dispatch__ in a dynamo guard whose first call imports torch._dynamo
-        # (seconds per rank); this mode never runs under torch.compile
-        return False
-
-    def __init__(self):
-        super().__init__()
-        self.live = 0
-        self.peak = 0
-        self.largest = 0  # the largest single storage the interpreter's own ops created
-        self.in_backend = 0  # > 0 inside Work.wait(): what appears there is the backend's (gloo's temporaries)
-        self.on_host = 0  # > 0 while the rank computes on host memory (offloaded optimizer): not the device's
-        self._seen: dict[int, weakref.finalize] = {}
-
-    def ignore(self, t: Tensor) -> None:
-        """A tensor that stands for host memory (offload): seen, never counted."""
-        st = t.untyped_storage()
-        key = id(st)
-        if key not in self._seen or not self._seen[key].alive:
-            self._seen[key] = weakref.finalize(st, self._seen.pop, key, None)
-
-    def track(self, t: Any, created: bool = False) -> None:
-        if not isinstance(t, Tensor) or t.device.type == "meta":
-            return
-        try:
-            st = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):
-            return
-        key = id(st)
-        if key in self._seen and self._seen[key].alive:
-            return
-        if created and (self.in_backend or self.on_host):
-            return  # the backend's own temporaries (NCCL's are outside max_memory_allocated too), host work
-        n = st.nbytes()
-        if created:
-            self.largest = max(self.largest, n)
-        self.live += n
-        self.peak = max(self.peak, self.live)
-        self._seen[key] = weakref.finalize(st, self._free, key, n)
-
-    def _free(self, key: int, n: int) -> None:
-        self.live -= n
-        self._seen.pop(key, None)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            self.track(t, created=True)
-        return out
-
-
-# ---------------------------------------------------------------------------------------------------
-# Flat layouts: buckets and ZeRO units
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class _Flat:
-    """Parameters laid end to end, padded to a multiple of the group size; this rank owns one shard."""
-
-    names: list[str]
-    numels: list[int]
-    shapes: list[torch.Size]
-    group_size: int
-    index: int  # this rank's position in the group
-    total: int = 0
-    shard: int = 0
-
-    def __post_init__(self):
-        self.total = sum(self.numels)
-        self.shard = -(-self.total // self.group_size) if self.total else 0
-
-    @property
-    def padded(self) -> int:
-        return self.shard * self.group_size
-
-    def flatten(self, tensors: list[Tensor]) -> Tensor:
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if tensors else torch.zeros(0)
-        return torch.nn.functional.pad(flat, (0, self.padded - self.total))
-
-    def views(self, flat: Tensor) -> list[Tensor]:
-        out, off = [], 0
-        for n, s in zip(self.numels, self.shapes):
-            out.append(flat[off : off + n].view(s))
-            off += n
-        return out
-
-    def my_slice(self, flat: Tensor) -> Tensor:
-        return flat[self.index * self.shard : (self.index + 1) * self.shard]
-
-
-# ---------------------------------------------------------------------------------------------------
-# One rank
-# ---------------------------------------------------------------------------------------------------
-
-
-class _Rank:
     def __init__(self, rp, instrs: list[Instr], groups, tracer, device: torch.device, seed: int, comm=None):
         self.rp, self.instrs, self.groups, self.device, self.seed = rp, instrs, groups, device, seed
         self.comm = comm if comm is not None else TorchComm
@@ -547,175 +233,6 @@ class _Rank:
         self._setup_optimizer()
         self._setup_ring()
         self._prepare()
-
-    # --- parameters per unit and class ------------------------------------------------------------
-    def unit_names(self, unit: int, cls: str) -> list[str]:
-        return [n for n, s in self.specs.items() if s.unit == unit and (s.expert is not None) == (cls == "expert")]
-
-    @staticmethod
-    def _cls(axis: str) -> str:
-        return "expert" if axis == "edp" else "dense"
-
-    def _flat(self, names: list[str], group: tuple[int, ...]) -> _Flat:
-        shapes = [self.shapes[n] for n in names]
-        return _Flat(names, [math.prod(s) for s in shapes], shapes, len(group), group.index(self.rank))
-
-    def _setup_zero(self) -> None:
-        """ZeRO-1/2: a flat shard per parameter bucket (`params<k>`); ZeRO-3: per gathered unit.
-
-        ZeRO-1/2 keep a bucket's parameters as views of one flat buffer whose slice is this rank's
-        shard (Megatron's distributed optimizer, DeepSpeed's flat groups): Adam updates the shard in
-        place and `params<k>` all-gathers in place, so neither a copy of the shard nor a gathered
-        buffer exists besides the parameters."""
-        self.buckets: dict[tuple, _Flat] = {}  # (cls, items) -> layout; master shards in self.shards
-        self.pbuf: dict[tuple, Tensor] = {}  # ZeRO-1/2: (cls, items) -> the bucket's flat parameters
-        self.shards: dict[tuple, Tensor] = {}
-        self.gshard: dict[tuple, Tensor] = {}  # reduce-scattered gradient shards
-        self.gshard_pending: dict[tuple, _Inflight] = {}
-        self.z3: dict[tuple, _Flat] = {}  # (cls, unit) -> layout
-        self.z3_pending: dict[tuple, _Inflight] = {}
-        self.z3_free_after: dict[int, list[tuple]] = {}
-        self.z3_buffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated parameter buffer
-        self.z3_gbuffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated gradient buffer
-        self.z3_gbusy: dict[tuple, _Inflight] = {}  # yafsdp: the reduce-scatter still reading a gradient buffer
-        self.z3_live: dict[tuple, Tensor] = {}  # fsdp: (cls, unit) -> gathered buffer in use
-        for i in self.instrs:
-            if i.kind == "collective" and i.block.startswith("params"):
-                key = (self._cls(i.axis), tuple(i.items))
-                names = [n for u in i.items for n in self.unit_names(u, key[0])]
-                self.buckets[key] = fl = self._flat(names, i.group)
-                flat = fl.flatten([self.p[n].detach() for n in names])
-                if self.xla:  # no aliasing views on XLA: a separate shard, gathered into a new buffer
-                    self.shards[key] = fl.my_slice(flat).clone()
-                    continue
-                self.pbuf[key] = flat
-                for n, v in zip(names, fl.views(flat)):
-                    self.p[n].data = v
-                self.shards[key] = fl.my_slice(flat)
-            if i.kind == "collective" and i.block == "gather":
-                key = (self._cls(i.axis), i.layer)
-                if key not in self.z3:
-                    names = self.unit_names(i.layer, key[0])
-                    self.z3[key] = fl = self._flat(names, i.group)
-                    self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
-        if self.z3:
-            empty = torch.empty(0, device=self.device, dtype=self.dtype)
-            for (cls, unit), fl in self.z3.items():
-                for n in fl.names:
-                    self.p[n].data = empty  # parameters live as shards until gathered
-            if self.flavour == "yafsdp":
-                for cls in {c for c, _ in self.z3}:
-                    size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)
-                    for parity in (0, 1):
-                        self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
-                        self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
-            # a unit's buffer is released after its last compute before its next gather
-            last: dict[tuple, Optional[int]] = {}
-
-            def close(key):
-                if last.get(key) is not None:
-                    self.z3_free_after.setdefault(last[key], []).append(key)
-
-            for k, i in enumerate(self.instrs):
-                if i.kind == "collective" and i.block == "gather":
-                    key = (self._cls(i.axis), i.layer)
-                    close(key)
-                    last[key] = None
-                elif i.kind == "compute" and i.block not in ("optim", "cpu_optim"):
-                    for key in last:
-                        if key[1] == i.layer:
-                            last[key] = k
-            for key in last:
-                close(key)
-
-    def _setup_grad_buffers(self) -> None:
-        """One flat gradient buffer per bucket (`grads<k>`), each parameter's `.grad` a view into it:
-        autograd accumulates in place and the bucket's collective runs on the buffer without a copy
-        (Megatron's contiguous gradient buffer; DDP's gradient_as_bucket_view). Not for ZeRO-2, whose
-        point is that full gradients are freed once reduce-scattered: there `.grad` is allocated by
-        autograd and moved into its bucket's flat buffer one gradient at a time, and the buffer is
-        freed once reduce-scattered."""
-        self.gbuf: dict[tuple, Tensor] = {}
-        self.gview: dict[str, Tensor] = {}
-        self.z2buf: dict[tuple, Tensor] = {}  # ZeRO-2: this micro-batch's bucket buffers, until reduce-scattered
-        if self.plan.zero == 2 and not self.xla:
-            self._setup_zero2_hooks()
-        if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
-            return
-        for i in self.instrs:
-            if not (i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()):
-                continue
-            key = (self._cls(i.axis), tuple(i.items))
-            names = [n for u in i.items for n in self.unit_names(u, key[0])]
-            if key in self.gbuf or any(n in self.gview for n in names):
-                continue  # the same bucket on another micro-batch (or another grouping: copied then)
-            fl = self.buckets.get(key) or self._flat(names, i.group)
-            self.buckets.setdefault(key, fl)
-            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-            for n, v in zip(names, fl.views(buf)):
-                self.gview[n] = v
-        # parameters no bucket covers (dp = 1): Megatron's DDP wrapper allocates their main_grad
-        # buffer all the same, at construction, so gradients are resident from the start
-        rest = [n for n in self.p if n not in self.gview]
-        if rest:
-            key = ("local", ())
-            fl = self.buckets[key] = self._flat(rest, (self.rank,))
-            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-            for n, v in zip(rest, fl.views(buf)):
-                self.gview[n] = v
-
-    def _setup_zero2_hooks(self) -> None:
-        """ZeRO-2: each gradient moves into its bucket's buffer as autograd produces it (DeepSpeed's
-        reduce buckets), so a bucket's gradients never exist twice; the buffer is made at the
-        bucket's first gradient of a micro-batch and freed once reduce-scattered."""
-        self.z2_of: dict[str, tuple] = {}
-        for i in self.instrs:
-            if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit():
-                key = (self._cls(i.axis), tuple(i.items))
-                for n in (n for u in i.items for n in self.unit_names(u, key[0])):
-                    self.z2_of.setdefault(n, key)
-        name_of = {id(self.p[n]): n for n in self.z2_of}
-        self.z2views: dict[tuple, dict[str, Tensor]] = {}
-
-        def hook(param: Tensor) -> None:
-            n = name_of[id(param)]
-            key = self.z2_of[n]
-            views = self.z2views.get(key)
-            if key not in self.z2buf:
-                fl = self.buckets[key]
-                buf = self.z2buf[key] = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-                views = self.z2views[key] = dict(zip(fl.names, fl.views(buf)))
-            v = views[n]
-            if param.grad is not None and param.grad.data_ptr() != v.data_ptr():
-                v.copy_(param.grad)
-                param.grad = v
-
-        for n in self.z2_of:
-            self.p[n].register_post_accumulate_grad_hook(hook)
-
-    def _attach_grads(self, key: Optional[tuple] = None) -> None:
-        """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
-        for k, buf in self.gbuf.items():
-            if key is None or k == key:
-                buf.zero_()
-                for n in self.buckets[k].names:
-                    if self.p[n].grad is None:
-                        self.p[n].grad = self.gview[n]
-
-    def _setup_optimizer(self) -> None:
-        """Adam over: bucket / unit shards (ZeRO), and every parameter no shard covers."""
-        sharded = [fl for k, fl in self.buckets.items() if k in self.shards] + list(self.z3.values())
-        covered = {n for fl in sharded for n in fl.names}
-        self.opt_keys: list = list(self.shards) + [n for n in self.p if n not in covered]
-        tensors = [self.shards[k] if isinstance(k, tuple) else self.p[k].detach() for k in self.opt_keys]
-        self.offload = self.plan.offload != "none"
-        if self.offload:  # host copies: the optimizer's parameters and states live in host memory
-            self.host = [t.detach().to("cpu", copy=True) for t in tensors]
-            self.host_grads = [torch.empty_like(h) for h in self.host]
-            self.opt = Adam(self.host)
-        else:
-            self.opt = Adam(tensors, master_grads=self.plan.master_grads)
-        self.opt_tensors = tensors
 
     # --- env reads and writes ---------------------------------------------------------------------
     def resolve(self, key: tuple) -> Optional[tuple]:
@@ -1063,140 +580,6 @@ class _Rank:
         for key in [k for k in self.env if k[1] == l and k[2] == mb and k not in keep]:
             del self.env[key]
 
-    # --- ring context parallelism -----------------------------------------------------------------
-    # cp_impl=ring (docs/program.md, lower.ring_attention). Forward, hop i of cp: send the K/V chunk
-    # held (from cp rank me - i) to the next cp rank, attend to it (`attn.r{i}`: attn_partial, merged
-    # into the running output by log-sum-exp), receive the next chunk from the previous rank. The last
-    # hop's partial writes `o`; a recorded forward keeps (q, o, lse) for the backward.
-    # Backward, hop i: `bwd.attn.r{i}` is flash attention's backward of the chunk held, from the saved
-    # (o, lse) and dO (no per-chunk forward state), adding to dQ and to the chunk's travelling dK/dV;
-    # then (K, V, dK, dV) go to the next rank. The last hop sends only dK/dV, which thereby arrive at
-    # the rank that owns them: they are the gradient of `kv` that the qkv backward reads.
-
-    def _setup_ring(self) -> None:
-        p = self.plan
-        self.ring = p.cp > 1 and p.cp_impl == "ring"
-        if not self.ring:
-            return
-        cp, me = p.cp, self.coords["cp"]
-        self.cp_rank = me
-        self.ring_hop: dict[str, int] = {}  # attn compute name -> hop
-        self.ring_msg: dict[str, tuple[int, int]] = {}  # kv send/recv name -> (origin cp rank, hop)
-        for i in self.instrs:
-            if i.block == "attn" and i.kind == "compute":
-                self.ring_hop[i.name] = int(i.name.rsplit(".r", 1)[1])
-            elif i.block == "kv" and i.kind in ("send", "recv"):
-                o, h = i.name.rsplit(".", 2)[1:]
-                self.ring_msg[i.name] = (int(o[1:]), int(h[1:]))
-        pos = [data.cp_positions(self.rp.seq_len, cp, j).to(self.device) for j in range(cp)]
-        self.ring_mask = [pos[j][None, :] <= pos[me][:, None] if self.m.causal else None for j in range(cp)]
-        self.ring_scale = 1.0 / math.sqrt(self.m.head_dim)
-        self.ring_fwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a forward ring in progress
-        self.ring_bwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a backward ring in progress
-
-    def _ring_state(self, table: dict, l: int, mb: int) -> dict:
-        st = table.get((l, mb))
-        if st is None:  # opened by the first hop's send or compute, whichever comes first
-            kv = self.read(("kvf", l, mb)).detach()  # no kv collective: this rank's own K/V
-            st = table[(l, mb)] = {"chunks": {self.cp_rank: kv}}
-            if table is self.ring_bwd:
-                st["dkv"] = {self.cp_rank: torch.zeros_like(kv)}
-        return st
-
-    def _ring_chunk(self, st: dict, origin: int) -> Tensor:
-        c = st["chunks"][origin]
-        if isinstance(c, _Inflight):
-            c.wait()
-            c = st["chunks"][origin]
-        return c
-
-    def ring_forward(self, ins: Instr, hop: int, record: bool) -> None:
-        l, mb = ins.layer, ins.mb
-        st = self._ring_state(self.ring_fwd, l, mb)
-        if "q" not in st:
-            st["q"] = self.read(("q", l, mb)).detach()
-        origin = (self.cp_rank - hop) % self.plan.cp
-        kv = self._ring_chunk(st, origin)
-        del st["chunks"][origin]  # attended to here, and (in program order) already sent on
-        q = st["q"]
-        with torch.no_grad():
-            o, lse = attn_partial(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin], self.ring_scale)
-            if "o" in st:
-                o, lse = attn_merge(st["o"], st["lse"], o, lse)
-        if hop < self.plan.cp - 1:
-            st["o"], st["lse"] = o, lse
-            return
-        del self.ring_fwd[(l, mb)]
-        B, nh, T, hd = q.shape
-        self.env[("o", l, mb)] = o.to(q.dtype).transpose(1, 2).reshape(B, T, nh * hd)
-        if record:
-            self.records[("attn", l, mb)] = (q, o, lse)
-
-    def ring_backward(self, ins: Instr, hop: int) -> None:
-        l, mb = ins.layer, ins.mb
-        cp = self.plan.cp
-        st = self._ring_state(self.ring_bwd, l, mb)
-        if "lse" not in st:
-            rec = self.records.pop(("attn", l, mb), None)
-            if rec is None:
-                raise RuntimeError(f"rank {self.rank}: {ins.name} has no forward record (forward not run, or run without grad)")
-            q, o, lse = rec
-            B, nh, T, hd = q.shape
-            do = self.take_grad(("o", l, mb)).float().view(B, T, nh, hd).transpose(1, 2)
-            st.update(q=q, lse=lse, do=do, delta=(do * o).sum(-1), dq=torch.zeros_like(o))
-        origin = (self.cp_rank - hop) % cp
-        kv = self._ring_chunk(st, origin)
-        dkv = st["dkv"][origin]
-        q = st["q"]
-        with torch.no_grad():
-            dq, dk, dv = attn_partial_bwd(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin],
-                                          self.ring_scale, st["lse"], st["do"], st["delta"])
-            st["dq"] += dq
-            dkv[0] += dk.to(dkv.dtype)
-            dkv[1] += dv.to(dkv.dtype)
-        if hop == cp - 1:
-            self.add_grad(("q", l, mb), st["dq"].to(q.dtype))
-            for key in (("q", l, mb), ("o", l, mb)):
-                if key in self.env:
-                    del self.env[key]
-
-    def ring_p2p(self, ins: Instr) -> None:
-        """A K/V hop (forward, recompute) or a K/V + dK/dV hop (backward) of the ring."""
-        l, mb = ins.layer, ins.mb
-        origin, hop = self.ring_msg[ins.name]
-        bwd = ins.phase == "bwd"
-        home = bwd and hop == self.plan.cp - 1  # the backward's last hop: dK/dV only
-        tag = zlib.crc32(ins.name.encode()) & 0x7FFFFFFF
-        if ins.kind == "send":
-            st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
-            kv = self._ring_chunk(st, origin)
-            if not bwd:
-                t = kv  # the forward's compute of this hop reads it next
-            else:
-                st["chunks"].pop(origin)
-                dkv = st["dkv"].pop(origin)
-                t = dkv if home else torch.cat([kv, dkv])
-                if home:
-                    del self.ring_bwd[(l, mb)]
-            self._issue(ins, [self.comm.isend(t.contiguous(), ins.peer, tag=tag)], None)
-            return
-        shape = self.read(("kvf", l, mb)).shape  # (2, B, nkv, T, hd): every chunk has this rank's shape
-        if home:  # this rank's own dK/dV, complete: the gradient of `kv` that the qkv backward reads
-            buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-            key = ("kv", l, mb)
-            self.d[key] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], lambda: self._deliver(key, buf, True))
-            return
-        st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
-        buf = torch.empty((4 if bwd else 2,) + tuple(shape[1:]), dtype=self.dtype, device=self.device)
-
-        def finish():
-            if bwd:
-                st["chunks"][origin], st["dkv"][origin] = buf[:2], buf[2:]
-            else:
-                st["chunks"][origin] = buf
-
-        st["chunks"][origin] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], finish)
-
     # --- collectives ------------------------------------------------------------------------------
     def collective(self, ins: Instr) -> None:
         block = ins.block
@@ -1442,154 +825,22 @@ class _Rank:
         w = self._issue(ins, [work], finish)
         (self.d if grad else self.env)[key] = w
 
-    # --- gradients --------------------------------------------------------------------------------
-    def local_grad(self, name: str) -> Tensor:
-        """This rank's gradient of `name` so far (moved out of .grad), zeros if none."""
-        w = self.g_pending.pop(name, None)
-        if w is not None:
-            w.wait()
-        p = self.p[name]
-        g = self.g.pop(name, None)
-        if p.grad is not None:
-            g = p.grad if g is None else g + p.grad
-            p.grad = None
-        if g is None:
-            g = torch.zeros(self.shapes[name], dtype=p.dtype, device=self.device)
-        return g
-
-    def grads_bucket(self, ins: Instr, verb: str, g) -> None:
-        """`grads<k>`: flatten the gradients of the bucket's units; all-reduce (ZeRO-0) or
-        reduce-scatter into the bucket's shard (ZeRO-1/2, accumulated over micro-batches)."""
-        cls = self._cls(ins.axis)
-        key = (cls, tuple(ins.items))
-        names = [n for u in ins.items for n in self.unit_names(u, cls)]
-        fl = self.buckets.get(key) or self._flat(names, ins.group)
-        flat = self.gbuf.get(key)
-        if flat is None and key in self.z2buf:  # ZeRO-2: the gradients are in the bucket's buffer already
-            flat = self.z2buf.pop(key)
-            self.z2views.pop(key, None)
-            for n, v in zip(names, fl.views(flat)):
-                gr = self.local_grad(n)  # (moved out of the buffer where tp-reduced: copied back)
-                if gr.data_ptr() != v.data_ptr():
-                    v.copy_(gr)
-        elif flat is None:  # XLA (no aliasing views): each gradient is dropped as soon as it is in the bucket
-            for n in names:  # the previous micro-batch's bucket first: its buffer goes before this one comes
-                w = self.g_pending.pop(n, None)
-                if w is not None:
-                    w.wait()
-            flat = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
-            flat[fl.total :].zero_()
-            for n, v in zip(names, fl.views(flat)):
-                v.copy_(self.local_grad(n))
-        else:  # gradients are in the buffer already, but for those moved out (tp-reduced, see local_grad)
-            for n, v in zip(names, fl.views(flat)):
-                gr = self.local_grad(n)
-                if gr.data_ptr() != v.data_ptr():
-                    v.copy_(gr)
-        if verb == "allreduce":
-            work = self.comm.all_reduce(flat, group=g, async_op=True)
-
-            def finish():
-                for n, v in zip(names, fl.views(flat)):
-                    self.reduced[n] = v
-        elif verb == "reducescatter":
-            # ZeRO-1 reduces its gradient buffer once per step, in place into this rank's slice (the
-            # buffer is zeroed when the next step starts); ZeRO-2 into a new shard, summed over
-            # micro-batches
-            in_place = key in self.gbuf and not self.xla
-            out = fl.my_slice(flat) if in_place else torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
-            work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
-
-            if key not in self.shards:
-                raise RuntimeError(f"rank {self.rank}: {ins.name}: reduce-scattered bucket {key} has no params<k> gather")
-            finish = self._accumulate_shard(key, out)
-        else:
-            raise ValueError(f"rank {self.rank}: {ins.name}: gradient bucket with {verb}")
-        w = self._issue(ins, [work], finish)
-        for n in names:
-            self.g_pending[n] = w
-        if verb == "reducescatter":
-            self.gshard_pending[key] = w
-
-    def _accumulate_shard(self, key: tuple, out: Tensor) -> Callable[[], None]:
-        def finish():
-            prev = self.gshard.get(key)
-            self.gshard[key] = out if prev is None else prev + out
-        return finish
-
-    def grads_rep(self, ins: Instr, g) -> None:
-        """HSDP: all-reduce a gradient shard across the replicate groups (`grads_rep<k>` a bucket's,
-        `grads_rep` a ZeRO-3 unit's)."""
-        # the lowering replicates only dense gradients (experts are sharded over edp, not dp_shard)
-        key = ("dense", ins.layer) if ins.block == "grads_rep" else ("dense", tuple(ins.items))
-        w = self.gshard_pending.pop(key, None)
-        if w is not None:
-            w.wait()
-        buf = self.gshard[key]
-        self._issue(ins, [self.comm.all_reduce(buf, group=g, async_op=True)], None)
-
-    # --- ZeRO-3 -----------------------------------------------------------------------------------
-    def z3_gather(self, ins: Instr, g) -> None:
-        key = (self._cls(ins.axis), ins.layer)
-        fl = self.z3[key]
-        parity = (key[0], ins.layer % 2)
-        yafsdp = self.flavour == "yafsdp"
-        if yafsdp:
-            out = self.z3_buffers[parity][: fl.padded]
-        else:
-            out = self.z3_live.get(key)
-            if out is None:
-                out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)  # allocated on demand
-        work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
-
-        def finish():
-            self.z3_live[key] = out
-            for n, v in zip(fl.names, fl.views(out)):
-                self.p[n].data = v
-            if yafsdp and ins.phase == "bwd":  # autograd accumulates straight into the gradient buffer
-                busy = self.z3_gbusy.pop(parity, None)
-                if busy is not None:
-                    busy.wait()
-                gbuf = self.z3_gbuffers[parity][: fl.padded]
-                gbuf.zero_()
-                for n, v in zip(fl.names, fl.views(gbuf)):
-                    self.p[n].grad = v
-
-        self.z3_pending[key] = self._issue(ins, [work], finish)
-
-    def z3_grads(self, ins: Instr, g) -> None:
-        """ZeRO-3: reduce-scatter the unit's gradients (this micro-batch's) into its shard."""
-        key = (self._cls(ins.axis), ins.layer)
-        fl = self.z3[key]
-        if self.flavour == "yafsdp":  # the unit's gradients are (mostly) in its buffer already
-            parity = (key[0], ins.layer % 2)
-            flat = self.z3_gbuffers[parity][: fl.padded]
-            for n, v in zip(fl.names, fl.views(flat)):
-                gr = self.local_grad(n)
-                if gr.data_ptr() != v.data_ptr():
-                    v.copy_(gr)
-        else:
-            flat = fl.flatten([self.local_grad(n) for n in fl.names])  # allocated on demand
-        out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
-        work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
-        w = self._issue(ins, [work], self._accumulate_shard(key, out))
-        self.gshard_pending[key] = w
-        if self.flavour == "yafsdp":
-            self.z3_gbusy[parity] = w
-
-    def z3_release(self, key: tuple) -> None:
-        """fsdp: the unit's gathered buffer is freed after its last use (yafsdp keeps its two)."""
-        w = self.z3_pending.pop(key, None)
-        if w is not None:
-            w.wait()
-        if self.flavour == "yafsdp":
-            return
-        empty = torch.empty(0, dtype=self.dtype, device=self.device)
-        for n in self.z3[key].names:
-            self.p[n].data = empty
-        self.z3_live.pop(key, None)
-
     # --- optimizer --------------------------------------------------------------------------------
+    def _setup_optimizer(self) -> None:
+        """Adam over: bucket / unit shards (ZeRO), and every parameter no shard covers."""
+        sharded = [fl for k, fl in self.buckets.items() if k in self.shards] + list(self.z3.values())
+        covered = {n for fl in sharded for n in fl.names}
+        self.opt_keys: list = list(self.shards) + [n for n in self.p if n not in covered]
+        tensors = [self.shards[k] if isinstance(k, tuple) else self.p[k].detach() for k in self.opt_keys]
+        self.offload = self.plan.offload != "none"
+        if self.offload:  # host copies: the optimizer's parameters and states live in host memory
+            self.host = [t.detach().to("cpu", copy=True) for t in tensors]
+            self.host_grads = [torch.empty_like(h) for h in self.host]
+            self.opt = Adam(self.host)
+        else:
+            self.opt = Adam(tensors, master_grads=self.plan.master_grads)
+        self.opt_tensors = tensors
+
     def optimizer_step(self, ins: Instr) -> None:
         """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
         whose gradients `grads_d2h` brought."""
@@ -1649,24 +900,6 @@ class _Rank:
                         t.copy_(h)
         else:
             raise ValueError(f"rank {self.rank}: {ins.name}: unknown copy {ins.block!r}")
-
-    def params_gather(self, ins: Instr, g) -> None:
-        """ZeRO-1/2: all-gather the updated shards of bucket k back into the parameters."""
-        key = (self._cls(ins.axis), tuple(ins.items))
-        fl = self.buckets[key]
-        buf = self.pbuf.get(key)
-        if buf is not None:  # in place: the shard is this rank's slice of the parameters' buffer
-            self._issue(ins, [self.comm.all_gather(buf, self.shards[key], group=g, async_op=True)], None)
-            return
-        out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
-        work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
-
-        def finish():
-            with torch.no_grad():
-                for n, v in zip(fl.names, fl.views(out)):
-                    self.p[n].copy_(v)
-
-        self._issue(ins, [work], finish)
 
     # --- results ----------------------------------------------------------------------------------
     def final_params(self) -> dict[str, Tensor]:

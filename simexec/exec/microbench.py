@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from simexec.exec.interpreter import run_rank
 
-# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (as simexec.exec.interpreter does)
+# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (as simexec.exec.collectives does)
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

@@ -101,7 +101,7 @@ def comm_for(group_backend: str):
     torch.distributed's own where the `xla` backend takes XLA tensors, else gloo on host copies."""
     if "xla" not in group_backend:
         return HostComm()
-    from simexec.exec.interpreter import TorchComm
+    from simexec.exec.collectives import TorchComm
 
     return TorchComm
 
@@ -153,8 +153,8 @@ class HostComm:
     @staticmethod
     def reduce_scatter(out, inp, group=None, async_op=False):
         """As gloo runs it (an all-reduce, then this rank's slice), done here so that the work reports
-        completion when the all-reduce ends (`simexec.exec.interpreter.reduce_scatter_by_all_reduce`)."""
-        from simexec.exec.interpreter import rank_slice
+        completion when the all-reduce ends (`simexec.exec.collectives.reduce_scatter_by_all_reduce`)."""
+        from simexec.exec.collectives import rank_slice
 
         h = _host(inp)
         return _done(_HostWork(dist.all_reduce(h, group=group, async_op=True), [(out, rank_slice(h, out, group))]),

@@ -429,7 +429,7 @@ class HostCosts:
         transfer: the interpreter's Python around it (`instr_overhead_s`) and, for one that carries
         parameter units (gradient buckets, ZeRO gathers and shards), two tensor views per parameter
         tensor at `launch_overhead_s` each: one to put the tensor into the flat buffer, one to take
-        the result out (`simexec.exec.interpreter`: `grads_bucket`, `z3_gather`, `z3_grads`)."""
+        the result out (`simexec.exec.sharding`: `grads_bucket`, `z3_gather`, `z3_grads`)."""
         t = self.instr_s
         if ins.items and self.model is not None:
             part = "expert" if ins.axis == "edp" else "dense"

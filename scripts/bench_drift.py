@@ -27,7 +27,7 @@ PLAN = "dp=1,gbs=8,dtype=fp32"
 
 
 def _bench_step(extra: dict) -> float:
-    from simexec.calibrate import merge_results
+    from simexec.calibrate_micro import merge_results
 
     recs = merge_results({str(k): v for k, v in extra.items()})["blocks"][0]["records"]
     return statistics.median(sum(r["t"][i] for r in recs) for i in range(len(recs[0]["t"])))
@@ -35,7 +35,7 @@ def _bench_step(extra: dict) -> float:
 
 def _plan_equivalent(result) -> float:
     """The plan's steady step as two micro-batches and one optimizer step (from its trace)."""
-    from simexec.calibrate import steady_step
+    from simexec.calibrate_traces import steady_step
 
     step = steady_step(result.step_times_s, result.step_time_s)
     events = result.trace.events

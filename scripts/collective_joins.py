@@ -40,7 +40,7 @@ def joins(events: list, stream: str, kinds: tuple[str, ...]) -> list[tuple[str, 
 def bench_alone(recording: Path, verb: str, ranks: int, nbytes: int) -> tuple[float, float, int] | None:
     """(median ms, mean ms, bytes) of the micro-benchmark's `verb` over `ranks` ranks after a barrier,
     at the benchmarked size nearest `nbytes` (in ratio); None without one."""
-    from simexec.calibrate import merge_results
+    from simexec.calibrate_micro import merge_results
     from simexec.trace import load_json
 
     path = recording / "microbench.json.gz"

@@ -91,7 +91,7 @@ def run(out: str, only: list[str], backend: str) -> int:
 
 
 def calibrate(src: str, out: str) -> int:
-    from simexec.calibrate import calibrate_from_traces
+    from simexec.calibrate_traces import calibrate_from_traces
 
     paths = [Path(src) / f"{name}.json.gz" for name in CALIBRATE]
     prof = calibrate_from_traces(paths, CLUSTER, out, base_profile=PROFILE, name="h100-traces")

@@ -67,7 +67,7 @@ def split(trace, predicted) -> dict[str, tuple[float, float]]:
 
 def instruction_times(traces) -> dict[str, list[float]]:
     """Compute events' durations (µs) by instruction kind (`bwd.fc1`, ...), over the given traces."""
-    from simexec.calibrate import _event_kind
+    from simexec.calibrate_traces import _event_kind
 
     out: dict[str, list[float]] = {}
     for t in traces:
@@ -87,7 +87,8 @@ def versus(mine: dict[str, list[float]], ref: dict[str, list[float]]) -> tuple[f
 
 def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Optional[str] = None) -> list[str]:
     """The table's lines; raises SimexecError for a directory, profile or trace that cannot be read."""
-    from simexec.calibrate import _case, load_profile, predict_case
+    from simexec.calibrate import load_profile
+    from simexec.calibrate_traces import _case, predict_case
     from simexec.calibrate_eval import _sections
     from simexec.cluster import get_cluster
     from simexec.trace import Trace

@@ -3,12 +3,13 @@ predict the others before and after calibration. Shared by `scripts/validate_cal
 `simexec.demo`.
 
 A plan is measured `rounds` times (interleaved with the other plans, so that a burst of load on the
-host does not hit one plan only); its measured step time is the median over the rounds of each
-run's steady-state step time (`simexec.calibrate.steady_step`: the median of its last half of steps). Every run records
-the cores' worth of CPU the host's other users took meanwhile (`background`), and predictions of
-that run take it as the host model's `background_load`: the simulator predicts the plan under the
-conditions it ran in, not under some other moment's. The spread between rounds of one plan is the
-noise floor of any prediction on this machine, and is reported with the errors.
+host does not hit one plan only); its measured step time is the median over the rounds of each run's
+steady-state step time (`simexec.calibrate_traces.steady_step`: the median of its last half of
+steps). Every run records the cores' worth of CPU the host's other users took meanwhile
+(`background`), and predictions of that run take it as the host model's `background_load`: the
+simulator predicts the plan under the conditions it ran in, not under some other moment's. The
+spread between rounds of one plan is the noise floor of any prediction on this machine, and is
+reported with the errors.
 """
 from __future__ import annotations
 
@@ -20,10 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from simexec.calibrate import (
-    CalibrationError, _Case, _case, _jsonable, fit_traces, make_profile, measure_microbench, microbench_profile,
-    now_iso, predict_case, profiled_cluster, save_profile, steady_step,
-)
+from simexec.calibrate import CalibrationError, _jsonable, make_profile, now_iso, profiled_cluster, save_profile
+from simexec.calibrate_micro import measure_microbench, microbench_profile
+from simexec.calibrate_traces import _Case, _case, fit_traces, predict_case, steady_step
 from simexec.cluster import ClusterSpec, get_cluster
 
 STEPS = 16  # per run: the median of the last eight is its step time (`steady_step`)
@@ -338,7 +338,8 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
     """Fit and predict again from a validation run's products (its raw micro-benchmark timings and its
     traces), measuring nothing: how a change of the cost model moves the same measurements. `cluster`:
     the `local` preset by default (another, e.g. with `costs.cpu_scheduler` "slices", compares models)."""
-    from simexec.calibrate import fit_microbench, load_profile
+    from simexec.calibrate import load_profile
+    from simexec.calibrate_micro import fit_microbench
     from simexec.trace import load_json
 
     out_dir = Path(out_dir)

@@ -270,7 +270,8 @@ def cmd_execute(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from simexec.calibrate import calibrate_from_microbench, calibrate_from_traces
+    from simexec.calibrate_micro import calibrate_from_microbench
+    from simexec.calibrate_traces import calibrate_from_traces
     from simexec.errors import SimexecError as _Err
 
     if args.method == "traces":

@@ -55,7 +55,8 @@ class _Progress:
 def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, session=None,
          specs=None, steps: int = STEPS, rounds: int = ROUNDS, max_nfev: int = 25) -> dict:
     """Run the demo; returns the summary (also written to out_dir/summary.json)."""
-    from simexec.calibrate import CalibrationError, _jsonable, fit_traces, make_profile, save_profile
+    from simexec.calibrate import CalibrationError, _jsonable, make_profile, save_profile
+    from simexec.calibrate_traces import fit_traces
     from simexec.calibrate_eval import (
         DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, repeatability, runnable, typical_runs,
         world_of,
@@ -101,7 +102,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
             bar.note("starting Ray")
             sess.__enter__()
         try:
-            from simexec.calibrate import calibrate_from_microbench
+            from simexec.calibrate_micro import calibrate_from_microbench
 
             bar.note("micro-benchmarks")
             prof_mb = calibrate_from_microbench(cluster, 4, None, name="demo-microbench", quick=True, session=sess)
@@ -133,7 +134,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         t3 = time.perf_counter()
         rows = evaluate(runs, cluster, {"before": None, "microbench": _sections(prof_mb), "traces": _sections(prof_tr)})
         after_traces = {}
-        from simexec.calibrate import predict_case
+        from simexec.calibrate_traces import predict_case
 
         for r in typical:
             res = predict_case(case_of(r), cluster, _sections(prof_tr), trace=True)

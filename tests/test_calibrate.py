@@ -5,10 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from simexec.calibrate import (
-    PARAMS, CalibrationError, _case, calibrate_from_traces, fit_traces, load_cases, make_profile, predict_case,
-    profiled_cluster, save_profile, set_params,
-)
+from simexec.calibrate import PARAMS, CalibrationError, make_profile, profiled_cluster, save_profile, set_params
+from simexec.calibrate_traces import _case, calibrate_from_traces, fit_traces, load_cases, predict_case
 from simexec.cluster import get_cluster
 from simexec.errors import SimexecError
 from simexec.model import get_model
@@ -157,7 +155,7 @@ def test_calibration_refuses_bad_inputs(tmp_path):
         calibrate_from_traces([tmp_path / "pred.json.gz"], "local")
     with pytest.raises(SimexecError, match="not found"):
         load_cases([tmp_path / "missing.json"])
-    from simexec.calibrate import calibrate_from_microbench
+    from simexec.calibrate_micro import calibrate_from_microbench
 
     with pytest.raises(CalibrationError, match="ranks"):
         calibrate_from_microbench("local", 1)
@@ -235,7 +233,7 @@ def test_moe_loops_count_the_local_experts():
 def test_block_fit_recovers_per_byte_element_wise_costs():
     """One-rank steps at two micro-batch sizes, timed by the host model with known costs (GELU and
     the loss several times an add per byte, Adam twice): the block fit finds the costs again."""
-    from simexec.calibrate import _one_rank_tensors, fit_blocks
+    from simexec.calibrate_micro import _one_rank_tensors, fit_blocks
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
     from simexec.sim.host import HostCosts
@@ -270,7 +268,7 @@ def test_block_fit_recovers_per_byte_element_wise_costs():
 def test_compute_then_all_reduce_loop_on_the_host_model():
     """Two ranks on two idle cores: an iteration is its compute and then the all-reduce alone; four
     ranks on two cores pay for sharing them: more than twice the compute, and waits for a core."""
-    from simexec.calibrate import host_comm_time, host_loop_time
+    from simexec.calibrate_comm import host_comm_time, host_loop_time
 
     c = profiled_cluster(LOCAL, TRUTH)
     alone = host_comm_time(c, "allreduce", 2, 16384)
@@ -314,7 +312,7 @@ def test_a_core_that_alternates_between_threads_runs_slower_and_the_sharing_fit_
     The sharing benchmark's slowdowns give both factors back."""
     import simpy
 
-    from simexec.calibrate import fit_sharing
+    from simexec.calibrate_micro import fit_sharing
     from simexec.sim.host import Cores
 
     def finish(n: int) -> float:
@@ -374,7 +372,7 @@ def test_micro_benchmark_runs_pool_into_one_set_of_timings():
     """Runs of the micro-benchmarks spread over a session pool: each benchmark's timings (and CPU
     times) from every run together, the one-rank step's instructions by name, each run's sharing
     rounds apart; the pooled set fits like one run."""
-    from simexec.calibrate import merge_results, pool_microbench
+    from simexec.calibrate_micro import merge_results, pool_microbench
 
     def raw(t: float, bg: float) -> dict:
         return {"background": bg, "extras": {
@@ -497,7 +495,7 @@ def test_a_thread_woken_onto_an_idle_core_waits_for_it_the_longer_it_has_idled()
     nothing while every core is busy. So a ping-pong beside busy ranks beats one on an idle host."""
     import simpy
 
-    from simexec.calibrate import host_pingpong_time
+    from simexec.calibrate_comm import host_pingpong_time
     from simexec.sim.host import Cores
 
     env = simpy.Environment()
@@ -524,7 +522,7 @@ def test_block_fit_gives_another_model_family_costs_of_its_own():
     """gpt-tiny's and moe-tiny's one-rank steps, timed by the host model with different costs for
     the same block names (layer norm against RMSNorm before qkv) and for the MoE blocks: the fit finds both, under
     moe-tiny's family keys, and the simulator prices each model with its own."""
-    from simexec.calibrate import fit_blocks
+    from simexec.calibrate_micro import fit_blocks
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
     from simexec.sim.host import HostCosts, cost_family
@@ -566,7 +564,7 @@ def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():
     fit gets both back; records that measured no CPU are left out."""
     import random
 
-    from simexec.calibrate import fit_comm_cpu
+    from simexec.calibrate_comm import fit_comm_cpu
 
     rng = random.Random(0)
     per_step, bw = 150e-6, 2e9
@@ -598,7 +596,7 @@ def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     """With `comm_cpu_s` a ring step occupies every member's core that long: on two idle cores four
     ranks' all-reduce takes at least its steps x 2 ranks per core x the per-step CPU; computing ranks
     beside it are slowed by it, which a free-latency message would not do."""
-    from simexec.calibrate import host_comm_time
+    from simexec.calibrate_comm import host_comm_time
 
     base = {**TRUTH, "node": {**TRUTH["node"], "intra_latency_s": 1e-6}}
     cheap = profiled_cluster(LOCAL, base)
@@ -615,7 +613,7 @@ def test_trace_fit_matches_summed_instruction_times_not_the_typical_event():
     """A step adds its instructions up. Residuals per kind of instruction compare sums: events whose
     times scatter around the prediction leave no residual when their sum matches, and one long stall
     counts at its full length (a per-event log ratio with a robust loss would all but drop it)."""
-    from simexec.calibrate import _event_groups, _event_kind, _group_residuals
+    from simexec.calibrate_traces import _event_groups, _event_kind, _group_residuals
 
     assert _event_kind("3:bwd.fc1.L2.m5") == "bwd.fc1"
     assert _event_kind("0:p2p.act.v1.m0") == "p2p.act"
@@ -636,7 +634,7 @@ def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
     of (n-1)/n of the tensor per member. Its broadcast is a binomial tree whose root returns once its
     sends are written: the micro-benchmark, timing the root, sees the call and the root's sends,
     not the hops to the last member."""
-    from simexec.calibrate import _bench_instr, host_comm_time
+    from simexec.calibrate_comm import _bench_instr, host_comm_time
     from simexec.sim.host import HostCosts
 
     assert HostCosts.comm_steps(_bench_instr("alltoall", 4, 4096)) == (1, 3072.0)
@@ -654,7 +652,7 @@ def test_a_collective_keeps_two_steps_on_the_wire_as_gloo_does():
     `gloo/allgather.cc`): a step's latency overlaps the next step's CPU. A 4-rank all-gather (3
     steps) with a core per member, each step 0.1 ms of CPU and 0.2 ms on the wire: the call, two
     bursts back to back, the third once the first step's data is through, then its own wire."""
-    from simexec.calibrate import host_comm_time
+    from simexec.calibrate_comm import host_comm_time
 
     call, burst, wire = 60e-6, 100e-6, 200e-6
     costs = {**TRUTH["costs"], "comm_cpu_s": burst, "collective_latency_s": call, "sched_slice_s": 0.0,
@@ -680,7 +678,7 @@ def test_a_recomputed_layers_first_forward_costs_the_no_grad_ratio_and_the_fit_m
     """Full recompute: the forwards that `recompute.*` repeats run without autograd; the host model
     prices them at `nograd_fwd_ratio`, and `nograd_forward_ratio` reads that ratio back from the
     one-rank step timed with and without recompute."""
-    from simexec.calibrate import nograd_forward_ratio
+    from simexec.calibrate_micro import nograd_forward_ratio
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
     from simexec.sim.host import HostCosts
@@ -709,7 +707,7 @@ def test_a_recomputed_layers_first_forward_costs_the_no_grad_ratio_and_the_fit_m
 
 
 def test_a_stall_does_not_become_the_kernels_cost():
-    from simexec.calibrate import kernel_mean
+    from simexec.calibrate_micro import kernel_mean
 
     ts = [5e-6] * 199 + [4e-3]  # one 4 ms stall among 200 one-operator adds
     assert kernel_mean(ts) == pytest.approx(5e-6)

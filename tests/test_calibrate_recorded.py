@@ -7,7 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from simexec.calibrate import fit_microbench, load_cases, load_profile, predict_case
+from simexec.calibrate import load_profile
+from simexec.calibrate_micro import fit_microbench
+from simexec.calibrate_traces import load_cases, predict_case
 from simexec.cluster import get_cluster
 from simexec.sim.profile import apply_profile
 from simexec.trace import load_json

@@ -22,7 +22,7 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
   ping-pong while the other ranks compute (how long a woken rank waits for a core);
 - `copies`: host memory copies across sizes.
 
-Times are per repetition (seconds); the fit reads each set at its mean (`simexec.calibrate.summed_mean`).
+Times are per repetition (seconds); the fit reads each set at its mean (`simexec.calibrate_comm.summed_mean`).
 `count_dispatch` counts the aten operators each instruction of the executor dispatches (the
 `simexec.sim.host.DISPATCH` table).
 """

@@ -48,7 +48,7 @@ while it alternates between threads (`timeslice_contention` once twice as many a
 are cores: each switch, and each thread's caches refilled when it comes back). Those two slowdowns
 are the main threads': a communication burst runs at its bare share of the cores, since its
 CPU-seconds are fitted to the CPU time of collectives that ran on every member at once
-(`simexec.calibrate.fit_comm_cpu`), the cores as busy as a collective keeps them, and so hold that
+(`simexec.calibrate_comm.fit_comm_cpu`), the cores as busy as a collective keeps them, and so hold that
 slowdown already. A thread that wakes
 (a rank's main thread from a wait, or a communication thread for its next burst) does not run at
 once when the running threads already fill the cores: Linux's scheduler (EEVDF) lets a running

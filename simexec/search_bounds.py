@@ -332,7 +332,7 @@ class _StructureBounds:
         return t
 
     def _layer_forward(self, blocks: dict, rank: int) -> float:
-        an, p, t = self.an, self.p, 0.0
+        an, t = self.an, 0.0
         t += self._tp("attn_in", 0, rank) + self._fwd(blocks["qkv"])
         t += self._attention(blocks["attn"], rank, 0) + self._fwd(blocks["proj"])
         t += self._tp("attn_out", 0, rank) + self._tp("mlp_in", 0, rank)

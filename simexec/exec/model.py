@@ -346,7 +346,7 @@ def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tens
     (B, nh, T, S) beside q, k and v. Query heads sharing a kv head broadcast against it (no copies).
     q (B, nh, T, hd), k, v (B, nkv, S, hd) -> (B, T, nh*hd)."""
     B, nh, T, hd = q.shape
-    nkv, S = k.shape[1], k.shape[2]
+    nkv = k.shape[1]
     qg = q.view(B, nkv, nh // nkv, T, hd)
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).mul_(1.0 / math.sqrt(hd))  # (B, nkv, rep, T, S)
     if causal:

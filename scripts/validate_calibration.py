@@ -18,6 +18,9 @@ timings and traces in DIR and predicts its runs again (after a change of the cos
 DIR's profiles and validation.json. DIR can also be a recording of `scripts/record_traces.py`
 (`traces/local`, the measurements behind docs/calibration.md): it is copied to --out first.
 
+--trace-params NAMES chooses what the trace fit moves (`simexec.calibrate.PARAMS` names), e.g. to see
+how the held-out error moves when a parameter the micro-benchmarks measured is held.
+
 --cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.SlicedCores`)
 instead of processor sharing, in both fits and every prediction.
 """
@@ -32,9 +35,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simexec.calibrate import PARAMS  # noqa: E402
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
+from simexec.calibrate_traces import TRACE_PARAMS  # noqa: E402
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.errors import SimexecError  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
@@ -86,9 +91,20 @@ def main(argv=None) -> int:
     ap.add_argument("--markdown", default=None, help="a Markdown file to write the table into (between markers)")
     ap.add_argument("--name", default="local", help="profile name prefix")
     ap.add_argument("--refit", default=None, metavar="DIR", help="fit and predict an earlier run's products again")
+    ap.add_argument("--trace-params", default=None, metavar="NAMES",
+                    help="comma-separated parameters the trace fit moves (simexec.calibrate.PARAMS; default: "
+                         + ",".join(TRACE_PARAMS) + ")")
     ap.add_argument("--cpu-scheduler", choices=("sharing", "slices"), default="sharing",
                     help="how the model shares the host's cores (costs.cpu_scheduler; docs/calibration.md)")
     args = ap.parse_args(argv)
+    trace_params = None
+    if args.trace_params is not None:
+        trace_params = tuple(n.strip() for n in args.trace_params.split(",") if n.strip())
+        unknown = [n for n in trace_params if n not in PARAMS]
+        if unknown or not trace_params:
+            print(f"validate_calibration: error: --trace-params {args.trace_params!r}: unknown {unknown or 'none given'};"
+                  f" known: {', '.join(PARAMS)}", file=sys.stderr)
+            return 2
     local = get_cluster("local")
     cluster = local.model_copy(update={"costs": local.costs.model_copy(update={"cpu_scheduler": args.cpu_scheduler})})
 
@@ -102,11 +118,13 @@ def main(argv=None) -> int:
             out = Path(args.refit)
             if (out / "manifest.json").is_file() and not (out / "validation.json").is_file():
                 out = from_recording(out, Path(args.out), args.name)
-            outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster)
+            outcome = refit(out, max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster,
+                            trace_params=trace_params)
         else:
             out = Path(args.out)
             outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
-                                     max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster)
+                                     max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster,
+                                     trace_params=trace_params)
     except SimexecError as exc:
         print(f"validate_calibration: error: {exc}", file=sys.stderr)
         return 2

@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 
 from simexec.calibrate import CalibrationError, _jsonable, make_profile, now_iso, profiled_cluster, save_profile
 from simexec.calibrate_micro import measure_microbench, microbench_profile
-from simexec.calibrate_traces import _Case, _case, fit_traces, predict_case, steady_step
+from simexec.calibrate_traces import TRACE_PARAMS, _Case, _case, fit_traces, predict_case, steady_step
 from simexec.cluster import ClusterSpec, get_cluster
 
 STEPS = 16  # per run: the median of the last eight is its step time (`steady_step`)
@@ -296,10 +296,11 @@ LABELS = {"before": "before (preset)", "microbench": "after micro-benchmarks", "
 
 def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds: int = 3, steps: int = STEPS,
                    quick_bench: bool = False, max_nfev: int = 40, session=None, name: str = "local",
-                   progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None
-                   ) -> Outcome:
+                   progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None,
+                   trace_params: Optional[Sequence[str]] = None) -> Outcome:
     """Micro-benchmark calibration, the plan matrix measured `rounds` times, trace calibration on the
-    calibration plans, predictions of every plan before and after each calibration."""
+    calibration plans, predictions of every plan before and after each calibration. `trace_params`:
+    the parameters the trace fit moves (`simexec.calibrate.PARAMS` names; its default set without)."""
     from simexec.calibrate_runs import Session
 
     out_dir = Path(out_dir)
@@ -330,11 +331,12 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
                                  wall_s=time.perf_counter() - t0)
     return fit_and_evaluate(out_dir, runs, prof_mb, rounds=rounds, steps=steps, skipped=skipped, max_nfev=max_nfev,
                             name=name, tick=tick, timing={"measure_s": time.perf_counter() - t0, "t0": t0},
-                            cluster=cluster)
+                            cluster=cluster, trace_params=trace_params)
 
 
 def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
-          progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None) -> Outcome:
+          progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None,
+          trace_params: Optional[Sequence[str]] = None) -> Outcome:
     """Fit and predict again from a validation run's products (its raw micro-benchmark timings and its
     traces), measuring nothing: how a change of the cost model moves the same measurements. `cluster`:
     the `local` preset by default (another, e.g. with `costs.cpu_scheduler` "slices", compares models)."""
@@ -356,12 +358,14 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
                             steps=old.summary.get("steps", STEPS), skipped=old.skipped, max_nfev=max_nfev, name=name,
                             tick=progress or (lambda msg: None),
                             timing={"measure_s": old.summary.get("measure_s", 0.0),
-                                    "t0": t0 - old.summary.get("measure_s", 0.0)}, cluster=cluster)
+                                    "t0": t0 - old.summary.get("measure_s", 0.0)}, cluster=cluster,
+                            trace_params=trace_params)
 
 
 def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, rounds: int, steps: int, skipped: dict,
                      max_nfev: int, name: str, tick: Callable[[str], None], timing: dict,
-                     cluster: Optional[ClusterSpec] = None) -> Outcome:
+                     cluster: Optional[ClusterSpec] = None, trace_params: Optional[Sequence[str]] = None
+                     ) -> Outcome:
     """The trace fit on the calibration runs (from the micro-benchmark profile), both profiles saved
     under out_dir/profiles, every run predicted before and after each calibration."""
     cluster = cluster or get_cluster("local")
@@ -370,7 +374,8 @@ def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, round
     sections = {k: v for k, v in prof_mb.items() if k in ("costs", "device", "node")}
     sections = fit_memory(calib, cluster, sections)
     prof_mb = {**prof_mb, "costs": sections["costs"]}
-    fitted, report = fit_traces([case_of(r) for r in calib], cluster, sections, max_nfev=max_nfev)
+    fitted, report = fit_traces([case_of(r) for r in calib], cluster, sections, max_nfev=max_nfev,
+                                params=tuple(trace_params or TRACE_PARAMS))
     fitted = fit_memory(calib, cluster, fitted)
     prof_tr = make_profile(f"{name}-traces", "traces", fitted["costs"], fitted.get("device"), fitted.get("node"),
                            machine=prof_mb.get("machine"), measured_at=prof_mb.get("measured_at"),

@@ -100,6 +100,19 @@ def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, mess
         from_recording(tmp_path / "rec", tmp_path / "out")
 
 
+def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(capsys):
+    """`--trace-params` names what the trace fit moves; a name no fit knows is refused before anything
+    is read or measured."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--refit", str(DIR), "--trace-params", "op,bandwidth"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "'bandwidth'" in err[0] and "intra_bw" in err[0]
+
+
 GPU = ROOT / "traces" / "gpu"
 
 

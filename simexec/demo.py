@@ -178,7 +178,8 @@ def _plots(out: Path, runs, rows, before: dict, after: dict) -> None:
     pdir.mkdir(parents=True, exist_ok=True)
     cal = [(r.name, r.predicted_s["before"], r.measured_s) for r in rows]
     cal_after = [(r.name, r.predicted_s["traces"], r.measured_s) for r in rows]
-    plot.plot_calibration(cal, cal_after, pdir / "calibration.png")
+    plot.plot_calibration(cal, cal_after, pdir / "calibration.png",
+                          heldout=[r.name for r in rows if r.role == "heldout"])
     for run in runs:
         name = run.spec.name
         measured = Trace.load(run.trace_path)

@@ -362,11 +362,13 @@ def _mape(rows) -> float:
 
 
 def plot_calibration(before: Sequence[tuple[str, float, float]], after: Sequence[tuple[str, float, float]],
-                     out=None, *, title: Optional[str] = None):
+                     out=None, *, title: Optional[str] = None, heldout: Sequence[str] = ()):
     """Per plan (name, predicted_s, measured_s) before and after calibration: bars of step time
     (measured, predicted before, predicted after) and a predicted-vs-measured scatter with y = x.
-    MAPE = mean of |predicted - measured| / measured over the plans."""
+    MAPE = mean of |predicted - measured| / measured over the plans; `heldout` names the plans the
+    calibration did not see, starred on the axis, with their own MAPE in the title."""
     before, after = list(before), list(after)
+    held = set(heldout)
     if not before and not after:
         raise SimexecError("plot_calibration: no plans given")
     names = list(dict.fromkeys([n for n, _, _ in before] + [n for n, _, _ in after]))
@@ -385,8 +387,8 @@ def plot_calibration(before: Sequence[tuple[str, float, float]], after: Sequence
     ax_bar.bar([x + width for x in xs], [a[n][0] * 1e3 if n in a else 0 for n in names], width, color="#1f77b4",
                label=f"predicted after (MAPE {mape_a:.1%})")
     ax_bar.set_xticks(list(xs))
-    ax_bar.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
-    ax_bar.set_xlabel("plan")
+    ax_bar.set_xticklabels([f"{n}*" if n in held else n for n in names], rotation=35, ha="right", fontsize=8)
+    ax_bar.set_xlabel("plan (* held out)" if held else "plan")
     ax_bar.set_ylabel("step time (ms)")
     ax_bar.set_title("step time per plan", fontsize=10)
     ax_bar.legend(fontsize=8)
@@ -415,8 +417,11 @@ def plot_calibration(before: Sequence[tuple[str, float, float]], after: Sequence
     ax_sc.set_title("predicted vs measured", fontsize=10)
     ax_sc.legend(fontsize=8)
     ax_sc.grid(color="0.9", linewidth=0.6)
-    fig.suptitle(title or f"calibration: step-time MAPE {mape_b:.1%} before, {mape_a:.1%} after "
-                          f"({len(names)} plans)")
+    default = f"calibration: step-time MAPE {mape_b:.1%} before, {mape_a:.1%} after ({len(names)} plans)"
+    if held:
+        hb, ha = _mape([r for r in before if r[0] in held]), _mape([r for r in after if r[0] in held])
+        default += f"; held out ({len(held)}): {hb:.1%} before, {ha:.1%} after"
+    fig.suptitle(title or default)
     _save(fig, out)
     return fig
 

@@ -124,6 +124,18 @@ def test_calibration(tmp_path, suffix):
     assert _legend_texts(scatter) == ["before", "after", "y = x"]
 
 
+def test_calibration_stars_the_held_out_plans_and_gives_their_own_error(tmp_path):
+    """The demo's plot: the plans the calibration never saw are starred, and the title gives their
+    MAPE beside the one over every plan, which the calibration plans pull down."""
+    before = [("dp=2", 1.0, 2.0), ("tp=2", 3.0, 2.0)]  # APE 50%, 50%
+    after = [("dp=2", 2.0, 2.0), ("tp=2", 2.2, 2.0)]  # APE 0%, 10%
+    fig = plot_calibration(before, after, tmp_path / "c.png", heldout=["tp=2"])
+    bars = fig.axes[0]
+    assert [t.get_text() for t in bars.get_xticklabels()] == ["dp=2", "tp=2*"]
+    assert bars.get_xlabel() == "plan (* held out)"
+    assert "5.0% after (2 plans); held out (1): 50.0% before, 10.0% after" in fig.get_suptitle()
+
+
 def test_plot_traces_adds_a_memory_panel_when_there_are_counters(tmp_path):
     pred, meas = make("predicted"), make("measured", scale=1.3)
     pred.save(tmp_path / "p.json")

@@ -16,7 +16,6 @@ instead of running it.
 from __future__ import annotations
 
 import argparse
-import socket
 import statistics
 import sys
 import time
@@ -46,20 +45,9 @@ def _worker(rank: int, world: int, port: int, nbytes: int, reps: int, out) -> No
 
 
 def measure(ranks: int, nbytes: int, reps: int) -> list[float]:
-    import torch.multiprocessing as mp
+    from simexec.exec.spawn import spawn_ranks
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, ranks, port, nbytes, reps, out)) for r in range(ranks)]
-    for p in procs:
-        p.start()
-    ts = out.get()
-    for p in procs:
-        p.join()
-    return ts
+    return spawn_ranks(_worker, ranks, (nbytes, reps), timeout_s=60.0 + 0.1 * reps)
 
 
 def recorded(recording: Path, ranks: int, nbytes: int) -> list[float]:

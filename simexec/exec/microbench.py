@@ -442,30 +442,13 @@ def count_dispatch(model="gpt-tiny") -> dict[str, int]:
 def count_dispatch_plan(model: str, plan: str, timeout_s: float = 120.0) -> dict[str, int]:
     """`count_dispatch` for a plan of several ranks (context parallelism changes the attention block):
     its ranks run one step as spawned gloo processes on 127.0.0.1; rank 0's counts."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     from simexec.cluster import get_cluster
+    from simexec.exec.spawn import spawn_ranks
     from simexec.model import get_model
     from simexec.plan import parse_plan, resolve
 
     world = resolve(get_model(model), get_cluster("local"), parse_plan(plan)).world
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_count_rank, args=(r, world, port, model, plan, out)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        return out.get(timeout=timeout_s)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
+    return spawn_ranks(_count_rank, world, (model, plan), timeout_s)
 
 
 def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) -> None:

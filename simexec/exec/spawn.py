@@ -1,0 +1,34 @@
+"""A few CPU ranks as spawned local processes, outside Ray: for measurements that need bare
+torch.distributed processes (gloo on 127.0.0.1) and nothing else running in them."""
+from __future__ import annotations
+
+import socket
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    """A loopback port free now, for gloo's rendezvous."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(target: Callable[..., None], world: int, args: tuple = (), timeout_s: float = 120.0) -> Any:
+    """Run `target(rank, world, port, *args, out)` in `world` spawned processes and return the first
+    object one of them puts on the queue `out` (rank 0's result, by the targets' convention); the
+    processes are joined, and killed if they outlive `timeout_s` after it."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world, port, *args, out)) for r in range(world)]
+    for proc in procs:
+        proc.start()
+    try:
+        return out.get(timeout=timeout_s)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()

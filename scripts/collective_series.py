@@ -52,14 +52,17 @@ def measure(ranks: int, nbytes: int, reps: int) -> list[float]:
 
 def recorded(recording: Path, ranks: int, nbytes: int) -> list[float]:
     from simexec.calibrate_micro import merge_results
+    from simexec.errors import SimexecError
     from simexec.trace import load_json
 
     raw = load_json(recording / "microbench.json.gz", "micro-benchmark timings")
-    for rec in merge_results(raw["extras"]).get("collectives", []):
+    recs = merge_results(raw.get("extras") or {}).get("collectives", [])
+    for rec in recs:
         if (rec["verb"] == "allreduce" and rec["n"] == ranks and int(rec["bytes"]) == nbytes
                 and rec.get("mode", "solo") == "solo"):
             return list(rec["t"])
-    raise SystemExit(f"collective_series: {recording}: no {ranks}-rank all-reduce of {nbytes} B")
+    sizes = sorted({int(r["bytes"]) for r in recs if r["verb"] == "allreduce" and r["n"] == ranks})
+    raise SimexecError(f"{recording}: no {ranks}-rank all-reduce of {nbytes} B (recorded: {sizes or 'none'})")
 
 
 def main(argv=None) -> int:
@@ -74,8 +77,14 @@ def main(argv=None) -> int:
         print(f"collective_series: error: --ranks {args.ranks} (>= 2), --bytes {args.bytes} (>= 4) and "
               f"--reps {args.reps} (>= 1)", file=sys.stderr)
         return 2
-    ts = recorded(args.recording, args.ranks, args.bytes) if args.recording else measure(args.ranks, args.bytes,
-                                                                                          args.reps)
+    from simexec.errors import SimexecError
+
+    try:
+        ts = recorded(args.recording, args.ranks, args.bytes) if args.recording else measure(args.ranks, args.bytes,
+                                                                                              args.reps)
+    except SimexecError as exc:
+        print(f"collective_series: error: {exc}", file=sys.stderr)
+        return 2
     ms = [t * 1e3 for t in ts]
     print(" ".join(f"{t:.1f}" for t in ms))
     slow = sum(t > args.slow_ms for t in ms)

@@ -102,8 +102,9 @@ def main(argv=None) -> int:
         trace_params = tuple(n.strip() for n in args.trace_params.split(",") if n.strip())
         unknown = [n for n in trace_params if n not in PARAMS]
         if unknown or not trace_params:
-            print(f"validate_calibration: error: --trace-params {args.trace_params!r}: unknown {unknown or 'none given'};"
-                  f" known: {', '.join(PARAMS)}", file=sys.stderr)
+            what = f"unknown {', '.join(unknown)}" if unknown else "no name given"
+            print(f"validate_calibration: error: --trace-params {args.trace_params!r}: {what}; known: "
+                  f"{', '.join(PARAMS)}", file=sys.stderr)
             return 2
     local = get_cluster("local")
     cluster = local.model_copy(update={"costs": local.costs.model_copy(update={"cpu_scheduler": args.cpu_scheduler})})

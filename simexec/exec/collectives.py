@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from simexec.exec.interpreter import _Rank
 
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_tensor = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def rank_slice(full: Tensor, out: Tensor, group=None) -> Tensor:
@@ -80,7 +80,7 @@ def _reduce_scatter_any(out: Tensor, inp: Tensor, group=None, async_op: bool = F
     all-reduce with an honest completion time (`reduce_scatter_by_all_reduce`)."""
     if inp.device.type == "cpu":
         return reduce_scatter_by_all_reduce(out, inp, group=group, async_op=async_op)
-    return _reduce_scatter(out, inp, group=group, async_op=async_op)
+    return reduce_scatter_tensor(out, inp, group=group, async_op=async_op)
 
 
 class TorchComm:
@@ -90,7 +90,7 @@ class TorchComm:
     XLA tensors through gloo on host copies)."""
 
     all_reduce = staticmethod(dist.all_reduce)
-    all_gather = staticmethod(_all_gather)
+    all_gather = staticmethod(all_gather_tensor)
     reduce_scatter = staticmethod(_reduce_scatter_any)
     all_to_all_single = staticmethod(dist.all_to_all_single)
     isend = staticmethod(dist.isend)

@@ -36,11 +36,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from simexec.exec.collectives import all_gather_tensor, reduce_scatter_tensor
 from simexec.exec.interpreter import run_rank
 
-# torch 2.13 renamed the tensor forms of all-gather / reduce-scatter (as simexec.exec.collectives does)
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 @dataclass
@@ -187,10 +185,10 @@ class _Bench:
             return lambda: dist.all_reduce(x, group=pg)
         if verb == "allgather":
             x, out = torch.zeros(el // n), torch.zeros(el)
-            return lambda: _all_gather(out, x, group=pg)
+            return lambda: all_gather_tensor(out, x, group=pg)
         if verb == "reducescatter":
             x, out = torch.zeros(el), torch.zeros(el // n)
-            return lambda: _reduce_scatter(out, x, group=pg)
+            return lambda: reduce_scatter_tensor(out, x, group=pg)
         if verb == "alltoall":
             x, out = torch.zeros(el), torch.zeros(el)
             return lambda: dist.all_to_all_single(out, x, group=pg)

@@ -32,8 +32,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the tensor form of all-gather; torch 2.9 (torch_xla) has the old name.
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from simexec.exec.collectives import all_gather_tensor
 
 
 def unavailable() -> Optional[str]:
@@ -148,7 +147,7 @@ class HostComm:
     @staticmethod
     def all_gather(out, inp, group=None, async_op=False):
         h = torch.empty(out.shape, dtype=out.dtype)
-        return _done(_HostWork(_all_gather(h, _host(inp), group=group, async_op=True), [(out, h)]), async_op)
+        return _done(_HostWork(all_gather_tensor(h, _host(inp), group=group, async_op=True), [(out, h)]), async_op)
 
     @staticmethod
     def reduce_scatter(out, inp, group=None, async_op=False):

@@ -565,6 +565,9 @@ def _model_of(program: Program):
 
 # --- the cores ------------------------------------------------------------------------------------------
 class _Job:
+    """A thread's work on the cores. `key` is a rank (its main thread) or `(rank, "comm")` (its
+    communication thread), `k` how many identical ranks' threads it stands for."""
+
     __slots__ = ("done", "first", "left", "k", "key", "comm")
 
     def __init__(self, done: Event, left: float, k: int, key):

@@ -322,3 +322,41 @@ def test_the_optimizer_step_does_not_wait_for_eager_sends(ray_session):
     last_send = max(sends, key=lambda e: e.end_us)
     optim = ev["1:optim.optim.L-1.m-1"]
     assert optim.end_us < last_send.end_us, (optim, last_send)
+
+
+def _loop_policies(rank: int, world: int, port: int, out) -> None:
+    import torch.distributed as dist
+
+    from simexec.exec.gloo_loops import LOOP_THREAD, idle_gloo_loops
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dist.barrier()
+
+        def policies():
+            found = []
+            for tid in os.listdir("/proc/self/task"):
+                with open(f"/proc/self/task/{tid}/comm") as f:
+                    if f.read().strip() == LOOP_THREAD:
+                        found.append(os.sched_getscheduler(int(tid)))
+            return found
+
+        before = policies()
+        changed = idle_gloo_loops()
+        after = policies()
+        again = idle_gloo_loops()
+        dist.barrier()
+        if rank == 0:
+            out.put((before, changed, after, again))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread scheduling policies are Linux's")
+def test_gloo_event_loops_are_put_at_sched_idle():
+    from simexec.exec.spawn import spawn_ranks
+
+    before, changed, after, again = spawn_ranks(_loop_policies, 2, (), timeout_s=60)
+    assert before and all(p == os.SCHED_OTHER for p in before)
+    assert changed == len(before) == len(after) == again
+    assert all(p == os.SCHED_IDLE for p in after)

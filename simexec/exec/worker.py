@@ -27,6 +27,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from simexec.exec.gloo_loops import idle_gloo_loops
 from simexec.exec.groups import GroupTable
 from simexec.exec.tracer import Fault, InjectedFault, Tracer
 
@@ -81,6 +82,7 @@ class RankWorker:
         self.groups = GroupTable(specs, self.rank, timeout_s=timeout_s)
         self.tracer = Tracer(self.rank, device=self.device, enabled=trace, fault=fault, profile=profile)
         self.tracer.sync_clock(lambda: dist.all_reduce(torch.zeros(1)))  # a CPU barrier on any backend
+        self.gloo_loops_idled = idle_gloo_loops()  # every group exists now (simexec.exec.gloo_loops)
         self.phase = "ready"
         return time.perf_counter() - t0
 

@@ -360,3 +360,14 @@ def test_gloo_event_loops_are_put_at_sched_idle():
     assert before and all(p == os.SCHED_OTHER for p in before)
     assert changed == len(before) == len(after) == again
     assert all(p == os.SCHED_IDLE for p in after)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread scheduling policies are Linux's")
+def test_gloo_event_loops_stay_as_gloo_starts_them_when_asked(monkeypatch):
+    from simexec.exec.gloo_loops import POLICY_ENV
+    from simexec.exec.spawn import spawn_ranks
+
+    monkeypatch.setenv(POLICY_ENV, "default")
+    before, changed, after, again = spawn_ranks(_loop_policies, 2, (), timeout_s=60)
+    assert before and changed == again == 0
+    assert after == before

@@ -7,17 +7,19 @@ collective's worker thread (`pt_gloo_runloop`) holds that lock, the loop returns
 reports the same readable socket again: the loop spins. With as many cores as threads that costs
 nothing. With CPU ranks sharing a few cores it can take the core of the very thread that holds the
 lock, and nothing moves until the scheduler's next tick preempts the spinner (4 ms at HZ=250): a
-1 MB all-reduce issued right after 20 ms of compute took 3.6 ms, 75-90% of samples over 2 ms, on a
-2-core VM (`python scripts/collective_series.py --compute-ms 20 --gloo-loops default`). Running
-the loop threads at `SCHED_IDLE` lets the lock holder keep its core: the same all-reduce takes
-1.3 ms, none over 2 ms (`--gloo-loops idle`). The loop still runs whenever a core has nothing else
-to do, which is when the data it moves is waited for.
+1 MB two-rank all-reduce issued right after 20 ms of compute took a median 3.8 ms, 95% of
+samples over 2 ms, on a 2-core VM (`python scripts/collective_series.py --compute-ms 20
+--gloo-loops default`). Running the loop threads at `SCHED_IDLE` lets the lock holder keep its
+core: the same all-reduce took 1.8 ms, 18% over 2 ms (`--gloo-loops idle`). The loop still runs whenever a core has nothing else
+to do, which is when the data it moves is waited for. `SIMEXEC_GLOO_LOOPS=default` in the
+environment of the ranks leaves the loops as gloo starts them (to measure the difference).
 """
 from __future__ import annotations
 
 import os
 
 LOOP_THREAD = "gloo_tcp_loop"
+POLICY_ENV = "SIMEXEC_GLOO_LOOPS"  # "default": leave the loops alone
 
 
 def idle_gloo_loops() -> int:
@@ -25,6 +27,8 @@ def idle_gloo_loops() -> int:
 
     Linux only (elsewhere, or where the policy cannot be set, it changes nothing and returns 0).
     Call it after the process groups exist: each group's device starts its own loop thread."""
+    if os.environ.get(POLICY_ENV) == "default":
+        return 0
     if not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"):
         return 0
     changed = 0

@@ -14,8 +14,7 @@ sample in order, then the median, the mean and the share of samples over `--slow
 `--gloo-loops` sets how gloo's event-loop threads are scheduled: `idle` as the executor runs them
 (`simexec.exec.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
 bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
-tick while the loop spins on the core of the thread holding the lock it needs; after 20 ms of
-compute most samples wait (docs/calibration.md, "gloo's spinning event loop"). `--recording`
+tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait (docs/calibration.md, "gloo's spinning event loop"). `--recording`
 reads the same benchmark (alone after a barrier, `solo`) from a recording's micro-benchmarks
 instead of running it.
 """

@@ -1,18 +1,18 @@
-"""Keep gloo's TCP event-loop threads from taking a core from the thread they wait for.
+"""Keep gloo's TCP event-loop threads from holding the cores while they spin.
 
 gloo's TCP transport reads and writes its sockets on one event-loop thread per device
-(`gloo_tcp_loop`). The loop polls with level-triggered epoll, and a pair's events are handled only
-if the loop can take the pair's lock at once (`Pair::handleEvents` uses `try_to_lock`); while a
-collective's worker thread (`pt_gloo_runloop`) holds that lock, the loop returns to epoll, which
-reports the same readable socket again: the loop spins. With as many cores as threads that costs
-nothing. With CPU ranks sharing a few cores it can take the core of the very thread that holds the
-lock, and nothing moves until the scheduler's next tick preempts the spinner (4 ms at HZ=250): a
-1 MB two-rank all-reduce issued right after 20 ms of compute took a median 3.8 ms, 95% of
-samples over 2 ms, on a 2-core VM (`python scripts/collective_series.py --compute-ms 20
---gloo-loops default`). Running the loop threads at `SCHED_IDLE` lets the lock holder keep its
-core: the same all-reduce took 1.8 ms, 18% over 2 ms (`--gloo-loops idle`). The loop still runs whenever a core has nothing else
-to do, which is when the data it moves is waited for. `SIMEXEC_GLOO_LOOPS=default` in the
-environment of the ranks leaves the loops as gloo starts them (to measure the difference).
+(`gloo_tcp_loop`), polling with level-triggered epoll. When the loop cannot consume a ready socket
+(it cannot take the pair's lock at once, `Pair::handleEvents`' `try_to_lock`, or the buffer the
+bytes are for is not registered yet) it returns to epoll, which reports the socket again: it spins.
+With spare cores that costs nothing. With CPU ranks sharing a few cores, `perf` shows both ranks'
+loops spinning on the two cores while the collectives' worker threads sleep, until the scheduler's
+next tick (4 ms at HZ=250): a 1 MB two-rank all-reduce issued right after 20 ms of compute took a
+median 3.8 ms, 95% of samples over 2 ms, on a 2-core VM (`python scripts/collective_series.py
+--compute-ms 20 --gloo-loops default`). With the loop threads at `SCHED_IDLE`, which any other
+runnable thread preempts, the same all-reduce took 1.8 ms, 18% over 2 ms (`--gloo-loops idle`;
+docs/calibration.md, "gloo's spinning event loop"). The loop still runs whenever a core has nothing
+else to do. `SIMEXEC_GLOO_LOOPS=default` in the environment of the ranks leaves the loops as gloo
+starts them (to measure the difference).
 """
 from __future__ import annotations
 

@@ -14,9 +14,10 @@ sample in order, then the median, the mean and the share of samples over `--slow
 `--gloo-loops` sets how gloo's event-loop threads are scheduled: `idle` as the executor runs them
 (`simexec.exec.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
 bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
-tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait (docs/calibration.md, "gloo's spinning event loop"). `--recording`
-reads the same benchmark (alone after a barrier, `solo`) from a recording's micro-benchmarks
-instead of running it.
+tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait
+(docs/calibration.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
+overrides `idle`, as in the executor. `--recording` reads the same benchmark (alone after a
+barrier, `solo`) from a recording's micro-benchmarks instead of running it.
 """
 from __future__ import annotations
 

@@ -176,6 +176,8 @@ def test_run_dp2_tp2_trace_json_and_teardown(ray_session, tmp_path):
     trace = Trace.load(tmp_path / "measured.json")
     assert trace.kind == "measured" and trace.meta["program"] == program.fingerprint()
     assert trace.meta["trace_step"] == 2 and trace.meta["model"] == "gpt-tiny"
+    if sys.platform.startswith("linux"):  # every rank's gloo event loops ran at SCHED_IDLE
+        assert trace.meta["gloo_event_loops"] == "SCHED_IDLE"
     assert trace.summary["step_time_s"] == res.step_time_s
     assert len(trace.events) == len(program)
     data = json.loads((tmp_path / "result.json").read_text())
@@ -327,19 +329,14 @@ def test_the_optimizer_step_does_not_wait_for_eager_sends(ray_session):
 def _loop_policies(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
-    from simexec.exec.gloo_loops import LOOP_THREAD, idle_gloo_loops
+    from simexec.exec.gloo_loops import idle_gloo_loops, loop_threads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         dist.barrier()
 
         def policies():
-            found = []
-            for tid in os.listdir("/proc/self/task"):
-                with open(f"/proc/self/task/{tid}/comm") as f:
-                    if f.read().strip() == LOOP_THREAD:
-                        found.append(os.sched_getscheduler(int(tid)))
-            return found
+            return [os.sched_getscheduler(tid) for tid in loop_threads()]
 
         before = policies()
         changed = idle_gloo_loops()

@@ -170,6 +170,9 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
             "trace_step": step, "timings": timings, "ends_when_waited": [], **_describe(rp)}
     if infos:  # where it ran: calibration records it in the profile it fits
         meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch")}
+    # how gloo's event loops ran (simexec.exec.gloo_loops): it changes what collectives cost on shared cores
+    meta["gloo_event_loops"] = "SCHED_IDLE" if outs and all(o.get("gloo_loops_idled") for o in outs.values()) \
+        else "as gloo starts them"
     return ExecResult(losses=losses, step_time_s=step_time, step_times_s=step_times, peak_memory_bytes_per_rank=peak,
                       trace=Trace(meta=meta, events=events, counters=counters), losses_per_rank=per_rank,
                       params=params, placement={i["rank"]: i["node_id"] for i in infos}, timings=dict(timings),

@@ -22,24 +22,34 @@ LOOP_THREAD = "gloo_tcp_loop"
 POLICY_ENV = "SIMEXEC_GLOO_LOOPS"  # "default": leave the loops alone
 
 
-def idle_gloo_loops() -> int:
-    """Put this process's gloo event-loop threads at `SCHED_IDLE`; returns how many were changed.
-
-    Linux only (elsewhere, or where the policy cannot be set, it changes nothing and returns 0).
-    Call it after the process groups exist: each group's device starts its own loop thread."""
-    if os.environ.get(POLICY_ENV) == "default":
-        return 0
-    if not hasattr(os, "SCHED_IDLE") or not os.path.isdir("/proc/self/task"):
-        return 0
-    changed = 0
+def loop_threads() -> list[int]:
+    """The thread ids of this process's gloo event loops (none where /proc is absent)."""
+    if not os.path.isdir("/proc/self/task"):
+        return []
+    tids = []
     for tid in os.listdir("/proc/self/task"):
         try:
             with open(f"/proc/self/task/{tid}/comm") as f:
-                if f.read().strip() != LOOP_THREAD:
-                    continue
-            if os.sched_getscheduler(int(tid)) != os.SCHED_IDLE:
-                os.sched_setscheduler(int(tid), os.SCHED_IDLE, os.sched_param(0))
-            changed += 1
-        except (OSError, ValueError):  # the thread ended, or the policy is not permitted here
+                if f.read().strip() == LOOP_THREAD:
+                    tids.append(int(tid))
+        except OSError:  # the thread has ended
             continue
-    return changed
+    return tids
+
+
+def idle_gloo_loops() -> int:
+    """Put this process's gloo event-loop threads at `SCHED_IDLE`; returns how many are at it now.
+
+    Linux only (elsewhere, or where the policy cannot be set, it changes nothing and returns 0).
+    Call it after the process groups exist: each group's device starts its own loop thread."""
+    if os.environ.get(POLICY_ENV) == "default" or not hasattr(os, "SCHED_IDLE"):
+        return 0
+    idled = 0
+    for tid in loop_threads():
+        try:
+            if os.sched_getscheduler(tid) != os.SCHED_IDLE:
+                os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
+            idled += 1
+        except OSError:  # the thread ended, or the policy is not permitted here
+            continue
+    return idled

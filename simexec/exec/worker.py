@@ -49,6 +49,7 @@ class RankWorker:
         self.tracer: Optional[Tracer] = None
         self.groups: Optional[GroupTable] = None
         self.device = torch.device("cpu")
+        self.gloo_loops_idled = 0  # gloo event-loop threads put at SCHED_IDLE by `setup`
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -90,7 +91,7 @@ class RankWorker:
             runner: Union[str, Callable] = DEFAULT_RUNNER, profile_dir: Optional[str] = None,
             return_params: bool = False) -> dict:
         self.phase = "running"
-        out: dict = {"rank": self.rank, "error": None}
+        out: dict = {"rank": self.rank, "error": None, "gloo_loops_idled": self.gloo_loops_idled}
         prof = None
         try:
             fn = _load(runner)

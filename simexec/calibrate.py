@@ -13,6 +13,7 @@ a profile sets `costs.cores_shared` and `node.cpu_cores` from this machine.
 from __future__ import annotations
 
 import datetime as _dt
+import importlib.metadata
 import json
 import math
 import os
@@ -34,7 +35,7 @@ class CalibrationError(SimexecError):
 
 # --- profiles --------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    """Where a profile was measured: host, CPU model, cores, torch version."""
+    """Where a profile was measured: host, CPU model, cores, torch and ray versions, kernel."""
     cpu = platform.processor() or ""
     try:
         with open("/proc/cpuinfo") as fh:
@@ -54,8 +55,12 @@ def machine_info() -> dict:
         torch_version = torch.__version__
     except ImportError:  # pragma: no cover - torch is a dependency
         torch_version = ""
+    try:  # read from the installed metadata: importing ray costs seconds
+        ray_version = importlib.metadata.version("ray")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - ray is a dependency
+        ray_version = ""
     return {"hostname": socket.gethostname(), "cpu": cpu, "cores": cores, "torch": torch_version,
-            "python": platform.python_version(), "platform": platform.platform()}
+            "ray": ray_version, "python": platform.python_version(), "platform": platform.platform()}
 
 
 def host_cores() -> int:

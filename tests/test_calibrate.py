@@ -46,7 +46,7 @@ def test_profile_round_trip(tmp_path):
     path = save_profile(prof, tmp_path / "profiles" / "test-host.json")
     data = json.loads(path.read_text())
     assert {"name", "machine", "measured_at", "method", "costs"} <= set(data)
-    assert {"hostname", "cpu", "cores", "torch"} <= set(data["machine"])
+    assert {"hostname", "cpu", "cores", "torch", "ray", "python", "platform"} <= set(data["machine"])
     c = apply_profile(LOCAL, path)
     assert c.costs.cores_shared and c.costs.sched_slice_s == 1.5e-3
     assert c.device.launch_overhead_s == 5e-6 and c.node.intra_latency_s == 80e-6

@@ -176,6 +176,8 @@ def test_run_dp2_tp2_trace_json_and_teardown(ray_session, tmp_path):
     trace = Trace.load(tmp_path / "measured.json")
     assert trace.kind == "measured" and trace.meta["program"] == program.fingerprint()
     assert trace.meta["trace_step"] == 2 and trace.meta["model"] == "gpt-tiny"
+    import ray
+    assert trace.meta["machine"]["ray"] == ray.__version__ and trace.meta["machine"]["kernel"]
     if sys.platform.startswith("linux"):  # every rank's gloo event loops ran at SCHED_IDLE
         assert trace.meta["gloo_event_loops"] == "SCHED_IDLE"
     assert trace.summary["step_time_s"] == res.step_time_s

@@ -169,7 +169,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,
             "trace_step": step, "timings": timings, "ends_when_waited": [], **_describe(rp)}
     if infos:  # where it ran: calibration records it in the profile it fits
-        meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch")}
+        meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch", "ray", "kernel")}
     # how gloo's event loops ran (simexec.exec.gloo_loops): it changes what collectives cost on shared cores
     meta["gloo_event_loops"] = "SCHED_IDLE" if outs and all(o.get("gloo_loops_idled") for o in outs.values()) \
         else "as gloo starts them"

@@ -55,6 +55,7 @@ class RankWorker:
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "pid": os.getpid(), "node_id": ctx.get_node_id(),
                 "ip": ray.util.get_node_ip_address(), "host": socket.gethostname(), "torch": torch.__version__,
+                "ray": ray.__version__, "kernel": platform.release(),
                 "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else platform.processor() or "cpu"}
 
     def free_port(self) -> int:

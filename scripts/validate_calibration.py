@@ -21,6 +21,10 @@ DIR's profiles and validation.json. DIR can also be a recording of `scripts/reco
 --trace-params NAMES chooses what the trace fit moves (`simexec.calibrate.PARAMS` names), e.g. to see
 how the held-out error moves when a parameter the micro-benchmarks measured is held.
 
+--max-noise PCT stops the measurement after any round whose noise floor so far (one plan's rounds
+against their median) is above PCT percent, and removes its traces: on a host that unsteady the
+table says more about the host than about the simulator.
+
 --cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.SlicedCores`)
 instead of processor sharing, in both fits and every prediction.
 """
@@ -79,6 +83,16 @@ def render(outcome, argv: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a percentage, got {text!r}") from None
+    if not 0.0 < value < 100.0:
+        raise argparse.ArgumentTypeError(f"expected a percentage between 0 and 100, got {text!r}")
+    return value / 100.0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -96,6 +110,9 @@ def main(argv=None) -> int:
                          + ",".join(TRACE_PARAMS) + ")")
     ap.add_argument("--cpu-scheduler", choices=("sharing", "slices"), default="sharing",
                     help="how the model shares the host's cores (costs.cpu_scheduler; docs/calibration.md)")
+    ap.add_argument("--max-noise", type=_percent, default=None, metavar="PCT",
+                    help="stop, fitting and keeping nothing, after any round whose plans' rounds differ from "
+                         "their median by more than PCT percent on average (the noise floor)")
     args = ap.parse_args(argv)
     trace_params = None
     if args.trace_params is not None:
@@ -125,7 +142,7 @@ def main(argv=None) -> int:
             out = Path(args.out)
             outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
                                      max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster,
-                                     trace_params=trace_params)
+                                     trace_params=trace_params, max_noise=args.max_noise)
     except SimexecError as exc:
         print(f"validate_calibration: error: {exc}", file=sys.stderr)
         return 2

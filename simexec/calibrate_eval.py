@@ -19,7 +19,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterable, Optional, Sequence
 
 from simexec.calibrate import CalibrationError, _jsonable, make_profile, now_iso, profiled_cluster, save_profile
 from simexec.calibrate_micro import measure_microbench, microbench_profile
@@ -121,9 +121,11 @@ class Run:
 
 def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 1, steps: int = STEPS,
             tick: Optional[Callable[[str], None]] = None,
-            between_rounds: Optional[Callable[[int], None]] = None) -> list[Run]:
+            between_rounds: Optional[Callable[[int], None]] = None,
+            after_round: Optional[Callable[[int, list[Run]], None]] = None) -> list[Run]:
     """Execute every plan `rounds` times (round by round), saving each trace under out_dir;
-    `between_rounds(r)` runs after every round r but the last."""
+    `after_round(r, runs so far)` runs after every round, then `between_rounds(r)` after every
+    round but the last."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     warm_up(session, specs, tick)
@@ -140,6 +142,8 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
                             m.background))
             if tick is not None:
                 tick(f"{s.name} {m.result.step_time_s * 1e3:.0f} ms")
+        if after_round is not None:
+            after_round(r, runs)
         if between_rounds is not None and r < rounds - 1:
             between_rounds(r)
     return runs
@@ -274,11 +278,46 @@ def mem_worst(rows: Sequence[Row], which: str, role: Optional[str] = None) -> fl
     return max(xs) if xs else float("nan")
 
 
+def spread(groups: Iterable[Sequence[float]]) -> Optional[float]:
+    """Mean over the groups of two or more of |x - their median| / median; None without any."""
+    xs = []
+    for g in groups:
+        if len(g) > 1:
+            mid = statistics.median(g)
+            xs += [abs(x / mid - 1.0) for x in g]
+    return statistics.fmean(xs) if xs else None
+
+
 def repeatability(rows: Sequence[Row], role: Optional[str] = None) -> Optional[float]:
     """Mean over plans of |round - median| / median: how much one plan's runs differ (noise floor)."""
-    xs = [abs(x / r.measured_s - 1.0) for r in rows if len(r.rounds_s) > 1 and (role is None or r.role == role)
-          for x in r.rounds_s]
-    return statistics.fmean(xs) if xs else None
+    return spread(r.rounds_s for r in rows if role is None or r.role == role)
+
+
+def runs_spread(runs: Sequence[Run]) -> Optional[float]:
+    """The noise floor of runs measured so far (`repeatability` before any prediction)."""
+    by: dict[str, list[float]] = {}
+    for r in runs:
+        by.setdefault(r.spec.name, []).append(r.step_s)
+    return spread(by.values())
+
+
+def noise_guard(limit: Optional[float]) -> Optional[Callable[[int, list[Run]], None]]:
+    """An `after_round` hook that stops a measurement, and removes its traces, once its plans'
+    rounds differ by more than `limit` (a fraction): on a host that unsteady the table would say
+    more about the host than about the simulator, and the fits after it take ten minutes."""
+    if limit is None:
+        return None
+
+    def check(r: int, runs: list[Run]) -> None:
+        noise = runs_spread(runs)
+        if noise is None or noise <= limit:
+            return
+        for run in runs:
+            Path(run.trace_path).unlink(missing_ok=True)
+        raise CalibrationError(f"the host is too unsteady to judge the simulator: after {r + 1} rounds one "
+                               f"plan's rounds differ from their median by {100 * noise:.1f}% on average "
+                               f"(limit {100 * limit:.1f}%); nothing was fitted or kept")
+    return check
 
 
 # --- the whole procedure ---------------------------------------------------------------------------
@@ -297,10 +336,11 @@ LABELS = {"before": "before (preset)", "microbench": "after micro-benchmarks", "
 def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds: int = 3, steps: int = STEPS,
                    quick_bench: bool = False, max_nfev: int = 40, session=None, name: str = "local",
                    progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None,
-                   trace_params: Optional[Sequence[str]] = None) -> Outcome:
+                   trace_params: Optional[Sequence[str]] = None, max_noise: Optional[float] = None) -> Outcome:
     """Micro-benchmark calibration, the plan matrix measured `rounds` times, trace calibration on the
     calibration plans, predictions of every plan before and after each calibration. `trace_params`:
-    the parameters the trace fit moves (`simexec.calibrate.PARAMS` names; its default set without)."""
+    the parameters the trace fit moves (`simexec.calibrate.PARAMS` names; its default set without).
+    `max_noise`: stop after any round whose noise floor so far is above it (`noise_guard`)."""
     from simexec.calibrate_runs import Session
 
     out_dir = Path(out_dir)
@@ -322,7 +362,8 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
 
     try:
         bench()  # and again between rounds: the host's speed drifts over minutes, and so do the plans'
-        runs = measure(sess, ok, out_dir / "traces", rounds=rounds, steps=steps, tick=tick, between_rounds=bench)
+        runs = measure(sess, ok, out_dir / "traces", rounds=rounds, steps=steps, tick=tick, between_rounds=bench,
+                       after_round=noise_guard(max_noise))
     finally:
         if own:
             sess.__exit__(None, None, None)

@@ -712,3 +712,43 @@ def test_a_stall_does_not_become_the_kernels_cost():
     ts = [5e-6] * 199 + [4e-3]  # one 4 ms stall among 200 one-operator adds
     assert kernel_mean(ts) == pytest.approx(5e-6)
     assert kernel_mean([5e-6, 7e-6, 30e-6]) == pytest.approx(14e-6)  # a tail, kept
+
+
+# --- measuring on an unsteady host -----------------------------------------------------------------
+class _StepsSession:
+    """Stands in for `simexec.calibrate_runs.Session`: each plan's runs take the given steady step
+    times in turn (a measurement's bookkeeping, not the executor)."""
+
+    def __init__(self, times: dict[str, list[float]]):
+        self.times = {plan: list(ts) for plan, ts in times.items()}
+
+    def execute(self, model, plan, steps):
+        from types import SimpleNamespace
+
+        t = self.times[plan].pop(0) if steps > 4 else 1.0
+        trace = SimpleNamespace(save=lambda path: Path(path).write_text("{}"))
+        result = SimpleNamespace(step_times_s=[t] * steps, step_time_s=t, peak_memory_bytes_per_rank={0: 1.0},
+                                 trace=trace)
+        return SimpleNamespace(result=result, background=0.0)
+
+
+def test_spread_is_the_mean_distance_of_each_run_from_its_plans_median():
+    from simexec.calibrate_eval import spread
+
+    assert spread([[1.0, 1.0, 1.0]]) == 0.0
+    assert spread([[0.9, 1.0, 1.2], [5.0]]) == pytest.approx((0.1 + 0.0 + 0.2) / 3)
+    assert spread([[2.0], [3.0]]) is None  # nothing measured twice
+
+
+def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_limit(tmp_path):
+    from simexec.calibrate_eval import PlanSpec, measure, noise_guard
+
+    specs = [PlanSpec("a", "gpt-tiny", "dp=1", "calibrate"), PlanSpec("b", "gpt-tiny", "dp=2", "heldout")]
+    times = {"dp=1": [1.0, 1.3, 1.0], "dp=2": [2.0, 2.0, 2.0]}  # `a` ran 30% slower in the second round
+    with pytest.raises(CalibrationError, match=r"after 2 rounds .* 6\.5% on average \(limit 5\.0%\)"):
+        measure(_StepsSession(times), specs, tmp_path / "traces", rounds=3, after_round=noise_guard(0.05))
+    assert list((tmp_path / "traces").iterdir()) == []
+    runs = measure(_StepsSession(times), specs, tmp_path / "kept", rounds=3, after_round=noise_guard(0.10))
+    assert [r.step_s for r in runs] == [1.0, 2.0, 1.3, 2.0, 1.0, 2.0]
+    assert len(list((tmp_path / "kept").iterdir())) == 6
+    assert noise_guard(None) is None

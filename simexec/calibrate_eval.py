@@ -314,6 +314,9 @@ def noise_guard(limit: Optional[float]) -> Optional[Callable[[int, list[Run]], N
             return
         for run in runs:
             Path(run.trace_path).unlink(missing_ok=True)
+        for folder in {Path(run.trace_path).parent for run in runs}:
+            if not any(folder.iterdir()):
+                folder.rmdir()
         raise CalibrationError(f"the host is too unsteady to judge the simulator: after {r + 1} rounds one "
                                f"plan's rounds differ from their median by {100 * noise:.1f}% on average "
                                f"(limit {100 * limit:.1f}%); nothing was fitted or kept")

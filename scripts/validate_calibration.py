@@ -25,6 +25,9 @@ how the held-out error moves when a parameter the micro-benchmarks measured is h
 against their median) is above PCT percent, and removes its traces: on a host that unsteady the
 table says more about the host than about the simulator.
 
+--cost NAME=VALUE sets a number of the `local` preset's `costs` (e.g. `idle_poll_s=4.3e-3`) for a
+what-if: with --refit, how the same measurements move under another value.
+
 --cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.SlicedCores`)
 instead of processor sharing, in both fits and every prediction.
 """
@@ -110,6 +113,9 @@ def main(argv=None) -> int:
                          + ",".join(TRACE_PARAMS) + ")")
     ap.add_argument("--cpu-scheduler", choices=("sharing", "slices"), default="sharing",
                     help="how the model shares the host's cores (costs.cpu_scheduler; docs/calibration.md)")
+    ap.add_argument("--cost", action="append", default=[], metavar="NAME=VALUE",
+                    help="set one of the `local` preset's `costs` fields (a number) in both fits and every "
+                         "prediction, e.g. idle_poll_s=4.3e-3; repeatable")
     ap.add_argument("--max-noise", type=_percent, default=None, metavar="PCT",
                     help="stop, fitting and keeping nothing, after any round whose plans' rounds differ from "
                          "their median by more than PCT percent on average (the noise floor)")
@@ -124,7 +130,24 @@ def main(argv=None) -> int:
                   f"{', '.join(PARAMS)}", file=sys.stderr)
             return 2
     local = get_cluster("local")
-    cluster = local.model_copy(update={"costs": local.costs.model_copy(update={"cpu_scheduler": args.cpu_scheduler})})
+    costs = {"cpu_scheduler": args.cpu_scheduler}
+    for item in args.cost:
+        name, _, value = item.partition("=")
+        numeric = {k for k, v in local.costs.model_dump().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        try:
+            if name not in numeric:
+                raise ValueError(f"no numeric costs field {name!r}; known: {', '.join(sorted(numeric))}")
+            costs[name] = float(value)
+        except ValueError as exc:
+            print(f"validate_calibration: error: --cost {item!r}: {exc}", file=sys.stderr)
+            return 2
+    try:  # validated, so that the fields' bounds hold
+        checked = type(local.costs).model_validate({**local.costs.model_dump(), **costs})
+    except ValueError as exc:  # pydantic's ValidationError
+        first = exc.errors()[0] if hasattr(exc, "errors") else {"loc": (), "msg": str(exc)}
+        print(f"validate_calibration: error: --cost: {'.'.join(map(str, first['loc']))}: {first['msg']}", file=sys.stderr)
+        return 2
+    cluster = local.model_copy(update={"costs": checked})
 
     t0 = time.perf_counter()
 

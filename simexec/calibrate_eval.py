@@ -149,15 +149,20 @@ def measure(session, specs: Sequence[PlanSpec], out_dir: Path, *, rounds: int = 
     return runs
 
 
+def by_plan(runs: Sequence[Run]) -> dict[str, list[Run]]:
+    """The runs of each plan, in the order measured."""
+    by: dict[str, list[Run]] = {}
+    for r in runs:
+        by.setdefault(r.spec.name, []).append(r)
+    return by
+
+
 def typical_runs(runs: Sequence[Run]) -> list[Run]:
     """Per plan, the round whose step time is the median of its rounds (the lower of the middle two
     for an even count): the run that stands for the plan where one trace per plan is wanted. A host
     shared with other virtual machines slows a whole run now and then (one round's compute 50%
     longer than the next's), and the median round leaves those out."""
-    by: dict[str, list[Run]] = {}
-    for r in runs:
-        by.setdefault(r.spec.name, []).append(r)
-    return [sorted(rs, key=lambda r: r.step_s)[(len(rs) - 1) // 2] for rs in by.values()]
+    return [sorted(rs, key=lambda r: r.step_s)[(len(rs) - 1) // 2] for rs in by_plan(runs).values()]
 
 
 def world_of(spec: PlanSpec) -> int:
@@ -250,11 +255,8 @@ class Row:
 def evaluate(runs: Sequence[Run], cluster: ClusterSpec, profiles: dict[str, Optional[dict]]) -> list[Row]:
     """Per plan: measured (median over rounds) and each profile's prediction (median over rounds of
     the prediction under that round's background)."""
-    by: dict[str, list[Run]] = {}
-    for r in runs:
-        by.setdefault(r.spec.name, []).append(r)
     rows = []
-    for name, rs in by.items():
+    for name, rs in by_plan(runs).items():
         s = rs[0].spec
         bgs = [r.background for r in rs if r.background is not None]
         row = Row(name, s.role, s.dims, s.plan, s.model, statistics.median(r.step_s for r in rs),
@@ -295,10 +297,7 @@ def repeatability(rows: Sequence[Row], role: Optional[str] = None) -> Optional[f
 
 def runs_spread(runs: Sequence[Run]) -> Optional[float]:
     """The noise floor of runs measured so far (`repeatability` before any prediction)."""
-    by: dict[str, list[float]] = {}
-    for r in runs:
-        by.setdefault(r.spec.name, []).append(r.step_s)
-    return spread(by.values())
+    return spread([r.step_s for r in rs] for rs in by_plan(runs).values())
 
 
 def noise_guard(limit: Optional[float]) -> Optional[Callable[[int, list[Run]], None]]:

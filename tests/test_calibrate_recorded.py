@@ -113,6 +113,24 @@ def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(cap
     assert len(err) == 1 and "unknown bandwidth;" in err[0] and "intra_bw" in err[0]
 
 
+@pytest.mark.parametrize("cost,message", [
+    ("bandwidth=1", "no numeric costs field 'bandwidth'; known:"),
+    ("idle_poll_s=soon", "could not convert string to float"),
+    ("idle_poll_s=-1", "idle_poll_s: Input should be greater than 0"),
+])
+def test_validate_calibration_refuses_a_bad_cost_in_one_line(capsys, cost, message):
+    """`--cost NAME=VALUE` sets a number of the preset's costs for a what-if; a name it does not have,
+    a value that is not a number or one outside the field's bounds is refused before anything is read."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--refit", str(DIR), "--cost", cost]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
 GPU = ROOT / "traces" / "gpu"
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """How much slower a rank's compute runs when ranks share the cores, read from recorded traces.
 
-    python scripts/trace_sharing.py [traces/local] [--versus dp1]
+    python scripts/trace_sharing.py [traces/local] [--versus dp1] [--profile P]
 
 For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it), over its
 rounds (medians): the traced step's span, the summed forward and backward compute per micro-batch
@@ -10,6 +10,12 @@ and rank against the `--versus` plan's, how many ranks were computing on average
 ratio divided by the share of a core each computing rank had, max(1, computing / cores). Plans
 whose ranks hold the same layers as the reference (data parallelism, ZeRO) compare directly; the
 others hold fewer layers or shards of them, and their ratio says so.
+
+With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
+simulates every trace's plan with it, every rank (`simexec.calibrate_traces.predict_case`, with the
+background load measured beside the run), and prints the prediction's compute per micro-batch and
+ranks computing beside the measured ones: where the simulator has the ranks compute together and
+the host did not, their compute is priced as shared when it was not.
 """
 from __future__ import annotations
 
@@ -20,6 +26,15 @@ import json
 import statistics
 import sys
 from pathlib import Path
+
+
+def predicted_sharing(path: Path, profile: dict) -> dict:
+    """`plan_sharing` of the simulator's prediction of the measured trace at `path`."""
+    from simexec.calibrate_traces import load_cases, predict_case
+    from simexec.cluster import get_cluster
+
+    case = load_cases([path])[0]
+    return plan_sharing(predict_case(case, get_cluster("local"), profile).trace.to_chrome())
 
 
 def plan_sharing(trace: dict) -> dict:
@@ -46,7 +61,9 @@ def main(argv=None) -> int:
     ap.add_argument("recording", nargs="?", default="traces/local")
     ap.add_argument("--versus", default="dp1", help="the plan whose compute per micro-batch is 1")
     ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
+    ap.add_argument("--profile", default=None, help="also predict each trace with this profile and compare")
     args = ap.parse_args(argv)
+    from simexec.calibrate import load_profile
     from simexec.errors import SimexecError
     from simexec.trace import load_json
 
@@ -56,7 +73,15 @@ def main(argv=None) -> int:
     except SimexecError as exc:
         print(f"trace_sharing: error: {exc}", file=sys.stderr)
         return 2
+    profile = None
+    if args.profile:
+        try:
+            profile = load_profile(args.profile)
+        except SimexecError as exc:
+            print(f"trace_sharing: error: {exc}", file=sys.stderr)
+            return 2
     by_plan: dict[str, list[dict]] = collections.defaultdict(list)
+    predicted: dict[str, list[dict]] = collections.defaultdict(list)
     cores = args.cores
     for run in manifest.get("runs", []):
         path = root / str(run.get("file"))
@@ -67,6 +92,11 @@ def main(argv=None) -> int:
                 node = ((trace.get("metadata") or {}).get("cluster_spec") or {}).get("node") or {}
                 cores = int(node.get("cpu_cores") or 2)
             by_plan[run["name"]].append(plan_sharing(trace))
+            if profile is not None:
+                predicted[run["name"]].append(predicted_sharing(path, profile))
+        except SimexecError as exc:
+            print(f"trace_sharing: error: {exc}", file=sys.stderr)
+            return 2
         except (OSError, ValueError, KeyError, TypeError) as exc:
             print(f"trace_sharing: error: {path}: not a measured step trace ({exc})", file=sys.stderr)
             return 2
@@ -74,13 +104,18 @@ def main(argv=None) -> int:
         print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
         return 2
     ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
+    keys = ("span_ms", "compute_ms", "computing")
     print(f"{'plan':16} {'ranks':>5} {'span ms':>8} {'compute/mb':>10} {'x ' + args.versus:>8} {'computing':>9} "
-          f"{'per core':>8}")
+          f"{'per core':>8}" + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14}" if profile else ""))
     for name, rs in by_plan.items():
-        med = {k: statistics.median(r[k] for r in rs) for k in ("span_ms", "compute_ms", "computing")}
+        med = {k: statistics.median(r[k] for r in rs) for k in keys}
         ratio = med["compute_ms"] / ref
-        print(f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
-              f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f}")
+        line = (f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
+                f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f}")
+        if profile is not None:
+            pred = {k: statistics.median(r[k] for r in predicted[name]) for k in keys}
+            line += f" {pred['span_ms']:9.1f} {pred['compute_ms']:9.2f} {pred['computing']:14.2f}"
+        print(line)
     return 0
 
 

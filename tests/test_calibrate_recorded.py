@@ -200,6 +200,23 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
             computing = trace_sharing.plan_sharing(json.load(fh))["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
+    # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
+    profile = json.loads((ROOT / "traces" / "profiles" / "local-traces.json").read_text())
+    one = trace_sharing.predicted_sharing(DIR / "dp1.r1.json.gz", profile)
+    assert one["computing"] == pytest.approx(1.0) and one["ranks"] == 1
+    four = trace_sharing.predicted_sharing(DIR / "dp4.r1.json.gz", profile)
+    assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
+
+
+def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import trace_sharing
+
+    assert trace_sharing.main([str(DIR), "--profile", "/nonexistent/profile.json"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("trace_sharing: error:") and "\n" not in err and "profile.json" in err
 
 
 def test_collective_joins_times_a_collective_from_its_last_member_on():

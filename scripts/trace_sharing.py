@@ -13,8 +13,8 @@ others hold fewer layers or shards of them, and their ratio says so.
 
 With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
 simulates every trace's plan with it, every rank (`simexec.calibrate_traces.predict_case`, with the
-background load measured beside the run), and prints the prediction's compute per micro-batch and
-ranks computing beside the measured ones: where the simulator has the ranks compute together and
+background load measured beside the run), and prints the prediction's compute per micro-batch,
+ranks computing and collective members' ends beside the measured ones: where the simulator has the ranks compute together and
 the host did not, their compute is priced as shared when it was not.
 """
 from __future__ import annotations
@@ -26,19 +26,37 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 
-def predicted_sharing(path: Path, profile: dict) -> dict:
+def collective_groups(path: Path) -> dict:
+    """(rank, instruction name) -> the ranks of its collective, from the program of the measured
+    trace at `path`: one name stands for a collective of each group (two tensor-parallel groups
+    all-reduce `fwd.attn_out.L0.m0` at once in `dp=2,tp=2`)."""
+    from simexec.calibrate_traces import load_cases
+    from simexec.cluster import get_cluster
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+
+    case = load_cases([path])[0]
+    program = lower(resolve(case.model, get_cluster("local"), load_plan(case.plan), case.seq_len), symmetric=False)
+    return {(r, ins.name): ins.group for r, instrs in program.ranks.items() for ins in instrs
+            if ins.kind == "collective"}
+
+
+def predicted_sharing(path: Path, profile: dict, groups: Optional[dict] = None) -> dict:
     """`plan_sharing` of the simulator's prediction of the measured trace at `path`."""
     from simexec.calibrate_traces import load_cases, predict_case
     from simexec.cluster import get_cluster
 
     case = load_cases([path])[0]
-    return plan_sharing(predict_case(case, get_cluster("local"), profile).trace.to_chrome())
+    return plan_sharing(predict_case(case, get_cluster("local"), profile).trace.to_chrome(), groups)
 
 
-def plan_sharing(trace: dict) -> dict:
-    """Span, compute per (rank, micro-batch), and mean ranks computing, of one trace."""
+def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
+    """Span, compute per (rank, micro-batch), mean ranks computing, and how far apart the members
+    of a collective end (the median over the collectives with more than one member; `groups`, from
+    `collective_groups`, tells the groups that share an instruction's name apart), of one trace."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     comp = [e for e in ev if e["args"].get("kind") == "compute" and e["args"].get("phase") in ("fwd", "bwd")]
     if not comp:
@@ -51,9 +69,16 @@ def plan_sharing(trace: dict) -> dict:
         level, last = level + step, x
     busy = sum(t for k, t in time_at.items() if k > 0)
     units = len({(e["pid"], e["args"]["mb"]) for e in comp})
+    members = collections.defaultdict(list)
+    for e in ev:
+        if e["args"].get("kind") == "collective":
+            group = (groups or {}).get((e["pid"], e["name"]))
+            members[(e["name"], group)].append(e["ts"] + e["dur"])
+    apart = [max(ends) - min(ends) for ends in members.values() if len(ends) > 1]
     return {"ranks": len({e["pid"] for e in ev}), "span_ms": span / 1e3,
             "compute_ms": sum(e["dur"] for e in comp) / units / 1e3,
-            "computing": sum(k * t for k, t in time_at.items()) / busy}
+            "computing": sum(k * t for k, t in time_at.items()) / busy,
+            "ends_apart_ms": statistics.median(apart) / 1e3 if apart else 0.0}
 
 
 def main(argv=None) -> int:
@@ -91,9 +116,10 @@ def main(argv=None) -> int:
             if cores is None:
                 node = ((trace.get("metadata") or {}).get("cluster_spec") or {}).get("node") or {}
                 cores = int(node.get("cpu_cores") or 2)
-            by_plan[run["name"]].append(plan_sharing(trace))
+            groups = collective_groups(path)
+            by_plan[run["name"]].append(plan_sharing(trace, groups))
             if profile is not None:
-                predicted[run["name"]].append(predicted_sharing(path, profile))
+                predicted[run["name"]].append(predicted_sharing(path, profile, groups))
         except SimexecError as exc:
             print(f"trace_sharing: error: {exc}", file=sys.stderr)
             return 2
@@ -104,17 +130,20 @@ def main(argv=None) -> int:
         print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
         return 2
     ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
-    keys = ("span_ms", "compute_ms", "computing")
+    keys = ("span_ms", "compute_ms", "computing", "ends_apart_ms")
     print(f"{'plan':16} {'ranks':>5} {'span ms':>8} {'compute/mb':>10} {'x ' + args.versus:>8} {'computing':>9} "
-          f"{'per core':>8}" + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14}" if profile else ""))
+          f"{'per core':>8} {'ends apart':>10}"
+          + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14} {'pred apart':>10}" if profile else ""))
     for name, rs in by_plan.items():
         med = {k: statistics.median(r[k] for r in rs) for k in keys}
         ratio = med["compute_ms"] / ref
         line = (f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
-                f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f}")
+                f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f} "
+                f"{med['ends_apart_ms']:10.2f}")
         if profile is not None:
             pred = {k: statistics.median(r[k] for r in predicted[name]) for k in keys}
-            line += f" {pred['span_ms']:9.1f} {pred['compute_ms']:9.2f} {pred['computing']:14.2f}"
+            line += (f" {pred['span_ms']:9.1f} {pred['compute_ms']:9.2f} {pred['computing']:14.2f} "
+                     f"{pred['ends_apart_ms']:10.2f}")
         print(line)
     return 0
 

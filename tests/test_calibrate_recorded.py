@@ -196,6 +196,14 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     got = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
     assert got["computing"] == pytest.approx(2000.0 / 1500.0) and got["ranks"] == 2
     assert got["compute_ms"] == pytest.approx(1.0) and got["span_ms"] == pytest.approx(1.5)
+    # one all-reduce name, two groups: members end 1 ms apart in one and 0.5 ms in the other
+    coll = [{"ph": "X", "pid": r, "name": "c", "ts": 0.0, "dur": end, "args": {"kind": "collective"}}
+            for r, end in ((0, 1000.0), (1, 2000.0), (2, 5000.0), (3, 5500.0))]
+    groups = {(r, "c"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
+    trace = {"traceEvents": [ev(0, 0.0, 1000.0)] + coll}
+    assert trace_sharing.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
+    assert trace_sharing.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
+    assert set(trace_sharing.collective_groups(DIR / "dp4.r1.json.gz").values()) == {(0, 1, 2, 3)}
     for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
             computing = trace_sharing.plan_sharing(json.load(fh))["computing"]
@@ -206,6 +214,7 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     assert one["computing"] == pytest.approx(1.0) and one["ranks"] == 1
     four = trace_sharing.predicted_sharing(DIR / "dp4.r1.json.gz", profile)
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
+    assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
 
 
 def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):

@@ -29,27 +29,32 @@ from pathlib import Path
 from typing import Optional
 
 
-def collective_groups(path: Path) -> dict:
-    """(rank, instruction name) -> the ranks of its collective, from the program of the measured
-    trace at `path`: one name stands for a collective of each group (two tensor-parallel groups
-    all-reduce `fwd.attn_out.L0.m0` at once in `dp=2,tp=2`)."""
-    from simexec.calibrate_traces import load_cases
+def measured_case(trace: dict, where: str):
+    """The measured trace, parsed once, as the case the simulator re-runs (`simexec.calibrate_traces`)."""
+    from simexec.calibrate_traces import _case
+    from simexec.trace import Trace
+
+    return _case(Trace.from_chrome(trace, where), where)
+
+
+def collective_groups(case) -> dict:
+    """(rank, instruction name) -> the ranks of its collective, from the program of the case's plan:
+    one name stands for a collective of each group (two tensor-parallel groups all-reduce
+    `fwd.attn_out.L0.m0` at once in `dp=2,tp=2`)."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
 
-    case = load_cases([path])[0]
     program = lower(resolve(case.model, get_cluster("local"), load_plan(case.plan), case.seq_len), symmetric=False)
     return {(r, ins.name): ins.group for r, instrs in program.ranks.items() for ins in instrs
             if ins.kind == "collective"}
 
 
-def predicted_sharing(path: Path, profile: dict, groups: Optional[dict] = None) -> dict:
-    """`plan_sharing` of the simulator's prediction of the measured trace at `path`."""
-    from simexec.calibrate_traces import load_cases, predict_case
+def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dict:
+    """`plan_sharing` of the simulator's prediction of a measured case (every rank)."""
+    from simexec.calibrate_traces import predict_case
     from simexec.cluster import get_cluster
 
-    case = load_cases([path])[0]
     return plan_sharing(predict_case(case, get_cluster("local"), profile).trace.to_chrome(), groups)
 
 
@@ -116,10 +121,11 @@ def main(argv=None) -> int:
             if cores is None:
                 node = ((trace.get("metadata") or {}).get("cluster_spec") or {}).get("node") or {}
                 cores = int(node.get("cpu_cores") or 2)
-            groups = collective_groups(path)
+            case = measured_case(trace, str(path))
+            groups = collective_groups(case)
             by_plan[run["name"]].append(plan_sharing(trace, groups))
             if profile is not None:
-                predicted[run["name"]].append(predicted_sharing(path, profile, groups))
+                predicted[run["name"]].append(predicted_sharing(case, profile, groups))
         except SimexecError as exc:
             print(f"trace_sharing: error: {exc}", file=sys.stderr)
             return 2

@@ -131,9 +131,9 @@ def main(argv=None) -> int:
             return 2
     local = get_cluster("local")
     costs = {"cpu_scheduler": args.cpu_scheduler}
+    numeric = {k for k, v in local.costs.model_dump().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     for item in args.cost:
         name, _, value = item.partition("=")
-        numeric = {k for k, v in local.costs.model_dump().items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         try:
             if name not in numeric:
                 raise ValueError(f"no numeric costs field {name!r}; known: {', '.join(sorted(numeric))}")

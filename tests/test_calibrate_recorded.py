@@ -203,16 +203,19 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     trace = {"traceEvents": [ev(0, 0.0, 1000.0)] + coll}
     assert trace_sharing.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
     assert trace_sharing.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
-    assert set(trace_sharing.collective_groups(DIR / "dp4.r1.json.gz").values()) == {(0, 1, 2, 3)}
+    cases = {}
     for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
-            computing = trace_sharing.plan_sharing(json.load(fh))["computing"]
+            trace = json.load(fh)
+        computing = trace_sharing.plan_sharing(trace)["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
+        cases[name] = trace_sharing.measured_case(trace, name)
+    assert set(trace_sharing.collective_groups(cases["dp4.r1"]).values()) == {(0, 1, 2, 3)}
     # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
     profile = json.loads((ROOT / "traces" / "profiles" / "local-traces.json").read_text())
-    one = trace_sharing.predicted_sharing(DIR / "dp1.r1.json.gz", profile)
+    one = trace_sharing.predicted_sharing(cases["dp1.r1"], profile)
     assert one["computing"] == pytest.approx(1.0) and one["ranks"] == 1
-    four = trace_sharing.predicted_sharing(DIR / "dp4.r1.json.gz", profile)
+    four = trace_sharing.predicted_sharing(cases["dp4.r1"], profile)
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
     assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
 

@@ -127,8 +127,9 @@ def megatron_rule(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
 
 def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -> str:
     r = megatron_rule(layers, tp, pp, gpus, global_batch)
+    # the authors' runs clip the gradients at 1.0 (examples/sc21/CONFIG.sh: `--clip-grad 1.0`)
     plan = (f"tp={tp},pp={pp},dp={r['dp']},mbs={r['mbs']},gbs={global_batch},recompute=full,"
-            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g}")
+            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},clip_grad=1")
     if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv)
         plan += ",p2p_overlap=0"
     if r["vpp"] > 1:
@@ -290,10 +291,11 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
 
 # What Megatron-DeepSpeed (BigScience, 2022) ran BLOOM with, whatever the (tp, pp): bf16, ZeRO-1, full
 # recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
-# non-interleaved pipeline with blocking sends and the gradients reduced after the backward.
+# non-interleaved pipeline with blocking sends and the gradients reduced after the backward, gradients
+# clipped at 1.0 (tr11-176B-ml.slurm: `--clip-grad 1.0`, ds_config `"gradient_clipping": 1.0`).
 BLOOM_2022 = dict(vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none", recompute="full",
                   recompute_layers=None, flash_attention=False, dtype="bf16", bucket_mb=WHOLE_BUFFER_MB,
-                  p2p_overlap=False)
+                  p2p_overlap=False, clip_grad=1.0)
 
 
 def bloom_recipe(model: ModelSpec, tp: int, pp: int) -> dict:

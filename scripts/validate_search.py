@@ -52,11 +52,12 @@ BLOOM_KERNELS = {"dtype": "bf16", "flash_attention": False}
 # (`model.allreduce_gradients()` in `train_step`; overlap came with --overlap-grad-reduce in 2023), and
 # its fp16 optimizer copies them to fp32 main gradients for the step (`main_param.grad =
 # main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer"). Its
-# pipeline messages block: `_communicate` waits on every request of `batch_isend_irecv`.
+# pipeline messages block: `_communicate` waits on every request of `batch_isend_irecv`. The authors'
+# runs clip the gradients at 1.0 (examples/sc21/CONFIG.sh: `--clip-grad 1.0`).
 # Megatron-LM 2021 splits the layers evenly over the stages (`num_layers % pipeline size == 0`).
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
                  "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False,
-                 "stages": None}
+                 "stages": None, "clip_grad": 1.0}
 BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
 
 
@@ -157,7 +158,7 @@ def gain(best: dict, published: dict) -> str:
 def _short(plan: str) -> str:
     """A plan string without the knobs every plan of the row shares."""
     drop = ("gbs=", "recompute=full", "dtype=fp16", "flash_attention=0", "grad_overlap=0", "master_grads=1",
-            "p2p_overlap=0", "bucket_mb=")
+            "p2p_overlap=0", "bucket_mb=", "clip_grad=")
     return ",".join(p for p in plan.split(",") if not p.startswith(drop))
 
 

@@ -34,6 +34,7 @@ _TP_OPS = {
     "embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
 }
+NORM_BYTES = 4.0  # clip_grad's all-reduce: one fp32 sum of squares
 ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
 
 
@@ -688,6 +689,17 @@ class _RankLowering:
             self.pools[axis] = []
 
     # --- end of step ---------------------------------------------------------------------------------
+    def grad_norm(self, shard: float, deps: list[str]) -> str:
+        """`clip_grad`: the squared norm of the rank's final gradients (each read once), summed over the
+        world by an all-reduce of one fp32 value, which the step (or the gradients' copy to the host)
+        waits for: a barrier across pipeline stages, as in every trainer that clips."""
+        self.wait.extend(deps)
+        norm = self.compute("optim", "grad_norm", -1, -1, 0,
+                            Block("elementwise", 2.0 * shard, shard * self.grad_dt, 0.0))
+        world = tuple(range(self.rp.world))
+        return self.coll("optim.grad_norm", "allreduce", "world", world, NORM_BYTES, (norm,), phase="optim",
+                         block="grad_norm", wait=False) or norm
+
     def finish(self) -> None:
         self.wait.extend(self.sends_to_wait)  # p2p_overlap=0: the last sends block before the step
         self.sends_to_wait = []
@@ -702,11 +714,14 @@ class _RankLowering:
         shard = params["dense"] / (self.zero_size if self.p.zero >= 1 else 1)
         shard += params["expert"] / (max(1, len(self.g_edp)) if self.p.zero >= 1 else 1)
         deps = [d for d in deps if d]
+        clip = 2.0 * self.grad_dt if self.p.clip_grad > 0 else 0.0  # the scaling: read and write each gradient
+        if clip:
+            deps = [self.grad_norm(shard, deps)]
         if self.p.offload != "none":
             d2h = self._emit(Instr(self.rank, "copy.grads_d2h", "copy", "copy.d2h", "d2h", phase="optim",
                                    block="grads_d2h", bytes=shard * self.grad_dt, deps=tuple(deps) + (self.last_compute(),)))
             cpu = self._emit(Instr(self.rank, "host.optim", "compute", "host", "cpu_optimizer", phase="optim",
-                                   block="cpu_optim", flops=shard, bytes=shard * ADAM_BYTES_PER_PARAM, deps=(d2h,)))
+                                   block="cpu_optim", flops=shard, bytes=shard * (ADAM_BYTES_PER_PARAM + clip), deps=(d2h,)))
             opt = self._emit(Instr(self.rank, "copy.params_h2d", "copy", "copy.h2d", "h2d", phase="optim",
                                    block="params_h2d", bytes=shard * self.rp.dtype_bytes, deps=(cpu,)))
         else:
@@ -716,8 +731,8 @@ class _RankLowering:
             main = shard * self.rp.master_grad_bytes
             self.memory("alloc", "grads", main, "grads.main", deps=tuple(deps))
             opt = self.compute("optim", "optim", -1, -1, 0,
-                               Block("optimizer", shard * ADAM_FLOPS_PER_PARAM, shard * adam_bytes_per_param(self.rp),
-                                     0.0))
+                               Block("optimizer", shard * ADAM_FLOPS_PER_PARAM,
+                                     shard * (adam_bytes_per_param(self.rp) + clip), 0.0))
             self.memory("free", "grads", main, "grads.main")
         if self.p.zero in (1, 2):
             dt = self.rp.dtype_bytes

@@ -60,6 +60,9 @@ class Plan(BaseModel):
     master_grads: bool = Field(
         False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
         " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
+    clip_grad: float = Field(
+        0.0, ge=0, description="clip the gradients to this global L2 norm before the optimizer step (Megatron-LM's"
+        " --clip-grad, torchtitan's max_norm, DeepSpeed's gradient_clipping); 0: no clipping")
     rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
     stages: Optional[tuple[int, ...]] = Field(None, min_length=1, description="layers per (virtual) stage, in order")
 

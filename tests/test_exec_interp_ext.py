@@ -120,3 +120,32 @@ def test_sequence_parallel_and_16bit_step_memory_follows_the_simulator(plan):
     for r, res in enumerate(results):
         err = res["peak_memory_bytes"] / predicted - 1
         assert abs(err) < 0.02, f"{plan} rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted:.0f} ({err:+.1%})"
+
+
+# gradient clipping: the global norm summed over shards, stages and experts, each replica counted once
+CLIP = 0.05  # well below gpt-tiny's and moe-tiny's gradient norms, so every step clips
+CLIPPED = [
+    ("gpt-tiny", "dp=2"),
+    ("gpt-tiny", "tp=2,sp=1"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8"),
+    ("gpt-tiny", "dp=4,zero=1,dp_shard=2"),
+    ("gpt-tiny", "dp=2,tp=2,zero=2,gbs=4"),
+    ("gpt-tiny", "dp=2,pp=2,vpp=2,zero=3,gbs=8"),
+    ("gpt-tiny", "dp=2,cp=2"),
+    ("gpt-tiny", "dp=2,zero=1,offload=optimizer"),
+    ("moe-tiny", "dp=2,ep=2,tp=2"),
+    ("moe-tiny", "dp=4,ep=2,zero=3"),
+]
+
+
+def test_clipping_changes_the_reference():
+    """The clipped runs below test something: at CLIP every step's update differs from the unclipped one."""
+    from test_exec_interp import _reference, rel_err
+
+    free, clipped = _reference("gpt-tiny", 4, 32, 3), _reference("gpt-tiny", 4, 32, 3, CLIP)
+    assert max(rel_err(clipped["params"][k], v) for k, v in free["params"].items()) > 0.05
+
+
+@pytest.mark.parametrize("model,plan", CLIPPED, ids=[f"{m}:{p}" for m, p in CLIPPED])
+def test_clipped_plan_matches_reference(model, plan):
+    check_plan(model, f"{plan},clip_grad={CLIP}")

@@ -32,6 +32,8 @@ PLANS = [
     ("gpt-tiny", "dp=2,pp=2,vpp=2,gbs=8,grad_overlap=0,bucket_mb=0.001,master_grads=1"),
     ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0,bucket_mb=0.001"),
     ("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=8,grad_overlap=0,grad_fp32=1"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,zero=1,clip_grad=1"),
+    ("gpt-tiny", "dp=2,zero=3,offload=optimizer,gbs=4,clip_grad=1"),
 ]
 
 
@@ -173,6 +175,30 @@ def test_grad_fp32_doubles_the_gradient_bytes_and_master_grads_copies_them_for_t
     assert copy[alloc].bytes == pytest.approx(4 * params["total"])
     assert copy[opt].bytes > next(i.bytes for i in base if i.block == "optim")  # the copy's traffic
     assert "mem.alloc.grads.main" not in [i.name for i in _program("gpt-tiny", "dp=2,gbs=4,master_grads=1,grad_fp32=1").ranks[0]]
+
+
+@pytest.mark.parametrize("plan", ["dp=2,pp=2,gbs=4", "dp=2,zero=1,offload=optimizer,gbs=4"])
+def test_clip_grad_reads_every_gradient_and_sums_the_norm_over_the_world_before_the_step(plan):
+    free = _program("gpt-tiny", plan)
+    clipped = _program("gpt-tiny", plan + ",clip_grad=1")
+    world = tuple(range(len(clipped.ranks)))
+    for rank, instrs in clipped.ranks.items():
+        by_name = {i.name: i for i in instrs}
+        norm = by_name["optim.grad_norm.L-1.m-1"]
+        reduce = by_name["optim.grad_norm"]
+        assert reduce.op == "allreduce@world" and reduce.group == world and reduce.bytes == 4
+        assert norm.name in reduce.deps
+        step = next(i for i in instrs if i.block in ("optim", "grads_d2h"))
+        assert reduce.name in step.deps  # the step (or the gradients' copy to the host) waits for the norm
+        before = {i.name for i in instrs[:instrs.index(norm)]}
+        assert all(i.name in before for i in instrs if i.block.startswith("grads") and i.kind == "collective")
+        shard = next(i for i in free.ranks[rank] if i.block in ("optim", "cpu_optim"))
+        adam = next(i for i in instrs if i.block in ("optim", "cpu_optim"))
+        grad_bytes = 2  # bf16
+        params = shard.flops if shard.block == "cpu_optim" else shard.flops / 12
+        assert norm.bytes == pytest.approx(params * grad_bytes)  # read once
+        assert adam.bytes - shard.bytes == pytest.approx(2 * params * grad_bytes)  # scaled: read and written
+    assert not any(i.block == "grad_norm" for instrs in free.ranks.values() for i in instrs)
 
 
 def test_zero2_reduce_scatters_every_micro_batch_and_zero1_only_the_last():

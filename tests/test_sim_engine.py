@@ -143,3 +143,23 @@ def test_a_collective_that_waits_on_one_in_flight_starts_when_it_ends():
     on a concurrent stream too."""
     _, times = engine({r: _dp_collectives(r, {"c": ("a",)}) for r in (0, 1)}, cluster=_threads(2))
     assert times["0:c"][0] == times["0:a"][1]
+
+
+def test_clipping_holds_every_pipeline_stage_until_the_last_backward_ends():
+    """Without clipping the last stage steps as soon as its own backward is done; with it, its step
+    waits for the norm, which needs the first stage's last backward (1F1B ends there)."""
+    from simexec.simulate import simulate
+
+    def timeline(plan):
+        res = simulate("gpt-tiny", "dgx-a100-80g", plan, trace=True)
+        events = res.trace.events
+        last_bwd = max(e.end_us for e in events if e.rank == 0 and e.phase == "bwd" and e.kind == "compute")
+        step = next(e for e in events if e.rank != 0 and e.name == "optim.optim.L-1.m-1")
+        return res.step_time_s, last_bwd, step.start_us
+
+    base = "dp=4,pp=2,gbs=32,dtype=bf16"
+    t_free, last_free, step_free = timeline(base)
+    t_clip, last_clip, step_clip = timeline(base + ",clip_grad=1")
+    assert step_free < last_free  # the last stage does not wait for stage 0
+    assert step_clip > last_clip
+    assert t_clip > t_free

@@ -47,6 +47,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from simexec.exec import data
+from simexec.exec.clipping import ClipWeights, clip_coefficient
 from simexec.exec.collectives import TorchComm, _Inflight
 from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
                                    _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
@@ -413,6 +414,8 @@ class _Rank(Sharding, RingAttention):
     def compute(self, ins: Instr) -> None:
         if ins.block in ("optim", "cpu_optim"):
             return self.optimizer_step(ins)
+        if ins.block == "grad_norm":
+            return self.grad_norm(ins)
         if self.z3_pending:
             for cls in ("dense", "expert"):
                 w = self.z3_pending.get((cls, ins.layer))
@@ -589,6 +592,8 @@ class _Rank(Sharding, RingAttention):
             return self.activation_collective(ins, verb, g)
         if block == "norm_grads":
             return self.norm_grads(ins, g)
+        if block == "grad_norm":
+            return self.grad_norm_reduce(ins, g)
         if block == "grads":
             return self.z3_grads(ins, g)
         if block.startswith("grads_rep"):
@@ -840,6 +845,13 @@ class _Rank(Sharding, RingAttention):
         else:
             self.opt = Adam(tensors, master_grads=self.plan.master_grads)
         self.opt_tensors = tensors
+        self.clip = None  # clip_grad: each optimizer tensor's share of the global norm
+        if self.plan.clip_grad > 0:
+            flats = {k: self.buckets.get(k) or self.z3.get(k) for k in self.shards}
+            numel = {n: math.prod(self.shapes[n]) for n in self.opt_keys if not isinstance(n, tuple)}
+            self.clip = ClipWeights.of(self.rp, self.rank, self.specs, self.opt_keys, flats, numel)
+        self.step_grads: Optional[list[Tensor]] = None  # gathered by grad_norm for the step after it
+        self.norm_sq: Optional[Tensor] = None  # this rank's share of the squared norm, then (reduced) the whole
 
     def optimizer_step(self, ins: Instr) -> None:
         """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
@@ -851,6 +863,7 @@ class _Rank(Sharding, RingAttention):
             threads = torch.get_num_threads()
             torch.set_num_threads(self._host_threads())
             try:
+                self._clip(self.host_grads)
                 self.opt.step(self.host_grads)
             finally:
                 torch.set_num_threads(threads)
@@ -858,7 +871,9 @@ class _Rank(Sharding, RingAttention):
                     tracker.on_host -= 1
             return
         self.wait_but_sends(ins)
-        self.opt.step(self._optimizer_grads())
+        grads = self._optimizer_grads()
+        self._clip(grads)
+        self.opt.step(grads)
 
     def _host_threads(self) -> int:
         """Threads for the offloaded optimizer step: on an accelerator's host, this rank's share of the
@@ -873,7 +888,29 @@ class _Rank(Sharding, RingAttention):
         """What stands for host memory (offload: parameters, gradients and Adam states on the host)."""
         return self.host + self.host_grads + self.opt.state_tensors() if self.offload else []
 
+    def grad_norm(self, ins: Instr) -> None:
+        """`grad_norm` (clip_grad): this rank's share of the squared norm of the final gradients, which
+        the `grad_norm` all-reduce after it sums over the world."""
+        self.wait_but_sends(ins)
+        self.step_grads = self._optimizer_grads()
+        self.norm_sq = self.clip.squared_norm(self.step_grads).to(self.device)
+
+    def grad_norm_reduce(self, ins: Instr, g) -> None:
+        work = self.comm.all_reduce(self.norm_sq, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        self._issue(ins, [work], None)
+
+    def _clip(self, grads: list[Tensor]) -> None:
+        """Scale the step's gradients by min(1, clip_grad / norm), the norm the world's all-reduce summed."""
+        if self.norm_sq is None:
+            return
+        coef = clip_coefficient(self.norm_sq, self.plan.clip_grad).reshape(())
+        torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
+        self.norm_sq = None
+
     def _optimizer_grads(self) -> list[Tensor]:
+        if self.step_grads is not None:
+            out, self.step_grads = self.step_grads, None
+            return out
         out = []
         for k in self.opt_keys:
             if isinstance(k, tuple):

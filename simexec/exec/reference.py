@@ -1,8 +1,9 @@
 """The ground truth: the same model, data and seed in one process, plain autograd, no parallelism.
 
 `reference(rp, steps)` trains the unsharded model on the whole global batch at once (all micro-batches
-of all data-parallel ranks) with the same Adam, and returns the loss of every step and the final
-parameters. Every plan's losses and parameters must match these (fp32: relative 1e-4).
+of all data-parallel ranks) with the same Adam, after torch's `clip_grad_norm_` under `clip_grad`, and
+returns the loss of every step and the final parameters. Every plan's losses and parameters must
+match these (fp32: relative 1e-4).
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ def reference(rp, steps: int, seed: int = 0) -> dict:
         b = data.whole_batch(rp, seed, step)
         loss = model.forward(b.tokens, b.targets, b.pos)
         loss.backward()
+        if rp.plan.clip_grad > 0:
+            torch.nn.utils.clip_grad_norm_(list(params.values()), rp.plan.clip_grad)
         opt.step([p.grad if p.grad is not None else torch.zeros_like(p) for p in params.values()])
         for p in params.values():
             p.grad = None

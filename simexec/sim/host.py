@@ -83,6 +83,12 @@ ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded 
 ADAM_PIECE = {"cpu": 1 << 14, "accelerator": 1 << 24}
 ADAM_FLOPS_PER_PARAM = 12.0
 FLOP_BOUND = ("gemm", "attention")
+# clip_grad (simexec.exec.clipping), counted with count_dispatch_plan on gpt-tiny at ZeRO 0, 1 and 3:
+# the norm is one _foreach_norm over the rank's gradients and six operators summing and shaping the
+# squares (two more per piece of a ZeRO shard whose parameters are replicated over tp for some and
+# split for others); the step computes the coefficient and scales the gradients with seven more
+GRAD_NORM_OPS = 7
+CLIP_SCALE_OPS = 7
 ISSUE_OPS_PER_TENSOR = 2  # a parameter unit's collective: the tensor's view into the flat buffer, and back
 
 
@@ -351,6 +357,7 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
             else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
+        self.clip_ops = CLIP_SCALE_OPS if plan is not None and plan.clip_grad > 0 else 0
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self.family = cost_family(self.model) if self.model is not None else ""
         self._tensors: dict[int, int] = {}
@@ -398,7 +405,9 @@ class HostCosts:
         if adam is not None:
             host, elements, master = adam
             piece = ADAM_PIECE["cpu" if host or self.cluster.device.name == "cpu" else "accelerator"]
-            return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece)
+            return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece) + self.clip_ops
+        if ins.block == "grad_norm":
+            return GRAD_NORM_OPS
         return ops_of(ins, self.table)
 
     def kernel_passes(self, ins: Instr) -> int:

@@ -127,9 +127,10 @@ def megatron_rule(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
 
 def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -> str:
     r = megatron_rule(layers, tp, pp, gpus, global_batch)
-    # the authors' runs clip the gradients at 1.0 (examples/sc21/CONFIG.sh: `--clip-grad 1.0`)
+    # the authors' runs scale the loss by 8192 and clip the gradients at 1.0 (examples/sc21/CONFIG.sh:
+    # `--clip-grad 1.0 --fp16 --loss-scale 8192`)
     plan = (f"tp={tp},pp={pp},dp={r['dp']},mbs={r['mbs']},gbs={global_batch},recompute=full,"
-            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},clip_grad=1")
+            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},loss_scale=8192,clip_grad=1")
     if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv)
         plan += ",p2p_overlap=0"
     if r["vpp"] > 1:

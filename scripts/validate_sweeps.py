@@ -6,8 +6,8 @@
 Table 1 fixes one plan per model; §5.4 of the same paper (Narayanan et al., SC'21) sweeps the
 split of 64 A100 GPUs (8 DGX A100 nodes) for one model and reports throughput per GPU. The runs are
 `examples/academic_paper_scripts/sc21/run_figure_1{3,4,5}.sh` in Megatron-LM: micro-batch 1, full
-recompute, fp16, local DDP (gradients all-reduced after the backward), gradients clipped at 1.0
-(`CONFIG.sh`), sequence 2048.
+recompute, fp16, local DDP (gradients all-reduced after the backward), the loss scaled by 8192 and
+the gradients clipped at 1.0 (`CONFIG.sh`), sequence 2048.
 
 - Figure 13: a 162.2B GPT (32 layers, hidden 20480, 128 heads), pipeline x tensor = 64, dp 1.
   Throughput peaks at tensor-parallel size 8, the GPUs of one node (the paper's takeaway #1).
@@ -39,7 +39,7 @@ from validate_published import eq3_flops, megatron_model  # noqa: E402
 SEQ = 2048
 GPUS = 64
 CLUSTER = "8xdgx-a100-80g"
-KNOBS = "mbs=1,recompute=full,flash_attention=0,dtype=fp16,grad_overlap=0,master_grads=1,p2p_overlap=0,clip_grad=1"
+KNOBS = "mbs=1,recompute=full,flash_attention=0,dtype=fp16,grad_overlap=0,master_grads=1,p2p_overlap=0,loss_scale=8192,clip_grad=1"
 BEGIN, END = "<!-- sweeps:begin -->", "<!-- sweeps:end -->"
 
 

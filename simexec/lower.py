@@ -34,7 +34,7 @@ _TP_OPS = {
     "embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
 }
-NORM_BYTES = 4.0  # clip_grad's all-reduce: one fp32 sum of squares
+STEP_FLAG_BYTES = 4.0  # the all-reduces before the step: one fp32 overflow flag, or sum of squares
 ADAM_BYTES_PER_PARAM = 28.0  # read fp32 master, m, v, bf16 grad; write them back and the bf16 weight
 
 
@@ -689,16 +689,16 @@ class _RankLowering:
             self.pools[axis] = []
 
     # --- end of step ---------------------------------------------------------------------------------
-    def grad_norm(self, shard: float, deps: list[str]) -> str:
-        """`clip_grad`: the squared norm of the rank's final gradients (each read once), summed over the
-        world by an all-reduce of one fp32 value, which the step (or the gradients' copy to the host)
-        waits for: a barrier across pipeline stages, as in every trainer that clips."""
+    def step_reduction(self, block: str, shard: float, traffic: float, deps: list[str]) -> str:
+        """A pass over the rank's final gradients (`traffic` bytes per element) whose one fp32 result
+        is all-reduced over the world before the step goes on: `unscale` (loss_scale: divide by the
+        scale, flag overflows) and `grad_norm` (clip_grad: sum the squares). Each is a barrier across
+        pipeline stages, as in every trainer that scales or clips."""
         self.wait.extend(deps)
-        norm = self.compute("optim", "grad_norm", -1, -1, 0,
-                            Block("elementwise", 2.0 * shard, shard * self.grad_dt, 0.0))
+        c = self.compute("optim", block, -1, -1, 0, Block("elementwise", 2.0 * shard, shard * traffic, 0.0))
         world = tuple(range(self.rp.world))
-        return self.coll("optim.grad_norm", "allreduce", "world", world, NORM_BYTES, (norm,), phase="optim",
-                         block="grad_norm", wait=False) or norm
+        return self.coll(f"optim.{block}", "allreduce", "world", world, STEP_FLAG_BYTES, (c,), phase="optim",
+                         block=block, wait=False) or c
 
     def finish(self) -> None:
         self.wait.extend(self.sends_to_wait)  # p2p_overlap=0: the last sends block before the step
@@ -714,9 +714,11 @@ class _RankLowering:
         shard = params["dense"] / (self.zero_size if self.p.zero >= 1 else 1)
         shard += params["expert"] / (max(1, len(self.g_edp)) if self.p.zero >= 1 else 1)
         deps = [d for d in deps if d]
+        if self.p.loss_scale > 0:  # divide by the scale (read and write), flag overflows
+            deps = [self.step_reduction("unscale", shard, 2.0 * self.grad_dt, deps)]
         clip = 2.0 * self.grad_dt if self.p.clip_grad > 0 else 0.0  # the scaling: read and write each gradient
-        if clip:
-            deps = [self.grad_norm(shard, deps)]
+        if clip:  # sum the squares (read)
+            deps = [self.step_reduction("grad_norm", shard, self.grad_dt, deps)]
         if self.p.offload != "none":
             d2h = self._emit(Instr(self.rank, "copy.grads_d2h", "copy", "copy.d2h", "d2h", phase="optim",
                                    block="grads_d2h", bytes=shard * self.grad_dt, deps=tuple(deps) + (self.last_compute(),)))

@@ -60,6 +60,9 @@ class Plan(BaseModel):
     master_grads: bool = Field(
         False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
         " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
+    loss_scale: float = Field(
+        0.0, ge=0, description="static loss scale: the backward starts from this instead of 1, and the step divides"
+        " the gradients by it and skips itself if any overflowed (Megatron-LM's --loss-scale for fp16); 0: none")
     clip_grad: float = Field(
         0.0, ge=0, description="clip the gradients to this global L2 norm before the optimizer step (Megatron-LM's"
         " --clip-grad, torchtitan's max_norm, DeepSpeed's gradient_clipping); 0: no clipping")

@@ -167,11 +167,17 @@ def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS
 
 
 @lru_cache(maxsize=None)
-def _reference(model: str, gbs: int, seq_len: int | None, steps: int, clip_grad: float = 0.0) -> dict:
+def _reference(model: str, gbs: int, seq_len: int | None, steps: int, maths: str = "") -> dict:
+    """`maths`: the plan's fields that change the training maths (loss scale, clipping), e.g. `clip_grad=1`."""
     from simexec.exec.reference import reference
 
     torch.set_num_threads(1)
-    return reference(resolved(model, f"dp=1,gbs={gbs},clip_grad={clip_grad:g}", seq_len), steps)
+    return reference(resolved(model, f"dp=1,gbs={gbs}" + (f",{maths}" if maths else ""), seq_len), steps)
+
+
+def training_maths(plan) -> str:
+    """The fields of `plan` the reference must share."""
+    return f"clip_grad={plan.clip_grad:g},loss_scale={plan.loss_scale:g}"
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -191,7 +197,7 @@ def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STE
     from simexec.exec.model import Layout, holds, param_specs, shard
 
     rp, results = run_plan(model, plan, seq_len, steps, pool)
-    ref = _reference(model, rp.plan.gbs, seq_len, steps, rp.plan.clip_grad)
+    ref = _reference(model, rp.plan.gbs, seq_len, steps, training_maths(rp.plan))
     loss_err = 0.0
     reporting = [r for r in results if r["losses"]]
     last_stage = [r for r in range(rp.world) if rp.mesh.coords(r)["pp"] == rp.plan.pp - 1]

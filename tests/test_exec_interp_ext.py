@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+import torch
 from test_exec_interp import check_plan, resolved, run_plan
 
 EXTENDED = [
@@ -138,14 +139,39 @@ CLIPPED = [
 ]
 
 
-def test_clipping_changes_the_reference():
-    """The clipped runs below test something: at CLIP every step's update differs from the unclipped one."""
+# static loss scaling: a power of two, so that scaling and unscaling are exact in fp32
+SCALE = 1024
+
+
+def test_clipping_and_loss_scaling_change_the_reference():
+    """The runs below test something: at CLIP every step's update differs from the unclipped one; a
+    loss scale of a power of two, unscaled, changes nothing, and the gradients' norm stays below
+    CLIP x SCALE, so a run that clipped before unscaling would differ; a loss scale the gradients do
+    not survive skips every step."""
     from test_exec_interp import _reference, rel_err
 
-    free, clipped = _reference("gpt-tiny", 4, 32, 3), _reference("gpt-tiny", 4, 32, 3, CLIP)
-    assert max(rel_err(clipped["params"][k], v) for k, v in free["params"].items()) > 0.05
+    free = _reference("gpt-tiny", 4, 32, 3)
+
+    def moved(other):
+        return max(rel_err(other["params"][k], v) for k, v in free["params"].items())
+
+    assert moved(_reference("gpt-tiny", 4, 32, 3, f"clip_grad={CLIP}")) > 0.05
+    assert moved(_reference("gpt-tiny", 4, 32, 3, f"loss_scale={SCALE}")) < 1e-6
+    unscaled = _reference("gpt-tiny", 4, 32, 3, f"loss_scale={SCALE},clip_grad={CLIP * SCALE:g}")
+    assert moved(unscaled) < 1e-6  # clipping at CLIP x SCALE never clips the unscaled gradients
+    overflow = _reference("gpt-tiny", 4, 32, 3, "loss_scale=3e38")
+    init = _reference("gpt-tiny", 4, 32, 0)
+    assert all(torch.equal(overflow["params"][k], v) for k, v in init["params"].items())
 
 
 @pytest.mark.parametrize("model,plan", CLIPPED, ids=[f"{m}:{p}" for m, p in CLIPPED])
 def test_clipped_plan_matches_reference(model, plan):
     check_plan(model, f"{plan},clip_grad={CLIP}")
+
+
+@pytest.mark.parametrize("plan", ["dp=2,tp=2,pp=2,gbs=8,loss_scale=1024,clip_grad=0.05",
+                                  "dp=2,zero=1,offload=optimizer,loss_scale=1024,clip_grad=0.05",
+                                  "dp=4,zero=3,loss_scale=3e38"])
+def test_loss_scaled_plan_matches_reference(plan):
+    """Unscaled before the clipping's norm; the last plan overflows on every rank and skips every step."""
+    check_plan("gpt-tiny", plan)

@@ -177,6 +177,22 @@ def test_grad_fp32_doubles_the_gradient_bytes_and_master_grads_copies_them_for_t
     assert "mem.alloc.grads.main" not in [i.name for i in _program("gpt-tiny", "dp=2,gbs=4,master_grads=1,grad_fp32=1").ranks[0]]
 
 
+def test_loss_scale_unscales_every_gradient_and_agrees_on_overflow_before_the_norm():
+    prog = _program("gpt-tiny", "dp=2,pp=2,gbs=4,dtype=fp16,loss_scale=8192,clip_grad=1")
+    free = _program("gpt-tiny", "dp=2,pp=2,gbs=4,dtype=fp16")
+    for rank, instrs in prog.ranks.items():
+        names = [i.name for i in instrs]
+        order = [names.index(n) for n in ("optim.unscale.L-1.m-1", "optim.unscale", "optim.grad_norm.L-1.m-1",
+                                          "optim.grad_norm", "optim.optim.L-1.m-1")]
+        assert order == sorted(order)
+        unscale = instrs[order[0]]
+        reduce = instrs[order[1]]
+        assert unscale.name in reduce.deps and reduce.name in instrs[order[2]].deps
+        assert reduce.op == "allreduce@world" and len(reduce.group) == len(prog.ranks)
+        adam = next(i for i in free.ranks[rank] if i.block == "optim")
+        assert unscale.bytes == pytest.approx(2 * 2 * adam.flops / 12)  # fp16 gradients read and written
+
+
 @pytest.mark.parametrize("plan", ["dp=2,pp=2,gbs=4", "dp=2,zero=1,offload=optimizer,gbs=4"])
 def test_clip_grad_reads_every_gradient_and_sums_the_norm_over_the_world_before_the_step(plan):
     free = _program("gpt-tiny", plan)

@@ -194,6 +194,7 @@ class _Rank(Sharding, RingAttention):
         self.step_no = -1
         self.inflight: dict[str, _Inflight] = {}
         self.loss_scale = 1.0 / (p.gbs * rp.seq_len)
+        self.grad_seed = p.loss_scale or 1.0  # where the backward starts: the static loss scale, if any
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
@@ -416,6 +417,8 @@ class _Rank(Sharding, RingAttention):
             return self.optimizer_step(ins)
         if ins.block == "grad_norm":
             return self.grad_norm(ins)
+        if ins.block == "unscale":
+            return self.unscale(ins)
         if self.z3_pending:
             for cls in ("dense", "expert"):
                 w = self.z3_pending.get((cls, ins.layer))
@@ -559,7 +562,7 @@ class _Rank(Sharding, RingAttention):
         ts, gs = [], []
         for n, o in zip(out_names, outs):
             if isinstance(o, Tensor) and o.requires_grad:
-                g = torch.ones_like(o) if ins.block == "loss" else self.take_grad((n, l, mb))
+                g = torch.full_like(o, self.grad_seed) if ins.block == "loss" else self.take_grad((n, l, mb))
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
@@ -592,8 +595,8 @@ class _Rank(Sharding, RingAttention):
             return self.activation_collective(ins, verb, g)
         if block == "norm_grads":
             return self.norm_grads(ins, g)
-        if block == "grad_norm":
-            return self.grad_norm_reduce(ins, g)
+        if block in ("unscale", "grad_norm"):
+            return self.step_reduction(ins, g)
         if block == "grads":
             return self.z3_grads(ins, g)
         if block.startswith("grads_rep"):
@@ -850,8 +853,9 @@ class _Rank(Sharding, RingAttention):
             flats = {k: self.buckets.get(k) or self.z3.get(k) for k in self.shards}
             numel = {n: math.prod(self.shapes[n]) for n in self.opt_keys if not isinstance(n, tuple)}
             self.clip = ClipWeights.of(self.rp, self.rank, self.specs, self.opt_keys, flats, numel)
-        self.step_grads: Optional[list[Tensor]] = None  # gathered by grad_norm for the step after it
+        self.step_grads: Optional[list[Tensor]] = None  # the step's gradients, once gathered
         self.norm_sq: Optional[Tensor] = None  # this rank's share of the squared norm, then (reduced) the whole
+        self.found_inf: Optional[Tensor] = None  # loss_scale: overflowed gradients here, then (reduced) anywhere
 
     def optimizer_step(self, ins: Instr) -> None:
         """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
@@ -863,8 +867,9 @@ class _Rank(Sharding, RingAttention):
             threads = torch.get_num_threads()
             torch.set_num_threads(self._host_threads())
             try:
-                self._clip(self.host_grads)
-                self.opt.step(self.host_grads)
+                if not self._overflowed():
+                    self._clip(self.host_grads)
+                    self.opt.step(self.host_grads)
             finally:
                 torch.set_num_threads(threads)
                 if tracker is not None:
@@ -872,6 +877,8 @@ class _Rank(Sharding, RingAttention):
             return
         self.wait_but_sends(ins)
         grads = self._optimizer_grads()
+        if self._overflowed():
+            return
         self._clip(grads)
         self.opt.step(grads)
 
@@ -888,16 +895,34 @@ class _Rank(Sharding, RingAttention):
         """What stands for host memory (offload: parameters, gradients and Adam states on the host)."""
         return self.host + self.host_grads + self.opt.state_tensors() if self.offload else []
 
+    def unscale(self, ins: Instr) -> None:
+        """`unscale` (loss_scale): divide the final gradients by the loss scale and flag any that is not
+        finite; the `unscale` all-reduce after it tells every rank whether any rank overflowed."""
+        self.wait_but_sends(ins)
+        grads = self._step_grads()
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
+        if grads:
+            inv = torch.full((1,), 1.0 / self.plan.loss_scale, dtype=torch.float32, device=self.device)
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
+
     def grad_norm(self, ins: Instr) -> None:
         """`grad_norm` (clip_grad): this rank's share of the squared norm of the final gradients, which
         the `grad_norm` all-reduce after it sums over the world."""
         self.wait_but_sends(ins)
-        self.step_grads = self._optimizer_grads()
-        self.norm_sq = self.clip.squared_norm(self.step_grads).to(self.device)
+        self.norm_sq = self.clip.squared_norm(self._step_grads()).to(self.device)
 
-    def grad_norm_reduce(self, ins: Instr, g) -> None:
-        work = self.comm.all_reduce(self.norm_sq, op=dist.ReduceOp.SUM, group=g, async_op=True)
+    def step_reduction(self, ins: Instr, g) -> None:
+        """The all-reduce of `unscale`'s overflow flag or `grad_norm`'s sum of squares."""
+        t = self.found_inf if ins.block == "unscale" else self.norm_sq
+        work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
         self._issue(ins, [work], None)
+
+    def _overflowed(self) -> bool:
+        """loss_scale: did any rank's gradients overflow this step? Then the step is skipped."""
+        if self.found_inf is None:
+            return False
+        found, self.found_inf = self.found_inf, None
+        return bool(found.item() > 0)
 
     def _clip(self, grads: list[Tensor]) -> None:
         """Scale the step's gradients by min(1, clip_grad / norm), the norm the world's all-reduce summed."""
@@ -906,6 +931,12 @@ class _Rank(Sharding, RingAttention):
         coef = clip_coefficient(self.norm_sq, self.plan.clip_grad).reshape(())
         torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
         self.norm_sq = None
+
+    def _step_grads(self) -> list[Tensor]:
+        """The step's final gradients, gathered once for the instructions before the step that read them."""
+        if self.step_grads is None:
+            self.step_grads = self._optimizer_grads()
+        return self.step_grads
 
     def _optimizer_grads(self) -> list[Tensor]:
         if self.step_grads is not None:

@@ -83,10 +83,16 @@ ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded 
 ADAM_PIECE = {"cpu": 1 << 14, "accelerator": 1 << 24}
 ADAM_FLOPS_PER_PARAM = 12.0
 FLOP_BOUND = ("gemm", "attention")
-# clip_grad (simexec.exec.clipping), counted with count_dispatch_plan on gpt-tiny at ZeRO 0, 1 and 3:
-# the norm is one _foreach_norm over the rank's gradients and six operators summing and shaping the
-# squares (two more per piece of a ZeRO shard whose parameters are replicated over tp for some and
-# split for others); the step computes the coefficient and scales the gradients with seven more
+# The passes over the gradients before the step, counted with count_dispatch_plan on gpt-tiny at ZeRO
+# 0, 1 and 3. loss_scale: `unscale` is one fused unscale-and-check over the rank's gradients and two
+# operators making its flag and scale; the step reads the flag (one). clip_grad: the norm is one
+# _foreach_norm and six operators summing and shaping the squares (two more per piece of a ZeRO shard
+# whose parameters are replicated over tp for some and split for others); the step computes the
+# coefficient and scales the gradients with seven more. On a CPU these foreach kernels loop over the
+# tensors (2.5 µs a tensor for the norm, 1.3 for the scaling, 0.4 for the unscaling on the 2-core VM
+# with torch 2.13), which is not priced: about 0.3 ms a step for gpt-tiny's 69 tensors.
+UNSCALE_OPS = 3
+OVERFLOW_CHECK_OPS = 1
 GRAD_NORM_OPS = 7
 CLIP_SCALE_OPS = 7
 ISSUE_OPS_PER_TENSOR = 2  # a parameter unit's collective: the tensor's view into the flat buffer, and back
@@ -357,7 +363,9 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
             else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
-        self.clip_ops = CLIP_SCALE_OPS if plan is not None and plan.clip_grad > 0 else 0
+        self.step_ops = 0  # what loss scaling and clipping add to the step
+        if plan is not None:
+            self.step_ops = (OVERFLOW_CHECK_OPS if plan.loss_scale > 0 else 0) + (CLIP_SCALE_OPS if plan.clip_grad > 0 else 0)
         self.elementwise = dict(getattr(c, "elementwise_cost", None) or {})
         self.family = cost_family(self.model) if self.model is not None else ""
         self._tensors: dict[int, int] = {}
@@ -405,9 +413,9 @@ class HostCosts:
         if adam is not None:
             host, elements, master = adam
             piece = ADAM_PIECE["cpu" if host or self.cluster.device.name == "cpu" else "accelerator"]
-            return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece) + self.clip_ops
-        if ins.block == "grad_norm":
-            return GRAD_NORM_OPS
+            return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece) + self.step_ops
+        if ins.block in ("unscale", "grad_norm"):
+            return UNSCALE_OPS if ins.block == "unscale" else GRAD_NORM_OPS
         return ops_of(ins, self.table)
 
     def kernel_passes(self, ins: Instr) -> int:

@@ -867,19 +867,25 @@ class _Rank(Sharding, RingAttention):
             threads = torch.get_num_threads()
             torch.set_num_threads(self._host_threads())
             try:
-                if not self._overflowed():
-                    self._clip(self.host_grads)
-                    self.opt.step(self.host_grads)
+                self._update(self.host_grads)
             finally:
                 torch.set_num_threads(threads)
                 if tracker is not None:
                     tracker.on_host -= 1
             return
         self.wait_but_sends(ins)
-        grads = self._optimizer_grads()
-        if self._overflowed():
+        self._update(self._optimizer_grads())
+
+    def _update(self, grads: list[Tensor]) -> None:
+        """Adam on the step's gradients: skipped if any rank's overflowed (loss_scale), scaled first by
+        min(1, clip_grad / norm), the norm the world's all-reduce summed (clip_grad)."""
+        found, self.found_inf = self.found_inf, None
+        norm_sq, self.norm_sq = self.norm_sq, None
+        if found is not None and bool(found.item() > 0):
             return
-        self._clip(grads)
+        if norm_sq is not None and grads:
+            coef = clip_coefficient(norm_sq, self.plan.clip_grad).reshape(())
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
         self.opt.step(grads)
 
     def _host_threads(self) -> int:
@@ -916,21 +922,6 @@ class _Rank(Sharding, RingAttention):
         t = self.found_inf if ins.block == "unscale" else self.norm_sq
         work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
         self._issue(ins, [work], None)
-
-    def _overflowed(self) -> bool:
-        """loss_scale: did any rank's gradients overflow this step? Then the step is skipped."""
-        if self.found_inf is None:
-            return False
-        found, self.found_inf = self.found_inf, None
-        return bool(found.item() > 0)
-
-    def _clip(self, grads: list[Tensor]) -> None:
-        """Scale the step's gradients by min(1, clip_grad / norm), the norm the world's all-reduce summed."""
-        if self.norm_sq is None:
-            return
-        coef = clip_coefficient(self.norm_sq, self.plan.clip_grad).reshape(())
-        torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
-        self.norm_sq = None
 
     def _step_grads(self) -> list[Tensor]:
         """The step's final gradients, gathered once for the instructions before the step that read them."""

@@ -10,9 +10,10 @@ layer's sub-blocks with the communication each plan dimension adds, in this orde
 5. recompute: forward blocks re-run before their backward (selective: attention core; full: layer);
 6. ZeRO-3: per-unit parameter all-gathers (two in flight) and gradient reduce-scatters;
 7. data parallel: gradient buckets during the last backward (every backward for ZeRO-2), or
-   after it (`grad_overlap=0`), HSDP replicate all-reduce, tied-embedding all-reduce, optimizer
-   step (with its fp32 main-gradient copy, `master_grads`), parameter all-gather, host offload
-   copies.
+   after it (`grad_overlap=0`), HSDP replicate all-reduce, tied-embedding all-reduce, the loss
+   scale's unscaling and the clipping's norm (each a pass over the gradients and a world
+   all-reduce of one value), optimizer step (with its fp32 main-gradient copy, `master_grads`),
+   parameter all-gather, host offload copies.
 Memory markers (alloc/free) track model states, activations and gathered buffers.
 """
 from __future__ import annotations

@@ -717,14 +717,15 @@ class _RankLowering:
         deps = [d for d in deps if d]
         if self.p.loss_scale > 0:  # divide by the scale (read and write), flag overflows
             deps = [self.step_reduction("unscale", shard, 2.0 * self.grad_dt, deps)]
-        clip = 2.0 * self.grad_dt if self.p.clip_grad > 0 else 0.0  # the scaling: read and write each gradient
-        if clip:  # sum the squares (read)
+        clip_bytes = 2.0 * self.grad_dt if self.p.clip_grad > 0 else 0.0  # the scaling: each gradient read, written
+        if clip_bytes:  # sum the squares (read)
             deps = [self.step_reduction("grad_norm", shard, self.grad_dt, deps)]
         if self.p.offload != "none":
             d2h = self._emit(Instr(self.rank, "copy.grads_d2h", "copy", "copy.d2h", "d2h", phase="optim",
                                    block="grads_d2h", bytes=shard * self.grad_dt, deps=tuple(deps) + (self.last_compute(),)))
             cpu = self._emit(Instr(self.rank, "host.optim", "compute", "host", "cpu_optimizer", phase="optim",
-                                   block="cpu_optim", flops=shard, bytes=shard * (ADAM_BYTES_PER_PARAM + clip), deps=(d2h,)))
+                                   block="cpu_optim", flops=shard, bytes=shard * (ADAM_BYTES_PER_PARAM + clip_bytes),
+                                   deps=(d2h,)))
             opt = self._emit(Instr(self.rank, "copy.params_h2d", "copy", "copy.h2d", "h2d", phase="optim",
                                    block="params_h2d", bytes=shard * self.rp.dtype_bytes, deps=(cpu,)))
         else:
@@ -735,7 +736,7 @@ class _RankLowering:
             self.memory("alloc", "grads", main, "grads.main", deps=tuple(deps))
             opt = self.compute("optim", "optim", -1, -1, 0,
                                Block("optimizer", shard * ADAM_FLOPS_PER_PARAM,
-                                     shard * (adam_bytes_per_param(self.rp) + clip), 0.0))
+                                     shard * (adam_bytes_per_param(self.rp) + clip_bytes), 0.0))
             self.memory("free", "grads", main, "grads.main")
         if self.p.zero in (1, 2):
             dt = self.rp.dtype_bytes

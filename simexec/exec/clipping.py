@@ -19,28 +19,29 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from simexec.exec.model import Layout, ParamSpec, holds
+from simexec.exec.model import Layout, ParamSpec, holds, stage_units
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: clip_grad / (norm + EPS)
 
 
-def holders(rp, spec: ParamSpec, rank: int) -> int:
-    """Ranks of the world that hold the same slice of `spec` as `rank` (itself included)."""
-    m, p = rp.model, rp.plan
+class Holders:
+    """Which ranks of the world hold which slice of a parameter, from the plan."""
 
-    def slice_of(r: int):
-        c = rp.mesh.coords(r)
-        units = set(rp.layers_of_pp_rank(c["pp"]))
-        if c["pp"] == 0:
-            units.add(-1)
-        if c["pp"] == p.pp - 1:
-            units.add(m.layers)
-        if spec.unit not in units or not holds(spec, m, Layout.of(rp, r)):
+    def __init__(self, rp):
+        self.rp = rp
+        self.ranks = [(rp.mesh.coords(r)["tp"], stage_units(rp, rp.mesh.coords(r)["pp"]), Layout.of(rp, r))
+                      for r in range(rp.world)]
+
+    def _slice(self, spec: ParamSpec, r: int):
+        tp_rank, units, lay = self.ranks[r]
+        if spec.unit not in units or not holds(spec, self.rp.model, lay):
             return None
-        return c["tp"] if spec.tp_dim is not None and p.tp > 1 else "all"
+        return tp_rank if spec.tp_dim is not None and self.rp.plan.tp > 1 else "all"
 
-    mine = slice_of(rank)
-    return sum(1 for r in range(rp.world) if slice_of(r) == mine)
+    def count(self, spec: ParamSpec, rank: int) -> int:
+        """Ranks that hold the same slice of `spec` as `rank` (itself included)."""
+        mine = self._slice(spec, rank)
+        return sum(1 for r in range(len(self.ranks)) if self._slice(spec, r) == mine)
 
 
 @dataclass
@@ -55,11 +56,12 @@ class ClipWeights:
     @classmethod
     def of(cls, rp, rank: int, specs: dict[str, ParamSpec], keys: Sequence[Hashable], flats: dict,
            numel: dict[str, int]) -> "ClipWeights":
+        holders = Holders(rp)
         copies: dict[str, int] = {}
 
         def weight(name: str, share: int = 1) -> float:
             if name not in copies:
-                copies[name] = holders(rp, specs[name], rank)
+                copies[name] = holders.count(specs[name], rank)
             return share / copies[name]
 
         out = []
@@ -101,4 +103,3 @@ class ClipWeights:
 def clip_coefficient(squared_norm: Tensor, max_norm: float) -> Tensor:
     """min(1, max_norm / (norm + EPS)) as torch.nn.utils.clip_grad_norm_ computes it."""
     return (max_norm / (squared_norm.sqrt() + EPS)).clamp(max=1.0)
-

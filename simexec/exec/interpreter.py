@@ -53,7 +53,7 @@ from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONS
                                    _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
                                    _coll_keys, _downstream, _upstream)
 from simexec.exec.live_memory import _TRACKER, _LiveBytes
-from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard
+from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard, stage_units
 from simexec.exec.optim import Adam
 from simexec.exec.ring import RingAttention
 from simexec.exec.sharding import Sharding
@@ -199,12 +199,7 @@ class _Rank(Sharding, RingAttention):
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
 
-        # which units (embedding -1, layers, head L) this rank holds
-        units = set(rp.layers_of_pp_rank(self.coords["pp"]))
-        if self.coords["pp"] == 0:
-            units.add(-1)
-        if self.coords["pp"] == p.pp - 1:
-            units.add(self.L)
+        units = stage_units(rp, self.coords["pp"])
         self.specs = {s.name: s for s in param_specs(m) if s.unit in units and holds(s, m, self.lay)}
         self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
         self.colls = _COLLS_SP if p.sp else _COLLS

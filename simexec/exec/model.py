@@ -159,6 +159,16 @@ def local_experts(m: ModelSpec, lay: Layout) -> range:
     return range(lo, hi)
 
 
+def stage_units(rp, pp_rank: int) -> set[int]:
+    """The units (embedding -1, layers, head L) a pipeline rank holds."""
+    units = set(rp.layers_of_pp_rank(pp_rank))
+    if pp_rank == 0:
+        units.add(-1)
+    if pp_rank == rp.plan.pp - 1:
+        units.add(rp.model.layers)
+    return units
+
+
 def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:
     return spec.expert is None or spec.expert in local_experts(m, lay)
 

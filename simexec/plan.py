@@ -61,8 +61,16 @@ class Plan(BaseModel):
         False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
         " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
     loss_scale: float = Field(
-        0.0, ge=0, description="static loss scale: the backward starts from this instead of 1, and the step divides"
-        " the gradients by it and skips itself if any overflowed (Megatron-LM's --loss-scale for fp16); 0: none")
+        0.0, ge=0, description="loss scale for fp16: the backward starts from this instead of 1, and the step divides"
+        " the gradients by it and skips itself if any overflowed (Megatron-LM's --loss-scale); the initial scale"
+        " under loss_scale_window; 0: none")
+    loss_scale_window: int = Field(
+        0, ge=0, description="dynamic loss scaling: halve the scale when the gradients overflow, double it after"
+        " this many clean steps in a row (Megatron-LM's --loss-scale-window, DeepSpeed's loss_scale_window);"
+        " loss_scale is then the initial scale; 0: the scale is static")
+    loss_scale_hysteresis: int = Field(
+        2, ge=1, description="dynamic loss scaling: overflows tolerated before the scale halves, restored when it"
+        " grows (Megatron-LM's --hysteresis, DeepSpeed's hysteresis)")
     clip_grad: float = Field(
         0.0, ge=0, description="clip the gradients to this global L2 norm before the optimizer step (Megatron-LM's"
         " --clip-grad, torchtitan's max_norm, DeepSpeed's gradient_clipping); 0: no clipping")
@@ -499,6 +507,11 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             fail(f"dp_shard={p.dp_shard} not divisible by ep={p.ep}")
     if p.offload == "optimizer+params" and p.zero != 3:
         fail(f"offload=optimizer+params needs zero=3, got zero={p.zero}")
+    if p.loss_scale_window and not p.loss_scale:
+        fail(f"loss_scale_window={p.loss_scale_window} (dynamic loss scaling) needs an initial loss_scale > 0,"
+             " e.g. loss_scale=65536")
+    if p.loss_scale_hysteresis != 2 and not p.loss_scale_window:
+        fail(f"loss_scale_hysteresis={p.loss_scale_hysteresis} needs dynamic loss scaling (loss_scale_window > 0)")
     if p.recompute_layers is not None and p.recompute == "none":
         fail(f"recompute_layers={p.recompute_layers} needs recompute=selective or full")
     if not cluster.device.supports(p.dtype):

@@ -175,9 +175,12 @@ def _reference(model: str, gbs: int, seq_len: int | None, steps: int, maths: str
     return reference(resolved(model, f"dp=1,gbs={gbs}" + (f",{maths}" if maths else ""), seq_len), steps)
 
 
+MATHS = ("clip_grad", "loss_scale", "loss_scale_window", "loss_scale_hysteresis")
+
+
 def training_maths(plan) -> str:
-    """The fields of `plan` the reference must share."""
-    return f"clip_grad={plan.clip_grad:g},loss_scale={plan.loss_scale:g}"
+    """The fields of `plan` the reference must share, to the last bit."""
+    return ",".join(f"{k}={getattr(plan, k)!r}" for k in MATHS)
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -210,6 +213,9 @@ def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STE
         for got, want in zip(res["losses"], ref["losses"]):
             loss_err = max(loss_err, abs(got - want) / abs(want))
     assert loss_err <= RTOL, f"{plan}: losses {reporting[0]['losses']} vs reference {ref['losses']}"
+    for rank, res in enumerate(results):  # under loss_scale: every rank skips the steps the reference skips
+        assert res.get("skipped_steps") == ref.get("skipped_steps"), f"{plan}: rank {rank} skipped other steps"
+        assert res.get("loss_scales") == ref.get("loss_scales"), f"{plan}: rank {rank} scaled otherwise"
     specs = {s.name: s for s in param_specs(rp.model)}
     seen, param_err = set(), 0.0
     for rank, res in enumerate(results):

@@ -4,6 +4,8 @@ parallel (all-gather and ring), ZeRO-3 YaFSDP, HSDP and offload, each against th
 pool and `check_plan` of test_exec_interp.py."""
 from __future__ import annotations
 
+import math
+
 import pytest
 
 import torch
@@ -175,3 +177,25 @@ def test_clipped_plan_matches_reference(model, plan):
 def test_loss_scaled_plan_matches_reference(plan):
     """Unscaled before the clipping's norm; the last plan overflows on every rank and skips every step."""
     check_plan("gpt-tiny", plan)
+
+
+# dynamic loss scaling from 2**126, doubled after every clean step, halved after two overflows: 2**128
+# exceeds fp32 and overflows the loss's gradient itself, 2**126 and 2**127 leave gpt-tiny's gradients
+# (at most 2.5x the seed at the start, under 1x after a step) at least 1.6x below fp32's largest value
+DYNAMIC = f"loss_scale={2.0 ** 126!r},loss_scale_window=1,loss_scale_hysteresis=2"
+DYNAMIC_STEPS = 6
+
+
+def test_dynamic_loss_scale_grows_backs_off_and_skips():
+    """The reference's trajectory under DYNAMIC, which the executor's runs below must reproduce."""
+    from test_exec_interp import _reference
+
+    ref = _reference("gpt-tiny", 8, 32, DYNAMIC_STEPS, DYNAMIC)
+    assert [math.log2(x) for x in ref["loss_scales"]] == [126, 127, 128, 128, 127, 128]
+    assert ref["skipped_steps"] == [2, 3, 5]
+
+
+@pytest.mark.parametrize("plan", ["dp=2,tp=2,pp=2,gbs=8", "dp=4,zero=3,gbs=8", "dp=2,zero=1,offload=optimizer,gbs=8"])
+def test_dynamically_scaled_plan_matches_reference(plan):
+    """Every rank grows, backs off and skips with the reference, whatever holds its gradients."""
+    check_plan("gpt-tiny", f"{plan},{DYNAMIC},clip_grad={CLIP}", steps=DYNAMIC_STEPS)

@@ -191,6 +191,12 @@ def test_recompute_layers_needs_recompute():
     refused(TINY, "local", "recompute_layers=1", "recompute_layers=1 needs recompute=selective or full")
 
 
+def test_dynamic_loss_scaling_needs_an_initial_scale():
+    refused(TINY, "local", "loss_scale_window=1000", "loss_scale_window=1000 (dynamic loss scaling) needs an initial loss_scale > 0")
+    refused(TINY, "local", "loss_scale=1024,loss_scale_hysteresis=1", "loss_scale_hysteresis=1 needs dynamic loss scaling")
+    ok(TINY, "local", "loss_scale=65536,loss_scale_window=1000,loss_scale_hysteresis=1")
+
+
 def test_recompute_layers_at_most_the_smallest_stage():
     refused(TINY, "local", "pp=2,recompute=full,recompute_layers=3", "recompute_layers=3 exceeds the 2 layers")
     refused(TINY, "local", "pp=2,stages=1,3,recompute=full,recompute_layers=2", "recompute_layers=2 exceeds the 1 layers")

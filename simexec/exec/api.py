@@ -36,6 +36,8 @@ class ExecResult:
     fingerprint: str = ""
     error: Optional[str] = None
     extra: dict[int, object] = field(default_factory=dict)  # rank -> a runner's "extra" result
+    loss_scales: list[float] = field(default_factory=list)  # loss_scale: the scale of each step
+    skipped_steps: list[int] = field(default_factory=list)  # loss_scale: steps skipped for overflow
 
     def format(self) -> str:
         """A few lines for the terminal."""
@@ -45,6 +47,8 @@ class ExecResult:
                  f"step time     {st} (median after warm-up; steps: "
                  f"{', '.join(f'{t * 1e3:.1f}' for t in self.step_times_s)} ms)",
                  f"peak memory   {', '.join(f'r{r} {v}' for r, v in mib.items())} MiB",
+                 *([f"loss scale    {', '.join(f'{x:g}' for x in self.loss_scales)} (skipped steps: "
+                    f"{', '.join(map(str, self.skipped_steps)) or 'none'})"] if self.loss_scales else []),
                  f"events        {len(self.trace.events)} (program {self.fingerprint})",
                  "wall times    " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.timings.items())]
         if self.error:
@@ -57,6 +61,8 @@ class ExecResult:
                "losses_per_rank": {str(r): v for r, v in self.losses_per_rank.items()},
                "placement": {str(r): n for r, n in self.placement.items()}, "timings": self.timings,
                "program_fingerprint": self.fingerprint, "error": self.error}
+        if self.loss_scales:
+            out.update(loss_scales=self.loss_scales, skipped_steps=self.skipped_steps)
         if rp is not None:
             out.update(_describe(rp))
         return out
@@ -162,6 +168,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     step_time = statistics.median(measured) if measured else None
     peak = {r: o["peak_memory_bytes"] for r, o in sorted(outs.items()) if "peak_memory_bytes" in o}
     params = {r: o["params"] for r, o in sorted(outs.items()) if "params" in o} or None
+    scaled = next((o for _, o in sorted(outs.items()) if "loss_scales" in o), {})  # the same on every rank
     summary = {"step_time_s": step_time, "step_times_s": step_times,
                "peak_memory_bytes_per_rank": {str(r): b for r, b in peak.items()}, "losses": losses}
     if error:
@@ -177,7 +184,8 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
                       trace=Trace(meta=meta, events=events, counters=counters), losses_per_rank=per_rank,
                       params=params, placement={i["rank"]: i["node_id"] for i in infos}, timings=dict(timings),
                       fingerprint=program.fingerprint(), error=error,
-                      extra={r: o["extra"] for r, o in sorted(outs.items()) if "extra" in o})
+                      extra={r: o["extra"] for r, o in sorted(outs.items()) if "extra" in o},
+                      loss_scales=scaled.get("loss_scales", []), skipped_steps=scaled.get("skipped_steps", []))
 
 
 def _describe(rp) -> dict:

@@ -56,6 +56,7 @@ from simexec.exec.live_memory import _TRACKER, _LiveBytes
 from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard, stage_units
 from simexec.exec.optim import Adam
 from simexec.exec.ring import RingAttention
+from simexec.exec.scaler import LossScaler
 from simexec.exec.sharding import Sharding
 from simexec.program import Instr
 
@@ -194,7 +195,7 @@ class _Rank(Sharding, RingAttention):
         self.step_no = -1
         self.inflight: dict[str, _Inflight] = {}
         self.loss_scale = 1.0 / (p.gbs * rp.seq_len)
-        self.grad_seed = p.loss_scale or 1.0  # where the backward starts: the static loss scale, if any
+        self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
@@ -548,6 +549,11 @@ class _Rank(Sharding, RingAttention):
             del self.env[k]
         _shrink_leaf(xr)
 
+    def loss_seed(self, loss: Tensor) -> Tensor:
+        """The loss's gradient: the loss scale, which overflows to inf where it exceeds the dtype's range
+        (as `loss * scale` does), so that the step is skipped rather than the run stopped."""
+        return torch.ones_like(loss).mul_(self.scaler.scale)
+
     def backward(self, ins: Instr) -> None:
         l, mb = ins.layer, ins.mb
         rec = self.records.pop((ins.block, l, mb), None)
@@ -557,7 +563,7 @@ class _Rank(Sharding, RingAttention):
         ts, gs = [], []
         for n, o in zip(out_names, outs):
             if isinstance(o, Tensor) and o.requires_grad:
-                g = torch.full_like(o, self.grad_seed) if ins.block == "loss" else self.take_grad((n, l, mb))
+                g = self.loss_seed(o) if ins.block == "loss" else self.take_grad((n, l, mb))
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
@@ -872,12 +878,16 @@ class _Rank(Sharding, RingAttention):
         self._update(self._optimizer_grads())
 
     def _update(self, grads: list[Tensor]) -> None:
-        """Adam on the step's gradients: skipped if any rank's overflowed (loss_scale), scaled first by
-        min(1, clip_grad / norm), the norm the world's all-reduce summed (clip_grad)."""
+        """Adam on the step's gradients: skipped if any rank's overflowed (loss_scale, whose scale then
+        moves if dynamic), scaled first by min(1, clip_grad / norm), the norm the world's all-reduce
+        summed (clip_grad)."""
         found, self.found_inf = self.found_inf, None
         norm_sq, self.norm_sq = self.norm_sq, None
-        if found is not None and bool(found.item() > 0):
-            return
+        if found is not None:
+            overflow = bool(found.item() > 0)
+            self.scaler.update(overflow)
+            if overflow:
+                return
         if norm_sq is not None and grads:
             coef = clip_coefficient(norm_sq, self.plan.clip_grad).reshape(())
             torch._foreach_mul_(grads, coef.to(grads[0].device))
@@ -903,7 +913,7 @@ class _Rank(Sharding, RingAttention):
         grads = self._step_grads()
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=self.device)
         if grads:
-            inv = torch.full((1,), 1.0 / self.plan.loss_scale, dtype=torch.float32, device=self.device)
+            inv = torch.full((1,), 1.0 / self.scaler.scale, dtype=torch.float32, device=self.device)
             torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found_inf, inv)
 
     def grad_norm(self, ins: Instr) -> None:
@@ -989,13 +999,14 @@ class _Rank(Sharding, RingAttention):
 def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "torch.device", seed: int = 0) -> dict:
     """Run `steps` training steps of this rank's program. Returns {"losses": [float per step] (on the
     rank(s) that compute the loss; others return []), "step_times_s": [...], "params": {name: tensor
-    (cpu, this rank's shard)}, "peak_memory_bytes": int}. Peak memory is that of the first step
-    (optimizer states exist from the start, so it is the steady state): on CUDA
+    (cpu, this rank's shard)}, "peak_memory_bytes": int}, and under loss_scale "loss_scales" (per
+    step) and "skipped_steps" (those whose gradients overflowed on some rank). Peak memory is that of
+    the first step (optimizer states exist from the start, so it is the steady state): on CUDA
     `max_memory_allocated`, on CPU the live tensor storages of device memory (not the communication
     backend's temporaries, such as gloo's copy inside reduce-scatter, nor the host copies of an
     offloaded optimizer); there also `largest_alloc_bytes`, the largest single tensor storage the
-    interpreter's ops created in that step. On an
-    XLA device the runtime's peak where it reports one (TPU, GPU), else 0."""
+    interpreter's ops created in that step. On an XLA device the runtime's peak where it reports one
+    (TPU, GPU), else 0."""
     device = torch.device(device)
     cuda = device.type == "cuda"
     xla = device.type == "xla"
@@ -1042,5 +1053,8 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)
-    return {"losses": losses, "step_times_s": times, "params": r.final_params(), "peak_memory_bytes": peak,
-            "largest_alloc_bytes": largest}
+    out = {"losses": losses, "step_times_s": times, "params": r.final_params(), "peak_memory_bytes": peak,
+           "largest_alloc_bytes": largest}
+    if rp.plan.loss_scale > 0:
+        out.update(loss_scales=r.scaler.scales, skipped_steps=r.scaler.skipped)
+    return out

@@ -108,6 +108,9 @@ class RankWorker:
             out.update(losses=[float(x) for x in res.get("losses", [])],
                        step_times_s=[float(x) for x in res.get("step_times_s", [])],
                        peak_memory_bytes=int(res.get("peak_memory_bytes", 0) or 0))
+            if "loss_scales" in res:
+                out.update(loss_scales=[float(x) for x in res["loss_scales"]],
+                           skipped_steps=[int(x) for x in res["skipped_steps"]])
             if res.get("extra") is not None:  # anything else a runner reports (benchmarks)
                 out["extra"] = res["extra"]
             if return_params:

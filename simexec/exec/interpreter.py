@@ -194,7 +194,7 @@ class _Rank(Sharding, RingAttention):
         self.L = m.layers
         self.step_no = -1
         self.inflight: dict[str, _Inflight] = {}
-        self.loss_scale = 1.0 / (p.gbs * rp.seq_len)
+        self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
         self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
@@ -466,7 +466,7 @@ class _Rank(Sharding, RingAttention):
         if block == "xent":
             return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
         if block == "loss":
-            return (M.loss(xs[0], self.loss_scale),)
+            return (M.loss(xs[0], self.token_weight),)
         raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")
 
     def _fetch(self, name: str, l: int, mb: int) -> Optional[Callable[[], Tensor]]:

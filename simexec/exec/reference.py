@@ -2,9 +2,9 @@
 
 `reference(rp, steps)` trains the unsharded model on the whole global batch at once (all micro-batches
 of all data-parallel ranks) with the same Adam, the loss scaled and the gradients unscaled under
-`loss_scale` (a step with an overflowed gradient is skipped, and a dynamic scale moves), torch's `clip_grad_norm_` under
-`clip_grad`; it returns the loss of every step and the final parameters. Every plan's losses and
-parameters must match these (fp32: relative 1e-4).
+`loss_scale` (a step with an overflowed gradient is skipped, and a dynamic scale moves), torch's
+`clip_grad_norm_` under `clip_grad`; it returns the loss of every step and the final parameters.
+Every plan's losses and parameters must match these (fp32: relative 1e-4).
 """
 from __future__ import annotations
 

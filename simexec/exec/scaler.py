@@ -17,17 +17,16 @@ GROWTH = 2.0  # both frameworks' growth factor; the back-off is its inverse
 
 @dataclass
 class LossScaler:
-    scale: float
-    window: int = 0
-    hysteresis: int = 2
-    clean_steps: int = 0
-    lives: int = field(default=-1)
-    scales: list[float] = field(default_factory=list)  # the scale each step's backward started from
-    skipped: list[int] = field(default_factory=list)  # the steps whose gradients overflowed
+    scale: float  # the next step's
+    window: int = 0  # clean steps that double the scale; 0: static
+    hysteresis: int = 2  # overflows tolerated before a back-off
+    clean_steps: int = field(default=0, init=False)  # clean steps since the last overflow or growth
+    lives: int = field(default=0, init=False)  # overflows left before the scale halves
+    scales: list[float] = field(default_factory=list, init=False)  # the scale each step's backward started from
+    skipped: list[int] = field(default_factory=list, init=False)  # the steps whose gradients overflowed
 
     def __post_init__(self) -> None:
-        if self.lives < 0:
-            self.lives = self.hysteresis
+        self.lives = self.hysteresis
 
     @classmethod
     def of(cls, plan) -> "LossScaler":

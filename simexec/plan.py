@@ -510,7 +510,7 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if p.loss_scale_window and not p.loss_scale:
         fail(f"loss_scale_window={p.loss_scale_window} (dynamic loss scaling) needs an initial loss_scale > 0,"
              " e.g. loss_scale=65536")
-    if p.loss_scale_hysteresis != 2 and not p.loss_scale_window:
+    if p.loss_scale_hysteresis != Plan.model_fields["loss_scale_hysteresis"].default and not p.loss_scale_window:
         fail(f"loss_scale_hysteresis={p.loss_scale_hysteresis} needs dynamic loss scaling (loss_scale_window > 0)")
     if p.recompute_layers is not None and p.recompute == "none":
         fail(f"recompute_layers={p.recompute_layers} needs recompute=selective or full")

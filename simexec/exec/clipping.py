@@ -29,8 +29,8 @@ class Holders:
 
     def __init__(self, rp):
         self.rp = rp
-        self.ranks = [(rp.mesh.coords(r)["tp"], stage_units(rp, rp.mesh.coords(r)["pp"]), Layout.of(rp, r))
-                      for r in range(rp.world)]
+        coords = [rp.mesh.coords(r) for r in range(rp.world)]
+        self.ranks = [(c["tp"], stage_units(rp, c["pp"]), Layout.of(rp, r)) for r, c in enumerate(coords)]
 
     def _slice(self, spec: ParamSpec, r: int):
         tp_rank, units, lay = self.ranks[r]

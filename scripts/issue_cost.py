@@ -11,8 +11,8 @@ interpreter's collectives timed, per kind of collective (`block`, buckets and la
 - `after`: from that call's return until the interpreter goes on;
 - `finish`: the result put in place once the collective is waited on (views back into the
   parameters or gradients);
-- `model`: what the simulator charges the rank's thread for it (`HostCosts.issue_seconds` under
-  `--profile`), to compare with before + after + finish.
+- `model before`, `model finish`: what the simulator charges the rank's thread for it
+  (`HostCosts.issue_split` under `--profile`), to compare with before + after, and with finish.
 Medians over the steps after the first four, over ranks. For the gradient bucket of ZeRO-0 (waited
 at once), also the time from the call to the end of the wait and from the last member's call to the
 end: the collective alone, the members' arrival spread taken out.
@@ -96,8 +96,9 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
     return out
 
 
-def model_prices(model: str, plan: str, profile: str) -> dict[str, float]:
-    """The simulator's charge to the rank's thread per kind of collective (median over rank 0's)."""
+def model_prices(model: str, plan: str, profile: str) -> dict[str, tuple[float, float]]:
+    """The simulator's charge to the rank's thread per kind of collective, (before the call, once
+    waited): medians over rank 0's."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.model import get_model
@@ -112,8 +113,8 @@ def model_prices(model: str, plan: str, profile: str) -> dict[str, float]:
     prices = collections.defaultdict(list)
     for ins in prog.ranks[min(prog.ranks)]:
         if ins.kind == "collective":
-            prices[kind_of(ins.block)].append(hc.issue_seconds(ins))
-    return {k: statistics.median(v) for k, v in prices.items()}
+            prices[kind_of(ins.block)].append(hc.issue_split(ins))
+    return {k: tuple(statistics.median(side) for side in zip(*v)) for k, v in prices.items()}
 
 
 def main(argv=None) -> int:
@@ -147,11 +148,13 @@ def main(argv=None) -> int:
         return f"{statistics.median(v) * 1e3:.3f}" if v else "-"
 
     print(f"{args.model} {args.plan}: medians in ms over ranks and steps 5-{args.steps}")
-    print(f"{'collective':<14}{'count':>6}{'before':>9}{'after':>9}{'finish':>9}{'model':>9}"
-          f"{'call to end':>13}{'last call to end':>18}")
+    print(f"{'collective':<14}{'count':>6}{'before':>9}{'after':>9}{'finish':>9}{'model before':>14}"
+          f"{'model finish':>14}{'call to end':>13}{'last call to end':>18}")
+    nan = (float("nan"), float("nan"))
     for kind, p in sorted(pooled.items()):
+        before, finish = prices.get(kind, nan)
         print(f"{kind:<14}{len(p['before']):>6}{ms(p['before']):>9}{ms(p['after']):>9}{ms(p['finish']):>9}"
-              f"{prices.get(kind, float('nan')) * 1e3:>9.3f}{ms(p['call_to_end']):>13}{ms(p['last_call_to_end']):>18}")
+              f"{before * 1e3:>14.3f}{finish * 1e3:>14.3f}{ms(p['call_to_end']):>13}{ms(p['last_call_to_end']):>18}")
     return 0
 
 

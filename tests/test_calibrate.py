@@ -68,29 +68,60 @@ def test_cores_are_shared_by_cpu_ranks():
     assert simulate("gpt-tiny", LOCAL, "dp=4,gbs=8,dtype=fp32", profile=busy, symmetric=False).step_time_s > 1.5 * t4
 
 
-def test_a_rank_pays_its_own_thread_for_issuing_a_gradient_bucket():
-    """The bucket's issue and its views (2 per parameter tensor at the launch overhead, plus the
-    interpreter's per-instruction Python) join the compute instruction that comes before it."""
-    from simexec.exec.model import param_specs
+def _engine(plan: str):
     from simexec.lower import lower
     from simexec.plan import load_plan, resolve
     from simexec.sim.engine import Engine
     from simexec.sim.machine import Machine
 
     cluster = profiled_cluster(LOCAL, TRUTH)
-    rp = resolve(get_model("gpt-tiny"), cluster, load_plan("dp=2,gbs=4,dtype=fp32"), None)
+    rp = resolve(get_model("gpt-tiny"), cluster, load_plan(plan), None)
     prog = lower(rp, symmetric=False)
-    eng = Engine(prog, Machine(cluster, prog, "fp32"))
-    instrs = prog.ranks[0]
+    return Engine(prog, Machine(cluster, prog, "fp32")), prog.ranks[0]
+
+
+def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
+    """An all-reduced bucket: the interpreter's Python and a pass over its tensors before the call
+    (2 operators a parameter tensor) join the compute instruction before it; the pass that views the
+    results out once waited joins the compute after it (the optimizer)."""
+    from simexec.exec.model import param_specs
+
+    eng, instrs = _engine("dp=2,gbs=4,dtype=fp32")
     k = next(i for i, ins in enumerate(instrs) if ins.block == "grads0")
     before = max(i for i in range(k) if instrs[i].kind == "compute")
+    after = min(i for i in range(k, len(instrs)) if instrs[i].kind == "compute")
+    assert instrs[after].block == "optim"
     tensors = len(param_specs(get_model("gpt-tiny")))  # the bucket holds every parameter
-    issue = TRUTH["costs"]["instr_overhead_s"] + 2 * tensors * TRUTH["device"]["launch_overhead_s"]
-    assert eng.work[before] == pytest.approx(eng.host.cpu_seconds(instrs[before]) + issue)
+    views = 2 * tensors * TRUTH["device"]["launch_overhead_s"]
+    assert eng.host.issue_split(instrs[k]) == pytest.approx((TRUTH["costs"]["instr_overhead_s"] + views, views))
+    assert eng.work[before] == pytest.approx(eng.host.cpu_seconds(instrs[before]) + TRUTH["costs"]["instr_overhead_s"] + views)
+    assert eng.work[after] == pytest.approx(eng.host.cpu_seconds(instrs[after]) + views)
     # a message carries no parameters: the Python around it alone
-    pp = resolve(get_model("gpt-tiny"), cluster, load_plan("pp=2,gbs=4,dtype=fp32"), None)
-    send = next(i for i in lower(pp, symmetric=False).ranks[0] if i.kind == "send")
+    send = next(i for i in _engine("pp=2,gbs=4,dtype=fp32")[1] if i.kind == "send")
     assert eng.host.issue_seconds(send) == TRUTH["costs"]["instr_overhead_s"]
+
+
+@pytest.mark.parametrize("plan,block,phase,passes", [
+    ("dp=2,zero=1,gbs=4,dtype=fp32", "grads0", "bwd", (1, 0)),  # reduce-scattered in place into the rank's slice
+    ("dp=2,zero=1,gbs=4,dtype=fp32", "params0", "optim", (0, 0)),  # gathered in place into the flat parameters
+    ("dp=2,zero=2,gbs=4,dtype=fp32", "grads0", "bwd", (2, 0)),  # and the hooks' copies into the bucket
+    ("dp=2,zero=3,gbs=4,dtype=fp32", "grads", "bwd", (1, 0)),  # a unit's gradients flattened
+    ("dp=2,zero=3,gbs=4,dtype=fp32", "gather", "fwd", (0, 1)),  # the gathered unit viewed into its parameters
+    ("dp=2,zero=3,zero_impl=yafsdp,gbs=4,dtype=fp32", "gather", "fwd", (0, 1)),
+    ("dp=2,zero=3,zero_impl=yafsdp,gbs=4,dtype=fp32", "gather", "bwd", (0, 2)),  # and gradients viewed in
+    ("dp=4,zero=3,dp_shard=2,gbs=4,dtype=fp32", "grads_rep", "bwd", (0, 0)),  # a flat shard all-reduced
+])
+def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, block, phase, passes):
+    from simexec.plan import load_plan
+    from simexec.sim.host import tensor_passes, unit_tensor_count
+
+    eng, instrs = _engine(plan)
+    ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase)
+    p = load_plan(plan)
+    assert tensor_passes(ins, p.zero, p.zero3_flavour) == passes
+    per_pass = 2 * sum(unit_tensor_count(get_model("gpt-tiny"), u) for u in ins.items) * TRUTH["device"]["launch_overhead_s"]
+    assert eng.host.issue_split(ins) == pytest.approx(
+        (TRUTH["costs"]["instr_overhead_s"] + passes[0] * per_pass, passes[1] * per_pass))
 
 
 def test_the_local_preset_does_not_share_cores_until_calibrated():

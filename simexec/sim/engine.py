@@ -134,12 +134,15 @@ class Engine:
             self._charge_issues()
 
     def _charge_issues(self) -> None:
-        """The rank's thread issues its collectives and messages between two compute instructions
-        (`HostCosts.issue_seconds`): each one's cost joins the compute instruction before it in
-        program order (the first compute after it, where none comes before)."""
+        """The rank's thread handles its collectives and messages between two compute instructions
+        (`HostCosts.issue_split`): what it does before the call joins the compute instruction before
+        it in program order (the first compute after it, where none comes before), what it does once
+        the result is waited for joins the first compute after it."""
         owner, pending, rank = -1, 0.0, None
         for k, ins in enumerate(self.instrs):
             if ins.rank != rank:
+                if owner >= 0:  # what the rank's last collectives leave once waited: its last compute
+                    self.work[owner] += pending
                 owner, pending, rank = -1, 0.0, ins.rank
             kd = self.kind[k]
             if kd == COMPUTE:
@@ -147,10 +150,14 @@ class Engine:
                 self.work[k] += pending
                 pending = 0.0
             elif kd in (COLLECTIVE, SEND, RECV):
+                before, after = self.host.issue_split(ins)
                 if owner >= 0:
-                    self.work[owner] += self.host.issue_seconds(ins)
+                    self.work[owner] += before
                 else:
-                    pending += self.host.issue_seconds(ins)
+                    pending += before
+                pending += after
+        if owner >= 0:
+            self.work[owner] += pending
 
     # --- preparation -----------------------------------------------------------------------------
 

@@ -29,13 +29,16 @@ tensors being the rank's parameters (ZeRO 0), its flat buckets (ZeRO 1-2) or its
 square roots and divisions), fitted to the one-rank step's optimizer.
 
 A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
-the interpreter's Python around it, `instr_overhead_s`, and for one that carries parameter units
-(a gradient bucket, a ZeRO gather or shard) two tensor views per parameter tensor at
-`launch_overhead_s`, into the flat buffer and back out. The thread issues it between two compute
-instructions, so the engine adds it to the compute instruction before it in program order.
-`scripts/issue_cost.py` times it per kind of collective in real steps: the model is within 25% for
-ZeRO-3's gathers and shards and prices gpt-tiny's 69-tensor gradient bucket at 0.7 of its 1.3 ms
-(the Python around each view, which no operator count sees).
+the interpreter's Python around it, `instr_overhead_s`, and the passes it makes over the parameter
+tensors one tensor at a time (`tensor_passes`), each a tensor view or copy and the Python around
+it, about two operators' dispatch a tensor (`ISSUE_OPS_PER_TENSOR`): a gradient bucket puts each
+gradient into its flat buffer before the call and, all-reduced, views each result out once waited;
+a ZeRO-1/2 bucket is reduce-scattered and its parameters gathered in place, whole (ZeRO-2's hooks
+copy each gradient into its bucket as autograd makes it); ZeRO-3 flattens a unit's gradients before
+their reduce-scatter and views a gathered unit into its parameters. What the thread does before
+the call joins the compute instruction before the collective in program order, what it does once
+waited the compute instruction after it.
+`scripts/issue_cost.py` times both sides per kind of collective in real steps, beside the model.
 
 **How the cores are shared** (`Cores`), a mean-field model of the OS scheduler: each rank's main
 thread is one runnable thread while it computes, and none while it waits (gloo blocks without
@@ -95,7 +98,7 @@ UNSCALE_OPS = 3
 OVERFLOW_CHECK_OPS = 1
 GRAD_NORM_OPS = 7
 CLIP_SCALE_OPS = 7
-ISSUE_OPS_PER_TENSOR = 2  # a parameter unit's collective: the tensor's view into the flat buffer, and back
+ISSUE_OPS_PER_TENSOR = 2  # a side of a parameter unit's collective, per tensor: a view and the Python around it
 
 
 def adam_ops(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool = False,
@@ -123,6 +126,34 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
     if dtype in ("bf16", "fp16") and not master_grads:
         return tensors + max(1, math.ceil(elements / piece)) - 1
     return tensors
+
+
+def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> tuple[int, int]:
+    """Passes the interpreter makes over a collective's parameter tensors one tensor at a time,
+    (before its call, once waited), as `simexec.exec.sharding` handles each kind under ZeRO stage
+    `zero` and ZeRO-3 `flavour`:
+    - a gradient bucket (`grads<k>`) moves each gradient into its flat buffer, and all-reduced
+      (ZeRO-0) views each result out; ZeRO-1 reduce-scatters in place into the rank's slice, in one
+      piece; under ZeRO-2 a hook has also copied each gradient into the bucket as autograd made it
+      (a pass per micro-batch, as many as the bucket's reduce-scatters);
+    - ZeRO-1/2 gather the parameters in place (`params<k>`) and HSDP all-reduces a flat shard
+      (`grads_rep`): nothing per tensor;
+    - ZeRO-3 flattens a unit's gradients before their reduce-scatter (`grads`) and views its
+      gathered parameters out (`gather`); for the backward YaFSDP also views the unit's gradients
+      into its gradient buffer. (FSDP's release after a unit's last use sets each parameter to one
+      empty tensor, no view: a tenth of a pass.)"""
+    if ins.kind != "collective" or not ins.items:
+        return 0, 0
+    block = ins.block
+    if block.startswith("grads") and block[5:].isdigit():
+        if ins.collective == "allreduce":
+            return 1, 1
+        return (2 if zero == 2 else 1), 0
+    if block == "grads":
+        return 1, 0
+    if block == "gather":
+        return 0, (2 if flavour == "yafsdp" and ins.phase == "bwd" else 1)
+    return 0, 0
 
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
@@ -363,6 +394,8 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
             else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
+        self.zero = plan.zero if plan is not None else 0
+        self.flavour = plan.zero3_flavour if plan is not None else None
         self.step_ops = 0  # what loss scaling and clipping add to the step
         if plan is not None:
             self.step_ops = (OVERFLOW_CHECK_OPS if plan.loss_scale > 0 else 0) + (CLIP_SCALE_OPS if plan.clip_grad > 0 else 0)
@@ -443,17 +476,22 @@ class HostCosts:
 
     def issue_seconds(self, ins: Instr) -> float:
         """CPU-seconds the rank's own thread spends on a collective or message, apart from the
-        transfer: the interpreter's Python around it (`instr_overhead_s`) and, for one that carries
-        parameter units (gradient buckets, ZeRO gathers and shards), two tensor views per parameter
-        tensor at `launch_overhead_s` each: one to put the tensor into the flat buffer, one to take
-        the result out (`simexec.exec.sharding`: `grads_bucket`, `z3_gather`, `z3_grads`)."""
-        t = self.instr_s
-        if ins.items and self.model is not None:
+        transfer: both sides of `issue_split`."""
+        return sum(self.issue_split(ins))
+
+    def issue_split(self, ins: Instr) -> tuple[float, float]:
+        """(before the call, once waited): CPU-seconds of the rank's thread around a collective or
+        message. Before: the interpreter's Python (`instr_overhead_s`) and, for a collective that
+        carries parameter units, the passes over their tensors that `tensor_passes` counts, at
+        `ISSUE_OPS_PER_TENSOR` operators a tensor; once waited, those that put the result in place."""
+        before, after = tensor_passes(ins, self.zero, self.flavour)
+        per_pass = 0.0
+        if (before or after) and ins.items and self.model is not None:
             part = "expert" if ins.axis == "edp" else "dense"
             ep = _plan_ep(self.program) if part == "expert" else 1
             tensors = sum(unit_tensor_count(self.model, u, ep, part) for u in ins.items)
-            t += ISSUE_OPS_PER_TENSOR * tensors * self.op_s
-        return t
+            per_pass = ISSUE_OPS_PER_TENSOR * tensors * self.op_s
+        return self.instr_s + before * per_pass, after * per_pass
 
     def without_grad(self, rank: int) -> frozenset:
         """The forward instructions of this rank that run without autograd: those a `recompute.*`

@@ -1,5 +1,7 @@
 """The loss scale from step to step: Megatron-LM's DynamicGradScaler (and DeepSpeed's
 DynamicLossScaler) on a sequence of overflows and clean steps, and the static scale."""
+import pytest
+
 from simexec.exec.scaler import LossScaler
 from simexec.plan import parse_plan
 
@@ -37,3 +39,16 @@ def test_the_plan_sets_the_scaler():
     s = LossScaler.of(parse_plan("loss_scale=4096,loss_scale_window=500,loss_scale_hysteresis=1"))
     assert (s.scale, s.window, s.hysteresis, s.lives) == (4096.0, 500, 1, 1)
     assert LossScaler.of(parse_plan("dp=2")).scale == 1.0
+
+
+def test_a_run_whose_ranks_disagree_on_the_scale_is_refused_naming_the_step():
+    from simexec.errors import ExecError
+    from simexec.exec.api import _loss_scaling
+
+    same = {"loss_scales": [8.0, 4.0, 4.0], "skipped_steps": [0]}
+    assert _loss_scaling({0: same, 1: dict(same), 2: {"losses": []}}) == same
+    assert _loss_scaling({0: {"losses": []}}) == {}
+    other = {"loss_scales": [8.0, 8.0, 16.0], "skipped_steps": []}
+    with pytest.raises(ExecError, match=r"^ranks 0 and 1 disagree on the loss scale at step 0: "
+                                        r"rank 0 scale 8, skipped, rank 1 scale 8, taken$"):
+        _loss_scaling({0: same, 1: other})

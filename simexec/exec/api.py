@@ -168,7 +168,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     step_time = statistics.median(measured) if measured else None
     peak = {r: o["peak_memory_bytes"] for r, o in sorted(outs.items()) if "peak_memory_bytes" in o}
     params = {r: o["params"] for r, o in sorted(outs.items()) if "params" in o} or None
-    scaled = next((o for _, o in sorted(outs.items()) if "loss_scales" in o), {})  # the same on every rank
+    scaled = {} if error else _loss_scaling(outs)
     summary = {"step_time_s": step_time, "step_times_s": step_times,
                "peak_memory_bytes_per_rank": {str(r): b for r, b in peak.items()}, "losses": losses}
     if error:
@@ -186,6 +186,28 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
                       fingerprint=program.fingerprint(), error=error,
                       extra={r: o["extra"] for r, o in sorted(outs.items()) if "extra" in o},
                       loss_scales=scaled.get("loss_scales", []), skipped_steps=scaled.get("skipped_steps", []))
+
+
+def _loss_scaling(outs: dict[int, dict]) -> dict:
+    """The loss scale of each step and the skipped steps. Every rank moves its scale on the same
+    world-reduced overflow flag, so the ranks agree; a rank that does not has trained on other
+    steps than the rest, and the run is refused, naming the first step where they part."""
+    reports = [(r, o["loss_scales"], o["skipped_steps"]) for r, o in sorted(outs.items()) if "loss_scales" in o]
+    if not reports:
+        return {}
+    r0, scales0, skipped0 = reports[0]
+    for r, scales, skipped in reports[1:]:
+        if scales != scales0 or skipped != skipped0:
+            step = next((s for s in range(max(len(scales), len(scales0)))
+                         if scales[s:s + 1] != scales0[s:s + 1] or (s in skipped) != (s in skipped0)), 0)
+            raise ExecError(f"ranks {r0} and {r} disagree on the loss scale at step {step}: rank {r0} "
+                            f"{_scale_at(scales0, skipped0, step)}, rank {r} {_scale_at(scales, skipped, step)}")
+    return {"loss_scales": scales0, "skipped_steps": skipped0}
+
+
+def _scale_at(scales: list[float], skipped: list[int], step: int) -> str:
+    scale = f"scale {scales[step]:g}" if step < len(scales) else "no scale"
+    return f"{scale}, {'skipped' if step in skipped else 'taken'}"
 
 
 def _describe(rp) -> dict:

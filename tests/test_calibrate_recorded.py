@@ -274,3 +274,18 @@ def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it()
     assert set(prices) == {"gather", "grads"} and prices["gather"] == pytest.approx(layer)
     assert issue_cost.kind_of("grads12") == "grads" and issue_cost.kind_of("grads_rep0") == "grads_rep"
     assert issue_cost.main(["--steps", "3"]) == 2
+
+
+def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one(capsys):
+    """scripts/tensor_passes.py: a per-tensor time for each kind of pass the host model counts (or
+    leaves out); a pass over no tensors is refused with a one-line error."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import tensor_passes
+
+    got = tensor_passes.time_passes(4, (8, 8), 5)
+    assert len(got) == 4 and all(us > 0 for us in got.values())
+    assert tensor_passes.main(["--tensors", "0"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--tensors" in err[0]

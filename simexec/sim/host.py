@@ -140,8 +140,8 @@ def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> t
       (`grads_rep`): nothing per tensor;
     - ZeRO-3 flattens a unit's gradients before their reduce-scatter (`grads`) and views its
       gathered parameters out (`gather`); for the backward YaFSDP also views the unit's gradients
-      into its gradient buffer. (FSDP's release after a unit's last use sets each parameter to one
-      empty tensor, no view: a tenth of a pass.)"""
+      into its gradient buffer. (FSDP's release after a unit's last use points each parameter at
+      one empty tensor, no view: a tenth of a pass or less, `scripts/tensor_passes.py`.)"""
     if ins.kind != "collective" or not ins.items:
         return 0, 0
     block = ins.block
@@ -486,7 +486,7 @@ class HostCosts:
         `ISSUE_OPS_PER_TENSOR` operators a tensor; once waited, those that put the result in place."""
         before, after = tensor_passes(ins, self.zero, self.flavour)
         per_pass = 0.0
-        if (before or after) and ins.items and self.model is not None:
+        if (before or after) and self.model is not None:
             part = "expert" if ins.axis == "edp" else "dense"
             ep = _plan_ep(self.program) if part == "expert" else 1
             tensors = sum(unit_tensor_count(self.model, u, ep, part) for u in ins.items)

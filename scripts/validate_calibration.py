@@ -28,7 +28,7 @@ table says more about the host than about the simulator.
 --cost NAME=VALUE sets a number of the `local` preset's `costs` (e.g. `idle_poll_s=4.3e-3`) for a
 what-if: with --refit, how the same measurements move under another value.
 
---cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.SlicedCores`)
+--cpu-scheduler slices models the host's cores as time slices (`simexec.sim.cores.SlicedCores`)
 instead of processor sharing, in both fits and every prediction.
 """
 from __future__ import annotations

@@ -48,7 +48,8 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     host model of `simexec.sim.host` (`busy` other ranks computing meanwhile)."""
     import simpy
 
-    from simexec.sim.host import Cores, HostCosts
+    from simexec.sim.cores import Cores
+    from simexec.sim.host import HostCosts
 
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
@@ -93,7 +94,8 @@ def host_pingpong_time(cluster: ClusterSpec, nbytes: float = 4.0, busy: int = 0,
     import simpy
 
     from simexec.program import Instr
-    from simexec.sim.host import Cores, HostCosts
+    from simexec.sim.cores import Cores
+    from simexec.sim.host import HostCosts
 
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
@@ -121,7 +123,8 @@ def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float
     import simpy
 
     from simexec.program import Instr
-    from simexec.sim.host import Cores, HostCosts
+    from simexec.sim.cores import Cores
+    from simexec.sim.host import HostCosts
 
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)

@@ -251,7 +251,7 @@ def fit_sharing(slow: dict[int, float], cores: int, background: Optional[float] 
     some n exceeds the cores."""
     import numpy as np
 
-    from simexec.sim.host import thread_rate
+    from simexec.sim.cores import thread_rate
 
     ns = sorted(slow)
 

@@ -106,7 +106,7 @@ class CostParams(_Spec):
         "recomputed layer's first forward: no graph recorded, nothing saved) relative to the same with it")
     sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
     cpu_scheduler: Literal["sharing", "slices"] = Field(
-        "sharing", description="CPU ranks: how the cores are shared (simexec.sim.host): `sharing`, a mean-field "
+        "sharing", description="CPU ranks: how the cores are shared (simexec.sim.cores): `sharing`, a mean-field "
         "processor sharing; `slices`, threads run whole slices of `sched_slice_s` in turn, as the OS does")
     background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
     timeslice_contention: float = Field(

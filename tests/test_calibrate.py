@@ -318,7 +318,7 @@ def test_a_woken_thread_queues_behind_threads_within_their_slice_and_preempts_on
     thread takes a core at once: a ping-pong beside two computing ranks runs as fast as beside none."""
     import simpy
 
-    from simexec.sim.host import Cores
+    from simexec.sim.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=4e-3, background=0.0, weights={})
@@ -344,7 +344,7 @@ def test_a_core_that_alternates_between_threads_runs_slower_and_the_sharing_fit_
     import simpy
 
     from simexec.calibrate_micro import fit_sharing
-    from simexec.sim.host import Cores
+    from simexec.sim.cores import Cores
 
     def finish(n: int) -> float:
         env = simpy.Environment()
@@ -373,7 +373,7 @@ def test_a_communication_burst_runs_at_its_share_of_the_cores_without_their_slow
     each, the bursts at that and the main threads at 1/(2 x 1.2 x 1.3)."""
     import simpy
 
-    from simexec.sim.host import Cores
+    from simexec.sim.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, contention=1.2, timeslicing=1.3)
@@ -428,7 +428,7 @@ def _sliced_run(jobs: dict, cores: int = 2, slice_s: float = 1.5e-3, **kw) -> di
     """Each key runs its list of CPU times one after another on `SlicedCores`: (first ran, ended) per job."""
     import simpy
 
-    from simexec.sim.host import SlicedCores
+    from simexec.sim.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, cores, slice_s, 0.0, **kw)
@@ -469,7 +469,7 @@ def test_sliced_cores_let_a_communication_thread_preempt_a_thread_past_its_slice
     thread it displaced resumes first."""
     import simpy
 
-    from simexec.sim.host import SlicedCores
+    from simexec.sim.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, 2, 2e-3, 0.0, contention=1.5)
@@ -496,7 +496,7 @@ def test_sliced_cores_give_a_waking_core_to_a_burst_that_queued_meanwhile():
     arrives meanwhile (no main thread running to preempt) queues, and takes the core once awake."""
     import simpy
 
-    from simexec.sim.host import SlicedCores
+    from simexec.sim.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, 1, 1.5e-3, 0.0, idle_wake_s=1e-3, idle_poll_s=1e-6)
@@ -511,7 +511,7 @@ def test_sliced_cores_give_a_waking_core_to_a_burst_that_queued_meanwhile():
 def test_the_cluster_chooses_the_scheduler_model_and_copies_of_a_rank_stay_mean_field():
     import simpy
 
-    from simexec.sim.host import Cores, SlicedCores
+    from simexec.sim.cores import Cores, SlicedCores
 
     c = profiled_cluster(LOCAL, TRUTH)
     sliced = c.model_copy(update={"costs": c.costs.model_copy(update={"cpu_scheduler": "slices"})})
@@ -527,7 +527,7 @@ def test_a_thread_woken_onto_an_idle_core_waits_for_it_the_longer_it_has_idled()
     import simpy
 
     from simexec.calibrate_comm import host_pingpong_time
-    from simexec.sim.host import Cores
+    from simexec.sim.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, idle_wake_s=1e-3, idle_poll_s=200e-6)

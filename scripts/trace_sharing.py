@@ -9,13 +9,20 @@ and rank against the `--versus` plan's, how many ranks were computing on average
 (a sweep over the compute events of every rank), and the slowdown per core's worth: the compute
 ratio divided by the share of a core each computing rank had, max(1, computing / cores). Plans
 whose ranks hold the same layers as the reference (data parallelism, ZeRO) compare directly; the
-others hold fewer layers or shards of them, and their ratio says so.
+others hold fewer layers or shards of them, and their ratio says so. Then how long a collective's
+members wait for the last to call it: per collective, the mean over members of (the last call -
+their own), averaged over the step's collectives (`late wait`) and summed over them per rank (`a
+step`): ranks that drift apart on shared cores wait for each other. `c+w step` adds a rank's
+compute in the step and its waits for late members: while the cores are busy, whichever order the
+OS runs the ranks' work in, the last rank gets to a collective about when processor sharing says
+all do, so the simulator's compute alone should come near the host's compute and waits together.
 
 With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
 simulates every trace's plan with it, every rank (`simexec.calibrate_traces.predict_case`, with the
 background load measured beside the run), and prints the prediction's compute per micro-batch,
-ranks computing and collective members' ends beside the measured ones: where the simulator has the ranks compute together and
-the host did not, their compute is priced as shared when it was not.
+ranks computing, collective members' ends and waits for the last member beside the measured ones:
+where the simulator has the ranks compute together and the host did not, their compute is priced as
+shared when it was not, and no member waits for a late one.
 """
 from __future__ import annotations
 
@@ -78,12 +85,19 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
     for e in ev:
         if e["args"].get("kind") == "collective":
             group = (groups or {}).get((e["pid"], e["name"]))
-            members[(e["name"], group)].append(e["ts"] + e["dur"])
-    apart = [max(ends) - min(ends) for ends in members.values() if len(ends) > 1]
-    return {"ranks": len({e["pid"] for e in ev}), "span_ms": span / 1e3,
+            members[(e["name"], group)].append((e["ts"], e["ts"] + e["dur"]))
+    met = [m for m in members.values() if len(m) > 1]
+    apart = [max(end for _, end in m) - min(end for _, end in m) for m in met]
+    # each member waits from its own call until the last member's: the mean of those per collective
+    waits = [statistics.mean(max(s for s, _ in m) - s for s, _ in m) for m in met]
+    ranks = len({e["pid"] for e in ev})
+    return {"ranks": ranks, "span_ms": span / 1e3,
             "compute_ms": sum(e["dur"] for e in comp) / units / 1e3,
+            "compute_step_ms": sum(e["dur"] for e in comp) / ranks / 1e3,
             "computing": sum(k * t for k, t in time_at.items()) / busy,
-            "ends_apart_ms": statistics.median(apart) / 1e3 if apart else 0.0}
+            "ends_apart_ms": statistics.median(apart) / 1e3 if apart else 0.0,
+            "late_wait_ms": statistics.mean(waits) / 1e3 if waits else 0.0,
+            "late_wait_step_ms": sum(len(m) * w for m, w in zip(met, waits)) / ranks / 1e3}
 
 
 def main(argv=None) -> int:
@@ -136,20 +150,24 @@ def main(argv=None) -> int:
         print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
         return 2
     ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
-    keys = ("span_ms", "compute_ms", "computing", "ends_apart_ms")
+    keys = ("span_ms", "compute_ms", "compute_step_ms", "computing", "ends_apart_ms", "late_wait_ms",
+            "late_wait_step_ms")
     print(f"{'plan':16} {'ranks':>5} {'span ms':>8} {'compute/mb':>10} {'x ' + args.versus:>8} {'computing':>9} "
-          f"{'per core':>8} {'ends apart':>10}"
-          + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14} {'pred apart':>10}" if profile else ""))
+          f"{'per core':>8} {'ends apart':>10} {'late wait':>9} {'a step':>7} {'c+w step':>8}"
+          + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14} {'pred apart':>10} {'pred late':>9}"
+             f" {'pred c+w':>8}" if profile else ""))
     for name, rs in by_plan.items():
         med = {k: statistics.median(r[k] for r in rs) for k in keys}
         ratio = med["compute_ms"] / ref
         line = (f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
                 f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f} "
-                f"{med['ends_apart_ms']:10.2f}")
+                f"{med['ends_apart_ms']:10.2f} {med['late_wait_ms']:9.2f} {med['late_wait_step_ms']:7.1f} "
+                f"{med['compute_step_ms'] + med['late_wait_step_ms']:8.1f}")
         if profile is not None:
             pred = {k: statistics.median(r[k] for r in predicted[name]) for k in keys}
             line += (f" {pred['span_ms']:9.1f} {pred['compute_ms']:9.2f} {pred['computing']:14.2f} "
-                     f"{pred['ends_apart_ms']:10.2f}")
+                     f"{pred['ends_apart_ms']:10.2f} {pred['late_wait_ms']:9.2f} "
+                     f"{pred['compute_step_ms'] + pred['late_wait_step_ms']:8.1f}")
         print(line)
     return 0
 

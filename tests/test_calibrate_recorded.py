@@ -183,7 +183,8 @@ def test_time_split_sums_compute_and_communication_of_matching_events():
 def test_trace_sharing_counts_the_ranks_computing_at_once():
     """scripts/trace_sharing.py: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
     a time on average over the 1.5 ms that either does; on the recording, one rank alone computes one
-    at a time and the four ranks of `dp=4` more than two."""
+    at a time and the four ranks of `dp=4` more than two. A collective's members wait for the last
+    to call it."""
     import gzip
     import sys
 
@@ -196,6 +197,7 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     got = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
     assert got["computing"] == pytest.approx(2000.0 / 1500.0) and got["ranks"] == 2
     assert got["compute_ms"] == pytest.approx(1.0) and got["span_ms"] == pytest.approx(1.5)
+    assert got["compute_step_ms"] == pytest.approx(1.0)  # 2 ms of compute over two ranks
     # one all-reduce name, two groups: members end 1 ms apart in one and 0.5 ms in the other
     coll = [{"ph": "X", "pid": r, "name": "c", "ts": 0.0, "dur": end, "args": {"kind": "collective"}}
             for r, end in ((0, 1000.0), (1, 2000.0), (2, 5000.0), (3, 5500.0))]
@@ -203,6 +205,12 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     trace = {"traceEvents": [ev(0, 0.0, 1000.0)] + coll}
     assert trace_sharing.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
     assert trace_sharing.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
+    assert trace_sharing.plan_sharing(trace, groups)["late_wait_ms"] == 0.0  # every member called at 0
+    # the first group's second member calls 2 ms late: its first waits 2 ms, 1 ms a member, 0.5 ms a
+    # collective over both groups, and 4 ms of waiting over 4 ranks in the step
+    coll[1] = {**coll[1], "ts": 2000.0}
+    late = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0)] + coll}, groups)
+    assert late["late_wait_ms"] == pytest.approx(0.5) and late["late_wait_step_ms"] == pytest.approx(0.5)
     cases = {}
     for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
@@ -218,6 +226,7 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     four = trace_sharing.predicted_sharing(cases["dp4.r1"], profile)
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
     assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
+    assert four["late_wait_ms"] == 0.0  # and its members, computing in step, call it at once
 
 
 def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):

@@ -44,19 +44,6 @@ def measured_case(trace: dict, where: str):
     return _case(Trace.from_chrome(trace, where), where)
 
 
-def collective_groups(case) -> dict:
-    """(rank, instruction name) -> the ranks of its collective, from the program of the case's plan:
-    one name stands for a collective of each group (two tensor-parallel groups all-reduce
-    `fwd.attn_out.L0.m0` at once in `dp=2,tp=2`)."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
-
-    program = lower(resolve(case.model, get_cluster("local"), load_plan(case.plan), case.seq_len), symmetric=False)
-    return {(r, ins.name): ins.group for r, instrs in program.ranks.items() for ins in instrs
-            if ins.kind == "collective"}
-
-
 def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dict:
     """`plan_sharing` of the simulator's prediction of a measured case (every rank)."""
     from simexec.calibrate_traces import predict_case
@@ -68,7 +55,8 @@ def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dic
 def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
     """Span, compute per (rank, micro-batch), mean ranks computing, and how far apart the members
     of a collective end (the median over the collectives with more than one member; `groups`, from
-    `collective_groups`, tells the groups that share an instruction's name apart), of one trace."""
+    `simexec.late_waits.collective_groups`, tells the groups that share an instruction's name apart)
+    and how long they wait for the last to call it (`simexec.late_waits`), of one trace."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     comp = [e for e in ev if e["args"].get("kind") == "compute" and e["args"].get("phase") in ("fwd", "bwd")]
     if not comp:
@@ -81,23 +69,23 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
         level, last = level + step, x
     busy = sum(t for k, t in time_at.items() if k > 0)
     units = len({(e["pid"], e["args"]["mb"]) for e in comp})
-    members = collections.defaultdict(list)
+    from simexec.late_waits import late_waits
+    from simexec.trace import Trace
+
+    ends = collections.defaultdict(list)
     for e in ev:
         if e["args"].get("kind") == "collective":
-            group = (groups or {}).get((e["pid"], e["name"]))
-            members[(e["name"], group)].append((e["ts"], e["ts"] + e["dur"]))
-    met = [m for m in members.values() if len(m) > 1]
-    apart = [max(end for _, end in m) - min(end for _, end in m) for m in met]
-    # each member waits from its own call until the last member's: the mean of those per collective
-    waits = [statistics.mean(max(s for s, _ in m) - s for s, _ in m) for m in met]
+            ends[(e["name"], (groups or {}).get((e["pid"], e["name"])))].append(e["ts"] + e["dur"])
+    apart = [max(t) - min(t) for t in ends.values() if len(t) > 1]
+    late = late_waits(Trace.from_chrome(trace), groups).get("all")
     ranks = len({e["pid"] for e in ev})
     return {"ranks": ranks, "span_ms": span / 1e3,
             "compute_ms": sum(e["dur"] for e in comp) / units / 1e3,
             "compute_step_ms": sum(e["dur"] for e in comp) / ranks / 1e3,
             "computing": sum(k * t for k, t in time_at.items()) / busy,
             "ends_apart_ms": statistics.median(apart) / 1e3 if apart else 0.0,
-            "late_wait_ms": statistics.mean(waits) / 1e3 if waits else 0.0,
-            "late_wait_step_ms": sum(len(m) * w for m, w in zip(met, waits)) / ranks / 1e3}
+            "late_wait_ms": late.per_collective_s * 1e3 if late else 0.0,
+            "late_wait_step_ms": late.per_rank_step_s * 1e3 if late else 0.0}
 
 
 def main(argv=None) -> int:
@@ -109,7 +97,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from simexec.calibrate import load_profile
     from simexec.errors import SimexecError
-    from simexec.trace import load_json
+    from simexec.late_waits import collective_groups
+    from simexec.trace import Trace, load_json
 
     root = Path(args.recording)
     try:
@@ -136,7 +125,7 @@ def main(argv=None) -> int:
                 node = ((trace.get("metadata") or {}).get("cluster_spec") or {}).get("node") or {}
                 cores = int(node.get("cpu_cores") or 2)
             case = measured_case(trace, str(path))
-            groups = collective_groups(case)
+            groups = collective_groups(Trace.from_chrome(trace, str(path)))
             by_plan[run["name"]].append(plan_sharing(trace, groups))
             if profile is not None:
                 predicted[run["name"]].append(predicted_sharing(case, profile, groups))

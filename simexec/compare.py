@@ -18,6 +18,9 @@ program fingerprint, plan or model, or no id in common) and reports
   step each op class takes on each path;
 - **peak memory** per rank: signed relative error of the summary's `peak_memory_bytes_per_rank`
   (or of the counters' peak), and the worst rank;
+- **waits for late members** per communication stream (`simexec.late_waits`): how long a
+  collective's members wait for the last to call it, per collective and per rank a step, in each
+  trace (a simulation whose ranks run in step has none; ranks that drift apart do);
 - **unmatched** ids on either side.
 
 A symmetric predicted trace (meta `symmetric` true: one representative rank per pipeline stage,
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from simexec.errors import TraceError
+from simexec.late_waits import collective_groups, late_waits
 from simexec.trace import Event, Trace, ends_when_waited
 
 _TOL_US = 1e-3  # a nanosecond: events closer than this are simultaneous
@@ -269,6 +273,7 @@ class Comparison:
     memory: dict  # per_rank {rank: {predicted, measured, error}}, worst_rank, error
     unmatched: dict
     worst_events: list[dict] = field(default_factory=list)
+    late_waits: dict = field(default_factory=dict)  # stream -> {predicted, measured}: LateWaits.to_json()
 
     @property
     def step_time_error(self) -> Optional[float]:
@@ -286,7 +291,7 @@ class Comparison:
             "op_class_errors": self.op_class_errors, "stream_errors": self.stream_errors,
             "kind_errors": self.kind_errors, "block_errors": self.block_errors, "overall": self.overall,
             "critical_path": self.critical_path, "unmatched": self.unmatched,
-            "worst_events": self.worst_events,
+            "worst_events": self.worst_events, "late_waits": self.late_waits,
         }
 
     def format(self, top: int = 12) -> str:
@@ -346,6 +351,13 @@ class Comparison:
                 if names:
                     more = f" ... (+{len(names) - 6})" if len(names) > 6 else ""
                     lines.append(f"only on the {side} path (any rank): {', '.join(names[:6])}{more}")
+        if any(w["measured"]["collectives"] or w["predicted"]["collectives"] for w in self.late_waits.values()):
+            lines += ["", f"{'waits for late members':<24}{'pred ms/step':>13}{'meas ms/step':>13}"
+                          f"{'pred ms each':>13}{'meas ms each':>13}"]
+            for stream, w in self.late_waits.items():
+                p, m = w["predicted"], w["measured"]
+                lines.append(f"{stream:<24}{p['per_rank_step_s'] * 1e3:>13.3f}{m['per_rank_step_s'] * 1e3:>13.3f}"
+                             f"{p['per_collective_s'] * 1e3:>13.3f}{m['per_collective_s'] * 1e3:>13.3f}")
         if self.worst_events:
             lines += ["", "largest differences (predicted - measured):"]
             for w in self.worst_events[:5]:
@@ -466,7 +478,21 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
                  "ends_when_waited": {"count": len(waited), "ops": sorted({m.op for m in waited})}}
 
     return Comparison(_label(predicted, "predicted"), _label(measured, "measured"), step, op_errors,
-                      stream_errors, kind_errors, block_errors, overall, critical, memory, unmatched, worst_events)
+                      stream_errors, kind_errors, block_errors, overall, critical, memory, unmatched, worst_events,
+                      _late_waits(predicted, measured))
+
+
+def _late_waits(predicted: Trace, measured: Trace) -> dict:
+    """Both traces' waits for late members by stream, their collectives told apart by the measured
+    run's program (which the predicted trace shares: `check_pair`); nothing when it cannot be rebuilt."""
+    groups = collective_groups(measured)
+    if groups is None:
+        return {}
+    pw, mw = late_waits(predicted, groups), late_waits(measured, groups)
+    none = {"collectives": 0, "per_collective_s": 0.0, "per_rank_step_s": 0.0}
+    return {stream: {"predicted": pw[stream].to_json() if stream in pw else none,
+                     "measured": mw[stream].to_json() if stream in mw else none}
+            for stream in sorted(set(pw) | set(mw))}
 
 
 def compare_files(predicted_path: str, measured_path: str) -> Comparison:

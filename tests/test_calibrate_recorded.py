@@ -218,7 +218,10 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
         computing = trace_sharing.plan_sharing(trace)["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
         cases[name] = trace_sharing.measured_case(trace, name)
-    assert set(trace_sharing.collective_groups(cases["dp4.r1"]).values()) == {(0, 1, 2, 3)}
+    from simexec.late_waits import collective_groups
+    from simexec.trace import Trace
+
+    assert set(collective_groups(Trace.load(DIR / "dp4.r1.json.gz")).values()) == {(0, 1, 2, 3)}
     # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
     profile = json.loads((ROOT / "traces" / "profiles" / "local-traces.json").read_text())
     one = trace_sharing.predicted_sharing(cases["dp1.r1"], profile)

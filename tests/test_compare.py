@@ -327,3 +327,39 @@ def test_traces_that_say_their_reduce_scatters_end_on_completion_keep_them():
     c = compare(with_rs("predicted"), with_rs("measured", meta))
     assert c.op_class_errors["reducescatter@tp"]["count"] == 4
     assert c.to_json()["unmatched"]["ends_when_waited"]["count"] == 0
+
+
+# --- waits for late members --------------------------------------------------------------------------
+def test_late_waits_tell_groups_that_share_a_name_apart():
+    """One all-reduce name, two tensor-parallel groups: rank 1 calls 2 ms after rank 0, ranks 2 and 3
+    together. Told apart, rank 0 waits 2 ms: 1 ms a member in its group, none in the other, 0.5 ms a
+    collective and 0.5 ms a rank. Taken for one collective of four, three members would wait 2 ms."""
+    from simexec.late_waits import late_waits
+
+    events = [Event(id=f"{r}:c", rank=r, stream="comm.tp", name="c", kind="collective", op="allreduce@tp",
+                    start_us=2000.0 if r == 1 else 0.0, dur_us=3000.0 - (2000.0 if r == 1 else 0.0))
+              for r in range(4)]
+    trace = Trace(meta={}, events=events)
+    groups = {(r, "c"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
+    w = late_waits(trace, groups)["comm.tp"]
+    assert w.collectives == 2
+    assert w.per_collective_s == pytest.approx(0.5e-3) and w.per_rank_step_s == pytest.approx(0.5e-3)
+    one = late_waits(trace)["all"]
+    assert one.collectives == 1 and one.per_rank_step_s == pytest.approx(1.5e-3)
+
+
+def test_compare_reports_the_measured_waits_for_late_members():
+    """A copy of a simulated program in which rank 0 calls each of its tensor-parallel collectives 0.5 ms
+    early (and ends them as before): it waits 0.5 ms for its partner in every one; the simulation,
+    whose ranks call together, waits for nobody. The groups come from the plan's program."""
+    pred = _simulated(PLAN)
+    meas = _perturbed(pred)
+    meas.events = [replace(e, start_us=e.start_us - 500.0, dur_us=e.dur_us + 500.0)
+                   if e.rank == 0 and e.stream == "comm.tp" else e for e in meas.events]
+    c = compare(pred, meas)
+    early = sum(1 for e in meas.events if e.rank == 0 and e.stream == "comm.tp")
+    tp = c.late_waits["comm.tp"]
+    assert tp["predicted"]["per_rank_step_s"] == 0.0 and tp["predicted"]["collectives"] > 0
+    assert tp["measured"]["per_rank_step_s"] == pytest.approx(early * 0.5e-3 / 8)
+    assert c.late_waits["comm.dp"]["measured"]["per_rank_step_s"] == pytest.approx(0.0, abs=1e-12)
+    assert "waits for late members" in c.format() and "late_waits" in c.to_json()

@@ -20,19 +20,22 @@ import math
 import statistics
 import sys
 from pathlib import Path
+from typing import Optional
 
 
-def joins(events: list, stream: str, kinds: tuple[str, ...]) -> list[tuple[str, str, int, float]]:
-    """(name, verb, bytes, ms from the last member's issue to the members' median end) per
-    collective of `stream` whose name starts with one of `kinds`."""
-    by_name: dict[str, list] = collections.defaultdict(list)
+def joins(events: list, stream: str, kinds: tuple[str, ...],
+          groups: Optional[dict] = None) -> list[tuple[str, str, int, int, float]]:
+    """(name, verb, members, bytes, ms from the last member's issue to the members' median end) per
+    collective of `stream` whose name starts with one of `kinds`; `groups`
+    (`simexec.late_waits.collective_groups`) tells apart the groups that call it under one name."""
+    by_call: dict[tuple, list] = collections.defaultdict(list)
     for e in events:
         if e.stream == stream and e.name.startswith(kinds):
-            by_name[e.name].append(e)
+            by_call[(e.name, (groups or {}).get((e.rank, e.name)))].append(e)
     out = []
-    for name, es in sorted(by_name.items()):
+    for (name, _), es in sorted(by_call.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         last = max(e.start_us for e in es)
-        out.append((name, es[0].op.partition("@")[0], int(es[0].bytes),
+        out.append((name, es[0].op.partition("@")[0], len(es), int(es[0].bytes),
                     statistics.median((e.end_us - last) / 1e3 for e in es)))
     return out
 
@@ -61,6 +64,7 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="bwd.grads", help="comma-separated name prefixes of the collectives")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
+    from simexec.late_waits import collective_groups
     from simexec.trace import Trace, load_json
 
     root = Path(args.recording)
@@ -78,8 +82,7 @@ def main(argv=None) -> int:
             print(f"collective_joins: error: {exc}", file=sys.stderr)
             return 2
         world = int(trace.meta.get("world") or 0)
-        for name, verb, nbytes, ms in joins(trace.events, args.stream, kinds):
-            members = len({e.rank for e in trace.events if e.name == name})
+        for name, verb, members, nbytes, ms in joins(trace.events, args.stream, kinds, collective_groups(trace)):
             rows[(run.get("name"), verb, members, nbytes, world)].append(ms)
     if not rows:
         print(f"collective_joins: error: no {args.stream} collectives named {','.join(kinds)}* in {root}",

@@ -245,8 +245,9 @@ def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):
 
 def test_collective_joins_times_a_collective_from_its_last_member_on():
     """scripts/collective_joins.py: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
-    3.5 ms once the last had joined; on the recording, `dp=2`'s gradient all-reduce is found on both
-    ranks, positive, and the script's report names its micro-benchmark."""
+    3.5 ms once the last had joined; two groups that call it under one name are timed apart; on the
+    recording, `dp=2`'s gradient all-reduce is found on both ranks, positive, and the script's report
+    names its micro-benchmark."""
     import sys
 
     from simexec.trace import Event, Trace
@@ -259,10 +260,15 @@ def test_collective_joins_times_a_collective_from_its_last_member_on():
                      op="allreduce@dp", start_us=start_ms * 1e3, dur_us=(end_ms - start_ms) * 1e3, bytes=4096.0)
 
     got = collective_joins.joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
-    assert got == [("bwd.grads0", "allreduce", 4096, pytest.approx(3.5))]
+    assert got == [("bwd.grads0", "allreduce", 2, 4096, pytest.approx(3.5))]
+    # two groups under one name, each timed from its own last member
+    four = [ev(0, 0.0, 5.0), ev(1, 2.0, 6.0), ev(2, 10.0, 11.0), ev(3, 10.0, 12.0)]
+    groups = {(r, "bwd.grads0"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
+    got = collective_joins.joins(four, "comm.dp", ("bwd.grads",), groups)
+    assert [(m, ms) for _, _, m, _, ms in got] == [(2, pytest.approx(3.5)), (2, pytest.approx(1.5))]
     trace = Trace.load(DIR / "dp2.r1.json.gz")
-    (name, verb, nbytes, ms), = collective_joins.joins(trace.events, "comm.dp", ("bwd.grads",))
-    assert verb == "allreduce" and nbytes > 0 and ms > 0
+    (name, verb, members, nbytes, ms), = collective_joins.joins(trace.events, "comm.dp", ("bwd.grads",))
+    assert verb == "allreduce" and members == 2 and nbytes > 0 and ms > 0
     alone = collective_joins.bench_alone(DIR, "allreduce", 2, nbytes)
     assert alone is not None and alone[0] > 0 and alone[2] == 1 << 20
     assert collective_joins.main([str(DIR)]) == 0

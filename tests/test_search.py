@@ -282,7 +282,7 @@ def test_pruned_search_equals_brute_force_stand_in(objective):
 
 
 def test_pruned_search_equals_brute_force_simulator():
-    fix = dict(SLICE, tp=2, cp=1, offload="none")  # 240 plans
+    fix = dict(SLICE, tp=2, sp=0, cp=1, offload="none")  # 192 plans
     pruned = search(*SMALL, fix=fix, top=5, workers=1, progress=False)
     brute = search(*SMALL, fix=fix, top=5, workers=1, progress=False, prune=False)
     _same(pruned, brute)

@@ -20,7 +20,10 @@ program fingerprint, plan or model, or no id in common) and reports
   (or of the counters' peak), and the worst rank;
 - **waits for late members** per communication stream (`simexec.late_waits`): how long a
   collective's members wait for the last to call it, per collective and per rank a step, in each
-  trace (a simulation whose ranks run in step has none; ranks that drift apart do);
+  trace (a simulation whose ranks run in step has none; ranks that drift apart do), and a rank's
+  compute plus those waits a step in each: on shared cores what one rank waits the others compute,
+  so a simulation that shares the cores evenly computes longer per event and waits for no one,
+  and the sums are what should agree;
 - **unmatched** ids on either side.
 
 A symmetric predicted trace (meta `symmetric` true: one representative rank per pipeline stage,
@@ -274,6 +277,7 @@ class Comparison:
     unmatched: dict
     worst_events: list[dict] = field(default_factory=list)
     late_waits: dict = field(default_factory=dict)  # stream -> {predicted, measured}: LateWaits.to_json()
+    compute_and_waits: dict = field(default_factory=dict)  # predicted/measured {compute_s, waits_s, total_s}, error
 
     @property
     def step_time_error(self) -> Optional[float]:
@@ -292,6 +296,7 @@ class Comparison:
             "kind_errors": self.kind_errors, "block_errors": self.block_errors, "overall": self.overall,
             "critical_path": self.critical_path, "unmatched": self.unmatched,
             "worst_events": self.worst_events, "late_waits": self.late_waits,
+            "compute_and_waits": self.compute_and_waits,
         }
 
     def format(self, top: int = 12) -> str:
@@ -358,6 +363,12 @@ class Comparison:
                 p, m = w["predicted"], w["measured"]
                 lines.append(f"{stream:<24}{p['per_rank_step_s'] * 1e3:>13.3f}{m['per_rank_step_s'] * 1e3:>13.3f}"
                              f"{p['per_collective_s'] * 1e3:>13.3f}{m['per_collective_s'] * 1e3:>13.3f}")
+            cw = self.compute_and_waits
+            if cw:
+                p, m = cw["predicted"], cw["measured"]
+                lines.append(f"compute + waits a rank: predicted {p['compute_s'] * 1e3:.1f} + {p['waits_s'] * 1e3:.1f} ms, "
+                             f"measured {m['compute_s'] * 1e3:.1f} + {m['waits_s'] * 1e3:.1f} ms"
+                             + (f", error {cw['error']:+.1%}" if cw["error"] is not None else ""))
         if self.worst_events:
             lines += ["", "largest differences (predicted - measured):"]
             for w in self.worst_events[:5]:
@@ -477,9 +488,10 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
                  "matched": len(all_p & all_m),
                  "ends_when_waited": {"count": len(waited), "ops": sorted({m.op for m in waited})}}
 
+    waits = _late_waits(predicted, measured)
     return Comparison(_label(predicted, "predicted"), _label(measured, "measured"), step, op_errors,
                       stream_errors, kind_errors, block_errors, overall, critical, memory, unmatched, worst_events,
-                      _late_waits(predicted, measured))
+                      waits, _compute_and_waits(predicted, measured, waits))
 
 
 def _late_waits(predicted: Trace, measured: Trace) -> dict:
@@ -493,6 +505,24 @@ def _late_waits(predicted: Trace, measured: Trace) -> dict:
     return {stream: {"predicted": pw[stream].to_json() if stream in pw else none,
                      "measured": mw[stream].to_json() if stream in mw else none}
             for stream in sorted(set(pw) | set(mw))}
+
+
+def _compute_and_waits(predicted: Trace, measured: Trace, waits: dict) -> dict:
+    """A rank's compute in the step plus its waits for late members, predicted and measured. Ranks
+    that share cores drift apart; the OS scheduler is work-conserving, so what one rank spends
+    waiting the others spend computing, and a simulation that shares the cores evenly has its ranks
+    compute that time instead: per event the two part, per rank and step they should agree."""
+    if "all" not in waits:
+        return {}
+
+    def side(trace: Trace, key: str) -> dict:
+        ranks = {e.rank for e in trace.events} or {0}
+        compute = sum(e.dur_us for e in trace.events if e.kind in ("compute", "copy")) * 1e-6 / len(ranks)
+        wait = waits["all"][key]["per_rank_step_s"]
+        return {"compute_s": compute, "waits_s": wait, "total_s": compute + wait}
+
+    p, m = side(predicted, "predicted"), side(measured, "measured")
+    return {"predicted": p, "measured": m, "error": p["total_s"] / m["total_s"] - 1 if m["total_s"] > 0 else None}
 
 
 def compare_files(predicted_path: str, measured_path: str) -> Comparison:

@@ -363,3 +363,9 @@ def test_compare_reports_the_measured_waits_for_late_members():
     assert tp["measured"]["per_rank_step_s"] == pytest.approx(early * 0.5e-3 / 8)
     assert c.late_waits["comm.dp"]["measured"]["per_rank_step_s"] == pytest.approx(0.0, abs=1e-12)
     assert "waits for late members" in c.format() and "late_waits" in c.to_json()
+    # the same compute on both sides: a rank's compute plus its waits is over by the waits alone
+    cw = c.to_json()["compute_and_waits"]
+    assert cw["measured"]["compute_s"] == pytest.approx(cw["predicted"]["compute_s"])
+    assert cw["measured"]["waits_s"] == pytest.approx(early * 0.5e-3 / 8)
+    assert cw["error"] == pytest.approx(cw["predicted"]["compute_s"] / (cw["predicted"]["compute_s"] + early * 0.5e-3 / 8) - 1)
+    assert "compute + waits a rank" in c.format()

@@ -64,7 +64,10 @@ def _plan_diff(a: str, b: str) -> list[str]:
     pa, pb = parse_plan(a), parse_plan(b)
     out = []
     for name in Plan.model_fields:
-        va, vb = getattr(pa, name), getattr(pb, name)
+        if name == "schedule":  # unset means the default for the plan's vpp: say which
+            va, vb = pa.schedule_name, pb.schedule_name
+        else:
+            va, vb = getattr(pa, name), getattr(pb, name)
         if va != vb:
             out.append(f"{name} {_fmt_val(vb)} -> {_fmt_val(va)}")
     return out
@@ -86,7 +89,8 @@ def explain(best: Optional[dict], runner: Optional[dict], objective: str = "thro
         return {"best": best["plan"], "text": f"{best['plan']} is the only plan that fits"}
     keys = sorted(set(best["breakdown_s"]) | set(runner["breakdown_s"]))
     delta = {k: best["breakdown_s"].get(k, 0.0) - runner["breakdown_s"].get(k, 0.0) for k in keys}
-    delta = {k: v for k, v in sorted(delta.items(), key=lambda kv: (-abs(kv[1]), kv[0])) if v != 0.0}
+    tiny = 1e-9 * max(best["step_time_s"], runner["step_time_s"], 1e-9)  # float rounding, not a difference
+    delta = {k: v for k, v in sorted(delta.items(), key=lambda kv: (-abs(kv[1]), kv[0])) if abs(v) > tiny}
     dt = best["step_time_s"] - runner["step_time_s"]
     dm = best["peak_memory_bytes"] - runner["peak_memory_bytes"]
     changes = _plan_diff(best["plan"], runner["plan"])

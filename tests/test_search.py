@@ -21,7 +21,7 @@ from simexec.model import get_model
 from simexec.plan import Plan, parse_plan, resolve
 from simexec.search import SearchResult, parse_fix, search
 from simexec.search_bounds import Bounds
-from simexec.search_report import pareto_front
+from simexec.search_report import explain, pareto_front
 from simexec.search_space import SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
 from simexec.simulate import simulate
 
@@ -359,6 +359,18 @@ def test_result_json_and_table():
     text = res.format()
     assert "top 4" in text and "Pareto front" in text and "why the best" in text
     assert j["plans"][0]["plan"] in text
+
+
+def test_explanation_leaves_out_float_rounding():
+    """Two schedules of one pipeline move the same bytes; their comm.pp sums differ only by rounding."""
+    best = {"plan": "pp=2,gbs=8", "step_time_s": 0.0921, "peak_memory_bytes": 10,
+            "breakdown_s": {"compute": 0.05, "pipeline_bubble": 0.01, "comm.pp": 0.003 + 1.7e-18}}
+    runner = {"plan": "pp=2,gbs=8,schedule=gpipe", "step_time_s": 0.0922, "peak_memory_bytes": 12,
+              "breakdown_s": {"compute": 0.0501, "pipeline_bubble": 0.01, "comm.pp": 0.003}}
+    ex = explain(best, runner)
+    assert list(ex["delta_breakdown_s"]) == ["compute"]
+    assert ex["delta_breakdown_s"]["compute"] == pytest.approx(-1e-4)
+    assert "comm.pp" not in ex["text"] and "schedule gpipe -> 1f1b" in ex["text"]
 
 
 def test_pareto_front_keeps_only_undominated_plans():

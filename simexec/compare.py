@@ -24,6 +24,11 @@ program fingerprint, plan or model, or no id in common) and reports
   compute plus those waits a step in each: on shared cores what one rank waits the others compute,
   so a simulation that shares the cores evenly computes longer per event and waits for no one,
   and the sums are what should agree;
+- **CPU a step** (ranks on shared cores, both traces carrying it): each rank's CPU time in a step,
+  every thread of it, predicted (the host model's cores, `simexec.sim.cores`) and measured (the
+  process's, steady steps), the mean over ranks and its error, and the cores' worth the ranks kept
+  busy (all their CPU over the step): where the simulation fills the cores and the host leaves them
+  idle, the step is waiting on something the model does not have;
 - **unmatched** ids on either side.
 
 A symmetric predicted trace (meta `symmetric` true: one representative rank per pipeline stage,
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import statistics
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
@@ -278,6 +284,7 @@ class Comparison:
     worst_events: list[dict] = field(default_factory=list)
     late_waits: dict = field(default_factory=dict)  # stream -> {predicted, measured}: LateWaits.to_json()
     compute_and_waits: dict = field(default_factory=dict)  # predicted/measured {compute_s, waits_s, total_s}, error
+    cpu: dict = field(default_factory=dict)  # predicted/measured {per_rank_s, cores_busy}, error: shared cores only
 
     @property
     def step_time_error(self) -> Optional[float]:
@@ -296,7 +303,7 @@ class Comparison:
             "kind_errors": self.kind_errors, "block_errors": self.block_errors, "overall": self.overall,
             "critical_path": self.critical_path, "unmatched": self.unmatched,
             "worst_events": self.worst_events, "late_waits": self.late_waits,
-            "compute_and_waits": self.compute_and_waits,
+            "compute_and_waits": self.compute_and_waits, "cpu": self.cpu,
         }
 
     def format(self, top: int = 12) -> str:
@@ -369,6 +376,11 @@ class Comparison:
                 lines.append(f"compute + waits a rank: predicted {p['compute_s'] * 1e3:.1f} + {p['waits_s'] * 1e3:.1f} ms, "
                              f"measured {m['compute_s'] * 1e3:.1f} + {m['waits_s'] * 1e3:.1f} ms"
                              + (f", error {cw['error']:+.1%}" if cw["error"] is not None else ""))
+        if self.cpu:
+            p, m = self.cpu["predicted"], self.cpu["measured"]
+            lines += ["", f"CPU a rank a step: predicted {p['per_rank_s'] * 1e3:.1f} ms, measured "
+                          f"{m['per_rank_s'] * 1e3:.1f} ms, error {self.cpu['error']:+.1%}; cores busy: "
+                          f"predicted {p['cores_busy']:.2f}, measured {m['cores_busy']:.2f}"]
         if self.worst_events:
             lines += ["", "largest differences (predicted - measured):"]
             for w in self.worst_events[:5]:
@@ -491,7 +503,7 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     waits = _late_waits(predicted, measured)
     return Comparison(_label(predicted, "predicted"), _label(measured, "measured"), step, op_errors,
                       stream_errors, kind_errors, block_errors, overall, critical, memory, unmatched, worst_events,
-                      waits, _compute_and_waits(predicted, measured, waits))
+                      waits, _compute_and_waits(predicted, measured, waits), _cpu(predicted, measured))
 
 
 def _late_waits(predicted: Trace, measured: Trace) -> dict:
@@ -523,6 +535,25 @@ def _compute_and_waits(predicted: Trace, measured: Trace, waits: dict) -> dict:
 
     p, m = side(predicted, "predicted"), side(measured, "measured")
     return {"predicted": p, "measured": m, "error": p["total_s"] / m["total_s"] - 1 if m["total_s"] > 0 else None}
+
+
+def _cpu(predicted: Trace, measured: Trace) -> dict:
+    """Each side's mean CPU time a rank a step and the cores' worth its ranks kept busy; nothing
+    unless both traces carry it (a simulation of ranks on shared cores, a run that timed it)."""
+    from simexec.calibrate_traces import steady_step
+
+    ps, ms = predicted.meta.get("summary") or {}, measured.meta.get("summary") or {}
+    pcpu, mcpu = ps.get("cpu_s_per_rank"), ms.get("cpu_times_s_per_rank")
+    pstep, mstep = ps.get("step_time_s"), steady_step(ms.get("step_times_s") or [], ms.get("step_time_s"))
+    if not pcpu or not mcpu or not pstep or not mstep:
+        return {}
+    reps = predicted.meta.get("represents") or {}
+    weights = {r: len(reps.get(r) or [r]) for r in pcpu}  # a symmetric rank stands for its copies
+    p_total = sum(c * weights[r] for r, c in pcpu.items())
+    m_each = [steady_step(v, statistics.median(v)) for v in mcpu.values() if v]
+    p = {"per_rank_s": p_total / sum(weights.values()), "cores_busy": p_total / pstep}
+    m = {"per_rank_s": statistics.fmean(m_each), "cores_busy": sum(m_each) / mstep}
+    return {"predicted": p, "measured": m, "error": p["per_rank_s"] / m["per_rank_s"] - 1}
 
 
 def compare_files(predicted_path: str, measured_path: str) -> Comparison:

@@ -184,6 +184,8 @@ def _trace(eng, program: Program, result: SimResult, mem) -> Trace:
         "peak_memory_bytes_per_rank": {str(r): b for r, b in sorted(mem.peak.items())},
         "breakdown_s": result.breakdown_s, "fits": result.fits,
     }
+    if getattr(eng, "cores", None) is not None:  # CPU ranks on shared cores: each one's CPU time in the step
+        summary["cpu_s_per_rank"] = {str(r): c for r, c in sorted(eng.cores.cpu_s.items())}
     meta = {
         "kind": "predicted", "model": result.model, "cluster": result.cluster, "plan": result.plan,
         "world": result.world, "symmetric": result.symmetric, "program": program.fingerprint(),

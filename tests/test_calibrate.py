@@ -397,6 +397,23 @@ def test_a_communication_burst_runs_at_its_share_of_the_cores_without_their_slow
     # each at 1/1.2 for the rest
     done = 1.0 / (2 * 1.2 * 1.3)
     assert env.now == pytest.approx(1.0 + (1.0 - done) * 1.2)
+    # CPU time as the OS counts it: half a core each for the first second, then a core each; the
+    # slowdowns cost the threads speed, not the cores' time (ranks 2 and 3 are bursts alone)
+    assert cores.cpu_s == pytest.approx({0: 0.5 + (1.0 - done) * 1.2, 1: 0.5 + (1.0 - done) * 1.2, 2: 0.5, 3: 0.5})
+
+
+def test_a_simulated_rank_on_shared_cores_reports_its_cpu_a_step():
+    """One rank alone holds a core exactly while it computes: its CPU is its compute, copies and host
+    work. Four ranks on two cores cannot hold more than the two cores for the step."""
+    profile = ROOT / "traces" / "profiles" / "local-traces.json"
+    one = simulate("gpt-tiny", "local", "dp=1,gbs=8,dtype=fp32", profile=profile, trace=True)
+    busy = sum(e.dur_us for e in one.trace.events if e.kind in ("compute", "copy", "host")) * 1e-6
+    assert one.trace.meta["summary"]["cpu_s_per_rank"] == {"0": pytest.approx(busy)}
+    four = simulate("gpt-tiny", "local", "dp=4,zero=3,gbs=8,dtype=fp32", profile=profile, trace=True, symmetric=False)
+    cpu = four.trace.meta["summary"]["cpu_s_per_rank"]
+    assert sorted(cpu) == ["0", "1", "2", "3"] and min(cpu.values()) > 0
+    assert sum(cpu.values()) <= 2 * four.step_time_s * (1 + 1e-9)
+    assert "cpu_s_per_rank" not in simulate("gpt-tiny", "local", "dp=1,gbs=8", trace=True).trace.meta["summary"]
 
 
 def test_micro_benchmark_runs_pool_into_one_set_of_timings():

@@ -369,3 +369,32 @@ def test_compare_reports_the_measured_waits_for_late_members():
     assert cw["measured"]["waits_s"] == pytest.approx(early * 0.5e-3 / 8)
     assert cw["error"] == pytest.approx(cw["predicted"]["compute_s"] / (cw["predicted"]["compute_s"] + early * 0.5e-3 / 8) - 1)
     assert "compute + waits a rank" in c.format()
+
+
+def test_compare_reports_cpu_a_rank_a_step_on_shared_cores():
+    """The simulation's CPU a rank a step (a symmetric one: its rank 0 stands for both) against a
+    run's, the median of each rank's steady steps (its second half); and the cores' worth each side
+    kept busy over its step."""
+    from pathlib import Path
+
+    simulate = pytest.importorskip("simexec.simulate").simulate
+    profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "local-traces.json"
+    plan = "dp=2,gbs=8,dtype=fp32"
+    full = simulate("gpt-tiny", "local", plan, profile=profile, trace=True, symmetric=False).trace
+    sym = simulate("gpt-tiny", "local", plan, profile=profile, trace=True, symmetric=True).trace
+    pcpu = sym.meta["summary"]["cpu_s_per_rank"]["0"]
+    assert full.meta["summary"]["cpu_s_per_rank"] == {"0": pytest.approx(pcpu), "1": pytest.approx(pcpu)}
+    meas = _perturbed(full)
+    s = meas.meta["summary"]
+    del s["cpu_s_per_rank"]
+    s["step_times_s"] = [0.5] * 8 + [0.04] * 8  # a slow warm-up, then 40 ms steps
+    s["cpu_times_s_per_rank"] = {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}
+    c = compare(sym, meas)
+    cpu = c.to_json()["cpu"]
+    assert cpu["measured"] == {"per_rank_s": pytest.approx(0.04), "cores_busy": pytest.approx(2.0)}
+    step = sym.meta["summary"]["step_time_s"]
+    assert cpu["predicted"] == {"per_rank_s": pytest.approx(pcpu), "cores_busy": pytest.approx(2 * pcpu / step)}
+    assert cpu["error"] == pytest.approx(pcpu / 0.04 - 1)
+    assert "CPU a rank a step" in c.format()
+    del s["cpu_times_s_per_rank"]
+    assert compare(sym, meas).cpu == {} and "CPU a rank" not in compare(sym, meas).format()

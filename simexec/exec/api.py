@@ -171,6 +171,9 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     scaled = {} if error else _loss_scaling(outs)
     summary = {"step_time_s": step_time, "step_times_s": step_times,
                "peak_memory_bytes_per_rank": {str(r): b for r, b in peak.items()}, "losses": losses}
+    cpu = {str(r): o["cpu_times_s"] for r, o in sorted(outs.items()) if o.get("cpu_times_s")}
+    if cpu:  # each rank's process CPU a step, every thread: what it took of the host's cores
+        summary["cpu_times_s_per_rank"] = cpu
     if error:
         summary["error"] = error
     meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,

@@ -1016,7 +1016,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
 
         comm = X.comm_for(dist.get_backend() if dist.is_initialized() else "xla")
     r = _Rank(rp, instrs, groups, tracer, device, seed, comm)
-    losses, times = [], []
+    losses, times, cpu = [], [], []  # cpu: the process's CPU time a step, every thread (gloo's too)
     peak = largest = 0
     for step in range(steps):
         tracker = None
@@ -1034,7 +1034,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
                 _TRACKER[0] = tracker
         if cuda:
             torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             loss = r.run_step(step)
         finally:
@@ -1044,6 +1044,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
         if step == 0:
             if xla:
                 peak = X.peak_memory(device)
@@ -1053,7 +1054,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)
-    out = {"losses": losses, "step_times_s": times, "params": r.final_params(), "peak_memory_bytes": peak,
+    out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "params": r.final_params(), "peak_memory_bytes": peak,
            "largest_alloc_bytes": largest}
     if rp.plan.loss_scale > 0:
         out.update(loss_scales=r.scaler.scales, skipped_steps=r.scaler.skipped)

@@ -70,6 +70,7 @@ class _HostCores:
         self.idle_poll = max(1e-9, float(idle_poll_s))
         self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
         self.last_end: dict = {}  # key -> when its last piece of work ended
+        self.cpu_s: dict[int, float] = {}  # rank -> time its threads held a core (main and comm), one copy's
         self.t = 0.0
         self.ver = 0
         self.active: list = []  # the threads running now, with the work they have left
@@ -86,10 +87,18 @@ class _HostCores:
         """Bring every running thread's remaining work up to now."""
         now = self.env.now
         if self.active and now > self.t:
+            dt = now - self.t
             main, comm = self._rates()
+            held = dt * min(1.0, self.capacity / max(1, self._running()))  # what the OS counts as CPU time
             for job in self.active:
-                job.left -= (now - self.t) * (comm if job.comm else main)
+                job.left -= dt * (comm if job.comm else main)
+                rank = job.key[0] if job.comm else job.key
+                self.cpu_s[rank] = self.cpu_s.get(rank, 0.0) + held
         self.t = now
+
+    def _running(self) -> int:
+        """How many threads hold the cores now (identical copies counted)."""
+        return len(self.active)
 
     def _tick_in(self, dt: float) -> None:
         """`_tick` after dt, unless the state changes first (a later `_schedule` bumps `ver`)."""
@@ -207,6 +216,9 @@ class Cores(_HostCores):
 
     def _rate(self) -> float:
         return self.rate(self.n)
+
+    def _running(self) -> int:
+        return self.n
 
     def _share(self) -> float:
         return thread_rate(self.n, self.cores, self.background)

@@ -381,6 +381,11 @@ class Comparison:
             lines += ["", f"CPU a rank a step: predicted {p['per_rank_s'] * 1e3:.1f} ms, measured "
                           f"{m['per_rank_s'] * 1e3:.1f} ms, error {self.cpu['error']:+.1%}; cores busy: "
                           f"predicted {p['cores_busy']:.2f}, measured {m['cores_busy']:.2f}"]
+            if "main_thread_s" in p and "main_thread_s" in m:
+                lines.append(f"  of it the rank's own thread: predicted {p['main_thread_s'] * 1e3:.1f} ms, measured "
+                             f"{m['main_thread_s'] * 1e3:.1f} ms; other threads: predicted "
+                             f"{(p['per_rank_s'] - p['main_thread_s']) * 1e3:.1f} ms, measured "
+                             f"{(m['per_rank_s'] - m['main_thread_s']) * 1e3:.1f} ms")
         if self.worst_events:
             lines += ["", "largest differences (predicted - measured):"]
             for w in self.worst_events[:5]:
@@ -549,10 +554,18 @@ def _cpu(predicted: Trace, measured: Trace) -> dict:
         return {}
     reps = predicted.meta.get("represents") or {}
     weights = {r: len(reps.get(r) or [r]) for r in pcpu}  # a symmetric rank stands for its copies
-    p_total = sum(c * weights[r] for r, c in pcpu.items())
-    m_each = [steady_step(v, statistics.median(v)) for v in mcpu.values() if v]
-    p = {"per_rank_s": p_total / sum(weights.values()), "cores_busy": p_total / pstep}
-    m = {"per_rank_s": statistics.fmean(m_each), "cores_busy": sum(m_each) / mstep}
+
+    def predicted_mean(per_rank: dict) -> float:
+        return sum(per_rank.get(r, 0.0) * w for r, w in weights.items()) / sum(weights.values())
+
+    def measured_mean(per_rank: dict) -> float:
+        return statistics.fmean(steady_step(v, statistics.median(v)) for v in per_rank.values() if v)
+
+    p = {"per_rank_s": predicted_mean(pcpu), "cores_busy": predicted_mean(pcpu) * sum(weights.values()) / pstep}
+    m = {"per_rank_s": measured_mean(mcpu), "cores_busy": measured_mean(mcpu) * len(mcpu) / mstep}
+    pmain, mmain = ps.get("main_cpu_s_per_rank"), ms.get("main_cpu_times_s_per_rank")
+    if pmain and mmain:  # the rank's own thread; the rest is its communication (and, measured, Ray's) threads
+        p["main_thread_s"], m["main_thread_s"] = predicted_mean(pmain), measured_mean(mmain)
     return {"predicted": p, "measured": m, "error": p["per_rank_s"] / m["per_rank_s"] - 1}
 
 

@@ -186,6 +186,7 @@ def _trace(eng, program: Program, result: SimResult, mem) -> Trace:
     }
     if getattr(eng, "cores", None) is not None:  # CPU ranks on shared cores: each one's CPU time in the step
         summary["cpu_s_per_rank"] = {str(r): c for r, c in sorted(eng.cores.cpu_s.items())}
+        summary["main_cpu_s_per_rank"] = {str(r): eng.cores.main_cpu_s.get(r, 0.0) for r, _ in sorted(eng.cores.cpu_s.items())}
     meta = {
         "kind": "predicted", "model": result.model, "cluster": result.cluster, "plan": result.plan,
         "world": result.world, "symmetric": result.symmetric, "program": program.fingerprint(),

@@ -400,6 +400,7 @@ def test_a_communication_burst_runs_at_its_share_of_the_cores_without_their_slow
     # CPU time as the OS counts it: half a core each for the first second, then a core each; the
     # slowdowns cost the threads speed, not the cores' time (ranks 2 and 3 are bursts alone)
     assert cores.cpu_s == pytest.approx({0: 0.5 + (1.0 - done) * 1.2, 1: 0.5 + (1.0 - done) * 1.2, 2: 0.5, 3: 0.5})
+    assert cores.main_cpu_s == pytest.approx({0: 0.5 + (1.0 - done) * 1.2, 1: 0.5 + (1.0 - done) * 1.2})
 
 
 def test_a_simulated_rank_on_shared_cores_reports_its_cpu_a_step():
@@ -409,10 +410,13 @@ def test_a_simulated_rank_on_shared_cores_reports_its_cpu_a_step():
     one = simulate("gpt-tiny", "local", "dp=1,gbs=8,dtype=fp32", profile=profile, trace=True)
     busy = sum(e.dur_us for e in one.trace.events if e.kind in ("compute", "copy", "host")) * 1e-6
     assert one.trace.meta["summary"]["cpu_s_per_rank"] == {"0": pytest.approx(busy)}
+    assert one.trace.meta["summary"]["main_cpu_s_per_rank"] == {"0": pytest.approx(busy)}  # no communication
     four = simulate("gpt-tiny", "local", "dp=4,zero=3,gbs=8,dtype=fp32", profile=profile, trace=True, symmetric=False)
     cpu = four.trace.meta["summary"]["cpu_s_per_rank"]
     assert sorted(cpu) == ["0", "1", "2", "3"] and min(cpu.values()) > 0
     assert sum(cpu.values()) <= 2 * four.step_time_s * (1 + 1e-9)
+    main = four.trace.meta["summary"]["main_cpu_s_per_rank"]  # ZeRO-3's gathers cost its gloo threads CPU
+    assert all(0 < main[r] < cpu[r] for r in cpu)
     assert "cpu_s_per_rank" not in simulate("gpt-tiny", "local", "dp=1,gbs=8", trace=True).trace.meta["summary"]
 
 

@@ -389,12 +389,16 @@ def test_compare_reports_cpu_a_rank_a_step_on_shared_cores():
     del s["cpu_s_per_rank"]
     s["step_times_s"] = [0.5] * 8 + [0.04] * 8  # a slow warm-up, then 40 ms steps
     s["cpu_times_s_per_rank"] = {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}
+    s["main_cpu_times_s_per_rank"] = {"0": [0.4] * 8 + [0.02] * 8, "1": [0.4] * 8 + [0.04] * 8}
     c = compare(sym, meas)
     cpu = c.to_json()["cpu"]
-    assert cpu["measured"] == {"per_rank_s": pytest.approx(0.04), "cores_busy": pytest.approx(2.0)}
-    step = sym.meta["summary"]["step_time_s"]
-    assert cpu["predicted"] == {"per_rank_s": pytest.approx(pcpu), "cores_busy": pytest.approx(2 * pcpu / step)}
+    assert cpu["measured"] == {"per_rank_s": pytest.approx(0.04), "cores_busy": pytest.approx(2.0),
+                               "main_thread_s": pytest.approx(0.03)}
+    step, pmain = sym.meta["summary"]["step_time_s"], sym.meta["summary"]["main_cpu_s_per_rank"]["0"]
+    assert 0 < pmain < pcpu  # the gradient all-reduce's bursts run on the communication thread
+    assert cpu["predicted"] == {"per_rank_s": pytest.approx(pcpu), "cores_busy": pytest.approx(2 * pcpu / step),
+                                "main_thread_s": pytest.approx(pmain)}
     assert cpu["error"] == pytest.approx(pcpu / 0.04 - 1)
-    assert "CPU a rank a step" in c.format()
+    assert "CPU a rank a step" in c.format() and "of it the rank's own thread" in c.format()
     del s["cpu_times_s_per_rank"]
     assert compare(sym, meas).cpu == {} and "CPU a rank" not in compare(sym, meas).format()

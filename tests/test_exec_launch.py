@@ -299,8 +299,11 @@ def test_real_interpreter_matches_one_rank(ray_session, tmp_path):
     traced = {e.id for e in Trace.load(tmp_path / "t.json").events}
     assert traced == {i.id for i in program if i.kind != "memory"}  # memory markers take no time
     assert all(b > 0 for b in res.peak_memory_bytes_per_rank.values())
-    cpu = Trace.load(tmp_path / "t.json").summary["cpu_times_s_per_rank"]  # each process's CPU a step
-    assert sorted(cpu) == ["0", "1", "2", "3"] and all(len(v) == 3 and min(v) > 0 for v in cpu.values())
+    summary = Trace.load(tmp_path / "t.json").summary
+    cpu, main = summary["cpu_times_s_per_rank"], summary["main_cpu_times_s_per_rank"]  # each process's CPU a step
+    assert sorted(cpu) == sorted(main) == ["0", "1", "2", "3"]
+    assert all(len(cpu[r]) == len(main[r]) == 3 and 0 < min(main[r]) and all(m <= c for m, c in zip(main[r], cpu[r]))
+               for r in cpu)
 
 
 def test_the_trace_keeps_the_steady_step_not_one_a_stall_hit():

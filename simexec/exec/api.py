@@ -174,6 +174,9 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     cpu = {str(r): o["cpu_times_s"] for r, o in sorted(outs.items()) if o.get("cpu_times_s")}
     if cpu:  # each rank's process CPU a step, every thread: what it took of the host's cores
         summary["cpu_times_s_per_rank"] = cpu
+        main = {str(r): o["main_cpu_times_s"] for r, o in sorted(outs.items()) if o.get("main_cpu_times_s")}
+        if main:  # the rank's own thread's share of it (the rest: gloo's threads, Ray's)
+            summary["main_cpu_times_s_per_rank"] = main
     if error:
         summary["error"] = error
     meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,

@@ -1016,7 +1016,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
 
         comm = X.comm_for(dist.get_backend() if dist.is_initialized() else "xla")
     r = _Rank(rp, instrs, groups, tracer, device, seed, comm)
-    losses, times, cpu = [], [], []  # cpu: the process's CPU time a step, every thread (gloo's too)
+    losses, times, cpu, main_cpu = [], [], [], []  # the process's CPU time a step (every thread), this thread's
     peak = largest = 0
     for step in range(steps):
         tracker = None
@@ -1034,7 +1034,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
                 _TRACKER[0] = tracker
         if cuda:
             torch.cuda.synchronize(device)
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         try:
             loss = r.run_step(step)
         finally:
@@ -1044,6 +1044,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
+        main_cpu.append(time.thread_time() - m0)  # read inside the process's interval: never above it
         cpu.append(time.process_time() - c0)
         if step == 0:
             if xla:
@@ -1054,7 +1055,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)
-    out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "params": r.final_params(), "peak_memory_bytes": peak,
+    out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "main_cpu_times_s": main_cpu, "params": r.final_params(), "peak_memory_bytes": peak,
            "largest_alloc_bytes": largest}
     if rp.plan.loss_scale > 0:
         out.update(loss_scales=r.scaler.scales, skipped_steps=r.scaler.skipped)

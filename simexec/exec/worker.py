@@ -108,6 +108,7 @@ class RankWorker:
             out.update(losses=[float(x) for x in res.get("losses", [])],
                        step_times_s=[float(x) for x in res.get("step_times_s", [])],
                        cpu_times_s=[float(x) for x in res.get("cpu_times_s", [])],
+                       main_cpu_times_s=[float(x) for x in res.get("main_cpu_times_s", [])],
                        peak_memory_bytes=int(res.get("peak_memory_bytes", 0) or 0))
             if "loss_scales" in res:
                 out.update(loss_scales=[float(x) for x in res["loss_scales"]],

@@ -71,6 +71,7 @@ class _HostCores:
         self.idle: list[float] = [-math.inf] * self.cores  # when each idle core went idle, the warmest last
         self.last_end: dict = {}  # key -> when its last piece of work ended
         self.cpu_s: dict[int, float] = {}  # rank -> time its threads held a core (main and comm), one copy's
+        self.main_cpu_s: dict[int, float] = {}  # rank -> the same for its main thread alone
         self.t = 0.0
         self.ver = 0
         self.active: list = []  # the threads running now, with the work they have left
@@ -94,6 +95,8 @@ class _HostCores:
                 job.left -= dt * (comm if job.comm else main)
                 rank = job.key[0] if job.comm else job.key
                 self.cpu_s[rank] = self.cpu_s.get(rank, 0.0) + held
+                if not job.comm:
+                    self.main_cpu_s[rank] = self.main_cpu_s.get(rank, 0.0) + held
         self.t = now
 
     def _running(self) -> int:

@@ -25,10 +25,11 @@ program fingerprint, plan or model, or no id in common) and reports
   so a simulation that shares the cores evenly computes longer per event and waits for no one,
   and the sums are what should agree;
 - **CPU a step** (ranks on shared cores, both traces carrying it): each rank's CPU time in a step,
-  every thread of it, predicted (the host model's cores, `simexec.sim.cores`) and measured (the
-  process's, steady steps), the mean over ranks and its error, and the cores' worth the ranks kept
-  busy (all their CPU over the step): where the simulation fills the cores and the host leaves them
-  idle, the step is waiting on something the model does not have;
+  every thread of it and its main thread alone, predicted (the host model's cores,
+  `simexec.sim.cores`) and measured (the process's and the thread's, steady steps), the means over
+  ranks and the error, and the cores' worth the ranks kept busy (all their CPU over the step):
+  where the simulation fills the cores and the host leaves them idle, the step is waiting on
+  something the model does not have;
 - **unmatched** ids on either side.
 
 A symmetric predicted trace (meta `symmetric` true: one representative rank per pipeline stage,
@@ -284,7 +285,7 @@ class Comparison:
     worst_events: list[dict] = field(default_factory=list)
     late_waits: dict = field(default_factory=dict)  # stream -> {predicted, measured}: LateWaits.to_json()
     compute_and_waits: dict = field(default_factory=dict)  # predicted/measured {compute_s, waits_s, total_s}, error
-    cpu: dict = field(default_factory=dict)  # predicted/measured {per_rank_s, cores_busy}, error: shared cores only
+    cpu: dict = field(default_factory=dict)  # predicted/measured {per_rank_s, cores_busy, main_thread_s}, error
 
     @property
     def step_time_error(self) -> Optional[float]:

@@ -1055,8 +1055,8 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)
-    out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "main_cpu_times_s": main_cpu, "params": r.final_params(), "peak_memory_bytes": peak,
-           "largest_alloc_bytes": largest}
+    out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "main_cpu_times_s": main_cpu,
+           "params": r.final_params(), "peak_memory_bytes": peak, "largest_alloc_bytes": largest}
     if rp.plan.loss_scale > 0:
         out.update(loss_scales=r.scaler.scales, skipped_steps=r.scaler.skipped)
     return out

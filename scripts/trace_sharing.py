@@ -16,6 +16,8 @@ step`): ranks that drift apart on shared cores wait for each other. `c+w step` a
 compute in the step and its waits for late members: while the cores are busy, whichever order the
 OS runs the ranks' work in, the last rank gets to a collective about when processor sharing says
 all do, so the simulator's compute alone should come near the host's compute and waits together.
+`busy` is the cores' worth the ranks kept busy over the step (their CPU over the step time; traces
+recorded before 2026-11-27 do not carry CPU times: nan).
 
 With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
 simulates every trace's plan with it, every rank (`simexec.calibrate_traces.predict_case`, with the
@@ -79,13 +81,28 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
     apart = [max(t) - min(t) for t in ends.values() if len(t) > 1]
     late = late_waits(Trace.from_chrome(trace), groups).get("all")
     ranks = len({e["pid"] for e in ev})
-    return {"ranks": ranks, "span_ms": span / 1e3,
+    return {"ranks": ranks, "span_ms": span / 1e3, "cores_busy": cores_busy(trace),
             "compute_ms": sum(e["dur"] for e in comp) / units / 1e3,
             "compute_step_ms": sum(e["dur"] for e in comp) / ranks / 1e3,
             "computing": sum(k * t for k, t in time_at.items()) / busy,
             "ends_apart_ms": statistics.median(apart) / 1e3 if apart else 0.0,
             "late_wait_ms": late.per_collective_s * 1e3 if late else 0.0,
             "late_wait_step_ms": late.per_rank_step_s * 1e3 if late else 0.0}
+
+
+def cores_busy(trace: dict) -> float:
+    """The cores' worth the ranks kept busy over a step (all their CPU over the step time), as
+    `simexec compare` reports it; NaN where the trace does not carry CPU times (recordings before
+    2026-11-27)."""
+    from simexec.calibrate_traces import steady_step
+
+    s = (trace.get("metadata") or {}).get("summary") or {}
+    if s.get("cpu_s_per_rank") and s.get("step_time_s"):  # a prediction: per rank, every rank simulated
+        return sum(s["cpu_s_per_rank"].values()) / s["step_time_s"]
+    cpu, step = s.get("cpu_times_s_per_rank"), steady_step(s.get("step_times_s") or [])
+    if not cpu or not step:
+        return float("nan")
+    return sum(steady_step(v, statistics.median(v)) for v in cpu.values() if v) / step
 
 
 def main(argv=None) -> int:
@@ -140,23 +157,23 @@ def main(argv=None) -> int:
         return 2
     ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
     keys = ("span_ms", "compute_ms", "compute_step_ms", "computing", "ends_apart_ms", "late_wait_ms",
-            "late_wait_step_ms")
+            "late_wait_step_ms", "cores_busy")
     print(f"{'plan':16} {'ranks':>5} {'span ms':>8} {'compute/mb':>10} {'x ' + args.versus:>8} {'computing':>9} "
-          f"{'per core':>8} {'ends apart':>10} {'late wait':>9} {'a step':>7} {'c+w step':>8}"
+          f"{'per core':>8} {'ends apart':>10} {'late wait':>9} {'a step':>7} {'c+w step':>8} {'busy':>5}"
           + (f" {'pred span':>9} {'pred c/mb':>9} {'pred computing':>14} {'pred apart':>10} {'pred late':>9}"
-             f" {'pred c+w':>8}" if profile else ""))
+             f" {'pred c+w':>8} {'pred busy':>9}" if profile else ""))
     for name, rs in by_plan.items():
         med = {k: statistics.median(r[k] for r in rs) for k in keys}
         ratio = med["compute_ms"] / ref
         line = (f"{name:16} {rs[0]['ranks']:5d} {med['span_ms']:8.1f} {med['compute_ms']:10.2f} {ratio:8.2f} "
                 f"{med['computing']:9.2f} {ratio / max(1.0, med['computing'] / cores):8.2f} "
                 f"{med['ends_apart_ms']:10.2f} {med['late_wait_ms']:9.2f} {med['late_wait_step_ms']:7.1f} "
-                f"{med['compute_step_ms'] + med['late_wait_step_ms']:8.1f}")
+                f"{med['compute_step_ms'] + med['late_wait_step_ms']:8.1f} {med['cores_busy']:5.2f}")
         if profile is not None:
             pred = {k: statistics.median(r[k] for r in predicted[name]) for k in keys}
             line += (f" {pred['span_ms']:9.1f} {pred['compute_ms']:9.2f} {pred['computing']:14.2f} "
                      f"{pred['ends_apart_ms']:10.2f} {pred['late_wait_ms']:9.2f} "
-                     f"{pred['compute_step_ms'] + pred['late_wait_step_ms']:8.1f}")
+                     f"{pred['compute_step_ms'] + pred['late_wait_step_ms']:8.1f} {pred['cores_busy']:9.2f}")
         print(line)
     return 0
 

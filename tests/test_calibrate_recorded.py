@@ -2,6 +2,7 @@
 calibrated profile predicts the held-out plans' step times; the raw micro-benchmarks fit again to
 sane numbers. No Ray needed."""
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -230,6 +231,13 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
     assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
     assert four["late_wait_ms"] == 0.0  # and its members, computing in step, call it at once
+    assert one["cores_busy"] == pytest.approx(1.0, rel=1e-3)  # one rank alone holds a core all its step
+    assert 1.5 < four["cores_busy"] <= 2.0 + 1e-9  # four ranks on two cores, never more than both
+    # a run that timed its CPU: two ranks of 30 and 50 ms a step (the second half) over 40 ms steps
+    summary = {"step_times_s": [0.5] * 8 + [0.04] * 8,
+               "cpu_times_s_per_rank": {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}}
+    assert trace_sharing.cores_busy({"metadata": {"summary": summary}}) == pytest.approx(2.0)
+    assert math.isnan(trace_sharing.cores_busy({"metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
 
 
 def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):
@@ -307,3 +315,20 @@ def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one(capsys):
     assert tensor_passes.main(["--tensors", "0"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--tensors" in err[0]
+
+
+def test_wake_cpu_times_the_main_threads_cpu_per_wait_and_refuses_bad_flags():
+    """scripts/wake_cpu.py: two gloo ranks, each loop's wall and main-thread CPU per iteration, and
+    what the all-reduce and the sleep add; nonsense flags are refused in one line."""
+    import subprocess
+    import sys
+
+    script = str(ROOT / "scripts" / "wake_cpu.py")
+    out = subprocess.run([sys.executable, script, "--iters", "3", "--rounds", "1"], capture_output=True, text=True,
+                         timeout=240)
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4"], ["16"])]
+    assert [(r[0], r[1]) for r in rows] == [(k, m) for k in ("1", "4", "16") for m in ("none", "allreduce", "sleep")]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows) and all(len(r) == 5 for r in rows if r[1] != "none")
+    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--ranks >= 2" in bad.stderr.strip().splitlines()[-1]

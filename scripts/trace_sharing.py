@@ -91,18 +91,13 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
 
 
 def cores_busy(trace: dict) -> float:
-    """The cores' worth the ranks kept busy over a step (all their CPU over the step time), as
-    `simexec compare` reports it; NaN where the trace does not carry CPU times (recordings before
-    2026-11-27)."""
-    from simexec.calibrate_traces import steady_step
+    """The cores' worth the ranks kept busy over a step (`simexec.compare.cpu_of`); NaN where the
+    trace carries no CPU times (recordings before 2026-11-27)."""
+    from simexec.compare import cpu_of
+    from simexec.trace import Trace
 
-    s = (trace.get("metadata") or {}).get("summary") or {}
-    if s.get("cpu_s_per_rank") and s.get("step_time_s"):  # a prediction: per rank, every rank simulated
-        return sum(s["cpu_s_per_rank"].values()) / s["step_time_s"]
-    cpu, step = s.get("cpu_times_s_per_rank"), steady_step(s.get("step_times_s") or [])
-    if not cpu or not step:
-        return float("nan")
-    return sum(steady_step(v, statistics.median(v)) for v in cpu.values() if v) / step
+    cpu = cpu_of(Trace.from_chrome(trace))
+    return cpu["cores_busy"] if cpu else float("nan")
 
 
 def main(argv=None) -> int:

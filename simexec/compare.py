@@ -544,30 +544,49 @@ def _compute_and_waits(predicted: Trace, measured: Trace, waits: dict) -> dict:
 
 
 def _cpu(predicted: Trace, measured: Trace) -> dict:
-    """Each side's mean CPU time a rank a step and the cores' worth its ranks kept busy; nothing
-    unless both traces carry it (a simulation of ranks on shared cores, a run that timed it)."""
+    """Each side's `cpu_of`, and the error of the mean CPU a rank a step; nothing unless both traces
+    carry it (a simulation of ranks on shared cores, a run that timed it)."""
+    p, m = cpu_of(predicted), cpu_of(measured)
+    if p is None or m is None:
+        return {}
+    if ("main_thread_s" in p) != ("main_thread_s" in m):  # the split only where both sides have it
+        for side in (p, m):
+            side.pop("main_thread_s", None)
+    return {"predicted": p, "measured": m, "error": p["per_rank_s"] / m["per_rank_s"] - 1}
+
+
+def cpu_of(trace: Trace) -> Optional[dict]:
+    """A trace's mean CPU time a rank a step (`per_rank_s`; `main_thread_s`, the rank's own thread's
+    share, where the trace has it) and the cores' worth its ranks kept busy over the step
+    (`cores_busy`); None where it carries no CPU times. A prediction holds one step per rank
+    (`cpu_s_per_rank`, a symmetric rank weighted by the ranks it stands for); a run holds every
+    step (`cpu_times_s_per_rank`), read at its steady state as its step time is."""
     from simexec.calibrate_traces import steady_step
 
-    ps, ms = predicted.meta.get("summary") or {}, measured.meta.get("summary") or {}
-    pcpu, mcpu = ps.get("cpu_s_per_rank"), ms.get("cpu_times_s_per_rank")
-    pstep, mstep = ps.get("step_time_s"), steady_step(ms.get("step_times_s") or [], ms.get("step_time_s"))
-    if not pcpu or not mcpu or not pstep or not mstep:
-        return {}
-    reps = predicted.meta.get("represents") or {}
-    weights = {r: len(reps.get(r) or [r]) for r in pcpu}  # a symmetric rank stands for its copies
+    s = trace.meta.get("summary") or {}
+    if s.get("cpu_s_per_rank"):
+        reps = trace.meta.get("represents") or {}
+        weights = {r: len(reps.get(r) or [r]) for r in s["cpu_s_per_rank"]}  # a symmetric rank stands for its copies
 
-    def predicted_mean(per_rank: dict) -> float:
-        return sum(per_rank.get(r, 0.0) * w for r, w in weights.items()) / sum(weights.values())
+        def mean(per_rank: dict) -> float:
+            return sum(per_rank.get(r, 0.0) * w for r, w in weights.items()) / sum(weights.values())
 
-    def measured_mean(per_rank: dict) -> float:
-        return statistics.fmean(steady_step(v, statistics.median(v)) for v in per_rank.values() if v)
+        cpu, main, ranks = s["cpu_s_per_rank"], s.get("main_cpu_s_per_rank"), sum(weights.values())
+        step = s.get("step_time_s")
+    elif s.get("cpu_times_s_per_rank"):
+        def mean(per_rank: dict) -> float:
+            return statistics.fmean(steady_step(v, statistics.median(v)) for v in per_rank.values() if v)
 
-    p = {"per_rank_s": predicted_mean(pcpu), "cores_busy": predicted_mean(pcpu) * sum(weights.values()) / pstep}
-    m = {"per_rank_s": measured_mean(mcpu), "cores_busy": measured_mean(mcpu) * len(mcpu) / mstep}
-    pmain, mmain = ps.get("main_cpu_s_per_rank"), ms.get("main_cpu_times_s_per_rank")
-    if pmain and mmain:  # the rank's own thread; the rest is its communication (and, measured, Ray's) threads
-        p["main_thread_s"], m["main_thread_s"] = predicted_mean(pmain), measured_mean(mmain)
-    return {"predicted": p, "measured": m, "error": p["per_rank_s"] / m["per_rank_s"] - 1}
+        cpu, main, ranks = s["cpu_times_s_per_rank"], s.get("main_cpu_times_s_per_rank"), len(s["cpu_times_s_per_rank"])
+        step = steady_step(s.get("step_times_s") or [], s.get("step_time_s"))
+    else:
+        return None
+    if not step:
+        return None
+    out = {"per_rank_s": mean(cpu), "cores_busy": mean(cpu) * ranks / step}
+    if main:  # the rank's own thread; the rest is its communication (and, measured, Ray's) threads
+        out["main_thread_s"] = mean(main)
+    return out
 
 
 def compare_files(predicted_path: str, measured_path: str) -> Comparison:

@@ -236,8 +236,8 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     # a run that timed its CPU: two ranks of 30 and 50 ms a step (the second half) over 40 ms steps
     summary = {"step_times_s": [0.5] * 8 + [0.04] * 8,
                "cpu_times_s_per_rank": {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}}
-    assert trace_sharing.cores_busy({"metadata": {"summary": summary}}) == pytest.approx(2.0)
-    assert math.isnan(trace_sharing.cores_busy({"metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
+    assert trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": summary}}) == pytest.approx(2.0)
+    assert math.isnan(trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
 
 
 def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):

@@ -400,5 +400,9 @@ def test_compare_reports_cpu_a_rank_a_step_on_shared_cores():
                                 "main_thread_s": pytest.approx(pmain)}
     assert cpu["error"] == pytest.approx(pcpu / 0.04 - 1)
     assert "CPU a rank a step" in c.format() and "of it the rank's own thread" in c.format()
+    del s["main_cpu_times_s_per_rank"]  # a run that timed only its processes: no split on either side
+    split = compare(sym, meas).cpu
+    assert "main_thread_s" not in split["predicted"] and "main_thread_s" not in split["measured"]
+    assert split["error"] == pytest.approx(pcpu / 0.04 - 1) and "own thread" not in compare(sym, meas).format()
     del s["cpu_times_s_per_rank"]
     assert compare(sym, meas).cpu == {} and "CPU a rank" not in compare(sym, meas).format()

@@ -5,6 +5,7 @@ Two steps, because the GPU host needs nothing but torch:
     python scripts/gpu_profile.py measure --out gpu_raw.json            # on the GPU machine (CUDA events)
     python scripts/gpu_profile.py fit gpu_raw.json --cluster dgx-h100 \
         --out traces/profiles/h100.json --report docs/gpu_profile.md     # here: fit and compare
+    python scripts/gpu_profile.py gemm-plan --out traces/gpu/gemm_plan.json  # on the GPU: a new shape's planning
 
 `measure` times bf16 GEMMs over a sweep of shapes, causal fused attention (SDPA, forward and
 forward+backward), memory-bound element-wise kernels, pinned host<->device copies and an empty
@@ -96,6 +97,73 @@ def measure(out: str) -> None:
             "host": platform.node(), "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     Path(out).write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
     print(f"wrote {len(rows)} measurements to {out} ({meta['gpu']})")
+
+
+# The shapes of a Mixtral-style expert's GEMMs (hidden, ffn) and of a dense model's: what cuBLAS must plan
+# again whenever the tokens routed to an expert change its row count.
+PLAN_SHAPES = [(1024, 3584), (3584, 1024), (2048, 5632), (4096, 14336)]
+PLAN_CALLS = 40
+
+
+def _host_us(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t) * 1e6
+
+
+def gemm_plan(out: str) -> None:
+    """The host's time to issue one GEMM (no synchronisation: what the CPU spends before the launch
+    returns) when its shape repeats and when it is new. An expert's GEMMs take a new row count every
+    micro-batch (the tokens routed to it), and cuBLAS chooses an algorithm for every shape it has
+    not seen; the difference is that choice. Three cases per (k, n):
+    `repeat` (one shape), `new_rows` (x (m, k) @ w (k, n), m new each call: a forward or an input
+    gradient) and `new_inner` (x.t() @ y with x (m, k), y (m, n): a weight gradient). Even row counts
+    warm the kernels first, so odd ones measure the planning, not the first load of a kernel."""
+    import torch
+
+    dev = torch.device("cuda")
+    rows = []
+    for dt in (torch.bfloat16, torch.float32):
+        for k, n in PLAN_SHAPES:
+            w = torch.randn(k, n, device=dev, dtype=dt)
+            big = torch.randn(4096, max(k, n), device=dev, dtype=dt)
+            for m in range(1536, 1536 + 2 * PLAN_CALLS, 2):  # warm-up: even row counts
+                big[:m, :k] @ w
+                big[:m, :k].t() @ big[:m, :n]
+            torch.cuda.synchronize()
+            x = big[:2048, :k]
+            cases = {
+                "repeat": [_host_us(lambda: x @ w) for _ in range(PLAN_CALLS)],
+                "new_rows": [_host_us(lambda: big[:m, :k] @ w) for m in range(1537, 1537 + 2 * PLAN_CALLS, 2)],
+                "new_inner": [_host_us(lambda: big[:m, :k].t() @ big[:m, :n])
+                              for m in range(1537, 1537 + 2 * PLAN_CALLS, 2)],
+            }
+            torch.cuda.synchronize()
+            name = {torch.bfloat16: "bf16", torch.float32: "fp32"}[dt]
+            for case, ts in cases.items():
+                rows.append({"dtype": name, "k": k, "n": n, "case": case, "median_us": statistics.median(ts),
+                             "host_us": ts})
+            print(f"{str(dt):15s} k={k:5d} n={n:5d} " + "  ".join(
+                f"{case} {statistics.median(ts):7.1f} us" for case, ts in cases.items()), flush=True)
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
+            "blas": str(torch.backends.cuda.preferred_blas_library()), "host": platform.node(),
+            "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    Path(out).write_text(json.dumps({"machine": meta, "rows": rows}, indent=1))
+    plan = plan_costs(rows)
+    print("planning a new GEMM shape: " + ", ".join(f"{dt} {s * 1e6:.1f} us" for dt, s in plan.items())
+          + f" ({meta['gpu']}, {meta['blas']}); wrote {out}")
+
+
+def plan_costs(rows: list[dict]) -> dict[str, float]:
+    """Per dtype, the median host time to issue a GEMM of a new shape less that of a repeated one:
+    the seconds cuBLAS spends choosing an algorithm."""
+    out = {}
+    for dt in sorted({r["dtype"] for r in rows}):
+        mine = [r for r in rows if r["dtype"] == dt]
+        repeat = statistics.median(r["median_us"] for r in mine if r["case"] == "repeat")
+        new = statistics.median(r["median_us"] for r in mine if r["case"] != "repeat")
+        out[dt] = max(0.0, new - repeat) * 1e-6
+    return out
 
 
 # --- fitting (here, with the project installed) ------------------------------------------------------
@@ -191,6 +259,8 @@ def main() -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure")
     m.add_argument("--out", required=True)
+    g = sub.add_parser("gemm-plan", help="the host's time to issue a GEMM of a repeated and of a new shape")
+    g.add_argument("--out", required=True)
     f = sub.add_parser("fit")
     f.add_argument("raw")
     f.add_argument("--cluster", default="dgx-h100")
@@ -200,6 +270,8 @@ def main() -> int:
     t0 = time.time()
     if args.cmd == "measure":
         measure(args.out)
+    elif args.cmd == "gemm-plan":
+        gemm_plan(args.out)
     else:
         fit(args.raw, args.cluster, args.out, args.report)
     print(f"({time.time() - t0:.1f} s)", file=sys.stderr)

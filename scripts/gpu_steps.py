@@ -2,13 +2,14 @@
 
 Two steps, because the GPU host needs only torch, Ray and the project's light dependencies:
 
-    python scripts/gpu_steps.py run --out DIR                                # on the GPU machine (NCCL, CUDA events)
+    python scripts/gpu_steps.py run --out DIR [--in-process]                 # on the GPU machine (CUDA events)
     python scripts/gpu_steps.py calibrate DIR                                # here: fit traces/profiles/h100-traces.json
     python scripts/gpu_steps.py report DIR --markdown docs/gpu_steps.md      # here: simulate, compare, tabulate
 
-`run` executes each plan of PLANS with `simexec execute --backend nccl` semantics (one Ray actor,
-one GPU, the cluster `traces/gpu/h100-1gpu.yaml`) and keeps each measured trace and result
-(traces/gpu/steps holds the recorded ones). `calibrate` fits the trace profile to the plans marked
+`run` executes each plan of PLANS with `simexec execute --backend nccl` semantics (one Ray actor, or
+with `--in-process` this process, for a GPU machine without Ray; one GPU, the cluster
+`traces/gpu/h100-1gpu.yaml`) and keeps each measured trace and result (traces/gpu/steps holds the
+recorded ones). `calibrate` fits the trace profile to the plans marked
 "calibrate", starting from the kernel-fitted profile `traces/profiles/h100.json`
 (scripts/gpu_profile.py). `report` simulates every plan with the datasheet preset, the kernel profile
 and the trace profile, compares each prediction with the measured trace event by event
@@ -52,12 +53,11 @@ PLANS = [
 CALIBRATE = ("tl-mbs4", "tl-mbs1", "tl-full-recompute", "tl-offload", "moe-mbs4")
 
 
-def run(out: str, only: list[str], backend: str) -> int:
+def run(out: str, only: list[str], backend: str, in_process: bool = False) -> int:
     import torch
 
     from simexec.errors import SimexecError
-    from simexec.exec.api import execute
-    from simexec.exec.launcher import start_ray, stop_ray
+    from simexec.exec.api import execute, execute_in_process
 
     dest = Path(out)
     dest.mkdir(parents=True, exist_ok=True)
@@ -65,15 +65,26 @@ def run(out: str, only: list[str], backend: str) -> int:
     machine = {"gpu": gpu, "torch": torch.__version__, "cuda": torch.version.cuda, "host": platform.node(),
                "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"), "backend": backend}
     runs = []
-    owned = start_ray()
+    if in_process:  # no Ray: the one rank runs here (a GPU machine where Ray is not installed)
+        owned, stop = False, lambda owned: None
+        machine["backend"] = "in process"
+    else:
+        from simexec.exec.launcher import start_ray, stop_ray
+
+        owned, stop = start_ray(), stop_ray
     try:
         for name, model, seq, plan in PLANS:
             if only and name not in only:
                 continue
             t0 = time.perf_counter()
             try:
-                res = execute(str(ROOT / model), CLUSTER, plan, steps=STEPS, seq_len=seq, backend=backend, timeout_s=300,
-                              trace_path=dest / f"{name}.json.gz")
+                if in_process:
+                    res = execute_in_process(str(ROOT / model), CLUSTER, plan, steps=STEPS, seq_len=seq,
+                                             device="cpu" if backend == "gloo" else None,
+                                             trace_path=dest / f"{name}.json.gz")
+                else:
+                    res = execute(str(ROOT / model), CLUSTER, plan, steps=STEPS, seq_len=seq, backend=backend,
+                                  timeout_s=300, trace_path=dest / f"{name}.json.gz")
             except SimexecError as exc:
                 print(f"{name}: {exc}", flush=True)
                 runs.append({"name": name, "model": model, "seq_len": seq, "plan": plan, "error": str(exc)})
@@ -85,7 +96,7 @@ def run(out: str, only: list[str], backend: str) -> int:
                   f"GiB, losses {res.losses[0]:.3f} -> {res.losses[-1]:.3f} ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     finally:
-        stop_ray(owned)
+        stop(owned)
     (dest / "manifest.json").write_text(json.dumps({"machine": machine, "steps": STEPS, "runs": runs}, indent=1))
     return 0
 
@@ -176,6 +187,7 @@ def main() -> int:
     r.add_argument("--out", required=True)
     r.add_argument("--only", nargs="*", default=[], help="plan names (default: all)")
     r.add_argument("--backend", default="nccl", choices=("nccl", "gloo"), help="gloo: a CPU dry run")
+    r.add_argument("--in-process", action="store_true", help="run the one rank in this process, without Ray")
     c = sub.add_parser("calibrate", help="fit the trace profile to the calibration plans")
     c.add_argument("src")
     c.add_argument("--out", default=TRACE_PROFILE)
@@ -188,7 +200,7 @@ def main() -> int:
 
     try:
         if args.cmd == "run":
-            return run(args.out, args.only, args.backend)
+            return run(args.out, args.only, args.backend, args.in_process)
         if not (Path(args.src) / "manifest.json").is_file():
             raise SimexecError(f"{args.src}: no manifest.json (the output of `gpu_steps.py run --out DIR`)")
         if args.cmd == "calibrate":

@@ -148,6 +148,8 @@ PARAMS: dict[str, Param] = {p.name: p for p in (
     # eager PyTorch dispatches an operator in ~5-20 µs of host time (this repo's CPU micro-benchmarks:
     # ~5-8 µs per operator in a warm loop on a 2-core VM)
     Param("dispatch", "costs", "host_dispatch_s", 1e-7, 1e-3, start=1e-5),
+    # the host's Adam over an offloaded optimizer, whole node (DeepSpeed's CPU Adam on every core)
+    Param("cpu_adam", "node", "cpu_optimizer_params_per_s", 1e6, 1e12),
 )}
 
 

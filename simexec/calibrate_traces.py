@@ -33,7 +33,7 @@ TRACE_PARAMS = ("op", "instr", "bwd", "gemm_flops", "attention_eff", "coll_laten
 # GEMM rate stays where the datasheet or the kernel micro-benchmarks (scripts/gpu_profile.py) put it:
 # a block's time mixes its GEMMs with its memory-bound kernels, and a step trace cannot tell them apart.
 ACCELERATOR_TRACE_PARAMS = ("op", "dispatch", "instr", "bwd", "attention_eff", "memory_bw", "coll_latency",
-                            "hop_latency", "intra_bw")
+                            "hop_latency", "intra_bw", "cpu_adam")
 
 
 @dataclass
@@ -50,6 +50,11 @@ class _Case:
     peak: dict[int, float]
     background: Optional[float]
     machine: Optional[dict] = None  # where it was measured (executor traces name it)
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the plan steps its optimizer on the host (the trace then times the host's Adam)."""
+        return "offload=optimizer" in self.plan.replace(" ", "")
 
 
 def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
@@ -265,6 +270,8 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
         params = TRACE_PARAMS if base.sized_to_plan else ACCELERATOR_TRACE_PARAMS
         if not any(c.comm for c in cases):  # nothing in the traces sees the links
             params = tuple(p for p in params if p not in ("coll_latency", "hop_latency", "intra_bw"))
+        if not any(c.offloads for c in cases):  # nor the host's Adam
+            params = tuple(p for p in params if p != "cpu_adam")
     if base_profile is None:
         start = {"costs": {"cores_shared": bool(base.sized_to_plan)}, "node": {}}
         if base.sized_to_plan:

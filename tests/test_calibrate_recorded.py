@@ -149,7 +149,8 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
     held = [r for r in runs if r["name"] not in gpu_steps.CALIBRATE and not r.get("error")]
     assert len(held) >= 3
     profile = load_profile(PROFILES / "h100-traces.json")
-    assert profile["machine"]["gpu"].startswith("NVIDIA H100")
+    machine = profile["machine"]  # the traces' (the executor names the `device`), else the kernel profile's
+    assert (machine.get("device") or machine.get("gpu")).startswith("NVIDIA H100")
     errs = {"datasheet": [], "traces": []}
     for r in held:
         case = load_cases([GPU / "steps" / f"{r['name']}.json.gz"])[0]
@@ -157,6 +158,17 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
         for label, prof in (("datasheet", None), ("traces", profile)):
             errs[label].append(abs(predict_case(case, cluster, prof, trace=False).step_time_s / case.step_s - 1))
     assert statistics.fmean(errs["traces"]) < 0.6 * statistics.fmean(errs["datasheet"])
+
+
+def test_the_gpu_trace_fit_finds_the_hosts_adam_rate_only_from_an_offloading_plan():
+    """The host's Adam rate is among the trace fit's parameters where a calibration plan offloads its
+    optimizer (the recorded H100 profile), and the fitted rate prices that plan's host step."""
+    cases = {c.plan: c for c in load_cases([GPU / "steps" / f"{n}.json.gz" for n in ("tl-offload", "tl-mbs4")])}
+    assert [c.offloads for c in cases.values()] == [True, False]
+    profile = load_profile(PROFILES / "h100-traces.json")
+    rate = profile["fit"]["params"]["cpu_adam"]
+    assert profile["node"]["cpu_optimizer_params_per_s"] == pytest.approx(rate)
+    assert rate < get_cluster(str(GPU / "h100-1gpu.yaml")).node.cpu_optimizer_params_per_s  # a slower host
 
 
 def test_time_split_sums_compute_and_communication_of_matching_events():

@@ -333,3 +333,26 @@ def test_cpu_reduce_scatter_completes_before_its_wait():
         assert completed, f"rank {rank}: the reduce-scatter reported completion only when waited"
         assert out == total[4 * rank: 4 * rank + 4]
         assert x == [i + 100.0 * rank for i in range(8)]  # the input is left as it was
+
+
+def test_execute_in_process_trains_as_the_reference_and_traces_every_instruction(tmp_path):
+    """`execute_in_process`: one rank in the caller's process, no Ray (a GPU machine without it):
+    the reference's losses, a trace of every instruction under the program's fingerprint, the CPU a
+    step, and the caller's thread count left as it was. A plan of several ranks is refused."""
+    from simexec.errors import ExecError
+    from simexec.exec.api import execute_in_process
+    from simexec.lower import lower
+    from simexec.trace import Trace
+
+    threads = torch.get_num_threads()
+    res = execute_in_process("gpt-tiny", "local", "dp=1,gbs=4,dtype=fp32", steps=STEPS, seq_len=32,
+                             trace_path=tmp_path / "t.json")
+    assert torch.get_num_threads() == threads
+    assert res.losses == pytest.approx(_reference("gpt-tiny", 4, 32, STEPS)["losses"], rel=RTOL)
+    program = lower(resolved("gpt-tiny", "dp=1,gbs=4"), symmetric=False)
+    trace = Trace.load(tmp_path / "t.json")
+    assert {e.id for e in trace.events} == {i.id for i in program if i.kind != "memory"}
+    assert trace.meta["program"] == program.fingerprint() and trace.meta["machine"]["ray"] is None
+    assert len(trace.meta["summary"]["cpu_times_s_per_rank"]["0"]) == STEPS
+    with pytest.raises(ExecError, match=r"runs one rank; plan .* has 2"):
+        execute_in_process("gpt-tiny", "local", "dp=2,gbs=4,dtype=fp32", steps=1, seq_len=32)

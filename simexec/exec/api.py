@@ -86,12 +86,10 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     pool: rank actors kept alive across runs (`simexec.calibrate_runs.RankPool`): its `launch`
     replaces `Launch`, so several plans run without starting actors each time.
     """
-    from simexec.cluster import ClusterSpec, get_cluster
     from simexec.exec.launcher import Launch, RankFailure, start_ray, stop_ray
     from simexec.exec.tracer import FAULT_ENV, Fault
     from simexec.lower import lower
-    from simexec.model import ModelSpec, get_model
-    from simexec.plan import Plan, load_plan, resolve
+    from simexec.plan import resolve
 
     if backend not in ("gloo", "nccl", "xla"):
         raise ExecError(f"backend must be gloo, nccl or xla, got {backend!r}")
@@ -103,10 +101,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
             raise ExecError(f"backend xla: {why}")
     if steps < 1:
         raise ExecError(f"steps must be at least 1, got {steps}")
-    model = model if isinstance(model, ModelSpec) else get_model(model)
-    cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
-    plan = plan if isinstance(plan, Plan) else load_plan(plan)
-    rp = resolve(model, cluster, plan, seq_len)
+    rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
     if runner is None:
         from simexec.exec.interpreter import unsupported
@@ -151,6 +146,65 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     result = _result(rp, program, outs, launch.infos, timings)
     _write(result, rp, trace_path, json_path, profile_dir, outs)
     return result
+
+
+def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = None, seed: int = 0,
+                       device=None, trace_path: Optional[Union[str, os.PathLike]] = None,
+                       json_path: Optional[Union[str, os.PathLike]] = None) -> ExecResult:
+    """A one-rank plan run in this process, without Ray or a process group: `execute`'s interpreter,
+    tracer and trace, on `device` (the first GPU where there is one, else the CPU). For a one-GPU
+    machine without Ray, and for a rank under a debugger or a profiler."""
+    import platform
+    import socket
+
+    import torch
+
+    from simexec.exec.interpreter import run_rank, unsupported
+    from simexec.exec.tracer import Tracer
+    from simexec.lower import lower
+    from simexec.plan import resolve
+
+    rp = resolve(*_specs(model, cluster, plan), seq_len)
+    program = lower(rp, symmetric=False)
+    if len(program.ranks) != 1:
+        raise ExecError(f"execute_in_process runs one rank; plan {rp.plan} has {len(program.ranks)}")
+    missing = unsupported(rp)
+    if missing:
+        raise ExecError(f"the executor cannot run plan {rp.plan} yet: {missing}")
+    if steps < 1:
+        raise ExecError(f"steps must be at least 1, got {steps}")
+    device = torch.device(device) if device is not None else \
+        torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a rank actor runs (simexec.exec.worker)
+    try:
+        tracer = Tracer(0, device=device)
+        t0 = time.perf_counter()
+        res = run_rank(rp, program.ranks[0], steps=steps, groups=None, tracer=tracer, device=device, seed=seed)
+        timings = {"run_s": time.perf_counter() - t0}
+    finally:
+        torch.set_num_threads(threads)
+    out = {key: res.get(key, []) for key in ("losses", "step_times_s", "cpu_times_s", "main_cpu_times_s")}
+    out.update(peak_memory_bytes=int(res.get("peak_memory_bytes", 0) or 0), trace=tracer.export())
+    info = {"rank": 0, "node_id": None, "host": socket.gethostname(), "torch": torch.__version__, "ray": None,
+            "kernel": platform.release(),
+            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
+    result = _result(rp, program, {0: out}, [info], timings)
+    _write(result, rp, trace_path, json_path, None, {0: out})
+    return result
+
+
+def _specs(model, cluster, plan) -> tuple:
+    """Model, cluster and plan specs from specs or their names."""
+    from simexec.cluster import ClusterSpec, get_cluster
+    from simexec.model import ModelSpec, get_model
+    from simexec.plan import Plan, load_plan
+
+    return (model if isinstance(model, ModelSpec) else get_model(model),
+            cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster),
+            plan if isinstance(plan, Plan) else load_plan(plan))
 
 
 def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict, error: Optional[str] = None) -> ExecResult:

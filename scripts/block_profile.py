@@ -1,0 +1,190 @@
+"""Where the time of one instruction goes: a one-rank program under torch.profiler, per instance.
+
+`simexec compare` says which instruction a prediction misses; this script says what the executor
+does inside it. It runs a one-rank plan in this process (no Ray: one GPU, or the CPU), the
+interpreter's instructions wrapped in profiler ranges, and for every instance of the named block
+(`--block experts`) in the last step reports:
+
+- the instruction's span as the tracer measures it (CUDA events on a GPU),
+- the host's time inside its range, and how much of it went to synchronising calls
+  (cudaStreamSynchronize, cudaMemcpy, cudaDeviceSynchronize, cudaEventSynchronize) and to the
+  allocator's cudaMalloc/cudaFree,
+- the device time of the kernels it launched, and the slowest operators and kernels.
+
+    python scripts/block_profile.py run --model traces/gpu/mixtral-mini.json \\
+        --plan dp=1,gbs=8,mbs=4,dtype=bf16 --seq-len 2048 --block experts --out DIR   # on the GPU
+    python scripts/block_profile.py report DIR --block experts                         # anywhere
+
+`run` writes DIR/profile.json.gz (the Chrome trace of every step), DIR/records.json (the tracer's
+spans) and prints the report.
+"""
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CLUSTER = str(ROOT / "traces/gpu/h100-1gpu.yaml")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
+              "cudaMemcpy", "cudaMemcpyAsync")
+ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync")
+
+
+def run(args) -> int:
+    import torch
+
+    from simexec.cluster import get_cluster
+    from simexec.exec.interpreter import run_rank
+    from simexec.exec.tracer import Tracer
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    rp = resolve(get_model(args.model), get_cluster(args.cluster), load_plan(args.plan), args.seq_len)
+    program = lower(rp, symmetric=False)
+    if len(program.ranks) != 1:
+        sys.exit(f"block_profile runs one rank; plan {args.plan} has {len(program.ranks)}")
+    instrs = program.ranks[0]
+    tracer = Tracer(0, device=device, profile=True)
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
+        res = run_rank(rp, instrs, steps=args.steps, groups=None, tracer=tracer, device=device)
+    raw = out / "profile.json"
+    prof.export_chrome_trace(str(raw))
+    with open(raw, "rb") as src, gzip.open(out / "profile.json.gz", "wb") as dst:
+        dst.write(src.read())
+    raw.unlink()
+    exported = tracer.export()
+    meta = {"model": args.model, "plan": args.plan, "seq_len": args.seq_len, "device": str(device),
+            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__,
+            "step_times_s": res["step_times_s"], "records": exported["records"]}
+    (out / "records.json").write_text(json.dumps(meta))
+    print("step times ms: " + ", ".join(f"{t * 1e3:.1f}" for t in res["step_times_s"]))
+    return report(argparse.Namespace(dir=args.out, block=args.block, top=args.top))
+
+
+def _events(path: Path) -> list[dict]:
+    with gzip.open(path, "rt") as fh:
+        return json.load(fh)["traceEvents"]
+
+
+def _inside(ev: dict, lo: float, hi: float) -> bool:
+    return lo <= ev["ts"] and ev["ts"] + ev.get("dur", 0) <= hi
+
+
+def block_instances(events: list[dict], block: str) -> list[dict]:
+    """Each profiler range of an instruction whose name holds `.{block}` (the interpreter names
+    instructions `phase.block...`), in the last step, with what ran inside it."""
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e.get("ph") == "X"
+              and f".{block}" in e["name"]]
+    last: dict[str, dict] = {}
+    for r in sorted(ranges, key=lambda e: e["ts"]):
+        last[r["name"]] = r
+    runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and e.get("ph") == "X"]
+    kernels = {e["args"].get("correlation"): e for e in events
+               if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e.get("ph") == "X"}
+    ops = [e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X"]
+    out = []
+    for name, r in sorted(last.items(), key=lambda kv: kv[1]["ts"]):
+        lo, hi = r["ts"], r["ts"] + r["dur"]
+        calls = [c for c in runtime if _inside(c, lo, hi)]
+        launched = [kernels[c["args"]["correlation"]] for c in calls if c["args"].get("correlation") in kernels]
+        mine = [o for o in ops if _inside(o, lo, hi)]
+        by_op: dict[str, float] = defaultdict(float)
+        for o in mine:
+            by_op[o["name"]] += o["dur"]
+        by_kernel: dict[str, float] = defaultdict(float)
+        for k in launched:
+            by_kernel[k["name"][:60]] += k["dur"]
+        out.append({
+            "name": name, "host_us": r["dur"], "ops": len(mine),
+            "sync_us": sum(c["dur"] for c in calls if c["name"].split(" ")[0] in SYNC_CALLS),
+            "alloc_us": sum(c["dur"] for c in calls if c["name"] in ALLOC_CALLS),
+            "allocs": sum(1 for c in calls if c["name"] in ALLOC_CALLS),
+            "kernel_us": sum(k["dur"] for k in launched), "kernels": len(launched),
+            "device_span_us": (max(k["ts"] + k["dur"] for k in launched) - min(k["ts"] for k in launched))
+            if launched else 0.0,
+            "gap_before_first_kernel_us": (min(k["ts"] for k in launched) - lo) if launched else 0.0,
+            "top_ops": sorted(by_op.items(), key=lambda kv: -kv[1]),
+            "top_kernels": sorted(by_kernel.items(), key=lambda kv: -kv[1]),
+        })
+    return out
+
+
+def report(args) -> int:
+    src = Path(args.dir)
+    rows = block_instances(_events(src / "profile.json.gz"), args.block)
+    if not rows:
+        sys.exit(f"no instruction named *.{args.block}* in {src / 'profile.json.gz'}")
+    spans = {}
+    meta_path = src / "records.json"
+    if meta_path.exists():
+        meta = json.loads(meta_path.read_text())
+        last = max(s for _, s, _, _ in meta["records"])
+        spans = {n: (t1 - t0) / 1e3 for n, s, t0, t1 in meta["records"] if s == last}
+    by_phase: dict[str, list[dict]] = defaultdict(list)
+    for r in rows:
+        by_phase[r["name"].split(".")[0]].append(r)
+    for phase, mine in sorted(by_phase.items(), key=lambda kv: kv[0] != "fwd"):
+        _report_phase(phase, mine, spans, args)
+    return 0
+
+
+def _report_phase(phase: str, rows: list[dict], spans: dict, args) -> None:
+    print(f"{phase}.{args.block}: {len(rows)} instances in the last step (ms, median over instances)")
+    cols = ("host_us", "sync_us", "alloc_us", "kernel_us", "device_span_us", "gap_before_first_kernel_us")
+    for c in cols:
+        print(f"  {c[:-3]:28s} {statistics.median(r[c] for r in rows) / 1e3:8.3f}")
+    tracer = statistics.median(spans.get(r["name"], float("nan")) for r in rows) / 1e3
+    print(f"  {'tracer span':28s} {tracer:8.3f}")
+    print(f"  operators {statistics.median(r['ops'] for r in rows):.0f}, kernels "
+          f"{statistics.median(r['kernels'] for r in rows):.0f}, allocator calls "
+          f"{statistics.median(r['allocs'] for r in rows):.0f} per instance")
+    for key, label in (("top_ops", "operators by host time"), ("top_kernels", "kernels by device time")):
+        total: dict[str, float] = defaultdict(float)
+        for r in rows:
+            for name, us in r[key]:
+                total[name] += us / len(rows)
+        if not total:
+            continue
+        print(f"  {label} (ms per instance; nested operators overlap):")
+        for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:args.top]:
+            print(f"    {us / 1e3:8.3f}  {name}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run a one-rank plan under the profiler and report one block")
+    r.add_argument("--model", required=True)
+    r.add_argument("--cluster", default=CLUSTER)
+    r.add_argument("--plan", required=True)
+    r.add_argument("--seq-len", type=int, default=None)
+    r.add_argument("--steps", type=int, default=3)
+    r.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the CPU path)")
+    r.add_argument("--block", required=True, help="instruction block to report, e.g. experts")
+    r.add_argument("--top", type=int, default=8)
+    r.add_argument("--out", required=True)
+    p = sub.add_parser("report", help="report one block of a profile `run` wrote")
+    p.add_argument("dir")
+    p.add_argument("--block", required=True)
+    p.add_argument("--top", type=int, default=8)
+    args = ap.parse_args(argv)
+    return run(args) if args.cmd == "run" else report(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,52 @@
+"""The GPU diagnostics' arithmetic, on hand-made inputs (the measurements themselves need a GPU):
+scripts/block_profile.py's split of an instruction's time, scripts/gpu_profile.py's planning cost."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+
+import block_profile  # noqa: E402
+import gpu_profile  # noqa: E402
+
+
+def _x(cat: str, name: str, ts: float, dur: float, **args) -> dict:
+    return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
+
+
+def test_block_profile_splits_the_last_instance_of_each_instruction():
+    """Two steps of `fwd.experts.L0.m0`: only the last counts. Its range holds a GEMM launched through
+    the driver and a copy through the runtime (both matched to their kernels by correlation id), a
+    synchronising copy and a cudaMalloc; an operator outside the range is not its."""
+    events = [
+        _x("user_annotation", "fwd.experts.L0.m0", 0, 50),  # step 0
+        _x("cpu_op", "aten::mm", 10, 30),
+        _x("user_annotation", "fwd.experts.L0.m0", 1000, 400),  # step 1
+        _x("cpu_op", "aten::mm", 1010, 200),
+        _x("cuda_driver", "cuLaunchKernelEx", 1190, 10, correlation=7),
+        _x("cpu_op", "aten::split", 1250, 100),
+        _x("cuda_runtime", "cudaMemcpyAsync", 1260, 80, correlation=8),
+        _x("cuda_runtime", "cudaMalloc", 1350, 20, correlation=9),
+        _x("kernel", "nvjet_gemm", 1300, 60, correlation=7),
+        _x("gpu_memcpy", "Memcpy DtoH", 1340, 5, correlation=8),
+        _x("cpu_op", "aten::add", 1500, 10),  # after the range
+        _x("user_annotation", "bwd.fc1.L0.m0", 1400, 10),  # another block
+    ]
+    [row] = block_profile.block_instances(events, "experts")
+    assert row["name"] == "fwd.experts.L0.m0" and row["host_us"] == 400 and row["ops"] == 2
+    assert row["kernels"] == 2 and row["kernel_us"] == 65
+    assert row["device_span_us"] == 60 and row["gap_before_first_kernel_us"] == 300
+    assert row["sync_us"] == 80 and row["alloc_us"] == 20 and row["allocs"] == 1
+    assert row["top_ops"][0] == ("aten::mm", 200)
+
+
+def test_gemm_plan_cost_is_a_new_shape_less_a_repeated_one_per_dtype():
+    rows = [{"dtype": dt, "case": case, "median_us": us} for dt, case, us in (
+        ("bf16", "repeat", 16.0), ("bf16", "repeat", 20.0), ("bf16", "new_rows", 130.0), ("bf16", "new_inner", 110.0),
+        ("fp32", "repeat", 30.0), ("fp32", "new_rows", 25.0), ("fp32", "new_inner", 27.0))]
+    got = gpu_profile.plan_costs(rows)
+    assert got["bf16"] == pytest.approx((120.0 - 18.0) * 1e-6)
+    assert got["fp32"] == 0.0  # never negative: no planning to see

@@ -1,8 +1,8 @@
 """Where the time of one instruction goes: a one-rank program under torch.profiler, per instance.
 
 `simexec compare` says which instruction a prediction misses; this script says what the executor
-does inside it. It runs a one-rank plan in this process (no Ray: one GPU, or the CPU), the
-interpreter's instructions wrapped in profiler ranges, and for every instance of the named block
+does inside it. It runs a one-rank plan in this process (`execute_in_process`: no Ray; one GPU, or
+the CPU), the interpreter's instructions as profiler ranges, and for every instance of the named block
 (`--block experts`) in the last step reports:
 
 - the instruction's span as the tracer measures it (CUDA events on a GPU),
@@ -15,8 +15,8 @@ interpreter's instructions wrapped in profiler ranges, and for every instance of
         --plan dp=1,gbs=8,mbs=4,dtype=bf16 --seq-len 2048 --block experts --out DIR   # on the GPU
     python scripts/block_profile.py report DIR --block experts                         # anywhere
 
-`run` writes DIR/profile.json.gz (the Chrome trace of every step), DIR/records.json (the tracer's
-spans) and prints the report.
+`run` writes DIR/profile.json.gz (the Chrome trace of every step), DIR/trace.json.gz (the measured
+trace, `simexec.exec.api.execute_in_process`) and prints the report.
 """
 from __future__ import annotations
 
@@ -36,43 +36,16 @@ ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync")
 
 
 def run(args) -> int:
-    import torch
+    from simexec.exec.api import execute_in_process
 
-    from simexec.cluster import get_cluster
-    from simexec.exec.interpreter import run_rank
-    from simexec.exec.tracer import Tracer
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
-
-    torch.set_num_threads(args.threads)
-    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    rp = resolve(get_model(args.model), get_cluster(args.cluster), load_plan(args.plan), args.seq_len)
-    program = lower(rp, symmetric=False)
-    if len(program.ranks) != 1:
-        sys.exit(f"block_profile runs one rank; plan {args.plan} has {len(program.ranks)}")
-    instrs = program.ranks[0]
-    tracer = Tracer(0, device=device, profile=True)
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    with torch.profiler.profile(activities=acts, record_shapes=True) as prof:
-        res = run_rank(rp, instrs, steps=args.steps, groups=None, tracer=tracer, device=device)
-    raw = out / "profile.json"
-    prof.export_chrome_trace(str(raw))
+    res = execute_in_process(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
+                             trace_path=out / "trace.json.gz", profile_dir=out)
+    raw = out / "rank0.pt.trace.json"
     with open(raw, "rb") as src, gzip.open(out / "profile.json.gz", "wb") as dst:
         dst.write(src.read())
     raw.unlink()
-    exported = tracer.export()
-    meta = {"model": args.model, "plan": args.plan, "seq_len": args.seq_len, "device": str(device),
-            "gpu": torch.cuda.get_device_name() if device.type == "cuda" else None, "torch": torch.__version__,
-            "step_times_s": res["step_times_s"], "records": exported["records"]}
-    (out / "records.json").write_text(json.dumps(meta))
-    print("step times ms: " + ", ".join(f"{t * 1e3:.1f}" for t in res["step_times_s"]))
+    print("step times ms: " + ", ".join(f"{t * 1e3:.1f}" for t in res.step_times_s))
     return report(argparse.Namespace(dir=args.out, block=args.block, top=args.top))
 
 
@@ -130,11 +103,10 @@ def report(args) -> int:
     if not rows:
         sys.exit(f"no instruction named *.{args.block}* in {src / 'profile.json.gz'}")
     spans = {}
-    meta_path = src / "records.json"
-    if meta_path.exists():
-        meta = json.loads(meta_path.read_text())
-        last = max(s for _, s, _, _ in meta["records"])
-        spans = {n: (t1 - t0) / 1e3 for n, s, t0, t1 in meta["records"] if s == last}
+    if (src / "trace.json.gz").exists():  # the measured trace: one step of the second half (pick_step)
+        from simexec.trace import Trace
+
+        spans = {e.id.split(":", 1)[-1]: e.dur_us for e in Trace.load(src / "trace.json.gz").events}
     by_phase: dict[str, list[dict]] = defaultdict(list)
     for r in rows:
         by_phase[r["name"].split(".")[0]].append(r)
@@ -149,7 +121,7 @@ def _report_phase(phase: str, rows: list[dict], spans: dict, args) -> None:
     for c in cols:
         print(f"  {c[:-3]:28s} {statistics.median(r[c] for r in rows) / 1e3:8.3f}")
     tracer = statistics.median(spans.get(r["name"], float("nan")) for r in rows) / 1e3
-    print(f"  {'tracer span':28s} {tracer:8.3f}")
+    print(f"  {'traced span':28s} {tracer:8.3f}")
     print(f"  operators {statistics.median(r['ops'] for r in rows):.0f}, kernels "
           f"{statistics.median(r['kernels'] for r in rows):.0f}, allocator calls "
           f"{statistics.median(r['allocs'] for r in rows):.0f} per instance")
@@ -174,7 +146,6 @@ def main(argv=None) -> int:
     r.add_argument("--plan", required=True)
     r.add_argument("--seq-len", type=int, default=None)
     r.add_argument("--steps", type=int, default=3)
-    r.add_argument("--threads", type=int, default=1, help="torch intra-op threads (the CPU path)")
     r.add_argument("--block", required=True, help="instruction block to report, e.g. experts")
     r.add_argument("--top", type=int, default=8)
     r.add_argument("--out", required=True)

@@ -115,6 +115,8 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--json", dest="json_path", default=None, help="write losses, step times and memory here")
         p.add_argument("--trace", dest="trace_path", default=None, help="write the measured trace here")
         p.add_argument("--profile", dest="profile_dir", default=None, help="write a torch.profiler trace per rank here")
+        p.add_argument("--in-process", action="store_true",
+                       help="a one-rank plan in this process, without Ray (a GPU machine without it, a debugger)")
         p.set_defaults(func=cmd_execute)
     if importlib.util.find_spec("simexec.calibrate") is not None:
         p = _sub(subs, "calibrate", "fit the cluster's cost parameters to this machine (micro-benchmarks) or to traces")
@@ -260,11 +262,20 @@ def cmd_search(args) -> int:
 
 
 def cmd_execute(args) -> int:
-    from simexec.exec.api import execute
+    from simexec.errors import ExecError
+    from simexec.exec.api import execute, execute_in_process
 
-    result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
-                     ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
-                     trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+    if args.in_process:
+        if args.ray_address or args.backend == "xla":
+            what = "--ray-address" if args.ray_address else "--backend xla"
+            raise ExecError(f"--in-process runs one rank here without Ray: {what} does not apply")
+        result = execute_in_process(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
+                                    seed=args.seed, device="cuda" if args.backend == "nccl" else "cpu",
+                                    trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+    else:
+        result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
+                         ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
+                         trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
     print(result.format())
     return 0
 

@@ -354,5 +354,29 @@ def test_execute_in_process_trains_as_the_reference_and_traces_every_instruction
     assert {e.id for e in trace.events} == {i.id for i in program if i.kind != "memory"}
     assert trace.meta["program"] == program.fingerprint() and trace.meta["machine"]["ray"] is None
     assert len(trace.meta["summary"]["cpu_times_s_per_rank"]["0"]) == STEPS
-    with pytest.raises(ExecError, match=r"runs one rank; plan .* has 2"):
+    with pytest.raises(ExecError, match=r"in this process has one rank; plan .* has 2"):
         execute_in_process("gpt-tiny", "local", "dp=2,gbs=4,dtype=fp32", steps=1, seq_len=32)
+
+
+def test_cli_execute_in_process_writes_the_trace_and_the_profile(tmp_path, capsys):
+    """`simexec execute --in-process`: the run's files as `execute` writes them, the torch.profiler
+    trace with the instructions as ranges; options that need Ray or several ranks are refused in one line."""
+    import json as _json
+
+    from simexec.cli import main
+
+    threads = torch.get_num_threads()
+    rc = main(["execute", "--model", "gpt-tiny", "--cluster", "local", "--plan", "dp=1,gbs=2,dtype=fp32",
+               "--seq-len", "32", "--steps", "2", "--in-process", "--trace", str(tmp_path / "t.json"),
+               "--profile", str(tmp_path / "prof")])
+    assert rc == 0 and torch.get_num_threads() == threads
+    assert "losses" in capsys.readouterr().out and (tmp_path / "t.json").is_file()
+    names = {e["name"] for e in _json.loads((tmp_path / "prof" / "rank0.pt.trace.json").read_text())["traceEvents"]
+             if e.get("cat") == "user_annotation"}
+    assert {"fwd.qkv.L0.m0", "bwd.qkv.L0.m0"} <= names
+    for extra, words in ((["--plan", "dp=2,gbs=2"], "has 2"), (["--plan", "dp=1,gbs=2", "--backend", "xla"],
+                                                               "--backend xla does not apply")):
+        args = ["execute", "--model", "gpt-tiny", "--cluster", "local", "--in-process"] + extra
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and words in err

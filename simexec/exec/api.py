@@ -150,24 +150,26 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
 
 def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = None, seed: int = 0,
                        device=None, trace_path: Optional[Union[str, os.PathLike]] = None,
-                       json_path: Optional[Union[str, os.PathLike]] = None) -> ExecResult:
+                       json_path: Optional[Union[str, os.PathLike]] = None,
+                       profile_dir: Optional[Union[str, os.PathLike]] = None) -> ExecResult:
     """A one-rank plan run in this process, without Ray or a process group: `execute`'s interpreter,
-    tracer and trace, on `device` (the first GPU where there is one, else the CPU). For a one-GPU
-    machine without Ray, and for a rank under a debugger or a profiler."""
+    tracer, trace and files, on `device` (the first GPU where there is one, else the CPU). For a
+    one-GPU machine without Ray, and for a rank under a debugger or a profiler (`profile_dir`:
+    torch.profiler over every step, the instructions as ranges, `rank0.pt.trace.json`)."""
     import platform
     import socket
 
     import torch
 
     from simexec.exec.interpreter import run_rank, unsupported
-    from simexec.exec.tracer import Tracer
+    from simexec.exec.tracer import Tracer, chrome_text, torch_profiler
     from simexec.lower import lower
     from simexec.plan import resolve
 
     rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
     if len(program.ranks) != 1:
-        raise ExecError(f"execute_in_process runs one rank; plan {rp.plan} has {len(program.ranks)}")
+        raise ExecError(f"a run in this process has one rank; plan {rp.plan} has {len(program.ranks)}")
     missing = unsupported(rp)
     if missing:
         raise ExecError(f"the executor cannot run plan {rp.plan} yet: {missing}")
@@ -179,20 +181,29 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
         torch.cuda.set_device(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank actor runs (simexec.exec.worker)
+    prof = torch_profiler(device) if profile_dir else None
     try:
-        tracer = Tracer(0, device=device)
+        tracer = Tracer(0, device=device, profile=prof is not None)
         t0 = time.perf_counter()
-        res = run_rank(rp, program.ranks[0], steps=steps, groups=None, tracer=tracer, device=device, seed=seed)
+        if prof is not None:
+            prof.__enter__()
+        try:
+            res = run_rank(rp, program.ranks[0], steps=steps, groups=None, tracer=tracer, device=device, seed=seed)
+        finally:
+            if prof is not None:
+                prof.__exit__(None, None, None)
         timings = {"run_s": time.perf_counter() - t0}
     finally:
         torch.set_num_threads(threads)
     out = {key: res.get(key, []) for key in ("losses", "step_times_s", "cpu_times_s", "main_cpu_times_s")}
     out.update(peak_memory_bytes=int(res.get("peak_memory_bytes", 0) or 0), trace=tracer.export())
+    if prof is not None:
+        out["profile"] = chrome_text(prof)
     info = {"rank": 0, "node_id": None, "host": socket.gethostname(), "torch": torch.__version__, "ray": None,
             "kernel": platform.release(),
             "device": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"}
     result = _result(rp, program, {0: out}, [info], timings)
-    _write(result, rp, trace_path, json_path, None, {0: out})
+    _write(result, rp, trace_path, json_path, profile_dir, {0: out})
     return result
 
 

@@ -242,6 +242,28 @@ class Tracer:
             rf.__exit__(None, None, None)
 
 
+def torch_profiler(device):
+    """A torch.profiler session for one rank: its CPU operators, and its kernels on a GPU, with the
+    tracer's instruction ranges (`Tracer(profile=True)`) among them."""
+    import torch
+
+    acts = [torch.profiler.ProfilerActivity.CPU]
+    if getattr(device, "type", "cpu") == "cuda":
+        acts.append(torch.profiler.ProfilerActivity.CUDA)
+    return torch.profiler.profile(activities=acts, profile_memory=True)
+
+
+def chrome_text(prof) -> str:
+    """Kineto's Chrome trace as text: shipped to the driver, which may be on another node."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as fh:
+            return fh.read()
+
+
 def _wall_minus_perf() -> int:
     return int(statistics.median(time.time_ns() - time.perf_counter_ns() for _ in range(7)))
 

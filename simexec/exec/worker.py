@@ -17,7 +17,6 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")  # before torch loads: one intra-o
 import importlib
 import platform
 import socket
-import tempfile
 import time
 import traceback
 from datetime import timedelta
@@ -29,7 +28,7 @@ import torch.distributed as dist
 
 from simexec.exec.gloo_loops import idle_gloo_loops
 from simexec.exec.groups import GroupTable
-from simexec.exec.tracer import Fault, InjectedFault, Tracer
+from simexec.exec.tracer import Fault, InjectedFault, Tracer, chrome_text, torch_profiler
 
 DEFAULT_RUNNER = "simexec.exec.interpreter:run_rank"
 _COMM_HINTS = ("gloo", "nccl", "connection closed", "connection reset", "timed out", "timeout", "broken pipe",
@@ -98,12 +97,12 @@ class RankWorker:
             fn = _load(runner)
             instrs = program_ranks[self.rank]
             if profile_dir:
-                prof = _profiler(self.device)
+                prof = torch_profiler(self.device)
                 prof.__enter__()
             res = fn(rp, instrs, steps=steps, groups=self.groups, tracer=self.tracer, device=self.device, seed=seed)
             if prof is not None:
                 prof.__exit__(None, None, None)
-                out["profile"] = _chrome_text(prof)
+                out["profile"] = chrome_text(prof)
                 prof = None
             out.update(losses=[float(x) for x in res.get("losses", [])],
                        step_times_s=[float(x) for x in res.get("step_times_s", [])],
@@ -126,7 +125,7 @@ class RankWorker:
             if prof is not None:
                 try:
                     prof.__exit__(None, None, None)
-                    out["profile"] = _chrome_text(prof)
+                    out["profile"] = chrome_text(prof)
                 except Exception:  # noqa: BLE001 - the profile is a bonus on a failed run
                     pass
         out["status"] = self.status()
@@ -166,19 +165,3 @@ def _is_comm_error(exc: BaseException) -> bool:
         return True
     text = f"{type(exc).__name__} {exc}".lower()
     return isinstance(exc, RuntimeError) and any(h in text for h in _COMM_HINTS)
-
-
-def _profiler(device: torch.device):
-    acts = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts, profile_memory=True)
-
-
-def _chrome_text(prof) -> str:
-    """Kineto's Chrome trace as text: shipped to the driver, which may be on another node."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as fh:
-            return fh.read()

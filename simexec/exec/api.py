@@ -11,6 +11,7 @@ trace (the last step with any events) and the JSON (with `error`) before raising
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import statistics
 import time
@@ -178,6 +179,8 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
     device = torch.device(device) if device is not None else \
         torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ExecError(f"device {device}: this machine has no CUDA device")
         torch.cuda.set_device(device)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as a rank actor runs (simexec.exec.worker)
@@ -185,13 +188,8 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
     try:
         tracer = Tracer(0, device=device, profile=prof is not None)
         t0 = time.perf_counter()
-        if prof is not None:
-            prof.__enter__()
-        try:
+        with prof if prof is not None else contextlib.nullcontext():
             res = run_rank(rp, program.ranks[0], steps=steps, groups=None, tracer=tracer, device=device, seed=seed)
-        finally:
-            if prof is not None:
-                prof.__exit__(None, None, None)
         timings = {"run_s": time.perf_counter() - t0}
     finally:
         torch.set_num_threads(threads)

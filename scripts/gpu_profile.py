@@ -6,6 +6,7 @@ Two steps, because the GPU host needs nothing but torch:
     python scripts/gpu_profile.py fit gpu_raw.json --cluster dgx-h100 \
         --out traces/profiles/h100.json --report docs/gpu_profile.md     # here: fit and compare
     python scripts/gpu_profile.py gemm-plan --out traces/gpu/gemm_plan.json  # on the GPU: a new shape's planning
+    python scripts/gpu_profile.py wait-cpu                              # on the GPU: a waiting thread's CPU
 
 `measure` times bf16 GEMMs over a sweep of shapes, causal fused attention (SDPA, forward and
 forward+backward), memory-bound element-wise kernels, pinned host<->device copies and an empty
@@ -154,6 +155,33 @@ def gemm_plan(out: str) -> None:
           + f" ({meta['gpu']}, {meta['blas']}); wrote {out}")
 
 
+def wait_cpu() -> None:
+    """What a thread that waits for the GPU spends of its CPU: about a second of fp32 GEMMs queued,
+    then one wait (`torch.cuda.synchronize()`, an event's `synchronize()`, `.item()`) timed by the
+    wall clock and by `time.thread_time`. CUDA's default scheduling spins where the cores outnumber
+    the contexts, so a GPU rank's CPU a step cannot tell waiting from issuing."""
+    import torch
+
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.float32)
+    waits = {"synchronize": torch.cuda.synchronize, "item": lambda: a[0, 0].item(),
+             "event": lambda: _recorded_event().synchronize()}
+    for name, wait in waits.items():
+        for _ in range(40):
+            a @ a
+        w0, c0 = time.perf_counter(), time.thread_time()
+        wait()
+        w, c = time.perf_counter() - w0, time.thread_time() - c0
+        print(f"{name:12s} waited {w * 1e3:7.1f} ms, {c * 1e3:7.1f} ms of the thread's CPU ({c / w:.0%})", flush=True)
+
+
+def _recorded_event():
+    import torch
+
+    ev = torch.cuda.Event()
+    ev.record()
+    return ev
+
+
 def plan_costs(rows: list[dict]) -> dict[str, float]:
     """Per dtype, the median host time to issue a GEMM of a new shape less that of a repeated one:
     the seconds cuBLAS spends choosing an algorithm."""
@@ -261,6 +289,7 @@ def main() -> int:
     m.add_argument("--out", required=True)
     g = sub.add_parser("gemm-plan", help="the host's time to issue a GEMM of a repeated and of a new shape")
     g.add_argument("--out", required=True)
+    sub.add_parser("wait-cpu", help="what a thread waiting for the GPU spends of its CPU")
     f = sub.add_parser("fit")
     f.add_argument("raw")
     f.add_argument("--cluster", default="dgx-h100")
@@ -272,6 +301,8 @@ def main() -> int:
         measure(args.out)
     elif args.cmd == "gemm-plan":
         gemm_plan(args.out)
+    elif args.cmd == "wait-cpu":
+        wait_cpu()
     else:
         fit(args.raw, args.cluster, args.out, args.report)
     print(f"({time.time() - t0:.1f} s)", file=sys.stderr)

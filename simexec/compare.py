@@ -129,10 +129,16 @@ def _mapped_id(e: Event, rmap: dict[int, int]) -> str:
 
 
 def check_pair(predicted: Trace, measured: Trace) -> dict[int, int]:
-    """Raise TraceError unless the two traces belong to one program; return `rank_map`."""
+    """Raise TraceError unless the two traces belong to one program; return `rank_map`. Where both
+    name the instructions that run (`program_executed`, traces since 2026-11-27), those decide, so a
+    change of the simulator's memory estimates leaves recorded traces comparable; else the whole
+    program's fingerprint."""
     a, b = _label(predicted, "predicted"), _label(measured, "measured")
     rmap = rank_map(predicted, measured)
     fp, fm = fingerprint(predicted), fingerprint(measured)
+    ep, em = predicted.meta.get("program_executed"), measured.meta.get("program_executed")
+    if ep and em:
+        fp, fm = ep, em
     if fp and fm and fp != fm and not rmap:
         raise TraceError(f"traces are of different programs: {a} vs {b}")
     for key in ("model", "plan"):

@@ -52,9 +52,13 @@ def collective_groups(trace: Trace) -> Optional[Groups]:
                         symmetric=False)
     except (SimexecError, ValueError, KeyError, TypeError):
         return None
-    fingerprint = meta.get("program") or meta.get("program_fingerprint")
-    if fingerprint and fingerprint != program.fingerprint():
-        return None
+    if meta.get("program_executed"):  # the instructions that ran, whatever the memory estimates
+        if meta["program_executed"] != program.executed_fingerprint():
+            return None
+    else:
+        fingerprint = meta.get("program") or meta.get("program_fingerprint")
+        if fingerprint and fingerprint != program.fingerprint():
+            return None
     return {(r, ins.name): tuple(ins.group) for r, instrs in program.ranks.items() for ins in instrs
             if ins.kind == "collective"}
 

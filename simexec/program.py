@@ -144,6 +144,14 @@ class Program:
         """Hash of the program text: two traces of one plan share it."""
         return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
 
+    def executed_fingerprint(self) -> str:
+        """Hash of the instructions that run, without the memory markers: their bytes are the
+        simulator's estimate of what the program holds, which a better memory model changes while
+        the executor runs the same instructions. A recorded trace stays comparable across such a
+        change (`simexec.compare.check_pair`)."""
+        text = "\n".join(i.to_text() for i in self if i.kind != "memory")
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
     def counts(self) -> Counter:
         return Counter(i.kind for i in self)
 

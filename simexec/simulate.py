@@ -190,6 +190,7 @@ def _trace(eng, program: Program, result: SimResult, mem) -> Trace:
     meta = {
         "kind": "predicted", "model": result.model, "cluster": result.cluster, "plan": result.plan,
         "world": result.world, "symmetric": result.symmetric, "program": program.fingerprint(),
+        "program_executed": program.executed_fingerprint(),
         "represents": {str(r): list(v) for r, v in sorted((program.represents or {}).items())}
         if program.symmetric else {},
         "summary": summary,

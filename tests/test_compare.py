@@ -157,6 +157,34 @@ def test_fingerprint_under_either_key_and_model_dict():
         compare(make("predicted", meta={"program": None, "program_fingerprint": "zzz"}), meas)
 
 
+def test_the_instructions_that_ran_decide_where_both_traces_name_them():
+    """A recording stays comparable when only the simulator's memory estimates changed: where both
+    traces carry `program_executed` it decides (the whole program's hash may differ), and it refuses
+    when the instructions differ; a trace without it falls back to the whole program's hash."""
+    pred = make("predicted", meta={"program": "new-memory-model", "program_executed": "same-instrs"})
+    assert compare(pred, make("measured", meta={"program_executed": "same-instrs"})).overall["count"] > 0
+    with pytest.raises(TraceError, match="different programs"):
+        compare(pred, make("measured", meta={"program": "new-memory-model", "program_executed": "other-instrs"}))
+    with pytest.raises(TraceError, match="different programs"):
+        compare(pred, make("measured"))  # an older recording: the whole program's hash differs
+
+
+def test_the_executed_fingerprint_leaves_out_memory_estimates_only():
+    from simexec.cluster import get_cluster
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import load_plan, resolve
+
+    program = lower(resolve(get_model("gpt-tiny"), get_cluster("local"), load_plan("dp=2,gbs=4")), symmetric=False)
+    full, executed = program.fingerprint(), program.executed_fingerprint()
+    mem = next(i for i in program.ranks[0] if i.kind == "memory")
+    program.ranks[0][program.ranks[0].index(mem)] = replace(mem, bytes=mem.bytes * 2)
+    assert program.fingerprint() != full and program.executed_fingerprint() == executed
+    comp = next(i for i in program.ranks[0] if i.kind == "compute" and i.flops > 0)
+    program.ranks[0][program.ranks[0].index(comp)] = replace(comp, flops=comp.flops * 2)
+    assert program.executed_fingerprint() != executed
+
+
 # --- critical path ----------------------------------------------------------------------------------
 def _ev(rank, name, kind, stream, op, start, dur):
     return Event(id=f"{rank}:{name}", rank=rank, stream=stream, name=name, kind=kind, op=op, start_us=start, dur_us=dur)

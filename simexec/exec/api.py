@@ -242,7 +242,8 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
             summary["main_cpu_times_s_per_rank"] = main
     if error:
         summary["error"] = error
-    meta = {"kind": "measured", "program": program.fingerprint(), "summary": summary,
+    meta = {"kind": "measured", "program": program.fingerprint(), "program_executed": program.executed_fingerprint(),
+            "summary": summary,
             "trace_step": step, "timings": timings, "ends_when_waited": [], **_describe(rp)}
     if infos:  # where it ran: calibration records it in the profile it fits
         meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch", "ray", "kernel")}

@@ -160,6 +160,29 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
     assert statistics.fmean(errs["traces"]) < 0.6 * statistics.fmean(errs["datasheet"])
 
 
+def test_every_recorded_gpu_step_compares_with_the_current_simulator():
+    """docs/gpu_steps.md's table compares each recorded step with a prediction event by event: every
+    recording must still be of the program the simulator lowers today (the instructions that ran:
+    `program_executed`). A change to those instructions needs the steps recorded again on a GPU
+    (`scripts/gpu_steps.py run`)."""
+    import sys
+
+    from simexec.compare import compare
+    from simexec.simulate import simulate
+    from simexec.trace import Trace
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import gpu_steps
+
+    runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
+    assert {r["name"] for r in runs} == {name for name, *_ in gpu_steps.PLANS}
+    for r in runs:
+        measured = Trace.load(GPU / "steps" / f"{r['name']}.json.gz")
+        predicted = simulate(str(ROOT / r["model"]), gpu_steps.CLUSTER, r["plan"], r["seq_len"], symmetric=False,
+                             trace=True).trace
+        assert compare(predicted, measured).overall["count"] == len(measured.events), r["name"]
+
+
 def test_the_gpu_trace_fit_finds_the_hosts_adam_rate_only_from_an_offloading_plan():
     """The host's Adam rate is among the trace fit's parameters where a calibration plan offloads its
     optimizer (the recorded H100 profile), and the fitted rate prices that plan's host step."""

@@ -30,9 +30,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 CLUSTER = str(ROOT / "traces/gpu/h100-1gpu.yaml")
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ",
-              "cudaMemcpy", "cudaMemcpyAsync")
-ALLOC_CALLS = ("cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync")
+# calls that wait for the device (a copy into pageable host memory waits for the kernels before it)
+SYNC_CALLS = frozenset({"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+                        "cudaMemcpyAsync"})
+ALLOC_CALLS = frozenset({"cudaMalloc", "cudaFree", "cudaMallocAsync", "cudaFreeAsync"})
+GEMM_OPS = frozenset({"aten::mm", "aten::addmm", "aten::bmm"})
 
 
 def run(args) -> int:
@@ -97,11 +99,34 @@ def block_instances(events: list[dict], block: str) -> list[dict]:
     return out
 
 
+def gemm_shapes(events: list[dict], block: str) -> dict[str, list[float]]:
+    """Host time (µs) of each GEMM inside the block's ranges over the whole run, split by whether the
+    run had met its shape (dimensions and strides) before: cuBLAS chooses an algorithm for every new
+    shape, which an expert's row count (the tokens routed to it) makes of most of its GEMMs.
+    {"met": [...], "new": [...]}; empty where the profile recorded no shapes."""
+    ranges = sorted(((e["ts"], e["ts"] + e["dur"]) for e in events if e.get("cat") == "user_annotation"
+                     and e.get("ph") == "X" and f".{block}" in e["name"]))
+    gemms = sorted((e for e in events if e.get("cat") == "cpu_op" and e.get("ph") == "X" and e["name"] in GEMM_OPS
+                    and e.get("args", {}).get("Input Dims") is not None), key=lambda e: e["ts"])
+    seen: set = set()
+    out: dict[str, list[float]] = {"met": [], "new": []}
+    for e in gemms:
+        if not any(_inside(e, lo, hi) for lo, hi in ranges):
+            continue
+        shape = (e["name"], str(e["args"]["Input Dims"]), str(e["args"].get("Input Strides")))
+        out["met" if shape in seen else "new"].append(e["dur"])
+        seen.add(shape)
+    return out
+
+
 def report(args) -> int:
     src = Path(args.dir)
-    rows = block_instances(_events(src / "profile.json.gz"), args.block)
+    if not (src / "profile.json.gz").is_file():
+        sys.exit(f"block_profile: {src}: no profile.json.gz (the output of `block_profile.py run --out DIR`)")
+    events = _events(src / "profile.json.gz")
+    rows = block_instances(events, args.block)
     if not rows:
-        sys.exit(f"no instruction named *.{args.block}* in {src / 'profile.json.gz'}")
+        sys.exit(f"block_profile: no instruction named *.{args.block}* in {src / 'profile.json.gz'}")
     spans = {}
     if (src / "trace.json.gz").exists():  # the measured trace: one step of the second half (pick_step)
         from simexec.trace import Trace
@@ -112,6 +137,11 @@ def report(args) -> int:
         by_phase[r["name"].split(".")[0]].append(r)
     for phase, mine in sorted(by_phase.items(), key=lambda kv: kv[0] != "fwd"):
         _report_phase(phase, mine, spans, args)
+    split = gemm_shapes(events, args.block)
+    if split["met"] or split["new"]:
+        n = len(split["met"]) + len(split["new"])
+        print(f"GEMMs in .{args.block} over the run: {len(split['new'])} of {n} of a shape not met before; host "
+              + ", ".join(f"{k} {statistics.median(v):.1f} us" for k, v in split.items() if v) + " (medians)")
     return 0
 
 
@@ -154,7 +184,13 @@ def main(argv=None) -> int:
     p.add_argument("--block", required=True)
     p.add_argument("--top", type=int, default=8)
     args = ap.parse_args(argv)
-    return run(args) if args.cmd == "run" else report(args)
+    from simexec.errors import SimexecError
+
+    try:
+        return run(args) if args.cmd == "run" else report(args)
+    except SimexecError as exc:
+        print(f"block_profile: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

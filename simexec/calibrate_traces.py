@@ -54,7 +54,7 @@ class _Case:
     @property
     def offloads(self) -> bool:
         """Whether the plan steps its optimizer on the host (the trace then times the host's Adam)."""
-        return "offload=optimizer" in self.plan.replace(" ", "")
+        return parse_plan(self.plan).offload != "none"
 
 
 def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:

@@ -43,6 +43,20 @@ def test_block_profile_splits_the_last_instance_of_each_instruction():
     assert row["top_ops"][0] == ("aten::mm", 200)
 
 
+def test_block_profile_splits_the_blocks_gemms_by_whether_their_shape_was_met():
+    """Over the whole run, in time order: a GEMM counts as `new` the first time its dimensions and
+    strides appear inside the block, `met` after; GEMMs outside the block's ranges are not counted."""
+    def mm(ts, dims, dur):
+        return _x("cpu_op", "aten::mm", ts, dur, **{"Input Dims": dims, "Input Strides": [[1, 1], [1, 1]]})
+
+    events = [
+        _x("user_annotation", "fwd.experts.L0.m0", 0, 100), mm(10, [[5, 8], [8, 4]], 40), mm(60, [[5, 8], [8, 4]], 9),
+        _x("user_annotation", "fwd.experts.L0.m1", 200, 100), mm(210, [[7, 8], [8, 4]], 41), mm(260, [[5, 8], [8, 4]], 8),
+        mm(400, [[9, 8], [8, 4]], 50),  # outside every experts range
+    ]
+    assert block_profile.gemm_shapes(events, "experts") == {"met": [9, 8], "new": [40, 41]}
+
+
 def test_gemm_plan_cost_is_a_new_shape_less_a_repeated_one_per_dtype():
     rows = [{"dtype": dt, "case": case, "median_us": us} for dt, case, us in (
         ("bf16", "repeat", 16.0), ("bf16", "repeat", 20.0), ("bf16", "new_rows", 130.0), ("bf16", "new_inner", 110.0),

@@ -243,14 +243,14 @@ class Tracer:
 
 
 def torch_profiler(device):
-    """A torch.profiler session for one rank: its CPU operators, and its kernels on a GPU, with the
-    tracer's instruction ranges (`Tracer(profile=True)`) among them."""
+    """A torch.profiler session for one rank: its CPU operators with their shapes, and its kernels on
+    a GPU, with the tracer's instruction ranges (`Tracer(profile=True)`) among them."""
     import torch
 
     acts = [torch.profiler.ProfilerActivity.CPU]
     if getattr(device, "type", "cpu") == "cuda":
         acts.append(torch.profiler.ProfilerActivity.CUDA)
-    return torch.profiler.profile(activities=acts, profile_memory=True)
+    return torch.profiler.profile(activities=acts, profile_memory=True, record_shapes=True)
 
 
 def chrome_text(prof) -> str:

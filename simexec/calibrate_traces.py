@@ -50,6 +50,8 @@ class _Case:
     peak: dict[int, float]
     background: Optional[float]
     machine: Optional[dict] = None  # where it was measured (executor traces name it)
+    loops_idle: bool = False  # gloo's event loops ran at SCHED_IDLE (the executor's default since it names them)
+    main_cpu_s: Optional[float] = None  # a rank's main thread's CPU a step, the mean over ranks (runs that time it)
 
     @property
     def offloads(self) -> bool:
@@ -94,7 +96,16 @@ def _case(trace, where: str) -> _Case:
             if e.kind in ("collective", "recv") and e.dur_us > 0 and e.op.partition("@")[0] not in waited}
     peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
     return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
-                 meta.get("background_load"), meta.get("machine"))
+                 meta.get("background_load"), meta.get("machine"),
+                 meta.get("gloo_event_loops") == "SCHED_IDLE",  # absent before the executor idled them
+                 _main_thread_cpu(trace))
+
+
+def _main_thread_cpu(trace) -> Optional[float]:
+    """The mean CPU a step of the ranks' main threads (`simexec.compare.cpu_of`), where the trace has it."""
+    from simexec.compare import cpu_of
+
+    return (cpu_of(trace) or {}).get("main_thread_s")
 
 
 def cases_machine(cases: Sequence[_Case]) -> Optional[dict]:
@@ -113,14 +124,16 @@ def load_cases(trace_paths: Iterable[PathLike]) -> list[_Case]:
 
 
 def predict_case(case: _Case, cluster: ClusterSpec, profile: Optional[dict] = None, *, trace: bool = True):
-    """Simulate the case's plan (every rank) on the cluster with the profile (and the background load
-    measured with the trace, when it was)."""
+    """Simulate the case's plan (every rank) on the cluster with the profile, under the run's
+    conditions: the background load measured with the trace, when it was, and how gloo's event loops
+    ran."""
     from simexec.simulate import simulate
 
     prof = json.loads(json.dumps(profile)) if profile else {"costs": {}}
-    if case.background is not None and getattr(cluster.costs, "cores_shared", False) or \
-            (case.background is not None and (prof.get("costs") or {}).get("cores_shared")):
-        prof.setdefault("costs", {})["background_load"] = float(case.background)
+    if getattr(cluster.costs, "cores_shared", False) or (prof.get("costs") or {}).get("cores_shared"):
+        if case.background is not None:
+            prof.setdefault("costs", {})["background_load"] = float(case.background)
+        prof.setdefault("costs", {})["gloo_loops_idle"] = case.loops_idle
     return simulate(case.model, cluster, case.plan, case.seq_len, symmetric=False, profile=prof, trace=trace)
 
 
@@ -133,16 +146,18 @@ def _dominant_dtype(cases: list[_Case]) -> str:
 
 def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
                max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
-               prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
+               cpu_weight: float = 1.0, prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
                progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
     """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
 
     Residuals: per trace, for each kind of compute instruction (`_event_groups`: the same block and
     phase on every rank, layer and micro-batch) log(summed predicted / summed measured) (weight
     `event_weight` x the square root of its share of the trace's measured time, so each trace counts
-    alike), the same for its collectives and messages (`comm_weight`), and its step time's
-    (`step_weight`); plus a weak pull of each parameter towards its starting value (`prior_weight` per
-    e-fold), which keeps parameters the traces cannot see where they were. Sums, not single events:
+    alike), the same for its collectives and messages (`comm_weight`), its step time's
+    (`step_weight`), and where the run timed it its main threads' CPU a step (`cpu_weight`: on shared
+    cores a step's time is CPU work and waiting for cores, and the CPU tells the two apart); plus a
+    weak pull of each parameter towards its starting value (`prior_weight` per e-fold), which keeps
+    parameters the traces cannot see where they were. Sums, not single events:
     a step adds its instructions up, and on shared cores their times have heavy tails, so a fit to
     each event's log ratio matches the typical event and leaves every sum short."""
     import numpy as np
@@ -170,11 +185,14 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
             try:
                 res = predict_case(case, base, prof)
             except SimexecError:
-                return np.full(_n_resid(groups, len(ps)), 10.0)
+                return np.full(_n_resid(cases, groups, len(ps)), 10.0)
             pred = {e.id: e.dur_us for e in res.trace.events}
             out.extend(_group_residuals(comp, pred, event_weight))
             out.extend(_group_residuals(comm, pred, comm_weight))
             out.append(step_weight * math.log(max(res.step_time_s, 1e-9) / case.step_s))
+            if case.main_cpu_s:  # a simulation on dedicated devices times no CPU: nothing to match
+                cpu = _main_thread_cpu(res.trace)
+                out.append(cpu_weight * math.log(max(cpu, 1e-9) / case.main_cpu_s) if cpu else 0.0)
         out.extend(prior_weight * (x - x0))
         r = np.asarray(out)
         calls[0] += 1
@@ -208,14 +226,17 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     x = best[1]
     values = {p.name: _from_x(p, v) for p, v in zip(ps, x)}
     prof = profile_at(x)
+    idle = {c.loops_idle for c in cases}
+    if len(idle) == 1 and (prof.get("costs") or {}).get("cores_shared"):  # the runs' loops, for what the profile predicts
+        prof["costs"]["gloo_loops_idle"] = idle.pop()
     report = {"params": values, "start": {p.name: _from_x(p, v) for p, v in zip(ps, x0)}, "cost": best[0] / 2,
               "nfev": nfev, "status": int(sol.status), "message": str(sol.message),
               "wall_s": time.perf_counter() - t0, "traces": [c.path for c in cases]}
     return prof, report
 
 
-def _n_resid(groups, nparams: int) -> int:
-    return sum(len(comp) + len(comm) + 1 for comp, comm in groups) + nparams
+def _n_resid(cases, groups, nparams: int) -> int:
+    return sum(len(comp) + len(comm) + 1 + bool(c.main_cpu_s) for c, (comp, comm) in zip(cases, groups)) + nparams
 
 
 _INDEX = re.compile(r"^(?:L-?\d+|m\d+|v\d+|s\d+|c\d+)$")

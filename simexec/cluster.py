@@ -118,6 +118,9 @@ class CostParams(_Spec):
     comm_cpu_s: float = Field(
         0.0, ge=0, description="CPU ranks: CPU a member spends per step of a collective or message besides "
         "copying its bytes (gloo's thread hand-offs and wake-ups, socket syscalls); 0 = one dispatched operator")
+    gloo_loops_idle: bool = Field(
+        False, description="CPU ranks: gloo's TCP event loops run at Linux's SCHED_IDLE (the executor's default, "
+        "simexec.exec.gloo_loops): the bytes they move get only the cores no other thread wants")
     idle_poll_s: float = Field(
         200e-6, gt=0, description="CPU ranks: how long a hypervisor polls a halted vCPU before it gives the "
         "physical core away (KVM's halt_poll_ns default)")

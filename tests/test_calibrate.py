@@ -716,6 +716,103 @@ def test_a_collective_keeps_two_steps_on_the_wire_as_gloo_does():
     assert t < call + 3 * (burst + wire)
 
 
+def test_an_event_loop_at_idle_priority_gets_the_cores_the_other_threads_leave():
+    """gloo's TCP loops at SCHED_IDLE (`(rank, "loop")`): beside one computing rank on two cores the
+    loop's copy runs at once, at full speed; while two ranks fill the cores it gets only SCHED_IDLE's
+    fair share (weight 3 against 1024 each), and the rest once a core frees, without slowing them."""
+    import simpy
+
+    from simexec.sim.cores import IDLE_WEIGHT, Cores
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={})
+    loop = cores.run((1, "loop"), 1e-3)
+    cores.run(0, 5e-3)
+    env.run(until=loop)
+    assert env.now == pytest.approx(1e-3)
+
+    env = simpy.Environment()
+    cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={})
+    mains = [cores.run(k, 10e-3) for k in (0, 1)]
+    loop = cores.run((0, "loop"), 1e-3)
+    env.run(until=mains[0])
+    assert env.now == pytest.approx(10e-3)  # the ranks ran at full speed beside it
+    fair = 2 * IDLE_WEIGHT / (2 + IDLE_WEIGHT)
+    env.run(until=loop)
+    assert env.now == pytest.approx(10e-3 + 1e-3 - 10e-3 * fair)
+    assert cores.cpu_s[0] == pytest.approx(10e-3 + 1e-3)  # the loop's CPU is its rank's
+
+
+def test_a_collective_beside_busy_cores_waits_for_its_loops_copy_where_the_loops_idle():
+    """With `gloo_loops_idle` half of a step's bytes (the reads) are copied by the event loop, which
+    gets next to no core while the ranks' main threads fill them: the same 2-rank all-reduce beside
+    two computing ranks ends later than with the loop's copy in the burst, and the computing ranks
+    (which share the cores with the rest of the bursts still) end sooner; on idle cores both take as
+    long."""
+    import simpy
+
+    from simexec.program import Instr
+    from simexec.sim.host import HostCosts
+
+    costs = {**TRUTH["costs"], "comm_cpu_s": 50e-6, "collective_latency_s": 0.0, "sched_slice_s": 0.0,
+             "idle_wake_s": 0.0, "compute_contention": 1.0, "timeslice_contention": 1.0}
+    node = {**TRUTH["node"], "cpu_cores": 2, "intra_latency_s": 0.0, "intra_bw": 1e9}
+    from simexec.lower import lower
+    from simexec.plan import load_plan, resolve
+
+    ins = Instr(rank=0, name="g", kind="collective", stream="comm.dp", op="allreduce@dp", group=(0, 1), bytes=2e6)
+    prog = lower(resolve(get_model("gpt-tiny"), LOCAL, load_plan("dp=2,gbs=4,dtype=fp32"), None), symmetric=False)
+
+    def run(idle: bool, busy: bool) -> tuple[float, float]:
+        cluster = profiled_cluster(LOCAL, {**TRUTH, "costs": {**costs, "gloo_loops_idle": idle}, "node": node})
+        host = HostCosts(cluster, prog)
+        env = simpy.Environment()
+        cores = host.cores_for(env)
+        ends = {}
+        if busy:
+            for k in (2, 3):
+                cores.run(k, 5e-3).callbacks.append(lambda _ev: ends.setdefault("compute", env.now))
+        host.transfer(env, cores, ins, (0, 1), lambda: ends.setdefault("collective", env.now))
+        env.run()
+        return ends["collective"], ends.get("compute", 0.0)
+
+    alone = run(False, False)[0]
+    assert run(True, False)[0] == pytest.approx(alone)
+    (slow, fast), (shared, slowed) = run(True, True), run(False, True)
+    assert slow > shared and fast < slowed
+
+
+def test_a_trace_says_how_gloos_event_loops_ran_and_the_prediction_of_it_follows():
+    """A measured trace names its loops (`meta["gloo_event_loops"]`); one without the field ran them
+    as gloo starts them. `predict_case` simulates the run as it ran."""
+    trace = Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz")
+    case = _case(trace, "dp2")
+    assert case.loops_idle is (trace.meta.get("gloo_event_loops") == "SCHED_IDLE")
+    trace.meta["gloo_event_loops"] = "SCHED_IDLE"
+    idle = _case(trace, "dp2")
+    assert idle.loops_idle
+    trace.meta.pop("gloo_event_loops")
+    assert not _case(trace, "dp2").loops_idle
+
+
+def test_the_trace_fit_matches_the_main_threads_cpu_where_a_run_timed_it():
+    """A run that timed its ranks' CPU gives the fit one more residual: its main threads' CPU a step
+    against the simulated one's. A trace without the series (or a simulation that times no CPU)
+    gives none."""
+    from simexec.calibrate_traces import _main_thread_cpu, _n_resid
+    from simexec.compare import cpu_of
+
+    prof = set_params(TRUTH, {"coll_latency": 1e-7}, LOCAL)
+    t = synthetic("dp=2,gbs=4,dtype=fp32", prof)
+    case = _case(t, "dp2")
+    assert case.main_cpu_s == pytest.approx(cpu_of(t)["main_thread_s"]) and case.main_cpu_s > 0
+    assert _main_thread_cpu(predict_case(case, LOCAL, prof).trace) == pytest.approx(case.main_cpu_s)
+    bare = _case(Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz"), "dp2")
+    assert bare.main_cpu_s is None
+    groups = [([], []), ([], [])]
+    assert _n_resid([case, bare], groups, 3) == 2 + 1 + 3
+
+
 def test_the_median_round_stands_for_a_plan():
     from simexec.calibrate_eval import PlanSpec, Run, typical_runs
 

@@ -29,7 +29,10 @@ once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 20
 gives its physical core away and must schedule it again, `idle_wake_s` (fitted;
 `scripts/idle_wake.py` measures it). So a member that waits for a late one in a collective wakes slowly,
 and a busy host wakes threads faster than an idle one. A rank of a symmetric program stands for
-`len(represents[r])` identical ranks: that many threads. `SlicedCores` (`costs.cpu_scheduler`
+`len(represents[r])` identical ranks: that many threads. A rank's event-loop thread,
+`(rank, "loop")`, is at Linux's `SCHED_IDLE` (gloo's TCP loops, as the executor runs them): it gets
+the cores the other threads leave, and while they fill them only the fair scheduler's share of its
+weight, 3 against their 1024 each. `SlicedCores` (`costs.cpu_scheduler`
 "slices") is the other model of the same scheduler: whole slices in turn, ranks drifting out of step.
 """
 from __future__ import annotations
@@ -42,15 +45,22 @@ from simpy.events import Event, Timeout
 from simexec.cluster import ClusterSpec
 
 
-class _Job:
-    """A thread's work on the cores. `key` is a rank (its main thread) or `(rank, "comm")` (its
-    communication thread), `k` how many identical ranks' threads it stands for."""
+# A SCHED_IDLE thread's scheduling weight against a nice-0 thread's (Linux kernel/sched: WEIGHT_IDLEPRIO 3,
+# NICE_0_LOAD 1024): what it gets of a core that runnable threads of normal priority share.
+IDLE_WEIGHT = 3.0 / 1024.0
 
-    __slots__ = ("done", "first", "left", "k", "key", "comm")
+
+class _Job:
+    """A thread's work on the cores. `key` is a rank (its main thread), `(rank, "comm")` (its
+    communication thread) or `(rank, "loop")` (its event loop, at idle priority), `k` how many
+    identical ranks' threads it stands for."""
+
+    __slots__ = ("done", "first", "left", "k", "key", "comm", "idle")
 
     def __init__(self, done: Event, left: float, k: int, key):
         self.done, self.first, self.left, self.k, self.key = done, None, left, k, key
         self.comm = isinstance(key, tuple)
+        self.idle = self.comm and key[1] == "loop"
 
 
 class _HostCores:
@@ -91,7 +101,12 @@ class _HostCores:
             dt = now - self.t
             main, comm = self._rates()
             held = dt * min(1.0, self.capacity / max(1, self._running()))  # what the OS counts as CPU time
+            low = self._idle_rate()
             for job in self.active:
+                if job.idle:
+                    job.left -= dt * low
+                    self.cpu_s[job.key[0]] = self.cpu_s.get(job.key[0], 0.0) + dt * low
+                    continue
                 job.left -= dt * (comm if job.comm else main)
                 rank = job.key[0] if job.comm else job.key
                 self.cpu_s[rank] = self.cpu_s.get(rank, 0.0) + held
@@ -119,10 +134,21 @@ class _HostCores:
         cores are in them already: a communication thread gets its share of the cores alone."""
         return self._rate(), self._share()
 
+    def _idle_rate(self) -> float:
+        """An idle-priority thread's speed now: none in this model's base."""
+        return 0.0
+
     def _next_end(self) -> float:
-        """Seconds until the first running thread finishes its work, at today's speeds."""
+        """Seconds until the first running thread finishes its work, at today's speeds (never, for
+        idle-priority threads while the others fill the cores)."""
         main, comm = self._rates()
-        return min(max(0.0, j.left) / (comm if j.comm else main) for j in self.active)
+        low = self._idle_rate()
+
+        def end(j) -> float:
+            if j.idle:
+                return max(0.0, j.left) / low if low > 0.0 else math.inf
+            return max(0.0, j.left) / (comm if j.comm else main)
+        return min(end(j) for j in self.active)
 
 
 def free_cores(cores: float, background: float) -> float:
@@ -158,7 +184,8 @@ class Cores(_HostCores):
     `run(key, seconds)` returns an event that fires once thread `key` (a rank's main thread is its
     rank, its communication thread `(rank, "comm")`) has had `seconds` of CPU; its value is the time
     the work first ran. Threads share the cores the host's other users leave (`cores -
-    background`) as processor sharing, at most one core each; a thread that was waiting (not one
+    background`) as processor sharing, at most one core each, and an idle-priority thread (`(rank,
+    "loop")`) the cores they leave; a thread that was waiting (not one
     going straight on from its previous piece of work) first waits for a core when the running
     threads that woke less than a slice ago already fill them: `slice x (running + 1 - (cores -
     background)) / cores`. Any thread woken while a core is idle waits for that core to wake
@@ -182,7 +209,8 @@ class Cores(_HostCores):
                  timeslicing: float = 1.0):
         super().__init__(env, cores, slice_s, background, contention, idle_wake_s, idle_poll_s, timeslicing)
         self.weights = weights
-        self.n = 0  # threads running (copies counted)
+        self.n = 0  # threads running (copies counted), but those at idle priority
+        self.n_idle = 0  # idle-priority threads running (copies counted)
         self.awake: dict = {}  # key -> when its thread last woke (its slice runs from then)
 
     def _weight(self, key) -> int:
@@ -195,7 +223,7 @@ class Cores(_HostCores):
         a thread past its slice to a woken one); else, per thread too many, a share of a slice (the
         threads ahead of it run out their slices on the C cores first)."""
         now = self.env.now
-        within = sum(j.k for j in self.active if now - self.awake.get(j.key, -math.inf) < self.slice)
+        within = sum(j.k for j in self.active if not j.idle and now - self.awake.get(j.key, -math.inf) < self.slice)
         over = within + 1 - self.capacity
         over = over + math.log1p(math.exp(-4.0 * abs(over))) / 4.0 if over > 0 else math.log1p(math.exp(4.0 * over)) / 4.0
         return self.slice * over / self.cores  # a smooth max(0, over): the fits need a smooth model
@@ -207,7 +235,8 @@ class Cores(_HostCores):
             return done
         going_on = self.last_end.get(key) == self.env.now
         job = _Job(done, seconds, self._weight(key), key)
-        wait = 0.0 if going_on else self.idle_wake_wait() + self.wake_wait()
+        # an idle-priority thread preempts nobody: it runs on what is left (`_idle_rate`)
+        wait = 0.0 if going_on else self.idle_wake_wait() + (0.0 if job.idle else self.wake_wait())
         if not going_on:
             self.awake[key] = self.env.now + wait
         if wait > 0.0:
@@ -226,11 +255,23 @@ class Cores(_HostCores):
     def _share(self) -> float:
         return thread_rate(self.n, self.cores, self.background)
 
+    def _idle_rate(self) -> float:
+        """The cores the other threads leave, shared by the idle-priority threads, at most one each;
+        while the others fill the cores, the fair scheduler's share of a `SCHED_IDLE` weight."""
+        if self.n_idle <= 0:
+            return 0.0
+        left = (self.capacity - self.n) / self.n_idle
+        fair = self.capacity * IDLE_WEIGHT / (self.n + IDLE_WEIGHT * self.n_idle)
+        return min(1.0, max(left, fair))
+
     def _add(self, job: _Job) -> None:
         self._advance()
         job.first = self.env.now
         self.active.append(job)
-        self.n += job.k
+        if job.idle:
+            self.n_idle += job.k
+        else:
+            self.n += job.k
         del self.idle[max(0, len(self.idle) - job.k):]  # it takes the warmest idle cores
         self._schedule()
 
@@ -238,7 +279,9 @@ class Cores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        self._tick_in(self._next_end())
+        dt = self._next_end()
+        if dt < math.inf:  # else only idle-priority threads wait, until a running thread ends
+            self._tick_in(dt)
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
@@ -248,8 +291,11 @@ class Cores(_HostCores):
         now = self.env.now
         for job in self.active:
             if job.left <= 1e-12:
-                self.n -= job.k
-                self.idle += [now] * (max(0, self.cores - self.n) - len(self.idle))
+                if job.idle:
+                    self.n_idle -= job.k
+                else:
+                    self.n -= job.k
+                self.idle += [now] * (max(0, self.cores - self.n - self.n_idle) - len(self.idle))
                 self.last_end[job.key] = now
                 job.done.succeed(job.first)
             else:
@@ -259,11 +305,14 @@ class Cores(_HostCores):
 
 
 class _Thread:
-    __slots__ = ("done", "first", "left", "key", "comm", "since")
+    """A thread of `SlicedCores`; an event loop's (`(rank, "loop")`) runs as a communication thread."""
+
+    __slots__ = ("done", "first", "left", "key", "comm", "idle", "since")
 
     def __init__(self, done: Event, left: float, key):
         self.done, self.first, self.left, self.key = done, None, left, key
         self.comm = isinstance(key, tuple)
+        self.idle = False
         self.since = 0.0  # when it last got its core (its slice runs from then)
 
 

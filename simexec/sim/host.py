@@ -59,6 +59,11 @@ ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded 
 ADAM_PIECE = {"cpu": 1 << 14, "accelerator": 1 << 24}
 ADAM_FLOPS_PER_PARAM = 12.0
 FLOP_BOUND = ("gemm", "attention")
+# The share of a collective step's bytes that gloo's TCP event loop copies: every read (a pair's
+# `handleReadWrite` reads on the loop thread), the sends being written by the calling thread when the
+# receiver was ready first (`Pair::send` -> `sendUnboundBuffer`). Each member sends and receives one
+# chunk a step, so half of the step's bytes.
+LOOP_SHARE_OF_BYTES = 0.5
 # The passes over the gradients before the step, counted with count_dispatch_plan on gpt-tiny at ZeRO
 # 0, 1 and 3. loss_scale: `unscale` is one fused unscale-and-check over the rank's gradients and two
 # operators making its flag and scale; the step reads the flag (one). clip_grad: the norm is one
@@ -530,23 +535,34 @@ class HostCosts:
         burst = (c.comm_cpu_s or self.op_s) + (chunk / bw if chunk > 0 else 0.0)
         return c.collective_latency_s, burst, node.intra_latency_s
 
+    def loop_seconds(self, chunk: float) -> float:
+        """CPU per step per member that gloo's event loop spends copying bytes, where the loops run at
+        `SCHED_IDLE` (`costs.gloo_loops_idle`); else 0 (the loop's work is the burst's like the rest)."""
+        if not self.cluster.costs.gloo_loops_idle or chunk <= 0:
+            return 0.0
+        return LOOP_SHARE_OF_BYTES * chunk / (self.cluster.node.intra_bw * self.cluster.costs.intra_bw_eff)
+
     def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:
         """Run a collective / message on the host: the call's latency, then per step every member's
         communication thread needs `burst` of CPU (waiting for a core if none is free) and the data
         `wire` seconds on the loopback, two steps on the wire at most (gloo's rings send the next
         piece while the previous two are in flight: `gloo/allreduce.cc`, `gloo/allgather.cc`), so
-        a step's latency overlaps the next one's CPU; `done()` when the last step is over. A forward MoE dispatch
-        is two all-to-alls, the token counts' first (`exchanges_counts`)."""
+        a step's latency overlaps the next one's CPU; `done()` when the last step is over. Where gloo's
+        event loops run at `SCHED_IDLE`, the part of the burst they copy (`loop_seconds`) runs after
+        the rest on the cores the other threads leave idle. A forward MoE dispatch is two all-to-alls,
+        the token counts' first (`exchanges_counts`)."""
         steps, chunk = self.comm_steps(ins)
-        calls = [(steps, *self.comm_seconds(steps, chunk))]
+        call, burst, wire = self.comm_seconds(steps, chunk)
+        loop = self.loop_seconds(chunk)
+        calls = [(steps, call, burst - loop, wire, loop)]
         if exchanges_counts(ins):
-            calls.insert(0, (steps, *self.comm_seconds(steps, 0.0)))
+            calls.insert(0, (steps, *self.comm_seconds(steps, 0.0), 0.0))
         members = tuple(ranks) or (ins.rank,)
         env.process(self._comm(env, cores, members, calls, done))
 
     @staticmethod
     def _comm(env, cores, members, calls, done):
-        for steps, call, burst, wire in calls:
+        for steps, call, burst, wire, loop in calls:
             if call > 0:
                 yield env.timeout(call)
             flying = []
@@ -554,6 +570,8 @@ class HostCosts:
                 if len(flying) >= 2:
                     yield flying.pop(0)
                 yield env.all_of([cores.run((r, "comm"), burst) for r in members])
+                if loop > 0:
+                    yield env.all_of([cores.run((r, "loop"), loop) for r in members])
                 if wire > 0:
                     flying.append(env.timeout(wire))
             for w in flying:

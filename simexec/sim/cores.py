@@ -135,20 +135,14 @@ class _HostCores:
         return self._rate(), self._share()
 
     def _idle_rate(self) -> float:
-        """An idle-priority thread's speed now: none in this model's base."""
+        """An idle-priority thread's speed now (`Cores`; `SlicedCores` runs none)."""
         return 0.0
 
     def _next_end(self) -> float:
-        """Seconds until the first running thread finishes its work, at today's speeds (never, for
-        idle-priority threads while the others fill the cores)."""
+        """Seconds until the first running thread finishes its work, at today's speeds."""
         main, comm = self._rates()
-        low = self._idle_rate()
-
-        def end(j) -> float:
-            if j.idle:
-                return max(0.0, j.left) / low if low > 0.0 else math.inf
-            return max(0.0, j.left) / (comm if j.comm else main)
-        return min(end(j) for j in self.active)
+        low = self._idle_rate()  # > 0 whenever an idle-priority thread runs
+        return min(max(0.0, j.left) / (low if j.idle else comm if j.comm else main) for j in self.active)
 
 
 def free_cores(cores: float, background: float) -> float:
@@ -279,9 +273,7 @@ class Cores(_HostCores):
         self.ver += 1
         if not self.active:
             return
-        dt = self._next_end()
-        if dt < math.inf:  # else only idle-priority threads wait, until a running thread ends
-            self._tick_in(dt)
+        self._tick_in(self._next_end())
 
     def _tick(self, ver: int) -> None:
         if ver != self.ver:

@@ -531,16 +531,16 @@ class HostCosts:
         and its bytes at `intra_bw` (x `intra_bw_eff`) bytes per second of a core, since loopback TCP
         copies them through the kernel. Only its latency is free."""
         c, node = self.cluster.costs, self.cluster.node
-        bw = node.intra_bw * c.intra_bw_eff
-        burst = (c.comm_cpu_s or self.op_s) + (chunk / bw if chunk > 0 else 0.0)
-        return c.collective_latency_s, burst, node.intra_latency_s
+        return c.collective_latency_s, (c.comm_cpu_s or self.op_s) + self._copy_seconds(chunk), node.intra_latency_s
+
+    def _copy_seconds(self, chunk: float) -> float:
+        """A core's time to copy a step's bytes through loopback TCP (`intra_bw` x `intra_bw_eff`)."""
+        return chunk / (self.cluster.node.intra_bw * self.cluster.costs.intra_bw_eff) if chunk > 0 else 0.0
 
     def loop_seconds(self, chunk: float) -> float:
-        """CPU per step per member that gloo's event loop spends copying bytes, where the loops run at
-        `SCHED_IDLE` (`costs.gloo_loops_idle`); else 0 (the loop's work is the burst's like the rest)."""
-        if not self.cluster.costs.gloo_loops_idle or chunk <= 0:
-            return 0.0
-        return LOOP_SHARE_OF_BYTES * chunk / (self.cluster.node.intra_bw * self.cluster.costs.intra_bw_eff)
+        """The part of a step's burst that gloo's event loop copies, where the loops run at `SCHED_IDLE`
+        (`costs.gloo_loops_idle`); else 0 (the loop's work is the burst's like the rest)."""
+        return LOOP_SHARE_OF_BYTES * self._copy_seconds(chunk) if self.cluster.costs.gloo_loops_idle else 0.0
 
     def transfer(self, env, cores: "Cores", ins: Instr, ranks, done: Callable[[], None]) -> None:
         """Run a collective / message on the host: the call's latency, then per step every member's

@@ -266,6 +266,12 @@ def fit_sharing(slow: dict[int, float], cores: int, background: Optional[float] 
     return tuple(float(v) for v in best)
 
 
+def gloo_loops_idle(extras: dict) -> bool:
+    """Whether every rank ran the benchmarks with gloo's event loops at `SCHED_IDLE` (`run_microbench`
+    counts them); runs recorded before it counted ran them as gloo starts them."""
+    return bool(extras) and all((ex.get("gloo_loops_idled") or 0) > 0 for ex in extras.values())
+
+
 def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = None, model: str = "gpt-tiny",
                    measured_background: Optional[float] = None) -> tuple[dict, dict]:
     """Cost parameters from micro-benchmark results (`run_microbench`'s `extra` of every rank).
@@ -380,8 +386,10 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         report["comm_cpu"] = comm_cpu
         if comm_cpu["intra_bw"]:
             fixed["intra_bw"] = comm_cpu["intra_bw"]
+    loops_idle = gloo_loops_idle(extras)
+    report["gloo_loops_idle"] = loops_idle
     comm_base = apply_profile(base, {"costs": {"compute_contention": contention, "timeslice_contention": timeslicing,
-                                               "comm_cpu_s": comm_cpu_s}})
+                                               "comm_cpu_s": comm_cpu_s, "gloo_loops_idle": loops_idle}})
     comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], comm_base,
                     background=background, cores=cores, fixed=fixed, loops=loops, gemm_s=gemm_s)
     slice_s = comm["slice"]
@@ -398,7 +406,7 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
         "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "background_load": background,
         "elementwise_cost": elementwise, "nograd_fwd_ratio": nograd,
-        "cpu_scheduler": base.costs.cpu_scheduler,
+        "cpu_scheduler": base.costs.cpu_scheduler, "gloo_loops_idle": loops_idle,
     }
     device = {"peak_flops": peak, "memory_bw": mem_bw, "launch_overhead_s": op_s}
     node = {"cpu_cores": cores, "intra_bw": comm["intra_bw"], "intra_latency_s": comm["hop_latency"],

@@ -1,5 +1,6 @@
 """`simexec demo` end to end, on two small plans (starts a local Ray instance)."""
 import json
+import os
 
 import pytest
 
@@ -26,6 +27,8 @@ def test_demo_writes_report_plots_traces_and_summary(tmp_path, ray_session):
     assert saved["repeatability"] >= 0
     assert (tmp_path / "traces" / "dp2.predicted-after.json.gz").exists()
     assert (tmp_path / "profiles" / "demo-traces.json").exists()
+    micro = json.loads((tmp_path / "profiles" / "demo-microbench.json").read_text())
+    assert micro["costs"]["gloo_loops_idle"] is hasattr(os, "SCHED_IDLE")  # the benchmarks' loops as the plans'
 
 
 def test_demo_refuses_an_unwritable_directory(tmp_path):

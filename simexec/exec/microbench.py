@@ -22,6 +22,9 @@ of a real run (torch on the CPU with one thread per rank, gloo over loopback):
   ping-pong while the other ranks compute (how long a woken rank waits for a core);
 - `copies`: host memory copies across sizes.
 
+gloo's event loops run as the executor runs them (at `SCHED_IDLE`, `simexec.exec.gloo_loops`; the
+benchmarks' own groups too), and `extra["gloo_loops_idled"]` says how many did, for the fit.
+
 Times are per repetition (seconds); the fit reads each set at its mean (`simexec.calibrate_comm.summed_mean`).
 `count_dispatch` counts the aten operators each instruction of the executor dispatches (the
 `simexec.sim.host.DISPATCH` table).
@@ -37,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from simexec.exec.collectives import all_gather_tensor, reduce_scatter_tensor
+from simexec.exec.gloo_loops import idle_gloo_loops
 from simexec.exec.interpreter import run_rank
 
 
@@ -107,6 +111,8 @@ class _Bench:
         self.pairs = pairs
         if world >= 2:
             self.groups.setdefault(tuple(range(world)), dist.group.WORLD)
+        # each new group starts event loops of its own: they run as the executor runs its groups' loops
+        self.loops_idled = idle_gloo_loops()
 
     def add(self, kind: str, **rec) -> None:
         self.out.setdefault(kind, []).append(rec)
@@ -384,7 +390,8 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
         fn()
         timings[name] = time.perf_counter() - t
     return {"losses": [], "step_times_s": [time.perf_counter() - t0], "peak_memory_bytes": 0,
-            "extra": {"results": b.out, "timings": timings, "config": asdict(cfg), "rank": rank, "world": world}}
+            "extra": {"results": b.out, "timings": timings, "config": asdict(cfg), "rank": rank, "world": world,
+                      "gloo_loops_idled": b.loops_idled}}
 
 
 # --- dispatch counts (the simulator's DISPATCH table) ------------------------------------------------------

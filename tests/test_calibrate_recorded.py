@@ -363,9 +363,9 @@ def test_collective_joins_times_a_collective_from_its_last_member_on():
 
 def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it():
     """scripts/issue_cost.py: the model columns are `issue_split` per kind of collective (a ZeRO-3
-    gather of one gpt-tiny layer: the Python around it before the call, once waited a pass of two
-    operators over each of its 16 tensors); a warm-up longer than the run is refused with a one-line
-    error."""
+    gather of one gpt-tiny layer: the Python around it before the call, once waited the Python again
+    and a pass of two operators over each of its 16 tensors); a warm-up longer than the run is refused
+    with a one-line error."""
     import sys
 
     sys.path.insert(0, str(ROOT / "scripts"))
@@ -374,7 +374,8 @@ def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it()
     profile = ROOT / "traces" / "profiles" / "local-microbench.json"
     prof = json.loads(profile.read_text())
     prices = issue_cost.model_prices("gpt-tiny", "dp=4,zero=3,gbs=8,dtype=fp32", str(profile))
-    layer = (prof["costs"]["instr_overhead_s"], 2 * 16 * prof["device"]["launch_overhead_s"])
+    python = prof["costs"]["instr_overhead_s"]
+    layer = (python, python + 2 * 16 * prof["device"]["launch_overhead_s"])
     assert set(prices) == {"gather", "grads"} and prices["gather"] == pytest.approx(layer)
     assert issue_cost.kind_of("grads12") == "grads" and issue_cost.kind_of("grads_rep0") == "grads_rep"
     assert issue_cost.main(["--steps", "3"]) == 2

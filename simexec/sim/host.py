@@ -29,7 +29,8 @@ tensors being the rank's parameters (ZeRO 0), its flat buckets (ZeRO 1-2) or its
 square roots and divisions), fitted to the one-rank step's optimizer.
 
 A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
-the interpreter's Python around it, `instr_overhead_s`, and the passes it makes over the parameter
+the interpreter's Python around it, `instr_overhead_s` (a collective's twice: at its call and
+once it is waited for), and the passes it makes over the parameter
 tensors one tensor at a time (`tensor_passes`), each a tensor view or copy and the Python around
 it, about two operators' dispatch a tensor (`ISSUE_OPS_PER_TENSOR`): a gradient bucket puts each
 gradient into its flat buffer before the call and, all-reduced, views each result out once waited;
@@ -461,7 +462,9 @@ class HostCosts:
         """(before the call, once waited): CPU-seconds of the rank's thread around a collective or
         message. Before: the interpreter's Python (`instr_overhead_s`) and, for a collective that
         carries parameter units, the passes over their tensors that `tensor_passes` counts, at
-        `ISSUE_OPS_PER_TENSOR` operators a tensor; once waited, those that put the result in place."""
+        `ISSUE_OPS_PER_TENSOR` operators a tensor; once waited, a collective's Python again (the wait,
+        its result recorded: `scripts/issue_cost.py`'s `finish`) and the passes that put the result
+        in place."""
         before, after = tensor_passes(ins, self.zero, self.flavour)
         per_pass = 0.0
         if (before or after) and self.model is not None:
@@ -469,7 +472,8 @@ class HostCosts:
             ep = _plan_ep(self.program) if part == "expert" else 1
             tensors = sum(unit_tensor_count(self.model, u, ep, part) for u in ins.items)
             per_pass = ISSUE_OPS_PER_TENSOR * tensors * self.op_s
-        return self.instr_s + before * per_pass, after * per_pass
+        waited = self.instr_s if ins.kind == "collective" else 0.0
+        return self.instr_s + before * per_pass, waited + after * per_pass
 
     def without_grad(self, rank: int) -> frozenset:
         """The forward instructions of this rank that run without autograd: those a `recompute.*`

@@ -411,3 +411,25 @@ def test_wake_cpu_times_the_main_threads_cpu_per_wait_and_refuses_bad_flags():
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows) and all(len(r) == 5 for r in rows if r[1] != "none")
     bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--ranks >= 2" in bad.stderr.strip().splitlines()[-1]
+
+
+def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(capsys, tmp_path):
+    """scripts/recording_cpu.py: per plan of a recording that timed its ranks' CPU, the main thread's
+    and every thread's CPU a step and the cores busy, predicted and measured; a directory without a
+    manifest is refused in one line."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import recording_cpu
+
+    here = ROOT / "traces" / "local-sched-idle"
+    prof = {k: v for k, v in load_profile(PROFILES / "local-sched-idle-traces.json").items()
+            if k in ("costs", "device", "node")}
+    (row,) = recording_cpu.rows(here, prof, ("dp2",))
+    p, m = row["predicted"], row["measured"]
+    assert 0 < m["main_thread_s"] <= m["per_rank_s"] and 0 < p["main_thread_s"] <= p["per_rank_s"]
+    assert 0.5 < p["main_thread_s"] / m["main_thread_s"] < 2 and 1 < m["cores_busy"] <= 2
+    assert recording_cpu.main(["--plans", "dp2"]) == 0 and "dp2" in capsys.readouterr().out
+    assert recording_cpu.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json" in err[0]

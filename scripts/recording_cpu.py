@@ -13,7 +13,6 @@ against measured (`simexec.compare.cpu_of`). The profile defaults to the recordi
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -26,9 +25,9 @@ def rows(recording: Path, profile: dict, plans: tuple[str, ...] = ()) -> list[di
     from simexec.calibrate_traces import load_cases, predict_case
     from simexec.cluster import get_cluster
     from simexec.compare import cpu_of
-    from simexec.trace import Trace
+    from simexec.trace import Trace, load_json
 
-    runs = json.loads((recording / "manifest.json").read_text())["runs"]
+    runs = load_json(recording / "manifest.json", "recording manifest").get("runs", [])
     out, seen = [], set()
     for run in runs:
         if run["name"] in seen or (plans and run["name"] not in plans):
@@ -57,12 +56,16 @@ def main(argv=None) -> int:
         print(f"recording_cpu: {recording} holds no manifest.json (a directory scripts/record_traces.py wrote)",
               file=sys.stderr)
         return 2
-    if not profile_path.is_file():
-        print(f"recording_cpu: profile {profile_path} not found (give one with --profile)", file=sys.stderr)
-        return 2
-    profile = {k: v for k, v in json.loads(profile_path.read_text()).items() if k in ("costs", "device", "node")}
+    from simexec.calibrate import load_profile
+    from simexec.errors import SimexecError
+
     plans = tuple(p for p in args.plans.split(",") if p)
-    got = rows(recording, profile, plans)
+    try:
+        profile = {k: v for k, v in load_profile(profile_path).items() if k in ("costs", "device", "node")}
+        got = rows(recording, profile, plans)
+    except SimexecError as exc:
+        print(f"recording_cpu: {exc}", file=sys.stderr)
+        return 2
     if not got:
         print(f"recording_cpu: no plan of {recording} {'named ' + args.plans + ' ' if plans else ''}timed its "
               "ranks' CPU", file=sys.stderr)

@@ -785,7 +785,8 @@ def test_a_collective_beside_busy_cores_waits_for_its_loops_copy_where_the_loops
 
 def test_a_trace_says_how_gloos_event_loops_ran_and_the_prediction_of_it_follows():
     """A measured trace names its loops (`meta["gloo_event_loops"]`); one without the field ran them
-    as gloo starts them. `predict_case` simulates the run as it ran."""
+    as gloo starts them. (That `predict_case` then simulates the run as it ran is checked on the
+    recording of the executor as it runs today, tests/test_calibrate_recorded.py.)"""
     trace = Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz")
     case = _case(trace, "dp2")
     assert case.loops_idle is (trace.meta.get("gloo_event_loops") == "SCHED_IDLE")

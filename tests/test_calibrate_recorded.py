@@ -433,3 +433,6 @@ def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(capsys,
     assert recording_cpu.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "manifest.json" in err[0]
+    assert recording_cpu.main(["--profile", str(tmp_path / "none.json"), "--plans", "dp2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "none.json" in err[0]

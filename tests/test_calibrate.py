@@ -125,6 +125,40 @@ def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, 
     assert eng.host.issue_split(ins) == pytest.approx((python + passes[0] * per_pass, python + passes[1] * per_pass))
 
 
+@pytest.mark.parametrize("plan,block,phase,ops", [
+    ("tp=2,gbs=4,dtype=fp32", "attn_out", "fwd", (3, 3)),  # copied out; a slice and a view back
+    ("tp=2,gbs=4,dtype=fp32", "attn_in", "bwd", (5, 9)),  # and the first norm's weight and bias summed with it
+    ("tp=4,sp=1,gbs=4,dtype=fp32", "mlp_out", "fwd", (19, 4)),  # each of 4 members' chunks joined
+    ("tp=2,sp=1,gbs=4,dtype=fp32", "norm_grads", "bwd", (3, 6)),
+    ("cp=2,gbs=4,dtype=fp32", "kv", "fwd", (5, 1)),
+])
+def test_activation_collectives_pay_for_the_operators_around_them(plan, block, phase, ops):
+    """The first micro-batch's activation collective costs its rank's thread the interpreter's
+    Python and the operators `activation_ops` counts (checked against the executor by
+    `test_activation_collective_operators_match_the_executor`), at the launch overhead each."""
+    eng, instrs = _engine(plan)
+    ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase and i.mb == 0)
+    op, python = TRUTH["device"]["launch_overhead_s"], TRUTH["costs"]["instr_overhead_s"]
+    assert eng.host.issue_split(ins) == pytest.approx((python + ops[0] * op, python + ops[1] * op))
+
+
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "tp=2,sp=1,gbs=4,dtype=fp32"), ("moe-tiny", "tp=2,gbs=2,dtype=fp32"),
+                                        ("moe-tiny", "ep=2,dp=2,gbs=4,dtype=fp32"), ("gpt-tiny", "cp=2,gbs=2,dtype=fp32")])
+def test_activation_collective_operators_match_the_executor(model, plan):
+    """`scripts/collective_ops.py`: what the interpreter dispatches around each activation
+    collective, counted on rank 0 of a real step, is what the simulator charges for it."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import collective_ops
+
+    rows = collective_ops.compare(model, plan)
+    assert rows
+    diff = [(r["phase"], r["block"], r["mb"], r["counted"], r["model"]) for r in rows
+            if tuple(r["counted"]) != tuple(r["model"])]
+    assert not diff, diff
+
+
 def test_the_local_preset_does_not_share_cores_until_calibrated():
     assert not LOCAL.costs.cores_shared
     assert profiled_cluster(LOCAL, TRUTH).costs.cores_shared

@@ -30,13 +30,17 @@ square roots and divisions), fitted to the one-rank step's optimizer.
 
 A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
 the interpreter's Python around it, `instr_overhead_s` (a collective's twice: at its call and
-once it is waited for), and the passes it makes over the parameter
-tensors one tensor at a time (`tensor_passes`), each a tensor view or copy and the Python around
-it, about two operators' dispatch a tensor (`ISSUE_OPS_PER_TENSOR`): a gradient bucket puts each
-gradient into its flat buffer before the call and, all-reduced, views each result out once waited;
-a ZeRO-1/2 bucket is reduce-scattered and its parameters gathered in place, whole (ZeRO-2's hooks
-copy each gradient into its bucket as autograd makes it); ZeRO-3 flattens a unit's gradients before
-their reduce-scatter and views a gathered unit into its parameters. What the thread does before
+once it is waited for), and the operators that prepare its tensors and put the result in place
+(`simexec.sim.issue`). A collective of parameter units makes passes over their tensors one tensor
+at a time (`tensor_passes`), each a tensor view or copy and the Python around it, about two
+operators' dispatch a tensor (`ISSUE_OPS_PER_TENSOR`): a gradient bucket puts each gradient into
+its flat buffer before the call and, all-reduced, views each result out once waited; a ZeRO-1/2
+bucket is reduce-scattered and its parameters gathered in place, whole (ZeRO-2's hooks copy each
+gradient into its bucket as autograd makes it); ZeRO-3 flattens a unit's gradients before their
+reduce-scatter and views a gathered unit into its parameters. An activation collective of tp, sp,
+cp or ep dispatches a handful of operators on each side (`activation_ops`: a copy or a
+concatenation before, slices and views after), and a few more for each partial gradient of a
+replicated norm or router it sums (`partial_gradients`). What the thread does before
 the call joins the compute instruction before the collective in program order, what it does once
 waited the compute instruction after it.
 `scripts/issue_cost.py` times both sides per kind of collective in real steps, beside the model.
@@ -52,6 +56,7 @@ from typing import Callable, Iterable, Optional
 from simexec.cluster import ClusterSpec
 from simexec.program import Instr, Program
 from simexec.sim.cores import Cores
+from simexec.sim.issue import ISSUE_OPS_PER_TENSOR, activation_ops, is_activation_collective, partial_gradients, tensor_passes
 
 ADAM_FUSED_OPS = 2  # _foreach_add_ on the step counts, _fused_adam_ (simexec.exec.optim.Adam)
 ADAM_OPS_PER_16BIT_TENSOR = 2  # the gradient's fp32 copy, the master's rounded copy into the parameter
@@ -77,7 +82,6 @@ UNSCALE_OPS = 3
 OVERFLOW_CHECK_OPS = 1
 GRAD_NORM_OPS = 7
 CLIP_SCALE_OPS = 7
-ISSUE_OPS_PER_TENSOR = 2  # a side of a parameter unit's collective, per tensor: a view and the Python around it
 
 
 def adam_ops(tensors: int, dtype: str, elements: float = 0.0, master_grads: bool = False,
@@ -105,34 +109,6 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
     if dtype in ("bf16", "fp16") and not master_grads:
         return tensors + max(1, math.ceil(elements / piece)) - 1
     return tensors
-
-
-def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> tuple[int, int]:
-    """Passes the interpreter makes over a collective's parameter tensors one tensor at a time,
-    (before its call, once waited), as `simexec.exec.sharding` handles each kind under ZeRO stage
-    `zero` and ZeRO-3 `flavour`:
-    - a gradient bucket (`grads<k>`) moves each gradient into its flat buffer, and all-reduced
-      (ZeRO-0) views each result out; ZeRO-1 reduce-scatters in place into the rank's slice, in one
-      piece; under ZeRO-2 a hook has also copied each gradient into the bucket as autograd made it
-      (a pass per micro-batch, as many as the bucket's reduce-scatters);
-    - ZeRO-1/2 gather the parameters in place (`params<k>`) and HSDP all-reduces a flat shard
-      (`grads_rep`): nothing per tensor;
-    - ZeRO-3 flattens a unit's gradients before their reduce-scatter (`grads`) and views its
-      gathered parameters out (`gather`); for the backward YaFSDP also views the unit's gradients
-      into its gradient buffer. (FSDP's release after a unit's last use points each parameter at
-      one empty tensor, no view: a tenth of a pass or less, `scripts/tensor_passes.py`.)"""
-    if ins.kind != "collective" or not ins.items:
-        return 0, 0
-    block = ins.block
-    if block.startswith("grads") and block[5:].isdigit():
-        if ins.collective == "allreduce":
-            return 1, 1
-        return (2 if zero == 2 else 1), 0
-    if block == "grads":
-        return 1, 0
-    if block == "gather":
-        return 0, (2 if flavour == "yafsdp" and ins.phase == "bwd" else 1)
-    return 0, 0
 
 
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
@@ -375,6 +351,7 @@ class HostCosts:
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         self.zero = plan.zero if plan is not None else 0
         self.flavour = plan.zero3_flavour if plan is not None else None
+        self.sp = bool(plan.sp) if plan is not None else False
         self.step_ops = 0  # what loss scaling and clipping add to the step
         if plan is not None:
             self.step_ops = (OVERFLOW_CHECK_OPS if plan.loss_scale > 0 else 0) + (CLIP_SCALE_OPS if plan.clip_grad > 0 else 0)
@@ -460,11 +437,16 @@ class HostCosts:
 
     def issue_split(self, ins: Instr) -> tuple[float, float]:
         """(before the call, once waited): CPU-seconds of the rank's thread around a collective or
-        message. Before: the interpreter's Python (`instr_overhead_s`) and, for a collective that
-        carries parameter units, the passes over their tensors that `tensor_passes` counts, at
-        `ISSUE_OPS_PER_TENSOR` operators a tensor; once waited, a collective's Python again (the wait,
-        its result recorded: `scripts/issue_cost.py`'s `finish`) and the passes that put the result
-        in place."""
+        message. Before: the interpreter's Python (`instr_overhead_s`) and the operators that prepare
+        its tensors: for a collective that carries parameter units the passes over their tensors that
+        `tensor_passes` counts, at `ISSUE_OPS_PER_TENSOR` operators a tensor; for an activation
+        collective those of `activation_ops`. Once waited, a collective's Python again (the wait, its
+        result recorded: `scripts/issue_cost.py`'s `finish`) and the operators that put the result in
+        place."""
+        if is_activation_collective(ins):
+            partial = partial_gradients(self.model, ins, self.sp)
+            before, after = activation_ops(ins, partial)
+            return self.instr_s + before * self.op_s, self.instr_s + after * self.op_s
         before, after = tensor_passes(ins, self.zero, self.flavour)
         per_pass = 0.0
         if (before or after) and self.model is not None:

@@ -20,15 +20,9 @@ from unittest import mock
 def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) -> None:
     """One rank's step with each collective's operators counted: {instruction name: (before, finish)}."""
     import torch
-    import torch.distributed as dist
 
-    from simexec.cluster import get_cluster
     from simexec.exec import collectives, interpreter
-    from simexec.exec.groups import GroupTable, group_specs
-    from simexec.exec.microbench import _CountTracer
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import parse_plan, resolve
+    from simexec.exec.microbench import _CountTracer, plan_rank
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -58,12 +52,7 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
             self.finish = timed
         return wait(self)
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
-        prog = lower(rp, symmetric=False)
-        groups = GroupTable(group_specs(rp, prog), rank, timeout_s=60)
+    with plan_rank(rank, world, port, model, plan) as (rp, prog, groups):
         with ExitStack() as stack:
             stack.enter_context(mock.patch.object(interpreter._Rank, "collective", counted_collective))
             stack.enter_context(mock.patch.object(collectives._Inflight, "wait", counted_wait))
@@ -72,9 +61,6 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
                                  device=torch.device("cpu"))
         if rank == 0:
             out.put({k: tuple(v) for k, v in counts.items()})
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
 
 
 def compare(model: str, plan: str, timeout_s: float = 120.0) -> list[dict]:

@@ -31,6 +31,7 @@ Times are per repetition (seconds); the fit reads each set at its mean (`simexec
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
@@ -457,6 +458,19 @@ def count_dispatch_plan(model: str, plan: str, timeout_s: float = 120.0) -> dict
 
 
 def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) -> None:
+    with plan_rank(rank, world, port, model, plan) as (rp, prog, groups):
+        cnt = _op_count()
+        tr = _CountTracer(cnt)
+        with cnt:
+            run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=tr, device=torch.device("cpu"))
+        if rank == 0:
+            out.put(tr.out)
+
+
+@contextlib.contextmanager
+def plan_rank(rank: int, world: int, port: int, model: str, plan: str):
+    """One rank of a plan on the `local` cluster, in a gloo world on 127.0.0.1 of one intra-op thread:
+    (resolved plan, program, process groups); the ranks meet at a barrier before the world ends."""
     from simexec.cluster import get_cluster
     from simexec.exec.groups import GroupTable, group_specs
     from simexec.lower import lower
@@ -468,13 +482,7 @@ def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) ->
     try:
         rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
         prog = lower(rp, symmetric=False)
-        groups = GroupTable(group_specs(rp, prog), rank, timeout_s=60)
-        cnt = _op_count()
-        tr = _CountTracer(cnt)
-        with cnt:
-            run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=tr, device=torch.device("cpu"))
-        if rank == 0:
-            out.put(tr.out)
+        yield rp, prog, GroupTable(group_specs(rp, prog), rank, timeout_s=60)
         dist.barrier()
     finally:
         dist.destroy_process_group()

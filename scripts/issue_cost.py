@@ -8,11 +8,13 @@ Runs the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execut
 interpreter's collectives timed, per kind of collective (`block`, buckets and layers merged):
 - `before`: from the interpreter taking the instruction to its call into torch.distributed (moving
   gradients into a flat buffer, allocating the output);
+- `call`: the call itself (torch.distributed's Python and the backend's work queued), wall time;
 - `after`: from that call's return until the interpreter goes on;
 - `finish`: the result put in place once the collective is waited on (views back into the
   parameters or gradients);
 - `model before`, `model finish`: what the simulator charges the rank's thread for it
-  (`HostCosts.issue_split` under `--profile`), to compare with before + after, and with finish.
+  (`HostCosts.issue_split` under `--profile`), to compare with before + call + after, and with
+  finish.
 Medians over the steps after the first four, over ranks. For the gradient bucket of ZeRO-0 (waited
 at once), also the time from the call to the end of the wait and from the last member's call to the
 end: the collective alone, the members' arrival spread taken out.
@@ -62,6 +64,7 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
             return
         m = marks[kind_of(ins.block)]
         m["before"].append(calls[0][0] - t0)
+        m["call"].append(sum(end - start for start, end in calls))
         m["after"].append(t1 - calls[-1][1])
         if ins.block.startswith("grads") and not ins.block.startswith("grads_rep") and ins.collective == "allreduce":
             self.inflight[ins.name].wait()
@@ -148,12 +151,12 @@ def main(argv=None) -> int:
         return f"{statistics.median(v) * 1e3:.3f}" if v else "-"
 
     print(f"{args.model} {args.plan}: medians in ms over ranks and steps 5-{args.steps}")
-    print(f"{'collective':<14}{'count':>6}{'before':>9}{'after':>9}{'finish':>9}{'model before':>14}"
+    print(f"{'collective':<14}{'count':>6}{'before':>9}{'call':>9}{'after':>9}{'finish':>9}{'model before':>14}"
           f"{'model finish':>14}{'call to end':>13}{'last call to end':>18}")
     nan = (float("nan"), float("nan"))
     for kind, p in sorted(pooled.items()):
         before, finish = prices.get(kind, nan)
-        print(f"{kind:<14}{len(p['before']):>6}{ms(p['before']):>9}{ms(p['after']):>9}{ms(p['finish']):>9}"
+        print(f"{kind:<14}{len(p['before']):>6}{ms(p['before']):>9}{ms(p['call']):>9}{ms(p['after']):>9}{ms(p['finish']):>9}"
               f"{before * 1e3:>14.3f}{finish * 1e3:>14.3f}{ms(p['call_to_end']):>13}{ms(p['last_call_to_end']):>18}")
     return 0
 

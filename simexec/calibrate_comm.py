@@ -60,9 +60,18 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     if verb == "broadcast":
         env.process(_root_of_broadcast(env, cores, hc, ins, lambda: out.append(env.now)))
     else:
-        hc.transfer(env, cores, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now))
+        env.process(_called(env, cores, hc, ins, tuple(range(2 if verb == "p2p" else n)), lambda: out.append(env.now)))
     env.run(until=t0 + 10.0 if busy else None)
     return out[0] - t0 if out else float("inf")
+
+
+def _called(env, cores, hc, ins, members, done):
+    """A collective's members each pay its call on their own thread (`collective_issue_s`, which
+    `HostCosts.transfer` takes out of the call's latency), then the transfer runs."""
+    issue = getattr(hc.cluster.costs, "collective_issue_s", 0.0) if ins.kind == "collective" else 0.0
+    if issue > 0:
+        yield env.all_of([cores.run((r, "main"), issue) for r in members])
+    hc.transfer(env, cores, ins, members, done)
 
 
 def _root_of_broadcast(env, cores, hc, ins, done):
@@ -137,8 +146,9 @@ def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float
         for it in range(iters):
             if r == 0:
                 marks.append(env.now)
-            if compute_s > 0:
-                yield cores.run(r, compute_s)
+            call = compute_s + getattr(cluster.costs, "collective_issue_s", 0.0)  # its call's on the same thread
+            if call > 0:
+                yield cores.run(r, call)
             arrived[it] += 1
             if arrived[it] == n:
                 hc.transfer(env, cores, ins, tuple(range(n)), done[it].succeed)
@@ -153,9 +163,10 @@ def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float
     return (marks[-1] - marks[skip]) / (iters - skip)
 
 
-def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
+def fit_comm_cpu(colls: list[dict], p2p: list[dict], issue_s: float = 0.0) -> Optional[dict]:
     """What a collective or message costs a member's cores, from the CPU time the micro-benchmarks
-    measured for each (every thread of the process; records without `cpu` are left out): per step
+    measured for each (every thread of the process, less a collective's call, `issue_s`, which the
+    calling thread pays; records without `cpu` are left out): per step
     (`HostCosts.comm_steps`), `comm_cpu` seconds for the hand-offs between gloo's threads and the
     kernel plus the step's bytes at `intra_bw` bytes per second of a core. Least squares on the log
     means, started from the linear fit on relative errors: a relative error counts a time predicted
@@ -173,7 +184,7 @@ def fit_comm_cpu(colls: list[dict], p2p: list[dict]) -> Optional[dict]:
         if not rec.get("cpu"):
             continue
         steps, chunk = HostCosts.comm_steps(_bench_instr(verb, n, rec["bytes"]))
-        cpu = summed_mean(rec["cpu"])
+        cpu = summed_mean(rec["cpu"]) - (issue_s if verb != "p2p" else 0.0)
         if steps <= 0 or cpu <= 0:
             continue
         rows.append([steps, steps * chunk])

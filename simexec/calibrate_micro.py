@@ -379,8 +379,12 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
 
     from simexec.sim.profile import apply_profile
 
+    # the calling thread's share of a collective's call, where the benchmarks timed it (else the base's)
+    issue = [c for r in R.get("issue") or [] for c in r["cpu"]]
+    issue_s = float(statistics.median(issue)) if issue else base.costs.collective_issue_s
+    report["issue_s"] = issue_s
     # what a collective costs the cores, measured: CPU per step and the bytes a core copies per second
-    comm_cpu = fit_comm_cpu(R.get("collectives") or [], R.get("p2p") or [])
+    comm_cpu = fit_comm_cpu(R.get("collectives") or [], R.get("p2p") or [], issue_s)
     comm_cpu_s = comm_cpu["comm_cpu"] if comm_cpu else 0.0
     if comm_cpu:
         report["comm_cpu"] = comm_cpu
@@ -389,7 +393,8 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
     loops_idle = gloo_loops_idle(extras)
     report["gloo_loops_idle"] = loops_idle
     comm_base = apply_profile(base, {"costs": {"compute_contention": contention, "timeslice_contention": timeslicing,
-                                               "comm_cpu_s": comm_cpu_s, "gloo_loops_idle": loops_idle}})
+                                               "comm_cpu_s": comm_cpu_s, "gloo_loops_idle": loops_idle,
+                                               "collective_issue_s": issue_s}})
     comm = fit_comm(R.get("collectives") or [], R.get("p2p") or [], R.get("pingpong") or [], comm_base,
                     background=background, cores=cores, fixed=fixed, loops=loops, gemm_s=gemm_s)
     slice_s = comm["slice"]
@@ -404,7 +409,8 @@ def fit_microbench(extras: dict, base: ClusterSpec, *, cores: Optional[int] = No
         "collective_latency_s": comm["coll_latency"], "overlap_slowdown": 1.0, "compute_contention": contention,
         "timeslice_contention": timeslicing,
         "instr_overhead_s": instr_s, "bwd_overhead_s": bwd_s, "sched_slice_s": slice_s,
-        "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "background_load": background,
+        "idle_wake_s": comm["idle_wake"], "comm_cpu_s": comm_cpu_s, "collective_issue_s": issue_s,
+        "background_load": background,
         "elementwise_cost": elementwise, "nograd_fwd_ratio": nograd,
         "cpu_scheduler": base.costs.cpu_scheduler, "gloo_loops_idle": loops_idle,
     }

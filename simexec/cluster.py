@@ -118,6 +118,9 @@ class CostParams(_Spec):
     comm_cpu_s: float = Field(
         0.0, ge=0, description="CPU ranks: CPU a member spends per step of a collective or message besides "
         "copying its bytes (gloo's thread hand-offs and wake-ups, socket syscalls); 0 = one dispatched operator")
+    collective_issue_s: float = Field(
+        0.0, ge=0, description="CPU ranks: CPU the calling thread spends in a collective's call (torch.distributed's "
+        "Python, the backend's work set up and queued), part of collective_latency_s; 0 = none on the thread")
     gloo_loops_idle: bool = Field(
         False, description="CPU ranks: gloo's TCP event loops run at Linux's SCHED_IDLE (the executor's default, "
         "simexec.exec.gloo_loops): the bytes they move get only the cores no other thread wants")

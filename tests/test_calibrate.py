@@ -1,6 +1,7 @@
 """Calibration: profiles, the host model of CPU ranks, fitting known parameters back from synthetic traces."""
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,28 @@ def test_activation_collectives_pay_for_the_operators_around_them(plan, block, p
     ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase and i.mb == 0)
     op, python = TRUTH["device"]["launch_overhead_s"], TRUTH["costs"]["instr_overhead_s"]
     assert eng.host.issue_split(ins) == pytest.approx((python + ops[0] * op, python + ops[1] * op))
+
+
+def test_a_collectives_call_costs_its_thread_and_leaves_the_rest_of_its_latency():
+    """`collective_issue_s` joins the thread's side before the call (not a message's), and the
+    simulated collective waits only the rest of `collective_latency_s`."""
+    issue = 40e-6
+    eng, instrs = _engine("tp=2,gbs=4,dtype=fp32")
+    ins = next(i for i in instrs if i.kind == "collective" and i.block == "attn_out" and i.mb == 0)
+    before, after = eng.host.issue_split(ins)
+    eng.host.issue_s = issue
+    assert eng.host.issue_split(ins) == pytest.approx((before + issue, after))
+    send = next(i for i in _engine("pp=2,gbs=4,dtype=fp32")[1] if i.kind == "send")
+    assert eng.host.issue_split(send) == (TRUTH["costs"]["instr_overhead_s"], 0.0)
+
+    def collectives_us(costs):
+        r = simulate("gpt-tiny", LOCAL, "tp=2,gbs=4,dtype=fp32", profile={**TRUTH, "costs": {**TRUTH["costs"], **costs}},
+                     trace=True)
+        return sorted(e.dur_us for e in r.trace.events if e.kind == "collective" and e.rank == 0)
+
+    latency = TRUTH["costs"]["collective_latency_s"]
+    shorter = [a - b for a, b in zip(collectives_us({}), collectives_us({"collective_issue_s": latency}))]
+    assert shorter and statistics.median(shorter) == pytest.approx(latency * 1e6, rel=0.05)
 
 
 @pytest.mark.parametrize("model,plan", [("gpt-tiny", "tp=2,sp=1,gbs=4,dtype=fp32"), ("moe-tiny", "tp=2,gbs=2,dtype=fp32"),
@@ -678,6 +701,13 @@ def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():
     assert fit["intra_bw"] == pytest.approx(bw, rel=0.25)
     assert sum(e < 0 for e in fit["rel_err"].values()) == 4
 
+    # each collective's call adds its thread's CPU to the records; told it, the fit takes it out
+    # (a message's call is not one)
+    issue = 80e-6
+    called = [{**c, "cpu": [x + issue for x in c["cpu"]]} if c.get("cpu") else c for c in colls]
+    assert fit_comm_cpu(called, p2p, issue)["comm_cpu"] == pytest.approx(per_step, rel=0.05)
+    assert fit_comm_cpu(called, p2p)["comm_cpu"] > per_step * 1.1
+
 
 def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     """With `comm_cpu_s` a ring step occupies every member's core that long: on two idle cores four
@@ -690,6 +720,9 @@ def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     dear = profiled_cluster(LOCAL, {**base, "costs": {**base["costs"], "comm_cpu_s": 200e-6}})
     assert host_comm_time(dear, "allreduce", 4, 256) >= 6 * 2 * 200e-6
     assert host_comm_time(cheap, "allreduce", 4, 256) < 6 * 2 * 20e-6
+    # a benchmarked collective's call runs on its members' threads: four on two cores take two turns
+    called = profiled_cluster(LOCAL, {**base, "costs": {**base["costs"], "collective_issue_s": 1e-3}})
+    assert host_comm_time(called, "allreduce", 4, 256) > host_comm_time(cheap, "allreduce", 4, 256) + 1.5e-3
     step_cheap = simulate("gpt-tiny", LOCAL, "dp=4,zero=3,gbs=4,dtype=fp32", profile=base).step_time_s
     step_dear = simulate("gpt-tiny", LOCAL, "dp=4,zero=3,gbs=4,dtype=fp32",
                          profile={**base, "costs": {**base["costs"], "comm_cpu_s": 200e-6}}).step_time_s

@@ -96,11 +96,13 @@ def test_recorded_microbenchmarks_fit_again():
     assert all(v > 0 for v in (c["instr_overhead_s"], n["intra_latency_s"], n["intra_bw"]))
     assert abs(report["gemm"]["rel_err"][-1]) < 0.3
     assert c["gloo_loops_idle"] is False  # recorded before the benchmarks counted their idled loops
+    assert c["collective_issue_s"] == LOCAL.costs.collective_issue_s == 0.0  # nor timed a call alone
 
 
 def test_benchmarks_that_ran_gloos_loops_idle_are_fitted_so(monkeypatch):
     """The collectives' fit simulates the benchmarks with the event loops as they ran, and the profile
-    says so; every rank must have idled its loops."""
+    says so; every rank must have idled its loops. Benchmarks that timed a collective's call alone
+    (`issue`) give the profile its CPU on the calling thread."""
     import simexec.calibrate_micro as cm
 
     raw = load_json(DIR / "microbench.json.gz", "micro-benchmarks")
@@ -108,8 +110,11 @@ def test_benchmarks_that_ran_gloos_loops_idle_are_fitted_so(monkeypatch):
     real = cm.fit_comm
     monkeypatch.setattr(cm, "fit_comm", lambda *a, **k: seen.append(a[3].costs.gloo_loops_idle) or real(*a, **k))
     idled = {r: {**ex, "gloo_loops_idled": 3} for r, ex in raw["extras"].items()}
+    calls = {"verb": "allreduce", "n": 2, "bytes": 8192.0, "cpu": [61e-6, 58e-6, 90e-6]}
+    idled["0"] = {**idled["0"], "results": {**idled["0"]["results"], "issue": [calls]}}
     sections, report = fit_microbench(idled, LOCAL, measured_background=raw.get("background"))
     assert seen == [True] and sections["costs"]["gloo_loops_idle"] is True and report["gloo_loops_idle"] is True
+    assert sections["costs"]["collective_issue_s"] == pytest.approx(61e-6)  # the calls' median
     one_left = {**idled, "0": {**idled["0"], "gloo_loops_idled": 0}}
     assert cm.gloo_loops_idle(one_left) is False and cm.gloo_loops_idle(raw["extras"]) is False
 

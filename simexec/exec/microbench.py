@@ -73,6 +73,8 @@ class BenchConfig:
     interleave_gemms: tuple = (1, 4, 16)  # 128^3 matmuls between all-reduces (a tensor-parallel layer's pattern)
     interleave_bytes: tuple = (16384, 262144)
     interleave_iters: int = 48
+    issue_bytes: int = 8192  # a tensor-parallel activation of the small models
+    issue_reps: int = 100
 
     @staticmethod
     def quick(model: str = "gpt-tiny") -> "BenchConfig":
@@ -81,7 +83,7 @@ class BenchConfig:
                            elementwise=(1 << 10, 1 << 16, 1 << 20), collective_bytes=(256, 16384, 1 << 20),
                            p2p_bytes=(256, 16384, 1 << 20), copy_bytes=(1 << 16, 1 << 20), block_steps=4, block_mbs=(1, 4),
                            block_models=(), pingpong_s=0.5,
-                           interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=24)
+                           interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=24, issue_reps=30)
 
 
 def _sync(group=None) -> None:
@@ -229,6 +231,29 @@ class _Bench:
                             if self.rank == mine[0]:
                                 self.add("collectives", verb=verb, group=list(mine), n=len(mine), mode=mode,
                                          concurrent=len(active), bytes=float(nbytes), t=ts, cpu=cpu)
+        _sync()
+
+    def issue(self) -> None:
+        """The CPU a rank's own thread spends in the call of an asynchronous all-reduce (torch.distributed's
+        Python, gloo's work set up and queued for its worker thread), the call alone, as the
+        interpreter makes it: both members of the first pair call together after a barrier."""
+        cfg = self.cfg
+        _sync()
+        if self.pairs and self.rank in self.pairs[0]:
+            g = self.pairs[0]
+            pg = self.groups[g]
+            x = torch.zeros(cfg.issue_bytes // 4)
+            cpu = []
+            for r in range(cfg.issue_reps + 5):
+                dist.barrier(group=pg)
+                c0 = time.thread_time()
+                work = dist.all_reduce(x, group=pg, async_op=True)
+                c1 = time.thread_time()
+                work.wait()
+                if r >= 5:
+                    cpu.append(c1 - c0)
+            if self.rank == g[0]:
+                self.add("issue", verb="allreduce", n=len(g), bytes=float(x.numel() * 4), cpu=cpu)
         _sync()
 
     def interleaved(self) -> None:
@@ -386,7 +411,8 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
     rp1, instrs1 = _one_rank_program(cfg.model)
     timings = {}
     for name, fn in (("compute", b.compute), ("blocks", lambda: b.blocks(rp1, instrs1)),
-                     ("collectives", b.collectives), ("interleaved", b.interleaved), ("p2p", b.p2p)):
+                     ("collectives", b.collectives), ("issue", b.issue), ("interleaved", b.interleaved),
+                     ("p2p", b.p2p)):
         t = time.perf_counter()
         fn()
         timings[name] = time.perf_counter() - t

@@ -30,7 +30,9 @@ square roots and divisions), fitted to the one-rank step's optimizer.
 
 A collective or message costs the rank's own thread too, besides the transfer (`issue_seconds`):
 the interpreter's Python around it, `instr_overhead_s` (a collective's twice: at its call and
-once it is waited for), and the operators that prepare its tensors and put the result in place
+once it is waited for), a collective's call into torch.distributed (`collective_issue_s`, measured
+by the micro-benchmarks' `issue`: about 60 µs of an idle core on the 2-core VM, where an operator
+takes 5), and the operators that prepare its tensors and put the result in place
 (`simexec.sim.issue`). A collective of parameter units makes passes over their tensors one tensor
 at a time (`tensor_passes`), each a tensor view or copy and the Python around it, about two
 operators' dispatch a tensor (`ISSUE_OPS_PER_TENSOR`): a gradient bucket puts each gradient into
@@ -339,6 +341,7 @@ class HostCosts:
         self.copy_bw = node.host_link_bw * c.host_link_eff
         self.op_s = d.launch_overhead_s
         self.instr_s = getattr(c, "instr_overhead_s", 0.0)
+        self.issue_s = getattr(c, "collective_issue_s", 0.0)
         self.bwd_s = getattr(c, "bwd_overhead_s", 0.0)
         self.cores = node.cpu_cores
         self.slice_s = getattr(c, "sched_slice_s", 0.0)
@@ -437,16 +440,18 @@ class HostCosts:
 
     def issue_split(self, ins: Instr) -> tuple[float, float]:
         """(before the call, once waited): CPU-seconds of the rank's thread around a collective or
-        message. Before: the interpreter's Python (`instr_overhead_s`) and the operators that prepare
-        its tensors: for a collective that carries parameter units the passes over their tensors that
+        message. Before: the interpreter's Python (`instr_overhead_s`), a collective's call
+        (`collective_issue_s`: torch.distributed's Python and the backend's work queued, which
+        `transfer` takes out of the call's latency) and the operators that prepare its tensors: for a collective that carries parameter units the passes over their tensors that
         `tensor_passes` counts, at `ISSUE_OPS_PER_TENSOR` operators a tensor; for an activation
         collective those of `activation_ops`. Once waited, a collective's Python again (the wait, its
         result recorded: `scripts/issue_cost.py`'s `finish`) and the operators that put the result in
         place."""
+        call = self.issue_s if ins.kind == "collective" else 0.0
         if is_activation_collective(ins):
             partial = partial_gradients(self.model, ins, self.sp)
             before, after = activation_ops(ins, partial)
-            return self.instr_s + before * self.op_s, self.instr_s + after * self.op_s
+            return self.instr_s + call + before * self.op_s, self.instr_s + after * self.op_s
         before, after = tensor_passes(ins, self.zero, self.flavour)
         per_pass = 0.0
         if (before or after) and self.model is not None:
@@ -455,7 +460,7 @@ class HostCosts:
             tensors = sum(unit_tensor_count(self.model, u, ep, part) for u in ins.items)
             per_pass = ISSUE_OPS_PER_TENSOR * tensors * self.op_s
         waited = self.instr_s if ins.kind == "collective" else 0.0
-        return self.instr_s + before * per_pass, waited + after * per_pass
+        return self.instr_s + call + before * per_pass, waited + after * per_pass
 
     def without_grad(self, rank: int) -> frozenset:
         """The forward instructions of this rank that run without autograd: those a `recompute.*`
@@ -539,6 +544,8 @@ class HostCosts:
         the token counts' first (`exchanges_counts`)."""
         steps, chunk = self.comm_steps(ins)
         call, burst, wire = self.comm_seconds(steps, chunk)
+        if ins.kind == "collective":  # the calling thread's share of the call it has paid (`issue_split`)
+            call = max(0.0, call - getattr(self.cluster.costs, "collective_issue_s", 0.0))
         loop = self.loop_seconds(chunk)
         calls = [(steps, call, burst - loop, wire, loop)]
         if exchanges_counts(ins):

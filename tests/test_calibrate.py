@@ -182,6 +182,44 @@ def test_activation_collective_operators_match_the_executor(model, plan):
     assert not diff, diff
 
 
+def test_call_cpu_times_a_collectives_call_on_its_thread():
+    """scripts/call_cpu.py: the micro-benchmarks' `issue` on two real gloo ranks; a call into
+    torch.distributed costs its thread several times an operator (50-64 µs against 3-5 on the 2-core
+    VM); a bad count is refused in one line."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import call_cpu
+
+    assert call_cpu.main(["--reps", "0"]) == 2
+    from simexec.exec.spawn import spawn_ranks
+
+    got = spawn_ranks(call_cpu._rank, 2, (30,), 120.0)
+    assert len(got["call"]) == 30
+    assert statistics.median(got["call"]) > 3 * statistics.median(got["add"])
+
+
+def test_thread_cpu_charges_each_part_as_the_engine_does():
+    """scripts/thread_cpu.py: the charged column is the engine's charge to the rank's thread, split
+    by the parts the runner times (a collective's call inside `call <block>`); too few steps are
+    refused in one line."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import thread_cpu
+
+    assert thread_cpu.main(["--steps", "3"]) == 2
+    profile = ROOT / "traces" / "profiles" / "local-microbench.json"
+    issue = 50e-6
+    prof = json.loads(profile.read_text())
+    prof["costs"]["collective_issue_s"] = issue
+    parts = thread_cpu.model_parts("gpt-tiny", "tp=2,gbs=4,dtype=fp32", prof)
+    plain = thread_cpu.model_parts("gpt-tiny", "tp=2,gbs=4,dtype=fp32", str(profile))
+    assert {"compute fwd.qkv", "call attn_out", "wait attn_in"} <= set(parts)
+    assert parts["call attn_out"] - plain["call attn_out"] == pytest.approx(4 * 4 * issue)  # 4 layers, 4 micro-batches
+    assert parts["wait attn_out"] == pytest.approx(plain["wait attn_out"])
+
+
 def test_the_local_preset_does_not_share_cores_until_calibrated():
     assert not LOCAL.costs.cores_shared
     assert profiled_cluster(LOCAL, TRUTH).costs.cores_shared

@@ -442,7 +442,8 @@ class HostCosts:
         """(before the call, once waited): CPU-seconds of the rank's thread around a collective or
         message. Before: the interpreter's Python (`instr_overhead_s`), a collective's call
         (`collective_issue_s`: torch.distributed's Python and the backend's work queued, which
-        `transfer` takes out of the call's latency) and the operators that prepare its tensors: for a collective that carries parameter units the passes over their tensors that
+        `transfer` takes out of the call's latency) and the operators that prepare its tensors:
+        for a collective that carries parameter units the passes over their tensors that
         `tensor_passes` counts, at `ISSUE_OPS_PER_TENSOR` operators a tensor; for an activation
         collective those of `activation_ops`. Once waited, a collective's Python again (the wait, its
         result recorded: `scripts/issue_cost.py`'s `finish`) and the operators that put the result in

@@ -19,8 +19,8 @@ from simexec.program import Instr
 ISSUE_OPS_PER_TENSOR = 2  # a side of a parameter unit's collective, per tensor: a view and the Python around it
 
 # Operators the interpreter dispatches around an activation collective (`simexec.exec.interpreter.
-# activation_collective`, `alltoall`, `norm_grads`), its own c10d operator aside (the transfer prices
-# it): (before the call, once waited), per verb, read forward. Counted with a TorchDispatchMode
+# activation_collective`, `alltoall`, `norm_grads`), its own c10d operator aside (the call, priced as
+# `collective_issue_s`): (before the call, once waited), per verb, read forward. Counted with a TorchDispatchMode
 # (`scripts/collective_ops.py`) on gpt-tiny and moe-tiny at tp 2 and 4 with and without sp, cp 2 and
 # ep 2; the counts do not depend on sizes.
 # - all-reduce: the input detached and copied out (clone), then a slice and a view of the result;

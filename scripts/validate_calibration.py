@@ -23,7 +23,8 @@ how the held-out error moves when a parameter the micro-benchmarks measured is h
 
 --max-noise PCT stops the measurement after any round whose noise floor so far (one plan's rounds
 against their median) is above PCT percent, and removes its traces: on a host that unsteady the
-table says more about the host than about the simulator.
+table says more about the host than about the simulator. --attempts N measures again, up to N times
+in all, --retry-after SECONDS after each stop, for a shared host whose other users come and go.
 
 --cost NAME=VALUE sets a number of the `local` preset's `costs` (e.g. `idle_poll_s=4.3e-3`) for a
 what-if: with --refit, how the same measurements move under another value.
@@ -44,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate import PARAMS  # noqa: E402
 from simexec.calibrate_eval import (  # noqa: E402
-    MATRIX, from_recording, refit, run_validation, save_outcome, summary_table, table,
+    MATRIX, UnsteadyHostError, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
 from simexec.calibrate_traces import TRACE_PARAMS  # noqa: E402
 from simexec.cluster import get_cluster  # noqa: E402
@@ -96,6 +97,16 @@ def _percent(text: str) -> float:
     return value / 100.0
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -119,7 +130,19 @@ def main(argv=None) -> int:
     ap.add_argument("--max-noise", type=_percent, default=None, metavar="PCT",
                     help="stop, fitting and keeping nothing, after any round whose plans' rounds differ from "
                          "their median by more than PCT percent on average (the noise floor)")
+    ap.add_argument("--attempts", type=_positive, default=1, metavar="N",
+                    help="with --max-noise: measure again after a stop, up to N measurements in all")
+    ap.add_argument("--retry-after", type=float, default=300.0, metavar="SECONDS",
+                    help="with --attempts: how long to wait after a stop before measuring again (default 300)")
     args = ap.parse_args(argv)
+    if args.attempts > 1 and (args.max_noise is None or args.refit):
+        print(f"validate_calibration: error: --attempts {args.attempts} needs --max-noise and a measurement "
+              "(not --refit): only a measurement stopped for noise is tried again", file=sys.stderr)
+        return 2
+    if args.retry_after < 0:
+        print(f"validate_calibration: error: --retry-after {args.retry_after:g}: expected seconds >= 0",
+              file=sys.stderr)
+        return 2
     trace_params = None
     if args.trace_params is not None:
         trace_params = tuple(n.strip() for n in args.trace_params.split(",") if n.strip())
@@ -163,9 +186,19 @@ def main(argv=None) -> int:
                             trace_params=trace_params)
         else:
             out = Path(args.out)
-            outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
-                                     max_nfev=args.max_nfev, name=args.name, progress=progress, cluster=cluster,
-                                     trace_params=trace_params, max_noise=args.max_noise)
+            for attempt in range(1, args.attempts + 1):
+                try:
+                    outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps,
+                                             quick_bench=args.quick, max_nfev=args.max_nfev, name=args.name,
+                                             progress=progress, cluster=cluster, trace_params=trace_params,
+                                             max_noise=args.max_noise)
+                    break
+                except UnsteadyHostError as exc:
+                    if attempt == args.attempts:
+                        raise
+                    progress(f"attempt {attempt} of {args.attempts}: {exc}; measuring again in "
+                             f"{args.retry_after:g} s")
+                    time.sleep(args.retry_after)
     except SimexecError as exc:
         print(f"validate_calibration: error: {exc}", file=sys.stderr)
         return 2

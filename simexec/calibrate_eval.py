@@ -300,6 +300,11 @@ def runs_spread(runs: Sequence[Run]) -> Optional[float]:
     return spread([r.step_s for r in rs] for rs in by_plan(runs).values())
 
 
+class UnsteadyHostError(CalibrationError):
+    """A measurement stopped by `noise_guard`: the host, not the inputs, was at fault, so the same
+    measurement may pass later (`scripts/validate_calibration.py --attempts`)."""
+
+
 def noise_guard(limit: Optional[float]) -> Optional[Callable[[int, list[Run]], None]]:
     """An `after_round` hook that stops a measurement, and removes its traces, once its plans'
     rounds differ by more than `limit` (a fraction): on a host that unsteady the table would say
@@ -316,7 +321,7 @@ def noise_guard(limit: Optional[float]) -> Optional[Callable[[int, list[Run]], N
         for folder in {Path(run.trace_path).parent for run in runs}:
             if not any(folder.iterdir()):
                 folder.rmdir()
-        raise CalibrationError(f"the host is too unsteady to judge the simulator: after {r + 1} rounds one "
+        raise UnsteadyHostError(f"the host is too unsteady to judge the simulator: after {r + 1} rounds one "
                                f"plan's rounds differ from their median by {100 * noise:.1f}% on average "
                                f"(limit {100 * limit:.1f}%); nothing was fitted or kept")
     return check

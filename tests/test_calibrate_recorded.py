@@ -149,14 +149,19 @@ def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, mess
         from_recording(tmp_path / "rec", tmp_path / "out")
 
 
-def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(capsys):
-    """`--trace-params` names what the trace fit moves; a name no fit knows is refused before anything
-    is read or measured."""
+def _validate_calibration_script():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
+    return script
+
+
+def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(capsys):
+    """`--trace-params` names what the trace fit moves; a name no fit knows is refused before anything
+    is read or measured."""
+    script = _validate_calibration_script()
     assert script.main(["--refit", str(DIR), "--trace-params", "op,bandwidth"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "unknown bandwidth;" in err[0] and "intra_bw" in err[0]
@@ -170,14 +175,62 @@ def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(cap
 def test_validate_calibration_refuses_a_bad_cost_in_one_line(capsys, cost, message):
     """`--cost NAME=VALUE` sets a number of the preset's costs for a what-if; a name it does not have,
     a value that is not a number or one outside the field's bounds is refused before anything is read."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = _validate_calibration_script()
     assert script.main(["--refit", str(DIR), "--cost", cost]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch, capsys):
+    """`--attempts N` measures again, `--retry-after` seconds after each stop of `--max-noise`, up to N
+    measurements; the last stop is the one error line. Other errors are not tried again."""
+    from simexec.calibrate import CalibrationError
+    from simexec.calibrate_eval import UnsteadyHostError
+
+    script = _validate_calibration_script()
+    calls, slept = [], []
+
+    def unsteady(out, specs, **kw):
+        calls.append(kw["max_noise"])
+        raise UnsteadyHostError(f"the host is too unsteady to judge the simulator: attempt {len(calls)}")
+
+    monkeypatch.setattr(script, "run_validation", unsteady)
+    monkeypatch.setattr(script.time, "sleep", slept.append)
+    args = ["--out", str(tmp_path), "--max-noise", "5", "--attempts", "3", "--retry-after", "7"]
+    assert script.main(args) == 2
+    assert calls == [0.05] * 3 and slept == [7.0, 7.0]
+    out, err = capsys.readouterr()
+    assert out.count("measuring again in 7 s") == 2
+    assert err.strip().splitlines() == ["validate_calibration: error: the host is too unsteady to judge the "
+                                        "simulator: attempt 3"]
+
+    def broken(out, specs, **kw):
+        calls.append(kw["max_noise"])
+        raise CalibrationError("the plan matrix needs runnable calibration and held-out plans")
+
+    calls.clear(), slept.clear()
+    monkeypatch.setattr(script, "run_validation", broken)
+    assert script.main(args) == 2 and len(calls) == 1 and not slept
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--attempts", "2"], "--attempts 2 needs --max-noise"),
+    (["--attempts", "2", "--max-noise", "5", "--refit", "DIR"], "--attempts 2 needs --max-noise and a measurement"),
+    (["--attempts", "2", "--max-noise", "5", "--retry-after", "-1"], "--retry-after -1: expected seconds >= 0"),
+])
+def test_validate_calibration_refuses_retries_it_cannot_make_in_one_line(capsys, args, message):
+    script = _validate_calibration_script()
+    assert script.main([a if a != "DIR" else str(DIR) for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0]
+
+
+def test_validate_calibration_attempts_must_be_a_whole_number(capsys):
+    script = _validate_calibration_script()
+    with pytest.raises(SystemExit) as exc:
+        script.main(["--attempts", "0"])
+    assert exc.value.code == 2
+    assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
 
 
 GPU = ROOT / "traces" / "gpu"

@@ -99,9 +99,9 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
     return out
 
 
-def model_prices(model: str, plan: str, profile: str) -> dict[str, tuple[float, float]]:
-    """The simulator's charge to the rank's thread per kind of collective, (before the call, once
-    waited): medians over rank 0's."""
+def rank0_costs(model: str, plan: str, profile: str):
+    """`HostCosts` under `profile` on the `local` cluster, and the lowest rank's instructions: what the
+    simulator charges that rank's thread (shared with scripts/thread_cpu.py)."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.model import get_model
@@ -112,35 +112,56 @@ def model_prices(model: str, plan: str, profile: str) -> dict[str, tuple[float, 
     cluster = apply_profile(get_cluster("local"), profile)
     rp = resolve(get_model(model), cluster, load_plan(plan), None)
     prog = lower(rp, symmetric=False)
-    hc = HostCosts(cluster, prog, rp.plan.dtype)
+    return HostCosts(cluster, prog, rp.plan.dtype), prog.ranks[min(prog.ranks)]
+
+
+def model_prices(model: str, plan: str, profile: str) -> dict[str, tuple[float, float]]:
+    """The simulator's charge to the rank's thread per kind of collective, (before the call, once
+    waited): medians over rank 0's."""
+    hc, instrs = rank0_costs(model, plan, profile)
     prices = collections.defaultdict(list)
-    for ins in prog.ranks[min(prog.ranks)]:
+    for ins in instrs:
         if ins.kind == "collective":
             prices[kind_of(ins.block)].append(hc.issue_split(ins))
     return {k: tuple(statistics.median(side) for side in zip(*v)) for k, v in prices.items()}
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", default="dp=2,gbs=8,dtype=fp32")
+def plan_parser(doc: str, plan: str, steps: int) -> argparse.ArgumentParser:
+    """The flags of a script that runs one plan with an instrumented rank runner."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--plan", default=plan)
     ap.add_argument("--model", default="gpt-tiny")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=steps)
     ap.add_argument("--profile", default="traces/profiles/local-microbench.json")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run_plan(script: str, args, runner, model_side, timeout_s: float):
+    """`model_side(model, plan, profile)` and the plan run on Ray actors with `runner`; on a bad flag
+    or plan, one line on stderr and None."""
     if args.steps < 5:
-        print(f"issue_cost: error: --steps must be at least 5 (the first four are warm-up), got {args.steps}",
+        print(f"{script}: error: --steps must be at least 5 (the first four are warm-up), got {args.steps}",
               file=sys.stderr)
-        return 2
+        return None
     from simexec.calibrate_runs import Session
     from simexec.errors import SimexecError
 
     try:
-        prices = model_prices(args.model, args.plan, args.profile)
+        predicted = model_side(args.model, args.plan, args.profile)
         with Session() as session:
-            m = session.execute(args.model, args.plan, steps=args.steps, runner=runner, timeout_s=300.0)
+            return predicted, session.execute(args.model, args.plan, steps=args.steps, runner=runner,
+                                              timeout_s=timeout_s)
     except SimexecError as exc:
-        print(f"issue_cost: error: {exc}", file=sys.stderr)
+        print(f"{script}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def main(argv=None) -> int:
+    args = plan_parser(__doc__, "dp=2,gbs=8,dtype=fp32", 24).parse_args(argv)
+    got = run_plan("issue_cost", args, runner, model_prices, 300.0)
+    if got is None:
         return 2
+    prices, m = got
     pooled: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     for ex in m.result.extra.values():
         for kind, parts in ex.items():

@@ -15,17 +15,15 @@ largest difference first. Shared cores slow every part alike: compare the parts 
 """
 from __future__ import annotations
 
-import argparse
 import collections
 import statistics
 import sys
 import time
+from pathlib import Path
 
-VERBS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all_single")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # issue_cost, beside this script
 
-
-def _kind(block: str) -> str:
-    return block.rstrip("0123456789")
+from issue_cost import VERBS, kind_of as _kind, plan_parser, rank0_costs, run_plan  # noqa: E402
 
 
 def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
@@ -94,19 +92,9 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
 
 def model_parts(model: str, plan: str, profile: str) -> dict[str, float]:
     """What the simulator charges the lowest rank's thread a step, by the same parts (seconds)."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
-    from simexec.sim.host import HostCosts
-    from simexec.sim.profile import apply_profile
-
-    cluster = apply_profile(get_cluster("local"), profile)
-    rp = resolve(get_model(model), cluster, load_plan(plan), None)
-    prog = lower(rp, symmetric=False)
-    hc = HostCosts(cluster, prog, rp.plan.dtype)
+    hc, instrs = rank0_costs(model, plan, profile)
     parts: dict[str, float] = collections.defaultdict(float)
-    for ins in prog.ranks[min(prog.ranks)]:
+    for ins in instrs:
         if ins.kind == "compute":
             parts[f"compute {'fwd' if ins.phase == 'recompute' else ins.phase}.{ins.block}"] += hc.cpu_seconds(ins)
         elif ins.kind == "collective":
@@ -119,26 +107,11 @@ def model_parts(model: str, plan: str, profile: str) -> dict[str, float]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--plan", default="tp=2,gbs=8,dtype=fp32")
-    ap.add_argument("--model", default="gpt-tiny")
-    ap.add_argument("--steps", type=int, default=14)
-    ap.add_argument("--profile", default="traces/profiles/local-microbench.json")
-    args = ap.parse_args(argv)
-    if args.steps < 5:
-        print(f"thread_cpu: error: --steps must be at least 5 (the first four are warm-up), got {args.steps}",
-              file=sys.stderr)
+    args = plan_parser(__doc__, "tp=2,gbs=8,dtype=fp32", 14).parse_args(argv)
+    got = run_plan("thread_cpu", args, runner, model_parts, 600.0)
+    if got is None:
         return 2
-    from simexec.calibrate_runs import Session
-    from simexec.errors import SimexecError
-
-    try:
-        predicted = model_parts(args.model, args.plan, args.profile)
-        with Session() as session:
-            m = session.execute(args.model, args.plan, steps=args.steps, runner=runner, timeout_s=600.0)
-    except SimexecError as exc:
-        print(f"thread_cpu: error: {exc}", file=sys.stderr)
-        return 2
+    predicted, m = got
     rank = min(m.result.extra, key=int)
     steps = m.result.extra[rank]["steps"]
     parts = sorted(set(predicted) | {p for s in steps for p in s})

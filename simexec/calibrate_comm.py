@@ -68,7 +68,7 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
 def _called(env, cores, hc, ins, members, done):
     """A collective's members each pay its call on their own thread (`collective_issue_s`, which
     `HostCosts.transfer` takes out of the call's latency), then the transfer runs."""
-    issue = getattr(hc.cluster.costs, "collective_issue_s", 0.0) if ins.kind == "collective" else 0.0
+    issue = hc.issue_s if ins.kind == "collective" else 0.0
     if issue > 0:
         yield env.all_of([cores.run((r, "main"), issue) for r in members])
     hc.transfer(env, cores, ins, members, done)
@@ -141,12 +141,12 @@ def host_loop_time(cluster: ClusterSpec, n: int, compute_s: float, nbytes: float
     done = [env.event() for _ in range(iters)]
     arrived = [0] * iters
     marks: list[float] = []
+    call = compute_s + hc.issue_s  # the collective's call runs on the same thread
 
     def rank(r: int):
         for it in range(iters):
             if r == 0:
                 marks.append(env.now)
-            call = compute_s + getattr(cluster.costs, "collective_issue_s", 0.0)  # its call's on the same thread
             if call > 0:
                 yield cores.run(r, call)
             arrived[it] += 1

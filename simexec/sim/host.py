@@ -369,6 +369,7 @@ class HostCosts:
         """Just the communication half (`transfer`), for pricing single collectives without a program."""
         hc = cls.__new__(cls)
         hc.cluster, hc.op_s = cluster, cluster.device.launch_overhead_s
+        hc.issue_s = getattr(cluster.costs, "collective_issue_s", 0.0)
         return hc
 
     def efficiency(self, op: str, flops: float) -> float:
@@ -546,7 +547,7 @@ class HostCosts:
         steps, chunk = self.comm_steps(ins)
         call, burst, wire = self.comm_seconds(steps, chunk)
         if ins.kind == "collective":  # the calling thread's share of the call it has paid (`issue_split`)
-            call = max(0.0, call - getattr(self.cluster.costs, "collective_issue_s", 0.0))
+            call = max(0.0, call - self.issue_s)
         loop = self.loop_seconds(chunk)
         calls = [(steps, call, burst - loop, wire, loop)]
         if exchanges_counts(ins):

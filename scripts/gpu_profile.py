@@ -5,6 +5,8 @@ Two steps, because the GPU host needs nothing but torch:
     python scripts/gpu_profile.py measure --out gpu_raw.json            # on the GPU machine (CUDA events)
     python scripts/gpu_profile.py fit gpu_raw.json --cluster dgx-h100 \
         --out traces/profiles/h100.json --report docs/gpu_profile.md     # here: fit and compare
+    python scripts/gpu_profile.py fit traces/gpu/h200_raw.json --cluster hgx-h200 \
+        --out traces/profiles/h200.json --report docs/gpu_profile_h200.md  # an H200's, the same way
     python scripts/gpu_profile.py gemm-plan --out traces/gpu/gemm_plan.json  # on the GPU: a new shape's planning
     python scripts/gpu_profile.py wait-cpu                              # on the GPU: a waiting thread's CPU
 

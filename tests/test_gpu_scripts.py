@@ -2,6 +2,7 @@
 scripts/block_profile.py's split of an instruction's time, scripts/gpu_profile.py's planning cost."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -64,3 +65,20 @@ def test_gemm_plan_cost_is_a_new_shape_less_a_repeated_one_per_dtype():
     got = gpu_profile.plan_costs(rows)
     assert got["bf16"] == pytest.approx((120.0 - 18.0) * 1e-6)
     assert got["fp32"] == 0.0  # never negative: no planning to see
+
+
+@pytest.mark.parametrize("name, raw, cluster", [("h100", "h100_raw.json", "dgx-h100"),
+                                                 ("h200", "h200_raw.json", "hgx-h200")])
+def test_kernel_profiles_come_from_their_recorded_kernels(tmp_path, name, raw, cluster):
+    """Each committed GPU kernel profile is what `gpu_profile.py fit` makes of the committed kernel
+    timings on its datasheet preset, and it predicts those kernels better than the preset does."""
+    root = Path(__file__).resolve().parent.parent
+    committed = json.loads((root / "traces/profiles" / f"{name}.json").read_text())
+    out = tmp_path / f"{name}.json"
+    gpu_profile.fit(str(root / "traces/gpu" / raw), cluster, str(out), None)
+    refit = json.loads(out.read_text())
+    assert refit["base_cluster"] == committed["base_cluster"] == cluster
+    assert refit["measured_at"] == committed["measured_at"]
+    for key, value in committed["costs"].items():
+        assert refit["costs"][key] == pytest.approx(value, rel=1e-3), key
+    assert refit["fit"]["mape_fitted"] < 0.6 * refit["fit"]["mape_datasheet"]

@@ -20,8 +20,9 @@ Table 1): micro-batch 1; virtual stages per pipeline rank = the largest v <= 3 t
 layers per stage (3 is the most the authors' own scripts use, Megatron-LM examples/sc21); interleaved
 1F1B wherever pp > 1 (it needs micro-batches divisible by pp: true for every row); full activation
 recompute; fp16; no fused attention (FlashAttention came a year later); gradient all-reduce as
-Megatron-LM 2021 did it: torch DDP (25 MB buckets overlapped with the last backward) without a
-pipeline, Megatron's local DDP (the whole gradient buffer reduced after the backward) with one.
+Megatron-LM 2021 did it: torch DDP (25 MB buckets overlapped with the last backward, copied in and
+out of `.grad` as torch DDP's default does) without a pipeline, Megatron's local DDP (the whole
+gradient buffer reduced after the backward) with one.
 """
 from __future__ import annotations
 
@@ -133,6 +134,8 @@ def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
             f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},loss_scale=8192,clip_grad=1")
     if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv)
         plan += ",p2p_overlap=0"
+    else:  # torch DDP as Megatron-LM wraps it: its own buckets beside `.grad` (gradient_as_bucket_view=False)
+        plan += ",grad_bucket_view=0"
     if r["vpp"] > 1:
         plan += f",vpp={r['vpp']}"
     if r["stages"]:

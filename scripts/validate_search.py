@@ -98,7 +98,7 @@ def knobs(tp: int, pp: int) -> dict:
     (`DDP=torch` in examples/sc21/run_table_1.sh for every pp = 1 row); with a pipeline Megatron-LM
     2021 requires its local DDP (`assert args.DDP_impl == 'local'` in megatron/training.py), which
     all-reduces after the backward."""
-    return dict(MEGATRON_2021, tp=tp, pp=pp, grad_overlap=pp == 1)
+    return dict(MEGATRON_2021, tp=tp, pp=pp, grad_overlap=pp == 1, grad_bucket_view=pp > 1)
 
 
 def pairs(model, cluster, gbs: int, shared: dict = MEGATRON_2021) -> list[tuple[int, int]]:

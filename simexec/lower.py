@@ -48,6 +48,11 @@ def adam_bytes_per_param(rp: ResolvedPlan) -> float:
     return ADAM_BYTES_PER_PARAM + extra
 
 
+def _copy_block(nbytes: float) -> Block:
+    """A device copy of `nbytes` of gradients, in the backward: read once, written once."""
+    return Block("elementwise", 0.0, 2.0 * nbytes, 0.0, bwd=2.0 * nbytes)
+
+
 def representatives(rp: ResolvedPlan) -> dict[int, tuple[int, ...]]:
     """One rank per pipeline stage (tp = cp = dp = 0) stands for all ranks of that stage."""
     mesh = rp.mesh
@@ -673,8 +678,10 @@ class _RankLowering:
         nbytes = sum(b for _, b in pool)
         verb = "allreduce" if self.p.zero == 0 else "reducescatter"
         name = f"bwd.grads{k}"
-        self.coll(name, verb, axis, group, nbytes, (after or self.pool_after[axis],), phase="bwd",
-                  block=f"grads{k}", items=units, wait=False)
+        after = after or self.pool_after[axis]
+        if self.rp.bucket_copy_bytes and final:  # torch DDP's own buckets: the gradients copied in first
+            after = self.compute("bwd", f"bucket_in{k}", -1, -1, 0, _copy_block(nbytes))
+        self.coll(name, verb, axis, group, nbytes, (after,), phase="bwd", block=f"grads{k}", items=units, wait=False)
         self.grad_colls.append(name)
         if self.p.zero == 2:
             self.memory("free", "grads", nbytes, f"grads.{axis}.b{k}", stream=f"comm.{axis}", deps=(name,))
@@ -711,6 +718,10 @@ class _RankLowering:
             n = self.coll("bwd.tied", "allreduce", "embed", self.g_embed, self.an.embed_params() * self.grad_dt,
                           tuple(deps) + (self.last_compute(),), phase="bwd", block="tied", wait=False)
             deps.append(n)
+        if self.rp.bucket_copy_bytes:  # ... and the reduced ones copied back to `.grad` once all are done
+            copied = sum(nbytes for _, axis, _, nbytes in self.buckets if axis)
+            self.wait.extend(d for d in deps if d)
+            deps = [self.compute("bwd", "bucket_out", -1, -1, 0, _copy_block(copied))]
         params = self.rp.params_on_pp_rank(self.pp_rank)
         shard = params["dense"] / (self.zero_size if self.p.zero >= 1 else 1)
         shard += params["expert"] / (max(1, len(self.g_edp)) if self.p.zero >= 1 else 1)

@@ -57,6 +57,10 @@ class Plan(BaseModel):
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
+    grad_bucket_view: bool = Field(
+        True, description="gradients are views into the data-parallel reduction buckets (DDP's"
+        " gradient_as_bucket_view=True, Megatron-LM's contiguous buffer, FSDP); False: torch DDP's default, whose"
+        " buckets are a second copy of the gradients, filled before and copied back after each all-reduce")
     master_grads: bool = Field(
         False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
         " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
@@ -290,6 +294,13 @@ class ResolvedPlan:
         return 4 if p.master_grads and self.grad_bytes < 4 and p.offload == "none" else 0
 
     @property
+    def bucket_copy_bytes(self) -> int:
+        """Bytes per parameter of torch DDP's own bucket buffers under `grad_bucket_view=0`: allocated
+        when the model is wrapped and kept for the whole run beside the `.grad` tensors (the saving
+        torch documents for gradient_as_bucket_view); 0 where no gradient is all-reduced over dp."""
+        return self.grad_bytes if not self.plan.grad_bucket_view and self.zero_group_size > 1 else 0
+
+    @property
     def pipeline_slices(self) -> int:
         """Pieces a pipeline message is cut into over tp (Megatron-LM's scatter/gather, SC'21 §4.1).
 
@@ -338,7 +349,8 @@ class ResolvedPlan:
     def model_state_bytes(self, pp_rank: int) -> dict[str, float]:
         """Mixed-precision Adam model states per rank (ZeRO paper: 2+2+12 bytes per parameter).
 
-        `grad_fp32` keeps the gradients in fp32 (2+4+12 = 18, Megatron-LM's bf16 default). The fp32
+        `grad_fp32` keeps the gradients in fp32 (2+4+12 = 18, Megatron-LM's bf16 default);
+        `grad_bucket_view=0` adds torch DDP's bucket copy of them to `grads`. The fp32
         copy of `master_grads` is not here: it lives only through the optimizer step (the lowering
         allocates it there, `master_grad_bytes`). Expert parameters are sharded by ZeRO over dp/ep
         ranks, as Megatron's expert data parallel.
@@ -351,10 +363,11 @@ class ResolvedPlan:
         w = self.dtype_bytes if p.dtype != "fp8" else 2  # fp8 training keeps bf16 weights
         k = 12 if p.dtype != "fp32" else 8  # fp32 training: Adam m, v only (no master copy)
         grad_b = self.grad_bytes
+        bucket_b = self.bucket_copy_bytes
 
         def split(n: float, shard: int) -> tuple[float, float, float]:
             wt = n * w / (shard if p.zero >= 3 else 1)
-            gr = n * grad_b / (shard if p.zero >= 2 else 1)
+            gr = n * (grad_b + (bucket_b if shard > 1 else 0)) / (shard if p.zero >= 2 else 1)
             op = n * k / (shard if p.zero >= 1 else 1)
             return wt, gr, op
 
@@ -505,6 +518,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             fail(f"dp_shard={p.dp_shard} does not divide dp={dp}")
         if p.ep > 1 and p.dp_shard % p.ep:
             fail(f"dp_shard={p.dp_shard} not divisible by ep={p.ep}")
+    if not p.grad_bucket_view and p.zero != 0:
+        fail(f"grad_bucket_view=0 (torch DDP's separate buckets) needs zero=0, got zero={p.zero}")
     if p.offload == "optimizer+params" and p.zero != 3:
         fail(f"offload=optimizer+params needs zero=3, got zero={p.zero}")
     if p.loss_scale_window and not p.loss_scale:

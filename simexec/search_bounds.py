@@ -503,7 +503,8 @@ class _StructureBounds:
         """Per pipeline rank: model-state bytes (`model_state_bytes`), YaFSDP's preallocated buffers,
         the optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
         p, rp = self.p, self.rp
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads, state)
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads,
+               p.grad_bucket_view, state)
         out = self.b.memory.get(key)
         if out is not None:
             return out
@@ -533,7 +534,8 @@ class _StructureBounds:
         parameter gather) seconds, the busy time of the ZeRO axis' stream (fixed, per micro-batch)
         and the gradient traffic."""
         p, rp = self.p, self.rp
-        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap, state)
+        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap,
+               p.grad_bucket_view, state)
         out = self.b.states.get(key)
         if out is not None:
             return out

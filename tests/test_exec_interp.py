@@ -264,6 +264,8 @@ CORE = [
     ("gpt-tiny", "pp=2,vpp=2,gbs=2,p2p_overlap=0"),  # as many micro-batches as stages: all forwards first
     ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0"),
     ("gpt-tiny", "tp=2,gbs=2,flash_attention=0"),  # unfused attention: Q.K^T, softmax, P.V
+    ("gpt-tiny", "dp=2,gbs=4,grad_bucket_view=0"),  # torch DDP's own buckets: copied in, reduced, copied back
+    ("gpt-tiny", "dp=2,tp=2,gbs=4,grad_bucket_view=0,grad_overlap=0"),
 ]
 
 

@@ -5,7 +5,7 @@ import pytest
 from simexec.cluster import GiB, get_cluster
 from simexec.lower import lower
 from simexec.model import get_model
-from simexec.plan import parse_plan, resolve
+from simexec.plan import PlanError, parse_plan, resolve
 from simexec.simulate import simulate
 
 MODEL = get_model("gpt3-125m")
@@ -45,6 +45,8 @@ def _states_at_step(plan: str) -> float:
     ("dtype=fp16,master_grads=1,zero=1", lambda P: 4 * P + 16 * P / N),  # distributed optimizer
     ("dtype=bf16,grad_fp32=1,master_grads=1,zero=1", lambda P: 6 * P + 12 * P / N),
     ("dtype=fp32,zero=1", lambda P: 8 * P + 8 * P / N),
+    # torch DDP without gradient_as_bucket_view (Megatron-LM 2021's pp = 1 runs): its buckets beside .grad
+    ("dtype=fp16,master_grads=1,grad_bucket_view=0", lambda P: 22 * P),
 ])
 def test_megatron_bytes_per_parameter_at_the_optimizer_step(plan, states):
     assert _states_at_step(f"dp={N},gbs={N},{plan}") == pytest.approx(states(MODEL.params), rel=1e-9)
@@ -69,3 +71,27 @@ def test_peak_includes_allocator_overhead_and_workspace():
     assert b["allocator"] == pytest.approx(0.05 * (b["activations"] + b["buffers"] + b["workspace"]), rel=1e-9)
     assert sum(b.values()) == pytest.approx(r.peak_memory_bytes, rel=1e-9)
     assert r.fits
+
+
+def test_torch_ddp_buckets_are_filled_before_and_emptied_after_their_all_reduce():
+    """grad_bucket_view=0: each bucket's gradients are copied in (read and written) before its
+    all-reduce, and all of them copied back once every bucket is reduced, before the step."""
+    rp = resolve(MODEL, get_cluster("local"), parse_plan(f"dp={N},gbs={N},dtype=fp16,grad_bucket_view=0"), 256)
+    prog = lower(rp).ranks[0]
+    names = [i.name for i in prog]
+    reduces = [i for i in prog if i.kind == "collective" and i.block.startswith("grads")]
+    assert len(reduces) > 1
+    for r in reduces:
+        [copy_in] = [i for i in prog if i.name in r.deps]
+        assert copy_in.block == "bucket_in" + r.block.removeprefix("grads") and copy_in.bytes == 2 * r.bytes
+    [out] = [i for i in prog if i.block == "bucket_out"]
+    assert out.bytes == pytest.approx(2 * sum(r.bytes for r in reduces))
+    assert set(r.name for r in reduces) <= set(out.deps)
+    assert names.index(out.name) < names.index(next(i.name for i in prog if i.block == "optim"))
+    plain = resolve(MODEL, get_cluster("local"), parse_plan(f"dp={N},gbs={N},dtype=fp16"), 256)
+    assert not [i for i in lower(plain).ranks[0] if i.block.startswith("bucket_")]
+
+
+def test_torch_ddp_buckets_need_zero_0():
+    with pytest.raises(PlanError, match="grad_bucket_view=0 .* needs zero=0, got zero=1"):
+        resolve(MODEL, get_cluster("local"), parse_plan(f"dp={N},gbs={N},zero=1,grad_bucket_view=0"), 256)

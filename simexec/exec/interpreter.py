@@ -415,6 +415,10 @@ class _Rank(Sharding, RingAttention):
             return self.grad_norm(ins)
         if ins.block == "unscale":
             return self.unscale(ins)
+        if ins.block.startswith("bucket_in"):
+            return self.bucket_in(ins)
+        if ins.block == "bucket_out":
+            return self.bucket_out(ins)
         if self.z3_pending:
             for cls in ("dense", "expert"):
                 w = self.z3_pending.get((cls, ins.layer))

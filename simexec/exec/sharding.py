@@ -163,23 +163,28 @@ class Sharding:
         self.z2buf: dict[tuple, Tensor] = {}  # ZeRO-2: this micro-batch's bucket buffers, until reduce-scattered
         if self.plan.zero == 2 and not self.xla:
             self._setup_zero2_hooks()
+        self.bucket_keys: dict[str, tuple] = {}  # grad_bucket_view=0: bucket number -> bucket
         if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
             return
+        covered: set[str] = set()
         for i in self.instrs:
             if not (i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()):
                 continue
             key = (self._cls(i.axis), tuple(i.items))
+            self.bucket_keys.setdefault(i.block[5:], key)
             names = [n for u in i.items for n in self.unit_names(u, key[0])]
-            if key in self.gbuf or any(n in self.gview for n in names):
+            if key in self.gbuf or any(n in covered for n in names):
                 continue  # the same bucket on another micro-batch (or another grouping: copied then)
             fl = self.buckets.get(key) or self._flat(names, i.group)
             self.buckets.setdefault(key, fl)
             self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-            for n, v in zip(names, fl.views(buf)):
-                self.gview[n] = v
+            covered.update(names)
+            if self.plan.grad_bucket_view:
+                for n, v in zip(names, fl.views(buf)):
+                    self.gview[n] = v
         # parameters no bucket covers (dp = 1): Megatron's DDP wrapper allocates their main_grad
         # buffer all the same, at construction, so gradients are resident from the start
-        rest = [n for n in self.p if n not in self.gview]
+        rest = [n for n in self.p if n not in covered]
         if rest:
             key = ("local", ())
             fl = self.buckets[key] = self._flat(rest, (self.rank,))
@@ -222,7 +227,7 @@ class Sharding:
             if key is None or k == key:
                 buf.zero_()
                 for n in self.buckets[k].names:
-                    if self.p[n].grad is None:
+                    if self.p[n].grad is None and n in self.gview:  # (not torch DDP's own buckets)
                         self.p[n].grad = self.gview[n]
 
 
@@ -265,8 +270,8 @@ class Sharding:
             flat[fl.total :].zero_()
             for n, v in zip(names, fl.views(flat)):
                 v.copy_(self.local_grad(n))
-        else:  # gradients are in the buffer already, but for those moved out (tp-reduced, see local_grad)
-            for n, v in zip(names, fl.views(flat)):
+        elif self.plan.grad_bucket_view:  # gradients are in the buffer already, but for those moved out
+            for n, v in zip(names, fl.views(flat)):  # (tp-reduced, see local_grad)
                 gr = self.local_grad(n)
                 if gr.data_ptr() != v.data_ptr():
                     v.copy_(gr)
@@ -294,6 +299,33 @@ class Sharding:
             self.g_pending[n] = w
         if verb == "reducescatter":
             self.gshard_pending[key] = w
+
+    def bucket_in(self, ins: Instr) -> None:
+        """`bucket_in<k>` (grad_bucket_view=0): torch DDP copies the bucket's gradients into its own
+        buffer for the all-reduce; `.grad` keeps its copy."""
+        key = self.bucket_keys.get(ins.block.removeprefix("bucket_in"))
+        if key is None or key not in self.gbuf:
+            return  # XLA: the bucket is a flattened copy already
+        for n, v in zip(self.buckets[key].names, self.buckets[key].views(self.gbuf[key])):
+            gr = self.local_grad(n)
+            v.copy_(gr)
+            self.p[n].grad = gr
+
+    def bucket_out(self, ins: Instr) -> None:
+        """`bucket_out` (grad_bucket_view=0): once every bucket is all-reduced, the sums are copied back
+        into `.grad`, which the optimizer step then reads (and the step lets go of)."""
+        for key, buf in self.gbuf.items():
+            if key not in self.buckets or not key[1]:
+                continue
+            for n, v in zip(self.buckets[key].names, self.buckets[key].views(buf)):
+                w = self.g_pending.pop(n, None)
+                if w is not None:
+                    w.wait()
+                g = self.p[n].grad
+                if g is None or n not in self.reduced:
+                    continue
+                g.copy_(self.reduced[n])
+                self.reduced[n], self.p[n].grad = g, None
 
     def _accumulate_shard(self, key: tuple, out: Tensor) -> Callable[[], None]:
         def finish():

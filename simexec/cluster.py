@@ -29,7 +29,8 @@ class DeviceSpec(_Spec):
 
     name: str
     peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, fp8")
-    memory_bytes: float = Field(gt=0, description="device memory capacity")
+    memory_bytes: float = Field(gt=0, description="device memory a process can allocate: the capacity CUDA reports"
+                                " (torch.cuda.get_device_properties().total_memory), under the HBM's nominal size")
     memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
     launch_overhead_s: float = Field(ge=0, description="fixed cost per kernel launch")
 
@@ -231,6 +232,16 @@ _H100 = dict(
     peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12, "fp8": 1979e12},
     launch_overhead_s=4e-6,
 )
+# Device memory as CUDA gives it to a process (total_memory), a little under the HBM's nominal size;
+# the runtime's context, cuBLAS and NCCL then take their share of it (`workspace_bytes`).
+# - H100 SXM5 80GB HBM3: 79.18 GiB; H200: 139.80 GiB (scripts/device_memory.py on one of each, torch
+#   2.11 + CUDA 13.0, driver 580; traces/gpu/device_memory.json). The H200's "141 GB" is 141 GiB of HBM.
+# - A100 SXM4 80GB: 79.25 GiB; 40GB: 39.59 GiB (PyTorch's out-of-memory reports, "GPU 0; 79.25 GiB
+#   total capacity" and "39.59 GiB total capacity", in public issue threads).
+_A100_40G_CUDA_BYTES = 39.59 * GiB
+_A100_80G_CUDA_BYTES = 79.25 * GiB
+_H100_CUDA_BYTES = 85_017_493_504  # 79.18 GiB
+_H200_CUDA_BYTES = 150_109_880_320  # 139.80 GiB
 _HOPPER_NODE = dict(
     # DGX H100 / HGX H100-H200: NVLink4 900 GB/s bidirectional per GPU, PCIe Gen5 x16 (64 GB/s),
     # 2x Xeon 8480C (112 cores), 2 TB host memory.
@@ -252,21 +263,21 @@ _LOCAL_COSTS = CostParams(
 PRESETS: dict[str, ClusterSpec] = {
     "dgx-a100-40g": ClusterSpec(
         name="dgx-a100-40g", nodes=1,
-        device=DeviceSpec(name="A100-SXM4-40GB", memory_bytes=40 * GiB, memory_bw=1555 * GB, **_A100),
+        device=DeviceSpec(name="A100-SXM4-40GB", memory_bytes=_A100_40G_CUDA_BYTES, memory_bw=1555 * GB, **_A100),
         node=NodeSpec(host_memory_bytes=1e12, **_DGX_A100_NODE),
         network=NetworkSpec(**_HDR_IB), costs=_A100_COSTS,
         source="NVIDIA A100 datasheet; DGX A100 user guide (1 TB host memory, 8x HDR IB)",
     ),
     "dgx-a100-80g": ClusterSpec(
         name="dgx-a100-80g", nodes=1,
-        device=DeviceSpec(name="A100-SXM4-80GB", memory_bytes=80 * GiB, memory_bw=2039 * GB, **_A100),
+        device=DeviceSpec(name="A100-SXM4-80GB", memory_bytes=_A100_80G_CUDA_BYTES, memory_bw=2039 * GB, **_A100),
         node=NodeSpec(host_memory_bytes=2e12, **_DGX_A100_NODE),
         network=NetworkSpec(**_HDR_IB), costs=_A100_COSTS,
         source="NVIDIA A100 80GB datasheet; DGX A100 640GB user guide (2 TB host memory, 8x HDR IB)",
     ),
     "dgx-h100": ClusterSpec(
         name="dgx-h100", nodes=1,
-        device=DeviceSpec(name="H100-SXM5-80GB", memory_bytes=80 * GiB, memory_bw=3350 * GB, **_H100),
+        device=DeviceSpec(name="H100-SXM5-80GB", memory_bytes=_H100_CUDA_BYTES, memory_bw=3350 * GB, **_H100),
         node=NodeSpec(**_HOPPER_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
         costs=_H100_COSTS,
         source="NVIDIA H100 datasheet; DGX H100 user guide (8x ConnectX-7 NDR 400 Gb/s)",
@@ -274,7 +285,7 @@ PRESETS: dict[str, ClusterSpec] = {
     "hgx-h200": ClusterSpec(
         name="hgx-h200", nodes=1,
         # H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s.
-        device=DeviceSpec(name="H200-SXM-141GB", memory_bytes=141 * GB, memory_bw=4800 * GB, **_H100),
+        device=DeviceSpec(name="H200-SXM-141GB", memory_bytes=_H200_CUDA_BYTES, memory_bw=4800 * GB, **_H100),
         node=NodeSpec(**_HOPPER_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
         costs=_H100_COSTS,
         source="NVIDIA H200 datasheet; HGX H200 reference (8x NDR 400 Gb/s)",

@@ -37,20 +37,21 @@ def test_a100_datasheet(name):
 
 
 def test_a100_memory():
-    assert PRESETS["dgx-a100-40g"].device.memory_bytes == 40 * 2**30
-    assert PRESETS["dgx-a100-80g"].device.memory_bytes == 80 * 2**30
+    """As PyTorch reports the A100s' capacity ("79.25 GiB total capacity", "39.59 GiB")."""
+    assert PRESETS["dgx-a100-40g"].device.memory_bytes == 39.59 * 2**30
+    assert PRESETS["dgx-a100-80g"].device.memory_bytes == 79.25 * 2**30
 
 
 def test_h100_datasheet():
     d = PRESETS["dgx-h100"].device
     assert d.peak_flops["bf16"] == 989 * TERA and d.peak_flops["fp8"] == 1979 * TERA
-    assert d.memory_bytes == 80 * 2**30 and d.memory_bw == 3.35 * TERA
+    assert d.memory_bw == 3.35 * TERA
     assert PRESETS["dgx-h100"].node.intra_bw == 450e9
 
 
 def test_h200_datasheet():
     d = PRESETS["hgx-h200"].device
-    assert d.memory_bytes == 141e9 and d.memory_bw == 4.8 * TERA
+    assert d.memory_bw == 4.8 * TERA
     assert d.peak_flops["bf16"] == 989 * TERA and d.supports("fp8")
 
 
@@ -223,3 +224,17 @@ def test_cluster_doc_names_every_field():
     for spec in (ClusterSpec, DeviceSpec, NodeSpec, NetworkSpec, CostParams):
         missing = [f for f in spec.model_fields if f"`{f}`" not in text]
         assert not missing, f"docs/cluster.md does not describe {spec.__name__} fields {missing}"
+
+
+def test_device_memory_is_what_cuda_gives_a_process():
+    """The presets' capacity is the device's memory as CUDA reports it to a process, a little under the
+    HBM's nominal 80 GiB / 141 GiB; the Hopper ones as measured on one H100 and one H200
+    (traces/gpu/device_memory.json, scripts/device_memory.py)."""
+    rows = {r["gpu"]: r for r in json.loads((Path(__file__).resolve().parent.parent
+                                             / "traces/gpu/device_memory.json").read_text())["rows"]}
+    assert PRESETS["dgx-h100"].device.memory_bytes == rows["NVIDIA H100 80GB HBM3"]["total_memory_bytes"]
+    assert PRESETS["hgx-h200"].device.memory_bytes == rows["NVIDIA H200"]["total_memory_bytes"]
+    for name, nominal in (("dgx-a100-40g", 40), ("dgx-a100-80g", 80), ("dgx-h100", 80), ("hgx-h200", 141)):
+        assert 0.98 * nominal * 2**30 < PRESETS[name].device.memory_bytes < nominal * 2**30, name
+    for r in rows.values():  # the runtime, cuBLAS and one NCCL communicator fit in the presets' workspace
+        assert r["after_nccl_bytes"] < PRESETS["dgx-h100"].costs.workspace_bytes

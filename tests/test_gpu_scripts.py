@@ -3,6 +3,7 @@ scripts/block_profile.py's split of an instruction's time, scripts/gpu_profile.p
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -82,3 +83,13 @@ def test_kernel_profiles_come_from_their_recorded_kernels(tmp_path, name, raw, c
     for key, value in committed["costs"].items():
         assert refit["costs"][key] == pytest.approx(value, rel=1e-3), key
     assert refit["fit"]["mape_fitted"] < 0.6 * refit["fit"]["mape_datasheet"]
+
+
+def test_device_memory_refuses_a_machine_without_cuda_in_one_line():
+    import subprocess
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "device_memory.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert out.returncode == 2
+    assert out.stderr.strip() == "device_memory.py: no CUDA device here" and "Traceback" not in out.stderr

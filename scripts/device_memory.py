@@ -1,0 +1,64 @@
+"""What one GPU gives a training process: the capacity CUDA reports and what the runtime, cuBLAS and
+NCCL take of it before any tensor of the model exists.
+
+    python scripts/device_memory.py [--out FILE]      # on the GPU machine
+
+Prints (and writes as JSON) the device's total memory as CUDA reports it, and the memory in use
+outside PyTorch's caching allocator (`torch.cuda.mem_get_info` less `memory_reserved`) after each of: creating the context, the first bf16 GEMM (cuBLAS's
+handle and workspace), a one-rank NCCL all-reduce (communicator and its buffers). The datasheet's
+"80 GB" is the HBM's size; a process sees less, and the cluster presets' `workspace_bytes` is
+meant to cover the rest.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+GiB = 1024**3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    import torch
+    import torch.distributed as dist
+
+    if not torch.cuda.is_available():
+        print("device_memory.py: no CUDA device here", file=sys.stderr)
+        return 2
+    props = torch.cuda.get_device_properties(0)
+
+    def used() -> float:
+        """Memory in use on the device that is not the caching allocator's (context, libraries)."""
+        free, total = torch.cuda.mem_get_info()
+        return float(total - free - torch.cuda.memory_reserved())
+
+    row = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "total_memory_bytes": float(props.total_memory)}
+    torch.cuda.init()
+    torch.empty(1, device="cuda")
+    row["after_context_bytes"] = used()
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    (a @ a).sum().item()
+    row["after_gemm_bytes"] = used()
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29531")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    row["after_nccl_bytes"] = used()
+    dist.destroy_process_group()
+    for k, v in row.items():
+        print(f"{k}: {v / GiB:.3f} GiB" if k.endswith("bytes") else f"{k}: {v}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(row, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -44,7 +44,7 @@ def plan_fields(small: bool):
             "schedule": st.sampled_from(["gpipe", "1f1b", "interleaved-1f1b"]),
             "recompute": st.sampled_from(["none", "selective", "full"]), "recompute_layers": st.integers(0, 5),
             "dtype": st.sampled_from(["bf16", "fp16", "fp32", "fp8"]), "flash_attention": st.booleans(),
-            "bucket_mb": st.floats(0.5, 200), "rank_order": st.sampled_from(ORDERS),
+            "bucket_mb": st.floats(0.5, 200), "grad_bucket_view": st.booleans(), "rank_order": st.sampled_from(ORDERS),
             "stages": st.lists(st.integers(-1, 40), min_size=1, max_size=8).map(tuple),
         },
     )

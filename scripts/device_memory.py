@@ -1,13 +1,14 @@
 """What one GPU gives a training process: the capacity CUDA reports and what the runtime, cuBLAS and
 NCCL take of it before any tensor of the model exists.
 
-    python scripts/device_memory.py [--out FILE]      # on the GPU machine
+    python scripts/device_memory.py [--out traces/gpu/device_memory.json]      # on the GPU machine
 
-Prints (and writes as JSON) the device's total memory as CUDA reports it, and the memory in use
-outside PyTorch's caching allocator (`torch.cuda.mem_get_info` less `memory_reserved`) after each of: creating the context, the first bf16 GEMM (cuBLAS's
-handle and workspace), a one-rank NCCL all-reduce (communicator and its buffers). The datasheet's
-"80 GB" is the HBM's size; a process sees less, and the cluster presets' `workspace_bytes` is
-meant to cover the rest.
+Prints the device's total memory as CUDA reports it, and the memory in use outside PyTorch's caching
+allocator (`torch.cuda.mem_get_info` less `memory_reserved`) after each of: creating the context,
+the first bf16 GEMM (cuBLAS's handle and workspace), a one-rank NCCL all-reduce (communicator and
+its buffers). `--out` keeps one row per GPU model in that file, replacing this GPU's. The
+datasheet's "80 GB" is the HBM's size; a process sees less, and the cluster presets'
+`workspace_bytes` is meant to cover the rest.
 """
 from __future__ import annotations
 
@@ -15,8 +16,18 @@ import argparse
 import json
 import os
 import sys
+from datetime import datetime, timezone
+from pathlib import Path
 
 GiB = 1024**3
+COMMAND = "python scripts/device_memory.py --out FILE"
+
+
+def keep_row(path: Path, row: dict) -> None:
+    """Add `row` to the rows of `path` (made if missing), replacing an earlier row of the same GPU."""
+    rows = json.loads(path.read_text())["rows"] if path.exists() else []
+    rows = [r for r in rows if r["gpu"] != row["gpu"]] + [row]
+    path.write_text(json.dumps({"command": COMMAND, "rows": rows}, indent=1) + "\n")
 
 
 def main() -> int:
@@ -37,6 +48,7 @@ def main() -> int:
         return float(total - free - torch.cuda.memory_reserved())
 
     row = {"gpu": props.name, "torch": torch.__version__, "cuda": torch.version.cuda,
+           "measured_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
            "total_memory_bytes": float(props.total_memory)}
     torch.cuda.init()
     torch.empty(1, device="cuda")
@@ -55,8 +67,7 @@ def main() -> int:
     for k, v in row.items():
         print(f"{k}: {v / GiB:.3f} GiB" if k.endswith("bytes") else f"{k}: {v}")
     if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(row, fh, indent=1)
+        keep_row(Path(args.out), row)
     return 0
 
 

@@ -93,3 +93,19 @@ def test_device_memory_refuses_a_machine_without_cuda_in_one_line():
                          env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
     assert out.returncode == 2
     assert out.stderr.strip() == "device_memory.py: no CUDA device here" and "Traceback" not in out.stderr
+
+
+def test_device_memory_keeps_one_row_per_gpu(tmp_path):
+    """`--out` adds this GPU's row to the file and replaces an earlier one of the same GPU, so
+    traces/gpu/device_memory.json is what the script writes, one machine at a time."""
+    import device_memory
+
+    out = tmp_path / "memory.json"
+    device_memory.keep_row(out, {"gpu": "H100", "total_memory_bytes": 1.0})
+    device_memory.keep_row(out, {"gpu": "H200", "total_memory_bytes": 2.0})
+    device_memory.keep_row(out, {"gpu": "H100", "total_memory_bytes": 3.0})
+    got = json.loads(out.read_text())
+    assert got["command"] == device_memory.COMMAND
+    assert {r["gpu"]: r["total_memory_bytes"] for r in got["rows"]} == {"H100": 3.0, "H200": 2.0}
+    committed = json.loads((Path(__file__).resolve().parent.parent / "traces/gpu/device_memory.json").read_text())
+    assert committed["command"] == device_memory.COMMAND and all("measured_at" in r for r in committed["rows"])

@@ -305,7 +305,7 @@ class Sharding:
         buffer for the all-reduce; `.grad` keeps its copy."""
         key = self.bucket_keys.get(ins.block.removeprefix("bucket_in"))
         if key is None or key not in self.gbuf:
-            return  # XLA: the bucket is a flattened copy already
+            return  # no buffer of its own (XLA; a grouping met before): the bucket's collective flattens a copy
         for n, v in zip(self.buckets[key].names, self.buckets[key].views(self.gbuf[key])):
             gr = self.local_grad(n)
             v.copy_(gr)

@@ -15,7 +15,7 @@ sample in order, then the median, the mean and the share of samples over `--slow
 (`simexec.exec.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
 bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
 tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait
-(docs/calibration.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
+(docs/calibration_findings.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
 overrides `idle`, as in the executor. `--recording` reads the same benchmark (alone after a
 barrier, `solo`) from a recording's micro-benchmarks instead of running it.
 """

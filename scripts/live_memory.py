@@ -8,7 +8,7 @@ Runs one step of PLAN on local Ray CPU ranks with a runner that wraps the execut
 the aten operator that made it. Prints the rank's measured and predicted peak, then the storages
 alive at the end of the instruction where the peak fell, grouped by the instruction that made them
 (layer 0 in full, the other layers summed), and the predicted activations the program saves per
-block of a layer (`simexec.blocks.Anatomy`). This is how docs/calibration.md traced moe-tiny's
+block of a layer (`simexec.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's
 `dp=4,ep=2` gap to the norms, the rotary tables and the combine's tokens.
 """
 from __future__ import annotations

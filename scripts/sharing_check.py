@@ -10,7 +10,7 @@ In one Ray session, alternating, each round measures
   traced step (every rank),
 and prints each pair's ratio. `compute_contention` comes from the first; the trace fit sees the
 second. If the benchmark missed something the plans have, the first ratio would stay below the
-second round after round; docs/calibration.md ("What limits the numbers") quotes a run.
+second round after round; docs/calibration_findings.md ("What limits the numbers") quotes a run.
 """
 from __future__ import annotations
 

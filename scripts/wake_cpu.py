@@ -11,7 +11,7 @@ and what the all-reduce and the sleep add to the main thread's CPU. gloo's main 
 a collective without spinning; what it pays is waking up again (the scheduler, and on a virtual
 machine a halted vCPU's exit and entry) and refilling its caches. The host model charges a
 collective's CPU to the communication thread (`costs.comm_cpu_s`) and the main thread only its
-interpreter's Python around the call (docs/calibration.md).
+interpreter's Python around the call (docs/calibration_findings.md).
 """
 from __future__ import annotations
 

@@ -23,10 +23,22 @@ GiB = 1024**3
 COMMAND = "python scripts/device_memory.py --out FILE"
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The rows already in `path` (none if it is missing); ValueError names a file not in this shape."""
+    if not path.exists():
+        return []
+    try:
+        rows = json.loads(path.read_text())["rows"]
+        if not all(isinstance(r, dict) and "gpu" in r for r in rows):
+            raise TypeError
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{path} is not a device memory file (a JSON object whose \"rows\" each name a \"gpu\")")
+    return rows
+
+
 def keep_row(path: Path, row: dict) -> None:
     """Add `row` to the rows of `path` (made if missing), replacing an earlier row of the same GPU."""
-    rows = json.loads(path.read_text())["rows"] if path.exists() else []
-    rows = [r for r in rows if r["gpu"] != row["gpu"]] + [row]
+    rows = [r for r in read_rows(path) if r["gpu"] != row["gpu"]] + [row]
     path.write_text(json.dumps({"command": COMMAND, "rows": rows}, indent=1) + "\n")
 
 
@@ -34,6 +46,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    if args.out:  # a file that cannot take the row is refused before the measurement
+        try:
+            read_rows(Path(args.out))
+        except (ValueError, OSError) as e:
+            print(f"device_memory.py: {e}", file=sys.stderr)
+            return 2
     import torch
     import torch.distributed as dist
 

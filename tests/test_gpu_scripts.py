@@ -109,3 +109,18 @@ def test_device_memory_keeps_one_row_per_gpu(tmp_path):
     assert {r["gpu"]: r["total_memory_bytes"] for r in got["rows"]} == {"H100": 3.0, "H200": 2.0}
     committed = json.loads((Path(__file__).resolve().parent.parent / "traces/gpu/device_memory.json").read_text())
     assert committed["command"] == device_memory.COMMAND and all("measured_at" in r for r in committed["rows"])
+
+
+def test_device_memory_refuses_a_file_not_its_own_in_one_line(tmp_path):
+    """A bad `--out` file is named in one line before anything is measured."""
+    import subprocess
+
+    bad = tmp_path / "memory.json"
+    bad.write_text('{"kernels": []}')
+    script = Path(__file__).resolve().parent.parent / "scripts" / "device_memory.py"
+    out = subprocess.run([sys.executable, str(script), "--out", str(bad)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip() == f"device_memory.py: {bad} is not a device memory file" \
+        ' (a JSON object whose "rows" each name a "gpu")'
+    assert bad.read_text() == '{"kernels": []}'

@@ -157,7 +157,7 @@ class SearchResult:
 
     def format(self) -> str:
         lines = [
-            f"search: {self.model} on {self.cluster} ({self.world} GPUs), gbs {self.gbs}, seq {self.seq_len}, "
+            f"search: {self.model} on {self.cluster} ({self.world} ranks), gbs {self.gbs}, seq {self.seq_len}, "
             f"objective {self.objective}" + (f", fixed {_fix_str(self.fix)}" if self.fix else ""),
             f"  {self.space:,} combinations, {self.invalid:,} invalid, {self.candidates:,} valid plans: "
             f"{self.oom_bound:,} cannot fit (bound), {self.pruned:,} pruned (time bound), "
@@ -170,7 +170,7 @@ class SearchResult:
             first = self.error_examples[0] if self.error_examples else {}
             lines.append(f"  {self.errors} plan(s) failed to simulate, e.g. {first.get('plan')}: {first.get('error')}")
         if not self.candidates and not self.interrupted:
-            lines.append(f"  no valid plan: every split of the {self.world} GPUs breaks a rule of `resolve` (dp*tp*cp*pp"
+            lines.append(f"  no valid plan: every split of the {self.world} ranks breaks a rule of `resolve` (dp*tp*cp*pp"
                          f" = {self.world}, gbs {self.gbs} divisible by mbs*dp, heads by tp, ...); try another --gbs or --fix")
             return "\n".join(lines)
         if not self.plans:

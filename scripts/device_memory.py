@@ -47,8 +47,11 @@ def main() -> int:
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.out:  # a file that cannot take the row is refused before the measurement
+        out = Path(args.out)
         try:
-            read_rows(Path(args.out))
+            if not out.parent.is_dir():
+                raise ValueError(f"{out}: no folder {out.parent} to write it in")
+            read_rows(out)
         except (ValueError, OSError) as e:
             print(f"device_memory.py: {e}", file=sys.stderr)
             return 2

@@ -124,3 +124,8 @@ def test_device_memory_refuses_a_file_not_its_own_in_one_line(tmp_path):
     assert out.stderr.strip() == f"device_memory.py: {bad} is not a device memory file" \
         ' (a JSON object whose "rows" each name a "gpu")'
     assert bad.read_text() == '{"kernels": []}'
+    nowhere = tmp_path / "missing" / "memory.json"
+    out = subprocess.run([sys.executable, str(script), "--out", str(nowhere)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 2 and out.stderr.strip() == \
+        f"device_memory.py: {nowhere}: no folder {nowhere.parent} to write it in"

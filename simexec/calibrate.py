@@ -25,6 +25,7 @@ from typing import Callable, Optional, Union
 
 from simexec.cluster import ClusterSpec, get_cluster
 from simexec.errors import SimexecError
+from simexec.outputs import write_atomic
 
 PathLike = Union[str, os.PathLike]
 
@@ -85,12 +86,7 @@ def make_profile(name: str, method: str, costs: dict, device: Optional[dict] = N
 
 
 def save_profile(profile: dict, path: PathLike) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(profile, indent=2, sort_keys=False) + "\n")
-    os.replace(tmp, path)
-    return path
+    return write_atomic(path, (json.dumps(profile, indent=2, sort_keys=False) + "\n").encode())
 
 
 def load_profile(path: PathLike) -> dict:

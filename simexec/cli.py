@@ -307,11 +307,29 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# Each command's outputs, checked before it runs: (argument, flag, a folder rather than a file).
+_OUTPUTS = (("json_path", "--json", False), ("trace_path", "--trace", False), ("plot_path", "--plot", False),
+            ("profile_dir", "--profile", True))
+_OUT_FLAG = {cmd_plot: ("-o", False), cmd_calibrate: ("--out", False), cmd_demo: ("--out", True)}
+
+
+def _check_outputs(args) -> None:
+    from simexec.outputs import check_output
+
+    for attr, flag, folder in _OUTPUTS:
+        if getattr(args, attr, None):
+            check_output(getattr(args, attr), flag, folder=folder)
+    if args.func in _OUT_FLAG:
+        flag, folder = _OUT_FLAG[args.func]
+        check_output(args.out, flag, folder=folder)
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     func: Callable = args.func
     try:
+        _check_outputs(args)
         return func(args)
     except SimexecError as exc:
         sys.stderr.write(f"simexec: error: {exc}\n")

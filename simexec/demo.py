@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Union
 
 from simexec.errors import SimexecError
+from simexec.outputs import write_atomic
 
 STEPS = 6
 ROUNDS = 3  # each plan measured this many times, interleaved; the median round stands for it
@@ -165,8 +166,8 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         "skipped": skipped, "machine": prof_mb.get("machine"), "timings": timings,
         "wall_s": time.perf_counter() - t0,
     }
-    (out / "summary.json").write_text(json.dumps(_jsonable(summary), indent=2) + "\n")
-    (out / "report.md").write_text(_report(rows, summary))
+    write_atomic(out / "summary.json", (json.dumps(_jsonable(summary), indent=2) + "\n").encode())
+    write_atomic(out / "report.md", _report(rows, summary).encode())
     return summary
 
 

@@ -17,5 +17,9 @@ class TraceError(SimexecError):
     """A trace file is unreadable or does not belong with another trace."""
 
 
+class OutputError(SimexecError):
+    """An output file or folder cannot be written where the user asked."""
+
+
 class ExecError(SimexecError):
     """A real run failed: a rank died, hung or raised."""

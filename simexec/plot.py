@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 from typing import Optional, Sequence
 
-from simexec.errors import SimexecError
+from simexec.errors import OutputError, SimexecError
 from simexec.trace import Trace
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -47,8 +47,11 @@ def _save(fig, out) -> None:
     path = Path(out)
     if path.suffix.lower() not in FORMATS:
         raise SimexecError(f"plot output {out}: use a name ending in {', '.join(FORMATS)}")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(os.fspath(path), dpi=120)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(os.fspath(path), dpi=120)
+    except OSError as exc:
+        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _op_class(e) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 import gzip
 import json
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from simexec.errors import TraceError
+from simexec.outputs import write_atomic
 
 SCHEMA_VERSION = 1
 
@@ -160,19 +160,11 @@ def ends_when_waited(meta: dict) -> tuple[str, ...]:
 
 
 def save_json(data: dict, path: str | os.PathLike) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write `data` whole or not at all; a `.gz` name compresses it."""
     text = json.dumps(data, separators=(",", ":"), default=_jsonable).encode()
-    if path.suffix == ".gz":
+    if Path(path).suffix == ".gz":
         text = gzip.compress(text, mtime=0)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, text)
 
 
 def load_json(path: str | os.PathLike, what: str) -> dict:

@@ -100,7 +100,7 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4")
         p.add_argument("--profile", default=None, help="hardware profile JSON")
         p.add_argument("--ray-address", default=None, help="spread the sweep over a Ray cluster")
-        p.add_argument("--workers", type=int, default=None, help="local worker processes")
+        p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core; 1: in this process)")
         p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
         p.set_defaults(func=cmd_search)
     if importlib.util.find_spec("simexec.exec.api") is not None:

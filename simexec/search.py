@@ -123,6 +123,8 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         raise PlanError(f"global batch must be a positive integer, got {gbs!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
         raise PlanError(f"top must be a positive integer, got {top!r}")
+    if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int) or workers <= 0):
+        raise PlanError(f"workers must be a positive integer (1: in this process), got {workers!r}")
     if not pareto_window >= 0:
         raise PlanError(f"pareto_window must be >= 0, got {pareto_window!r}")
     if limit is not None and not limit > 0:

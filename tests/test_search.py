@@ -58,6 +58,9 @@ def test_search_refuses_bad_arguments():
         search(*SMALL, fix={"gbs": 32}, progress=False)
     with pytest.raises(PlanError, match="unknown key"):
         search(*SMALL, fix={"tpp": 2}, progress=False)
+    for workers in (0, -2, 1.5):
+        with pytest.raises(PlanError, match="workers must be a positive integer"):
+            search(*SMALL, workers=workers, progress=False)
 
 
 # --- the space ------------------------------------------------------------------------------------

@@ -1,10 +1,11 @@
 """Calibrated profiles replace a cluster's cost parameters."""
 import json
+from pathlib import Path
 
 import pytest
 
 from simexec.cluster import get_cluster
-from simexec.errors import SpecError
+from simexec.errors import SimexecError, SpecError
 from simexec.sim.profile import apply_profile
 from simexec.simulate import simulate
 
@@ -33,3 +34,13 @@ def test_invalid_profile_is_a_spec_error():
         apply_profile(get_cluster("dgx-a100-80g"), {"costs": {"gemm_eff": 2.0}})
     with pytest.raises(SpecError, match="none of the sections"):
         apply_profile(get_cluster("dgx-a100-80g"), {"name": "empty"})
+
+
+def test_a_profile_file_that_is_not_one_is_named_in_one_line(tmp_path):
+    (tmp_path / "bad.json").write_text("{bad")
+    trace = Path(__file__).resolve().parents[1] / "traces" / "local" / "dp1.r0.json.gz"
+    for path, words in ((tmp_path / "none.json", "profile file not found"), (tmp_path / "bad.json", "not valid JSON"),
+                        (trace, "has none of the sections")):  # a gzip trace is read, then refused for what it holds
+        with pytest.raises(SimexecError, match=words) as exc:
+            apply_profile(get_cluster("local"), path)
+        assert "\n" not in str(exc.value)

@@ -6,9 +6,7 @@ Calibration writes profiles, never code (Calculon keeps hardware as data the sam
 """
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 from typing import Union
 
 from pydantic import ValidationError
@@ -20,13 +18,9 @@ SECTIONS = ("costs", "device", "node", "network")
 
 
 def load_profile(path: Union[str, os.PathLike]) -> dict:
-    path = Path(path)
-    if not path.is_file():
-        raise SpecError(f"profile file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise SpecError(f"profile file {path} is not valid JSON: {str(exc).splitlines()[0]}") from None
+    from simexec.trace import load_json
+
+    data = load_json(path, "profile")
     if not isinstance(data, dict):
         raise SpecError(f"profile file {path} must hold a JSON object, not {type(data).__name__}")
     return data

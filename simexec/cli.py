@@ -315,6 +315,7 @@ _OUT_FLAG = {cmd_plot: ("-o", False), cmd_calibrate: ("--out", False), cmd_demo:
 
 def _check_outputs(args) -> None:
     from simexec.outputs import check_output
+    from simexec.plot import check_image_name
 
     for attr, flag, folder in _OUTPUTS:
         if getattr(args, attr, None):
@@ -322,6 +323,9 @@ def _check_outputs(args) -> None:
     if args.func in _OUT_FLAG:
         flag, folder = _OUT_FLAG[args.func]
         check_output(args.out, flag, folder=folder)
+    image = args.out if args.func is cmd_plot else getattr(args, "plot_path", None)
+    if image:
+        check_image_name(image)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

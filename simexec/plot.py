@@ -41,12 +41,18 @@ def _figure(**kw):
     return Figure(**kw)
 
 
-def _save(fig, out) -> None:
-    if out is None:
-        return
+def check_image_name(out) -> Path:
+    """The image's path, if its name says a format matplotlib writes here."""
     path = Path(out)
     if path.suffix.lower() not in FORMATS:
         raise SimexecError(f"plot output {out}: use a name ending in {', '.join(FORMATS)}")
+    return path
+
+
+def _save(fig, out) -> None:
+    if out is None:
+        return
+    path = check_image_name(out)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(os.fspath(path), dpi=120)

@@ -61,6 +61,8 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path):
     SIMULATE + ["--trace", "{tmp}/f/trace.json"],
     ["plot", "traces/local/dp1.r0.json.gz", "-o", "{tmp}"],
     ["compare", "traces/local/dp1.r0.json.gz", "traces/local/dp1.r1.json.gz", "--plot", "{tmp}"],
+    ["compare", "traces/local/dp1.r0.json.gz", "traces/local/dp1.r1.json.gz", "--plot", "{tmp}/timelines.txt"],
+    ["plot", "traces/local/dp1.r0.json.gz", "-o", "{tmp}/timeline.jpg"],
     ["calibrate", "traces", "traces/local/dp1.r0.json.gz", "--out", "{tmp}/f/p.json"],
     ["demo", "--out", "{tmp}/f"],
 ])

@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from simexec.outputs import outputs_refused  # noqa: E402
+
 VARIANTS = ("traced", "untraced", "torch")
 
 
@@ -280,6 +282,8 @@ def main(argv=None) -> int:
     ap.add_argument("--ray-address", default=None)
     ap.add_argument("--json", dest="json_path", default=None)
     args = ap.parse_args(argv)
+    if outputs_refused("bench_exec.py", {"--json": args.json_path}):
+        return 2
 
     from simexec.exec.api import execute
     from simexec.exec.launcher import start_ray, stop_ray

@@ -25,9 +25,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.search import parse_fix, search  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="llama3-70b")
     ap.add_argument("--cluster", default="128xdgx-h100")
@@ -40,6 +41,8 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write figures and the last result here")
     ap.add_argument("--progress", action="store_true", help="show the progress bar")
     args = ap.parse_args()
+    if outputs_refused("bench_search.py", {"--json": args.json}):
+        return 2
 
     fix = parse_fix(args.fix) if args.fix else None
     runs = []
@@ -73,7 +76,8 @@ def main() -> None:
                                                 "platform": platform.platform()},
                "runs": runs, "result": res.to_json()}
         Path(args.json).write_text(json.dumps(out, indent=1))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.lower import lower  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.model import get_model  # noqa: E402
 from simexec.plan import load_plan, resolve  # noqa: E402
 from simexec.simulate import simulate_program  # noqa: E402
@@ -64,6 +65,8 @@ def main() -> int:
     ap.add_argument("--only", action="append", help="case names to run (7b, 70b, 405b)")
     ap.add_argument("--json", dest="json_path", help="also write the rows as JSON")
     args = ap.parse_args()
+    if outputs_refused("bench_sim.py", {"--json": args.json_path}):
+        return 2
     rows = []
     print(f"{'case':<6} {'mode':<9} {'ranks':>6} {'instrs':>9} {'lower s':>8} {'sim s':>7} {'instr/s':>9} "
           f"{'step s':>8} {'MFU':>6}")

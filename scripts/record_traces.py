@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate_eval import MATRIX, load_outcome, run_validation, summary_table, table  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -38,6 +39,8 @@ def main(argv=None) -> int:
     ap.add_argument("--from", dest="source", default=None,
                     help="keep the products of an earlier `validate_calibration.py --out DIR` run instead of running")
     args = ap.parse_args(argv)
+    if outputs_refused("record_traces.py", folders={"--out": args.out}):
+        return 2
     out = Path(args.out)
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,6 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate import PARAMS  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, UnsteadyHostError, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
@@ -135,6 +136,8 @@ def main(argv=None) -> int:
     ap.add_argument("--retry-after", type=float, default=300.0, metavar="SECONDS",
                     help="with --attempts: how long to wait after a stop before measuring again (default 300)")
     args = ap.parse_args(argv)
+    if outputs_refused("validate_calibration", {"--markdown": args.markdown}, {"--out": args.out}):
+        return 2
     if args.attempts > 1 and (args.max_noise is None or args.refit):
         print(f"validate_calibration: error: --attempts {args.attempts} needs --max-noise and a measurement "
               "(not --refit): only a measurement stopped for noise is tried again", file=sys.stderr)

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
 from simexec.plan import Plan, balanced_stages, load_plan  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
@@ -412,6 +413,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--authors", action="store_true",
                     help="Table 1 with the authors' micro-batch sizes and interleaving instead of the rule")
     args = ap.parse_args(argv)
+    if outputs_refused("validate_published.py", {"--json": args.json, "--markdown": args.markdown}):
+        return 2
     if args.authors:
         authors_table()
         return 0

@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
 from simexec.cluster import get_cluster  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import get_model  # noqa: E402
 from simexec.search import search  # noqa: E402
@@ -205,6 +206,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--markdown", help="write the table into this file (between its markers)")
     ap.add_argument("--workers", type=int, default=1, help="local processes per search (default 1)")
     args = ap.parse_args(argv)
+    if outputs_refused("validate_search.py", {"--json": args.json, "--markdown": args.markdown}):
+        return 2
     rows = rows_all()
     if args.rows:
         keys = {k.strip().removeprefix("megatron-") for k in args.rows.split(",")}

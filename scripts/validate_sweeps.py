@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
 from simexec.markdown import replace_block  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.simulate import simulate  # noqa: E402
 from validate_published import eq3_flops, megatron_model  # noqa: E402
 
@@ -115,6 +116,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--markdown", help="write the table into this file (between its markers)")
     args = ap.parse_args(argv)
+    if outputs_refused("validate_sweeps.py", {"--markdown": args.markdown}):
+        return 2
     if args.markdown and not Path(args.markdown).parent.is_dir():
         print(f"validate_sweeps: error: no directory for --markdown {args.markdown}", file=sys.stderr)
         return 2

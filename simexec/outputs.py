@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 from simexec.errors import OutputError
 
@@ -46,3 +47,19 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
         if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def outputs_refused(prog: str, files: Optional[dict] = None, folders: Optional[dict] = None) -> bool:
+    """For scripts whose run takes minutes: check each given output (flag -> path; None when not
+    given) and print the first that cannot be written as `prog: error: ...`. True if one was refused."""
+    try:
+        for flags, folder in ((files or {}, False), (folders or {}, True)):
+            for flag, path in flags.items():
+                if path:
+                    check_output(path, flag, folder=folder)
+    except OutputError as exc:
+        import sys
+
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return True
+    return False

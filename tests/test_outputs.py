@@ -1,5 +1,6 @@
 """Outputs are refused before the work that makes them, in one line, and never left half-written."""
 import os
+import sys
 
 import pytest
 
@@ -73,4 +74,27 @@ def test_commands_refuse_a_bad_output_before_they_run(tmp_path, capsys, monkeypa
     out, err = capsys.readouterr()
     assert out == ""  # nothing simulated, compared, plotted or fitted first
     assert err.startswith("simexec: error: ") and err.count("\n") == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+@pytest.mark.parametrize("script, argv", [
+    ("validate_search", ["--json", "{tmp}"]),
+    ("validate_published", ["--markdown", "{tmp}/f/table.md"]),
+    ("validate_sweeps", ["--markdown", "{tmp}"]),
+    ("validate_calibration", ["--out", "{tmp}/f"]),
+    ("bench_exec", ["--json", "{tmp}"]),
+    ("record_traces", ["--from", "{tmp}", "--out", "{tmp}/f"]),
+])
+def test_long_scripts_refuse_a_bad_output_before_they_run(tmp_path, capsys, monkeypatch, script, argv):
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(script, os.path.join(root, "scripts", f"{script}.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, script, module)  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    (tmp_path / "f").write_text("x")
+    assert module.main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and ": error: " in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]

@@ -6,7 +6,8 @@ refused before it starts, in one line, and a write that fails part-way leaves no
 from __future__ import annotations
 
 import os
-import tempfile
+import secrets
+import sys
 from pathlib import Path
 from typing import Optional
 
@@ -37,7 +38,9 @@ def write_atomic(path: str | os.PathLike, data: bytes) -> Path:
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        name = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask applies, as to open()
+        tmp = name
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
         os.replace(tmp, path)
@@ -58,8 +61,6 @@ def outputs_refused(prog: str, files: Optional[dict] = None, folders: Optional[d
                 if path:
                     check_output(path, flag, folder=folder)
     except OutputError as exc:
-        import sys
-
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return True
     return False

@@ -10,11 +10,12 @@ per event, rasterises the bars of big traces in vector output, and shows only th
 """
 from __future__ import annotations
 
-import os
+import io
 from pathlib import Path
 from typing import Optional, Sequence
 
 from simexec.errors import OutputError, SimexecError
+from simexec.outputs import write_atomic
 from simexec.trace import Trace
 
 FORMATS = (".png", ".svg", ".pdf")
@@ -45,7 +46,7 @@ def check_image_name(out) -> Path:
     """The image's path, if its name says a format matplotlib writes here."""
     path = Path(out)
     if path.suffix.lower() not in FORMATS:
-        raise SimexecError(f"plot output {out}: use a name ending in {', '.join(FORMATS)}")
+        raise OutputError(f"plot output {out}: use a name ending in {', '.join(FORMATS)}")
     return path
 
 
@@ -53,11 +54,9 @@ def _save(fig, out) -> None:
     if out is None:
         return
     path = check_image_name(out)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(os.fspath(path), dpi=120)
-    except OSError as exc:
-        raise OutputError(f"cannot write {path}: {exc.strerror or exc}") from None
+    image = io.BytesIO()
+    fig.savefig(image, format=path.suffix.lower()[1:], dpi=120)
+    write_atomic(path, image.getvalue())
 
 
 def _op_class(e) -> str:

@@ -98,3 +98,13 @@ def test_long_scripts_refuse_a_bad_output_before_they_run(tmp_path, capsys, monk
     out, err = capsys.readouterr()
     assert out == "" and err.count("\n") == 1 and ": error: " in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
+
+
+def test_written_files_take_the_umask_like_open(tmp_path):
+    old = os.umask(0o027)
+    try:
+        write_atomic(tmp_path / "a.json", b"{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
+    assert (tmp_path / "a.json").read_bytes() == b"{}"

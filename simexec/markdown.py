@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from simexec.outputs import write_atomic
+
 
 def replace_block(path: Path, block: str, begin: str, end: str, new_doc: str = "") -> None:
     """Put `block` (which starts with `begin` and ends with `end`) where the document's own block is,
@@ -14,4 +16,4 @@ def replace_block(path: Path, block: str, begin: str, end: str, new_doc: str = "
         text = head + block + rest.split(end, 1)[1]
     else:
         text = text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text)
+    write_atomic(path, text.encode())

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Callable, Optional, Union
 
 from simexec.errors import ExecError
+from simexec.outputs import write_atomic
 from simexec.trace import Trace, save_json
 
 
@@ -288,16 +289,12 @@ def _describe(rp) -> dict:
 
 
 def _write(result: ExecResult, rp, trace_path, json_path, profile_dir, outs: dict[int, dict]) -> None:
-    """Write each requested file atomically (`save_json` renames a temp file into place)."""
+    """Write each requested file whole or not at all (`simexec.outputs.write_atomic`)."""
     if trace_path:
         result.trace.save(trace_path)
     if json_path:
         save_json(result.to_json(rp), json_path)
     if profile_dir:
-        Path(profile_dir).mkdir(parents=True, exist_ok=True)
         for r, o in outs.items():
             if o.get("profile"):
-                path = Path(profile_dir) / f"rank{r}.pt.trace.json"
-                tmp = path.with_name(f".{path.name}.tmp")
-                tmp.write_text(o["profile"])
-                os.replace(tmp, path)
+                write_atomic(Path(profile_dir) / f"rank{r}.pt.trace.json", o["profile"].encode())

@@ -497,8 +497,10 @@ def _dropout(cfg: dict, origin: str, keys: tuple[str, ...], default: float) -> f
 
 
 def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
-    """llama, mistral, qwen2 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE.
-    Sliding-window attention (Mistral) is ignored: attention FLOPs are counted over the full context."""
+    """llama, mistral, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE.
+    Sliding-window attention (Mistral) is ignored: attention FLOPs are counted over the full context.
+    Qwen3's RMSNorm on each head's q and k is left out: 2 x head_dim weights a layer (9,216 of
+    Qwen3-8B's 8.19B) and a memory-bound pass over q and k."""
     hidden = _get(cfg, "hidden_size", origin)
     heads = _get(cfg, "num_attention_heads", origin)
     mtype = cfg["model_type"]
@@ -541,9 +543,10 @@ def _leading_dense(dense: list[int], origin: str) -> int:
     return len(dense)
 
 
-def _hf_qwen2_moe(cfg: dict, origin: str) -> dict[str, Any]:
-    """Qwen2-MoE: layer i is sparse iff (i+1) % decoder_sparse_step == 0 and i not in mlp_only_layers;
-    one shared expert of shared_expert_intermediate_size (its 1-wide sigmoid gate is left out)."""
+def _hf_qwen_moe(cfg: dict, origin: str) -> dict[str, Any]:
+    """Qwen2-MoE and Qwen3-MoE: layer i is sparse iff (i+1) % decoder_sparse_step == 0 and i not in
+    mlp_only_layers; Qwen2-MoE's one shared expert of shared_expert_intermediate_size (its 1-wide
+    sigmoid gate is left out); Qwen3-MoE has none."""
     f = _hf_llama_like(cfg, origin)
     step = _get(cfg, "decoder_sparse_step", origin, default=1)
     only = _get(cfg, "mlp_only_layers", origin, default=[], kind=list)
@@ -624,7 +627,9 @@ _HF_IMPORTERS = {
     "mistral": _hf_llama_like,
     "mixtral": _hf_mixtral,
     "qwen2": _hf_llama_like,
-    "qwen2_moe": _hf_qwen2_moe,
+    "qwen2_moe": _hf_qwen_moe,
+    "qwen3": _hf_llama_like,
+    "qwen3_moe": _hf_qwen_moe,
 }
 
 

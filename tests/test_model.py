@@ -181,6 +181,8 @@ HF_COUNTS = [  # fixture dir, published total, published active, tolerance
     ("mixtral-8x7b", 46.7e9, 12.9e9, 0.01),
     ("qwen1.5-moe-a2.7b", 14.3e9, 2.7e9, 0.01),  # model card: 14.3B total, 2.7B activated
     ("deepseek-v3", 671e9, 37e9, 0.02),
+    ("qwen3-8b", 8.2e9, None, 0.01),          # Qwen/Qwen3-8B model card: 8.2B (6.95B without embeddings)
+    ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),   # Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
 ]
 
 
@@ -203,6 +205,19 @@ def test_hf_moe_matches_the_preset(fixture, preset):
     p = MODELS[preset]
     m = get_model(str(HF / fixture), seq_len=p.seq_len)
     assert m.model_dump(exclude={"name", "source"}) == p.model_dump(exclude={"name", "source"})
+
+
+def test_hf_qwen3_leaves_out_only_the_qk_norms():
+    """transformers' Qwen3ForCausalLM on Qwen3-8B's config has 8,190,735,360 weights (per layer q, k,
+    v, o, gate, up, down, two norms and the q and k norms of head_dim each; embeddings, head and final
+    norm); the import leaves out the q and k norms and nothing else. Qwen3-MoE has no shared expert
+    and no q/k/v bias."""
+    dense = get_model(str(HF / "qwen3-8b"))
+    assert dense.params + dense.layers * 2 * dense.head_dim == 8_190_735_360
+    assert dense.params - 2 * dense.vocab * dense.hidden == pytest.approx(6.95e9, rel=0.001)
+    moe = get_model(str(HF / "qwen3-30b-a3b"))
+    assert (moe.qkv_bias, moe.moe.shared_experts, moe.moe.experts, moe.moe.top_k) == (False, 0, 128, 8)
+    assert moe.heads * moe.head_dim == 2 * moe.hidden  # q is wider than the residual stream
 
 
 def test_hf_gpt2_defaults():

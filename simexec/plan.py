@@ -240,12 +240,6 @@ class Mesh:
         i = full.index(rank) // size
         return full[i * size : (i + 1) * size]
 
-    def strided_group(self, rank: int, axis: str, size: int) -> tuple[int, ...]:
-        """Ranks at the same position of every `size`-block along `axis` (HSDP replicate groups)."""
-        full = self.group(rank, axis)
-        pos = full.index(rank) % size
-        return full[pos::size]
-
 
 @dataclass(frozen=True)
 class ResolvedPlan:

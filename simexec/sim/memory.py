@@ -13,7 +13,6 @@ from simexec.cluster import CostParams
 from simexec.program import MEMORY_CATEGORIES
 
 DYNAMIC = ("activations", "buffers", "workspace")
-BREAKDOWN_KEYS = MEMORY_CATEGORIES + ("allocator",)
 
 
 @dataclass

@@ -136,10 +136,16 @@ class Anatomy:
         return self.rp.plan.mbs * self.seq * per_tok * self.dt / self.tp
 
     @cached_property
-    def dispatch_bytes(self) -> float:
-        """Tokens sent to experts by one rank: top_k copies of each of its tokens."""
+    def expert_slots(self) -> float:
+        """Rows one rank's tokens fill in the experts' buffers: top_k per token under balanced routing,
+        times the capacity factor where buffers are cut or padded to capacity (MoESpec.capacity_factor)."""
         moe = self.rp.model.moe
-        return self.tokens * moe.top_k * self.h * self.dt / self.sp_div if moe else 0.0
+        return self.tokens * moe.top_k * (moe.capacity_factor or 1.0) if moe else 0.0
+
+    @cached_property
+    def dispatch_bytes(self) -> float:
+        """Rows sent to experts by one rank: top_k copies of each of its tokens (capacity-bound)."""
+        return self.expert_slots * self.h * self.dt / self.sp_div
 
     # --- blocks --------------------------------------------------------------------------------------
     @cached_property
@@ -184,12 +190,12 @@ class Anatomy:
             ws["fc1"] = n_s + max(T * (ffn + width) * dt, T * width * dt + n) + self._wgrad_tmp(h * width)
         else:
             e = m.moe
-            routed = T * e.top_k
+            routed, slots = T * e.top_k, self.expert_slots
             width = e.expert_ffn * (2 if m.gated else 1) / t
             shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts * (2 if m.gated else 1) / t
             ws["moe_out"] = n_s + routed * h * dt + T * shared * dt + n + self._wgrad_tmp(h * shared)
-            ws["experts"] = n_s + 2 * routed * h * dt + routed * width * dt + self._wgrad_tmp(h * width)
-            ws["router"] = n_s + routed * h * dt / self.sp_div + n + 2 * T * e.experts * 4 + self._wgrad_tmp(h * e.experts)
+            ws["experts"] = n_s + 2 * slots * h * dt + slots * width * dt + self._wgrad_tmp(h * width)
+            ws["router"] = n_s + slots * h * dt / self.sp_div + n + 2 * T * e.experts * 4 + self._wgrad_tmp(h * e.experts)
         return ws
 
     def _with_workspace(self, blocks: dict[str, Block]) -> dict[str, Block]:
@@ -297,33 +303,35 @@ class Anatomy:
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         moe = m.moe
         width = moe.expert_ffn * (2 if m.gated else 1)
-        routed = T * moe.top_k  # token-expert pairs this rank's experts see (balanced routing)
+        routed = T * moe.top_k  # token-expert pairs this rank's tokens make
+        slots = self.expert_slots  # the rows the experts compute for them (balanced routing, capacity)
         local_experts = moe.experts / self.ep
         fr, _ = _gemm(T, h, moe.experts, dt)
-        fe1, _ = _gemm(routed, h, width / t, dt)
-        fe2, _ = _gemm(routed, moe.expert_ffn / t, h, dt)
+        fe1, _ = _gemm(slots, h, width / t, dt)
+        fe2, _ = _gemm(slots, moe.expert_ffn / t, h, dt)
         shared_ffn = (moe.shared_expert_ffn or moe.expert_ffn) * moe.shared_experts
         fs1, _ = _gemm(T, h, shared_ffn * (2 if m.gated else 1) / t, dt)
         fs2, _ = _gemm(T, shared_ffn / t, h, dt)
         # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
         gate = 3 * 4 * T * moe.experts
-        permute = 2 * dt * routed * h
+        permute = 2 * dt * slots * h
         norm_f, norm_b = self._opening_norm()
         b_router = norm_f + gate + permute
         bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
         ea_f, ea_b = self._act(moe.expert_ffn / t)
-        ea_f, ea_b = ea_f * moe.top_k, ea_b * moe.top_k
+        per_token = moe.top_k * (moe.capacity_factor or 1.0)
+        ea_f, ea_b = ea_f * per_token, ea_b * per_token
         expert_w = local_experts * (h * width + moe.expert_ffn * h) / t
         sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
         # combine: un-permute, weight and sum the top_k outputs, then the residual add. It saves the
         # un-permuted outputs and the weights (the weights' gradient); the shared experts' input is
         # the router's norm output, saved once (by the router)
-        combine = 2 * dt * routed * h + dt * routed * h
+        combine = dt * (slots + routed) * h + dt * routed * h
         return {
             **self._sp_norm("norm2"),
             "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + T * moe.experts * 4,
                             bb_router),
-            "experts": Block("gemm", fe1 + fe2, ea_f, routed * (h + width / t + moe.expert_ffn / t) * dt,
+            "experts": Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
             "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
                              (routed * h + T * moe.top_k + T * shared_ffn * (3 if m.gated else 2) / t) * dt

@@ -33,7 +33,10 @@ class MoESpec(BaseModel):
     expert_ffn: int = Field(gt=0, description="hidden size of one expert's FFN")
     shared_experts: int = Field(0, ge=0, description="always-active experts (DeepSeek style), each of size expert_ffn")
     first_dense_layers: int = Field(0, ge=0, description="leading layers that keep a dense FFN (DeepSeek-V3: 3)")
-    capacity_factor: Optional[float] = Field(None, gt=0, description="None: no token dropping")
+    capacity_factor: Optional[float] = Field(
+        None, gt=0, description="experts' buffers hold this times the balanced load, cut (tokens dropped) "
+        "or padded to it (GShard, Switch; Megatron-LM's --moe-expert-capacity-factor with "
+        "--moe-pad-expert-input-to-capacity); None: every routed token, no padding")
     shared_expert_ffn: Optional[int] = Field(
         None, gt=0, description="FFN size of each shared expert; None: expert_ffn (Qwen2-MoE: one wide shared expert)"
     )

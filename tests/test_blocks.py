@@ -56,3 +56,32 @@ def test_backward_workspace_drops_weight_gradients_with_fused_wgrad():
     n = S * B * H * 2
     assert an.dense["fc2"].bwd_workspace == pytest.approx(n + S * B * MODEL.ffn * 2)  # dY and dA only
     assert all(b.bwd_workspace > 0 for b in an.dense.values())
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.25])
+def test_expert_capacity_scales_what_the_experts_compute_and_receive(factor):
+    """MoESpec.capacity_factor: the experts' buffers hold factor x the balanced load (cut or padded),
+    so their GEMMs, saved activations and the all-to-alls scale by it; the router does not."""
+    from simexec.simulate import simulate
+
+    base = get_model("mixtral-8x7b")
+    capped = base.model_copy(update={"moe": base.moe.model_copy(update={"capacity_factor": factor})})
+    plan = parse_plan("dp=8,ep=8,gbs=8,dtype=bf16")
+    a, b = (Anatomy(resolve(m, get_cluster("1xdgx-h100"), plan)) for m in (base, capped))
+    assert b.moe["experts"].flops == pytest.approx(factor * a.moe["experts"].flops)
+    assert b.moe["experts"].saved == pytest.approx(factor * a.moe["experts"].saved)
+    assert b.dispatch_bytes == pytest.approx(factor * a.dispatch_bytes)
+    assert b.moe["router"].flops == a.moe["router"].flops
+    step = [simulate(m, "1xdgx-h100", "dp=8,ep=8,gbs=8,dtype=bf16,zero=3", seq_len=1024).step_time_s
+            for m in (base, capped)]
+    assert (step[1] > step[0]) == (factor > 1)
+
+
+def test_the_executor_refuses_expert_capacity():
+    pytest.importorskip("torch")
+    from simexec.exec.interpreter import unsupported
+
+    m = get_model("moe-tiny")
+    capped = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": 1.25})})
+    assert unsupported(resolve(m, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4"))) is None
+    assert "capacity_factor=1.25" in unsupported(resolve(capped, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4")))

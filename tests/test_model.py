@@ -394,3 +394,12 @@ def test_dropout_per_family():
              "intermediate_size": 128, "max_position_embeddings": 64, "vocab_size": 100}
     assert from_hf_config(llama, "l").dropout == 0.0
     assert from_hf_config({**llama, "attention_dropout": 0.05}, "l").dropout == 0.05
+
+
+def test_model_doc_names_every_field_and_its_example_loads():
+    root = HF.parents[2]
+    text = (root / "docs" / "model.md").read_text()
+    missing = [f for spec in (ModelSpec, MoESpec) for f in spec.model_fields if f"`{f}`" not in text]
+    assert not missing, f"docs/model.md does not describe {missing}"
+    m = get_model(str(root / "docs" / "examples" / "model.yaml"))
+    assert m.name == "llama3.2-1b" and m.params == pytest.approx(1.236e9, rel=0.001)  # the model card's 1.24B

@@ -216,12 +216,21 @@ class Anatomy:
         # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
         # output), rotary on q and k
         norm_f, norm_b = self._opening_norm()
+        ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         b_qkv = norm_f + (2 * dt * T * qkv_out if has_bias else 0.0)
         bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
         if not m.learned_pos:
             rope = 2 * dt * T * (m.heads + (m.kv_heads if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk) / t
             b_qkv += rope
             bb_qkv += rope
+        saved_qkv = ln if self.sp else 2 * ln
+        if m.qk_norm:
+            # a norm over each q and k head: read and write them; the backward reads the saved input
+            # and the output gradient and writes the input gradient; it saves its input and 1/rms (fp32)
+            heads_qk = T * (m.heads + m.kv_heads) / t
+            b_qkv += 2 * dt * heads_qk * qk
+            bb_qkv += 3 * dt * heads_qk * qk
+            saved_qkv += heads_qk * (qk * dt + 4)
         q_bytes = T * m.heads * qk * dt / t
         kv_local = T * m.kv_heads * (qk + v) * dt / t if not m.is_mla else T * m.heads * (qk + v) * dt / t
         saved_attn = q_bytes + kv_local
@@ -250,11 +259,10 @@ class Anatomy:
         f_proj, _ = _gemm(T, m.heads * v / t, h, dt)
         b_proj = self._residual_fwd()
         bb_proj = self._residual_bwd(m.bias) + self._wgrad(o_params / t)
-        ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
         return {
             **self._sp_norm("norm1"),
-            "qkv": Block("gemm", f_qkv, b_qkv, ln if self.sp else 2 * ln, bb_qkv),
+            "qkv": Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv),
             "attn": attn,
             "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj),
         }

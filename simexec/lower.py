@@ -462,7 +462,7 @@ class _RankLowering:
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
             self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
-            self.norm_grads(l, mb, c, self.rp.model.norm_params_per_layer() / 2)
+            self.norm_grads(l, mb, c, self.rp.model.pre_norm_params())
 
     # --- sequence parallelism ------------------------------------------------------------------------
     def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:

@@ -82,6 +82,8 @@ class ModelSpec(BaseModel):
     source: str = Field("", description="where the numbers come from")
     # Additions; all default to "absent" so the fields above keep their meaning.
     qkv_bias: bool = Field(False, description="biases on q, k, v only (Qwen2); implied by `bias`")
+    qk_norm: bool = Field(False, description="a norm (of kind `norm`) over each head's q and k, one weight of "
+                          "head_dim shared by the heads, before the rotary embedding (Qwen3, Gemma 3)")
     max_positions: Optional[int] = Field(
         None, gt=0, description="rows of the learned position table; None: seq_len (only with learned_pos)"
     )
@@ -113,6 +115,8 @@ class ModelSpec(BaseModel):
                 )
             if self.bias or self.qkv_bias:
                 raise ValueError("MLA attention with linear biases is not modelled (bias/qkv_bias must be False)")
+            if self.qk_norm:
+                raise ValueError("MLA normalises its latents, not q and k heads: qk_norm must be False")
         else:
             stray = {k: getattr(self, k) for k in ("q_lora_rank", "qk_rope_head_dim", "v_head_dim") if getattr(self, k)}
             if stray:
@@ -189,8 +193,17 @@ class ModelSpec(BaseModel):
         return n
 
     def norm_params_per_layer(self) -> int:
-        """The two pre-norms of a block (before attention and before the MLP)."""
-        return 2 * self._norm(self.hidden)
+        """A block's norms, replicated over tensor parallelism: the two pre-norms (before attention
+        and before the MLP) and, with qk_norm, the ones on q and k heads."""
+        return self.pre_norm_params() * 2 + self.qk_norm_params()
+
+    def pre_norm_params(self) -> int:
+        """One norm over the residual stream (each pre-norm, the final norm)."""
+        return self._norm(self.hidden)
+
+    def qk_norm_params(self) -> int:
+        """The norms over each head's q and k (qk_norm): one head_dim-wide norm each."""
+        return 2 * self._norm(self.head_dim) if self.qk_norm else 0
 
     def _ffn_matmul(self, ffn: int) -> int:
         """Weights of one FFN of width `ffn`: 3 matrices if gated (gate, up, down), else 2."""
@@ -251,7 +264,7 @@ class ModelSpec(BaseModel):
 
     def final_norm_params(self) -> int:
         """The norm after the last block."""
-        return self._norm(self.hidden)
+        return self.pre_norm_params()
 
     @property
     def params(self) -> int:
@@ -500,10 +513,9 @@ def _dropout(cfg: dict, origin: str, keys: tuple[str, ...], default: float) -> f
 
 
 def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
-    """llama, mistral, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE.
-    Sliding-window attention (Mistral) is ignored: attention FLOPs are counted over the full context.
-    Qwen3's RMSNorm on each head's q and k is left out: 2 x head_dim weights a layer (9,216 of
-    Qwen3-8B's 8.19B) and a memory-bound pass over q and k."""
+    """llama, mistral, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE; Qwen3's
+    RMSNorm on each head's q and k. Sliding-window attention (Mistral) is ignored: attention FLOPs
+    are counted over the full context."""
     hidden = _get(cfg, "hidden_size", origin)
     heads = _get(cfg, "num_attention_heads", origin)
     mtype = cfg["model_type"]
@@ -524,6 +536,7 @@ def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
         # Llama's attention_bias covers q,k,v,o; without mlp_bias we model q,k,v only (o's bias is off by hidden).
         bias=attention_bias and mlp_bias,
         qkv_bias=attention_bias and not mlp_bias,
+        qk_norm=mtype in ("qwen3", "qwen3_moe"),
         dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout"), 0.0),
     )
 

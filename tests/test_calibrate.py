@@ -298,7 +298,8 @@ def test_host_model_leaves_gpu_clusters_alone():
     assert a.step_time_s == b.step_time_s
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny", "llama3-8b", "traces/gpu/mixtral-mini.json", "deepseek-v3"])
+@pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny", "llama3-8b", "traces/gpu/mixtral-mini.json", "deepseek-v3",
+                                   "tests/data/qk-norm-tiny.yaml"])
 def test_dispatch_table_matches_the_executor(model):
     """The simulator's per-block operator counts are what the executor's blocks dispatch (a large
     model is counted on a shrunk copy with the same features)."""
@@ -306,7 +307,7 @@ def test_dispatch_table_matches_the_executor(model):
     from simexec.model import get_model
     from simexec.sim.host import dispatch_key, dispatch_table
 
-    spec = get_model(str(ROOT / model) if model.endswith(".json") else model)
+    spec = get_model(str(ROOT / model) if model.endswith((".json", ".yaml")) else model)
     got = count_dispatch(spec)
     key = dispatch_key(spec)
     table = dispatch_table(key)

@@ -102,6 +102,29 @@ def test_moe_peak_memory_follows_the_simulator():
         assert abs(err) < 0.02, f"rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted:.0f} ({err:+.1%})"
 
 
+@pytest.mark.parametrize("plan", ["dp=1,gbs=2", "tp=2,gbs=2"])
+def test_qk_norms_hold_the_memory_the_simulator_gives_them(tmp_path, plan):
+    """The norms over q and k heads keep their input and 1/rms (fp32) for the backward: what the
+    step holds beyond the same model without them is what the program counts, within 5%."""
+    import json
+    from pathlib import Path
+
+    from simexec.model import get_model
+    from simexec.simulate import simulate
+
+    with_qk = str(Path(__file__).resolve().parent / "data" / "qk-norm-tiny.yaml")
+    spec = get_model(with_qk).model_copy(update={"qk_norm": False})
+    without = tmp_path / "no-qk-norm.json"
+    without.write_text(json.dumps({k: v for k, v in spec.model_dump().items() if v is not None}))
+    measured, predicted = [], []
+    for model in (with_qk, str(without)):
+        _, results = run_plan(model, plan)
+        measured.append(results[0]["peak_memory_bytes"])
+        predicted.append(simulate(get_model(model), "local", plan + ",dtype=fp32", seq_len=32).peak_memory_bytes)
+    d_measured, d_predicted = measured[0] - measured[1], predicted[0] - predicted[1]
+    assert d_predicted > 0 and d_measured == pytest.approx(d_predicted, rel=0.05), (d_measured, d_predicted)
+
+
 @pytest.mark.parametrize("plan", ["dp=2,tp=2,sp=1,gbs=2", "dp=2,tp=2,sp=1,gbs=2,master_grads=1", "dp=2,tp=2,gbs=2"])
 def test_sequence_parallel_and_16bit_step_memory_follows_the_simulator(plan):
     """In bf16, as the program counts: under sp the norms' inputs and outputs stay sequence slices

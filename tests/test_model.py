@@ -207,16 +207,16 @@ def test_hf_moe_matches_the_preset(fixture, preset):
     assert m.model_dump(exclude={"name", "source"}) == p.model_dump(exclude={"name", "source"})
 
 
-def test_hf_qwen3_leaves_out_only_the_qk_norms():
+def test_hf_qwen3_counts_every_weight():
     """transformers' Qwen3ForCausalLM on Qwen3-8B's config has 8,190,735,360 weights (per layer q, k,
     v, o, gate, up, down, two norms and the q and k norms of head_dim each; embeddings, head and final
-    norm); the import leaves out the q and k norms and nothing else. Qwen3-MoE has no shared expert
-    and no q/k/v bias."""
+    norm). Qwen3-MoE has no shared expert and no q/k/v bias."""
     dense = get_model(str(HF / "qwen3-8b"))
-    assert dense.params + dense.layers * 2 * dense.head_dim == 8_190_735_360
+    assert dense.qk_norm and dense.params == 8_190_735_360
     assert dense.params - 2 * dense.vocab * dense.hidden == pytest.approx(6.95e9, rel=0.001)
     moe = get_model(str(HF / "qwen3-30b-a3b"))
-    assert (moe.qkv_bias, moe.moe.shared_experts, moe.moe.experts, moe.moe.top_k) == (False, 0, 128, 8)
+    assert (moe.qkv_bias, moe.qk_norm, moe.moe.shared_experts, moe.moe.experts, moe.moe.top_k) == (False, True, 0, 128, 8)
+    assert moe.params == 30_532_122_624  # 30,532,110,336 without the 48 layers' q and k norms
     assert moe.heads * moe.head_dim == 2 * moe.hidden  # q is wider than the residual stream
 
 
@@ -403,3 +403,11 @@ def test_model_doc_names_every_field_and_its_example_loads():
     assert not missing, f"docs/model.md does not describe {missing}"
     m = get_model(str(root / "docs" / "examples" / "model.yaml"))
     assert m.name == "llama3.2-1b" and m.params == pytest.approx(1.236e9, rel=0.001)  # the model card's 1.24B
+
+
+def test_qk_norm_is_replicated_weights_of_head_dim_and_not_under_mla():
+    base = get_model(str(HF.parent / "qk-norm-tiny.yaml"))
+    off = base.model_copy(update={"qk_norm": False})
+    assert base.params - off.params == base.layers * 2 * base.head_dim  # RMSNorm: a weight, no bias
+    with pytest.raises(ValueError, match="qk_norm must be False"):  # pydantic's ValidationError
+        ModelSpec.model_validate({**MODELS["deepseek-v3"].model_dump(), "qk_norm": True})

@@ -89,10 +89,10 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
     def add(name, shape, s, unit, tp_dim=None, expert=None, tp_partial=""):
         out.append(ParamSpec(name, tuple(shape), s, unit, tp_dim, expert, tp_partial))
 
-    def norm(prefix, unit, partial):
-        add(f"{prefix}.w", (H,), -1.0, unit, tp_partial=partial)
+    def norm(prefix, unit, partial, width=H):
+        add(f"{prefix}.w", (width,), -1.0, unit, tp_partial=partial)
         if m.norm == "layernorm":
-            add(f"{prefix}.b", (H,), 0.0, unit, tp_partial=partial)
+            add(f"{prefix}.b", (width,), 0.0, unit, tp_partial=partial)
 
     def ffn(prefix, unit, width, expert=None):
         add(f"{prefix}.w1", (H, width), std, unit, 1, expert)  # up: column-parallel
@@ -120,6 +120,9 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
             add(f"{p}.attn.bq", (m.heads * hd,), 0.0, l, 0)
             add(f"{p}.attn.bk", (m.kv_heads * hd,), 0.0, l, 0)
             add(f"{p}.attn.bv", (m.kv_heads * hd,), 0.0, l, 0)
+        if m.qk_norm:  # one weight for every head: each tp rank's gradient covers its own heads
+            norm(f"{p}.attn.q_norm", l, "attn_in", hd)
+            norm(f"{p}.attn.k_norm", l, "attn_in", hd)
         add(f"{p}.attn.wo", (m.heads * hd, H), resid_std, l, 0)
         if m.bias:
             add(f"{p}.attn.bo", (H,), 0.0, l, 0)
@@ -508,15 +511,17 @@ class GPT:
     # -- attention ----------------------------------------------------------------------------------
 
     def qkv(self, l: int, x: Tensor, pos: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
-        """First norm (under sp: `norm1`, before the gather) + Q/K/V (column-parallel by heads).
-        x (B, T, C) -> q (B, nh, T, hd) and kv (2, B, nkv, T, hd); RoPE at positions pos (T,) unless
-        the model learns positions."""
+        """First norm (under sp: `norm1`, before the gather) + Q/K/V (column-parallel by heads), with
+        qk_norm a norm over each q and k head. x (B, T, C) -> q (B, nh, T, hd) and kv (2, B, nkv, T,
+        hd); RoPE at positions pos (T,) unless the model learns positions."""
         B, T, _ = x.shape
         pre, hd = f"layers.{l}.attn", self.m.head_dim
         h = x if self.lay.sp else self._norm(f"layers.{l}.norm1", x)
         q = self._lin(h, pre, "wq", "bq", fetch).view(B, T, self.nh, hd).transpose(1, 2)
         k = self._lin(h, pre, "wk", "bk", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
         v = self._lin(h, pre, "wv", "bv", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
+        if self.m.qk_norm:
+            q, k = self._norm(f"{pre}.q_norm", q), self._norm(f"{pre}.k_norm", k)
         if not self.m.learned_pos:
             tables = self._rope_tables(pos, hd, q.dtype)
             q, k = rope(q, tables), rope(k, tables)

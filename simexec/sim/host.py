@@ -116,7 +116,7 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
 # Aten operators the executor dispatches per block instruction, keyed "<phase>.<block>", counted with
 # a TorchDispatchMode around each instruction of a one-step run (simexec.exec.microbench.count_dispatch).
 # The count does not depend on sizes, nor (within one or two ops) on tp, pp, ZeRO or recompute; it
-# depends on the model's features (`dispatch_key`: norm, gating, positions, biases, experts; a tied
+# depends on the model's features (`dispatch_key`: norm, gating, positions, biases, q/k norms, experts; a tied
 # head differs by one or two), hence one table per set of features, named after the models it fits.
 DISPATCH: dict[str, dict[str, int]] = {
     # gpt-tiny, gpt3-*, megatron-*: LayerNorm, GeLU MLP, learned positions, biases
@@ -172,6 +172,8 @@ SP_OPS: dict[str, dict[str, int]] = {
 }
 SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
+# a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
+QK_NORM_OPS = {"fwd.qkv": 12, "bwd.qkv": 24}
 DEFAULT_OPS = 12  # a block no table knows
 
 
@@ -180,6 +182,8 @@ def dispatch_key(model) -> str:
     parts = [model.norm, "swiglu" if model.gated else "mlp", "pos" if model.learned_pos else "rope"]
     if model.bias:
         parts.append("bias")
+    if model.qk_norm:
+        parts.append("qknorm")
     if model.moe is not None:
         parts.append(f"moe{model.moe.experts}x{model.moe.top_k}+{model.moe.shared_experts}")
     return "-".join(parts)
@@ -189,7 +193,7 @@ def cost_family(model) -> str:
     """The kernels a model's blocks run (norm, MLP, positions, MoE), without its sizes: element-wise
     costs measured on one model of a family (`elementwise_cost["<family>/<phase>.<block>"]`) price
     every model of it."""
-    key = dispatch_key(model)
+    key = dispatch_key(model).replace("-qknorm", "")
     dense, _, moe = key.partition("-moe")
     return dense + ("-moe" if moe else "")
 
@@ -199,6 +203,8 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
     """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
     borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds, the
     attention block of context parallelism `cp` in `dtype`, the blocks of sequence parallelism."""
+    qk_norm = "-qknorm" in key
+    key = key.replace("-qknorm", "")
     dense, _, moe = key.partition("-moe")
     table = dict(DISPATCH.get(key if not moe else dense, DISPATCH[DEFAULT_TABLE]))
     if moe:
@@ -215,6 +221,9 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
                 table[f"{phase}.{block}"] = fixed + per * n
     if cp > 1:
         table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
+    if qk_norm:
+        for block, n in QK_NORM_OPS.items():
+            table[block] += n
     return table
 
 

@@ -281,7 +281,8 @@ def test_tied_embeddings_match_reference(plan):
 QK_NORM = str(Path(__file__).resolve().parent / "data" / "qk-norm-tiny.yaml")  # a norm over each q and k head
 
 
-@pytest.mark.parametrize("plan", ["tp=2,gbs=2", "tp=2,sp=1,gbs=2", "dp=2,tp=2,zero=3,gbs=4", "pp=2,gbs=4"])
+@pytest.mark.parametrize("plan", ["tp=2,gbs=2", "tp=2,sp=1,gbs=2", "dp=2,tp=2,zero=3,gbs=4", "pp=2,gbs=4",
+                                  "cp=2,cp_impl=ring,gbs=2"])
 def test_qk_norms_match_reference(plan):
     """The q and k norms' one weight serves every head: each tp rank's gradient covers its own heads
     and the qkv block's input-gradient collective sums them (with or without sp)."""

@@ -24,8 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.search import parse_fix, search  # noqa: E402
 from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.search import parse_fix, search  # noqa: E402
 
 
 def main() -> int:

@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.lower import lower  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.model import get_model  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.plan import load_plan, resolve  # noqa: E402
 from simexec.simulate import simulate_program  # noqa: E402
 

@@ -44,7 +44,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate import PARAMS  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.calibrate_eval import (  # noqa: E402
     MATRIX, UnsteadyHostError, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
@@ -52,6 +51,7 @@ from simexec.calibrate_traces import TRACE_PARAMS  # noqa: E402
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.errors import SimexecError  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
 

@@ -39,8 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.plan import Plan, balanced_stages, load_plan  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
 

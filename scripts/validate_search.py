@@ -36,9 +36,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
 from simexec.cluster import get_cluster  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import get_model  # noqa: E402
+from simexec.outputs import outputs_refused  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
 from simexec.search_space import structures  # noqa: E402

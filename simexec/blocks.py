@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
+from simexec.model import keys_per_query
 from simexec.plan import ResolvedPlan
 
 
@@ -86,6 +87,11 @@ class Anatomy:
         # Megatron / cuBLAS on GPUs accumulate weight gradients in place (fused wgrad into main_grad);
         # autograd on the CPU executor makes each one a temporary, then adds it to .grad
         self.fused_wgrad = rp.cluster.device.name != "cpu"
+        # fused attention kernels on GPUs skip the tiles a sliding window masks out (FlashAttention's
+        # window_size, FlexAttention's block mask); PyTorch's CPU kernel takes the band as a mask and
+        # computes every score
+        self.skips_masked_tiles = self.fused_wgrad
+        self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
     def _norm_fwd(self) -> float:
@@ -148,13 +154,24 @@ class Anatomy:
         return self.expert_slots * self.h * self.dt / self.sp_div
 
     # --- blocks --------------------------------------------------------------------------------------
-    @cached_property
+    @property
     def dense(self) -> dict[str, Block]:
-        return self._with_workspace({**self._attention(), **self._mlp()})
+        """A dense layer's blocks, attending to the whole context."""
+        return self.blocks(False, None)
 
-    @cached_property
+    @property
     def moe(self) -> dict[str, Block]:
-        return self._with_workspace({**self._attention(), **self._moe()})
+        """An MoE layer's blocks, attending to the whole context."""
+        return self.blocks(True, None)
+
+    def blocks(self, moe: bool, window: Optional[int]) -> dict[str, Block]:
+        """The blocks of a layer with an MoE or a dense MLP, and attention over `window` keys (None:
+        the whole context); computed once per kind."""
+        key = (moe, window)
+        if key not in self._kinds:
+            attention = self._attention(window)
+            self._kinds[key] = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
+        return self._kinds[key]
 
     # --- backward workspace ------------------------------------------------------------------------------
     def _wgrad_tmp(self, *params: float) -> float:
@@ -203,9 +220,20 @@ class Anatomy:
         return {k: replace(b, bwd_workspace=ws.get(k, 0.0)) for k, b in blocks.items()}
 
     def layer(self, i: int) -> dict[str, Block]:
-        return self.moe if self.rp.model.is_moe_layer(i) else self.dense
+        m = self.rp.model
+        window = m.attention_window(i)
+        return self.blocks(m.is_moe_layer(i), window if window is not None and window < self.seq else None)
 
-    def _attention(self) -> dict[str, Block]:
+    def _keys_per_query(self, window: Optional[int]) -> float:
+        """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""
+        m = self.rp.model
+        if not m.causal:
+            return float(self.seq)
+        if window is not None and not self.skips_masked_tiles:
+            return float(self.seq)
+        return keys_per_query(self.seq, window)
+
+    def _attention(self, window: Optional[int]) -> dict[str, Block]:
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         qk, v = m.qk_head_dim, m.value_head_dim
         o_params = m.heads * v * h
@@ -237,8 +265,8 @@ class Anatomy:
         ctx_bytes = T * m.heads * v * dt / t
         if self.rp.plan.flash_attention:
             # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
-            # attention skips the masked half of the scores (load-balanced over cp)
-            ctx = self.seq * (0.5 if m.causal else 1.0)
+            # attention skips the masked half of the scores, a sliding window all but its band
+            ctx = self._keys_per_query(window)
             f_attn = 2.0 * T * ctx * m.heads * (qk + v) / t
             attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
         else:

@@ -63,6 +63,13 @@ def representatives(rp: ResolvedPlan) -> dict[int, tuple[int, ...]]:
     return {k: tuple(v) for k, v in out.items()}
 
 
+def windowed_layers(rp: ResolvedPlan) -> list[int]:
+    """The layers whose attention has a sliding window shorter than the sequence (the executor masks
+    their band, which changes the operators its CPU ranks dispatch)."""
+    m = rp.model
+    return [l for l in range(m.layers) if (w := m.attention_window(l)) is not None and w < rp.seq_len]
+
+
 def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
     """Per-rank programs; in symmetric mode only one representative rank per pipeline stage."""
     anatomy = Anatomy(rp)
@@ -77,6 +84,9 @@ def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
         "seq_len": rp.seq_len, "world": rp.world, "micro_batches": rp.micro_batches,
         "symmetric": symmetric, "dispatch": dispatch_key(rp.model),
     }
+    windowed = windowed_layers(rp)
+    if windowed:
+        meta["windowed_layers"] = windowed
     return Program(meta=meta, ranks=ranks, represents=reps)
 
 

@@ -48,6 +48,15 @@ class MoESpec(BaseModel):
         return self
 
 
+def keys_per_query(seq: int, window: Optional[int] = None) -> float:
+    """Keys the average query of causal attention over `seq` positions attends to: seq/2 (the
+    triangle, counted as the continuous s^2/2 that the causal kernels' cost follows), or under a
+    sliding window w < seq the band's s*w - w^2/2 pairs spread over the s queries."""
+    if window is None or window >= seq:
+        return seq / 2.0
+    return window - window * window / (2.0 * seq)
+
+
 class ModelSpec(BaseModel):
     """A decoder-only transformer. Sizes are per layer unless said otherwise.
 
@@ -84,6 +93,14 @@ class ModelSpec(BaseModel):
     qkv_bias: bool = Field(False, description="biases on q, k, v only (Qwen2); implied by `bias`")
     qk_norm: bool = Field(False, description="a norm (of kind `norm`) over each head's q and k, one weight of "
                           "head_dim shared by the heads, before the rotary embedding (Qwen3, Gemma 3)")
+    sliding_window: Optional[int] = Field(
+        None, gt=0, description="sliding-window attention: each query attends to the last `sliding_window` "
+        "positions, itself included (Mistral 7B: 4096); None: the whole causal context"
+    )
+    full_attention_every: int = Field(
+        0, ge=0, description="with sliding_window: every k-th layer (i + 1 divisible by k) attends to the whole "
+        "context (Gemma 2, gpt-oss: 2; Gemma 3: 6); 0: every layer has the window"
+    )
     max_positions: Optional[int] = Field(
         None, gt=0, description="rows of the learned position table; None: seq_len (only with learned_pos)"
     )
@@ -106,6 +123,10 @@ class ModelSpec(BaseModel):
             raise ValueError(
                 f"seq_len {self.seq_len} exceeds the learned position table max_positions {self.max_positions}"
             )
+        if self.sliding_window is not None and not self.causal:
+            raise ValueError(f"sliding_window {self.sliding_window} is modelled for causal attention only (causal is False)")
+        if self.full_attention_every and self.sliding_window is None:
+            raise ValueError(f"full_attention_every {self.full_attention_every} needs sliding_window to be set")
         if self.is_mla:
             if self.qk_rope_head_dim is None:
                 raise ValueError(f"MLA (kv_lora_rank {self.kv_lora_rank}) needs qk_rope_head_dim")
@@ -139,6 +160,13 @@ class ModelSpec(BaseModel):
     def value_head_dim(self) -> int:
         """Width of one value head: head_dim, or v_head_dim under MLA."""
         return self.v_head_dim or self.head_dim
+
+    def attention_window(self, i: int) -> Optional[int]:
+        """The sliding window of layer i (0-based), or None where it attends to the whole context."""
+        if self.sliding_window is None:
+            return None
+        k = self.full_attention_every
+        return None if k and (i + 1) % k == 0 else self.sliding_window
 
     def is_moe_layer(self, i: int) -> bool:
         """Layer i (0-based) has a sparse MLP: moe is set and i >= moe.first_dense_layers."""
@@ -310,19 +338,19 @@ class ModelSpec(BaseModel):
         shared = self.moe.shared_experts * self._ffn_matmul(self._shared_ffn())
         return self.router_params() + self.moe.top_k * self._ffn_matmul(self.moe.expert_ffn) + shared
 
-    def attention_score_flops_per_token(self, seq_len: Optional[int] = None) -> float:
+    def attention_score_flops_per_token(self, seq_len: Optional[int] = None, window: Optional[int] = None) -> float:
         """Q.K^T and softmax.V for one token in one layer: 2*s*heads*qk_head_dim + 2*s*heads*value_head_dim
-        (= 4*s*heads*head_dim for MHA/GQA) for full attention over s keys. Causal: half of that, the
-        average token seeing s/2 keys (exactly (s+1)/2; Megatron's eq. 3 counts the full term).
+        (= 4*s*heads*head_dim for MHA/GQA) for full attention over s keys. Causal: the average token
+        sees `keys_per_query` keys (s/2 without a window; Megatron's eq. 3 counts the full term).
         Under MLA the K/V are expanded per head, as in training (no weight absorption)."""
         s = self._seq(seq_len)
-        full = 2.0 * s * self.heads * (self.qk_head_dim + self.value_head_dim)
-        return full / 2 if self.causal else full
+        keys = keys_per_query(s, window) if self.causal else s
+        return 2.0 * keys * self.heads * (self.qk_head_dim + self.value_head_dim)
 
     def layer_forward_flops_per_token(self, i: int, seq_len: Optional[int] = None) -> float:
         """Layer i: 2 x (attention projections + active MLP matmul weights) + attention scores."""
         weights = self.attention_matmul_params() + self.mlp_active_matmul_params(i)
-        return 2.0 * weights + self.attention_score_flops_per_token(seq_len)
+        return 2.0 * weights + self.attention_score_flops_per_token(seq_len, self.attention_window(i))
 
     def lm_head_flops_per_token(self) -> float:
         """Logits: 2*hidden*vocab, whether or not the head is tied to the embedding."""
@@ -512,17 +540,47 @@ def _dropout(cfg: dict, origin: str, keys: tuple[str, ...], default: float) -> f
     return max(vals)
 
 
+def _sliding_window(cfg: dict, origin: str, layers: int) -> dict[str, Any]:
+    """`sliding_window` and `full_attention_every` of a config: which layers have the window comes
+    from `layer_types` where the config lists them (transformers >= 4.54), else from Qwen2/3's
+    `use_sliding_window` (layers from `max_window_layers` on), else every layer has Mistral's
+    `sliding_window` when it is set."""
+    types = _get(cfg, "layer_types", origin, default=None, kind=list)
+    if types is not None:
+        if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+            raise SpecError(f"key 'layer_types' in {origin} must list 'sliding_attention' or 'full_attention' "
+                            f"for each of the {layers} layers, got {types!r}")
+        sliding = [t == "sliding_attention" for t in types]
+    elif "use_sliding_window" in cfg:
+        on = _get(cfg, "use_sliding_window", origin, default=False, kind=bool)
+        first = _get(cfg, "max_window_layers", origin, default=0)
+        sliding = [on and i >= first for i in range(layers)]
+    else:
+        sliding = [cfg.get("sliding_window") is not None] * layers
+    if not any(sliding):
+        return {}
+    window = _get(cfg, "sliding_window", origin)
+    if all(sliding):
+        return dict(sliding_window=window)
+    for k in range(2, layers + 1):
+        if all(s == bool((i + 1) % k) for i, s in enumerate(sliding)):
+            return dict(sliding_window=window, full_attention_every=k)
+    full = [i for i, s in enumerate(sliding) if not s]
+    raise SpecError(f"{origin}: layers {full} attend fully and the others through a window of {window}; "
+                    "simexec models a window on every layer or every layer but each k-th")
+
+
 def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
     """llama, mistral, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE; Qwen3's
-    RMSNorm on each head's q and k. Sliding-window attention (Mistral) is ignored: attention FLOPs
-    are counted over the full context."""
+    RMSNorm on each head's q and k; Mistral's and Qwen's sliding-window attention."""
     hidden = _get(cfg, "hidden_size", origin)
     heads = _get(cfg, "num_attention_heads", origin)
+    layers = _get(cfg, "num_hidden_layers", origin)
     mtype = cfg["model_type"]
     attention_bias = _get(cfg, "attention_bias", origin, default=mtype in ("qwen2", "qwen2_moe"), kind=bool)
     mlp_bias = _get(cfg, "mlp_bias", origin, default=False, kind=bool)
     return dict(
-        layers=_get(cfg, "num_hidden_layers", origin),
+        layers=layers,
         hidden=hidden,
         heads=heads,
         kv_heads=_get(cfg, "num_key_value_heads", origin, default=heads),
@@ -538,6 +596,7 @@ def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
         qkv_bias=attention_bias and not mlp_bias,
         qk_norm=mtype in ("qwen3", "qwen3_moe"),
         dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout"), 0.0),
+        **_sliding_window(cfg, origin, layers),
     )
 
 

@@ -254,7 +254,7 @@ class _StructureBounds:
             layers = rp.stage_layers[vs]
             n = len(layers)
             n_rc = self._n_recomputed(n)
-            if model.moe is None:
+            if model.moe is None and model.sliding_window is None:  # every layer alike
                 pair = dense.get(r)
                 if pair is None:
                     pair = dense[r] = (self._layer(layers[0], True, r), self._layer(layers[0], False, r))
@@ -361,9 +361,9 @@ class _StructureBounds:
         ending its forward, the one ending its backward, collective s in the forward, in the
         backward)."""
         p = self.p
-        moe = self.rp.model.is_moe_layer(l)
+        moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l)
         key = (self.mesh_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
-               moe, rank)
+               moe, window, rank)
         out = self.b.layers.get(key)
         if out is not None:
             return out

@@ -85,3 +85,34 @@ def test_the_executor_refuses_expert_capacity():
     capped = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": 1.25})})
     assert unsupported(resolve(m, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4"))) is None
     assert "capacity_factor=1.25" in unsupported(resolve(capped, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4")))
+
+
+def test_sliding_window_prices_the_band_on_gpus_and_every_score_on_cpus():
+    """A causal window of w over s positions leaves s*w - w^2/2 query-key pairs: GPU kernels skip the
+    tiles outside the band (FlashAttention's window_size), PyTorch's CPU kernel takes the band as a
+    mask and computes all s^2; the layer every `full_attention_every` keeps the causal s^2/2, and a
+    window as long as the sequence changes nothing."""
+    s, w = 4096, 1024
+    base = get_model("llama3-8b", seq_len=s)
+    windowed = base.model_copy(update=dict(sliding_window=w, full_attention_every=2))
+    for cluster, pairs in (("dgx-h100", s * w - w * w / 2), ("local", s * s)):
+        an = Anatomy(resolve(windowed, get_cluster(cluster), parse_plan("gbs=8")))
+        causal = an.layer(1)["attn"].flops  # layer 1 of every 2 attends fully
+        assert an.layer(0)["attn"].flops == pytest.approx(causal * pairs / (s * s / 2))
+        assert an.layer(0)["qkv"] == an.layer(1)["qkv"] and an.layer(0)["attn"].saved == an.layer(1)["attn"].saved
+    long = base.model_copy(update=dict(sliding_window=s))
+    assert Anatomy(resolve(long, get_cluster("local"), parse_plan("gbs=8"))).layer(0)["attn"].flops == causal
+    unfused = Anatomy(resolve(windowed, get_cluster("dgx-h100"), parse_plan("gbs=8,flash_attention=0")))
+    assert unfused.layer(0)["attn"] == unfused.layer(1)["attn"]  # the unfused scores are all computed
+
+
+def test_sliding_window_refuses_the_ring_and_the_search_leaves_it_out():
+    from simexec.errors import PlanError
+    from simexec.search_space import plans
+
+    m = get_model("llama3-8b", seq_len=8192).model_copy(update=dict(sliding_window=4096))
+    with pytest.raises(PlanError, match="cp_impl=ring does not run sliding-window attention"):
+        resolve(m, get_cluster("dgx-h100"), parse_plan("cp=2,cp_impl=ring,gbs=4"))
+    resolve(m, get_cluster("dgx-h100"), parse_plan("cp=2,gbs=4"))  # the all-gather runs it
+    found = list(plans(m, get_cluster("dgx-h100"), 8, 8192, {"cp": 2, "tp": 4, "zero": 1}))
+    assert found and {p.cp_impl for p in found} == {"allgather"}

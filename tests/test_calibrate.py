@@ -332,6 +332,31 @@ def test_context_parallel_attention_counts_match_the_executor(model, plan):
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
 
 
+@pytest.mark.parametrize("plan", ["gbs=1", "gbs=1,flash_attention=0", "cp=2,gbs=2"])
+def test_sliding_window_attention_counts_match_the_executor(tmp_path, plan):
+    """A windowed layer's attention masks its band: the simulator counts the operators that adds (or
+    saves) against the same model without the window, fused, unfused and under context
+    parallelism's all-gather."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.lower import lower
+    from simexec.plan import parse_plan, resolve
+    from simexec.sim.host import HostCosts
+
+    local = get_cluster("local")
+    text = (ROOT / "tests/data/window-tiny.yaml").read_text()
+    ops = {}
+    for name, body in (("every-layer", text.replace("full_attention_every: 2", "full_attention_every: 0")),
+                       ("none", text.replace("sliding_window: 8", "").replace("full_attention_every: 2", ""))):
+        path = tmp_path / f"window-{name}.yaml"
+        path.write_text(body)
+        prog = lower(resolve(get_model(str(path)), local, parse_plan(plan)))
+        attn = [i for i in prog.ranks[0] if i.kind == "compute" and i.phase == "fwd" and i.block == "attn"][-1]
+        ops[name] = count_dispatch_plan(str(path), plan)["fwd.attn"], HostCosts(local, prog).ops(attn)
+        assert prog.meta.get("windowed_layers", []) == ([0, 1] if name == "every-layer" else [])
+    (got, priced), (got0, priced0) = ops["every-layer"], ops["none"]
+    assert abs((priced - priced0) - (got - got0)) <= 1, ops
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny"])
 def test_sequence_parallel_block_counts_match_the_executor(model):
     """Under sp the norms are blocks of their own and the column-parallel GEMMs save the weight, not

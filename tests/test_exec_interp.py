@@ -289,6 +289,17 @@ def test_qk_norms_match_reference(plan):
     check_plan(QK_NORM, plan)
 
 
+WINDOW = str(Path(__file__).resolve().parent / "data" / "window-tiny.yaml")  # a sliding window on layer 0
+
+
+@pytest.mark.parametrize("plan", ["tp=2,gbs=2", "cp=2,gbs=2", "pp=2,gbs=4", "dp=2,flash_attention=0,gbs=4"])
+def test_sliding_window_matches_reference(plan):
+    """A windowed layer beside a full one: under tp each rank masks its heads' band, under context
+    parallelism's all-gather its queries' band against the gathered keys, and the unfused attention
+    masks the band in its scores."""
+    check_plan(WINDOW, plan)
+
+
 @pytest.mark.parametrize("plan", ["pp=2,gbs=4", "dp=2,zero=2,gbs=4"])
 def test_tied_embeddings_refused_where_not_run(plan):
     from simexec.exec.interpreter import unsupported

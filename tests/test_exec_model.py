@@ -4,6 +4,8 @@ sums and concatenations), expert parallelism by hand-made dispatch, ring attenti
 and backward, the data split, and refusals."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -224,6 +226,39 @@ def test_unfused_attention_equals_the_fused_kernel_with_grouped_heads():
         outs.append((o.detach(), q.grad, kv.grad))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _windowed_attention_by_hand(q, kv, qpos, kpos, window):
+    """Each query, one at a time, against the keys at its own position and the window - 1 before it."""
+    k, v = kv[0], kv[1]
+    rep = q.shape[1] // k.shape[1]
+    out = torch.empty_like(q)
+    for i, p in enumerate(qpos.tolist()):
+        seen = [j for j, kp in enumerate(kpos.tolist()) if p - window < kp <= p]
+        kk, vv = k[:, :, seen].repeat_interleave(rep, 1), v[:, :, seen].repeat_interleave(rep, 1)
+        w = torch.softmax(q[:, :, i:i + 1] @ kk.transpose(-1, -2) / q.shape[-1] ** 0.5, dim=-1)
+        out[:, :, i:i + 1] = w @ vv
+    B, nh, T, hd = q.shape
+    return out.transpose(1, 2).reshape(B, T, nh * hd)
+
+
+@pytest.mark.parametrize("flash", [True, False])
+def test_sliding_window_attends_to_the_band_alone(flash):
+    """A windowed layer's query at position p attends to keys p - w + 1 .. p, as computed query by
+    query; the layer every `full_attention_every` attends causally to all. Under context parallelism's
+    all-gather (queries at a rank's positions against all keys) the same holds."""
+    spec = get_model(str(Path(__file__).resolve().parent / "data" / "window-tiny.yaml"))
+    w, T, hd = spec.sliding_window, spec.seq_len, spec.head_dim
+    model = GPT(spec, Layout(), {}, flash=flash)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, spec.heads, T, hd, generator=g, dtype=torch.float64)
+    kv = torch.randn(2, 2, spec.kv_heads, T, hd, generator=g, dtype=torch.float64)
+    pos = torch.arange(T)
+    torch.testing.assert_close(model.attn(0, q, kv, pos, pos), _windowed_attention_by_hand(q, kv, pos, pos, w))
+    torch.testing.assert_close(model.attn(1, q, kv, pos, pos), _windowed_attention_by_hand(q, kv, pos, pos, T))
+    mine = torch.cat([torch.arange(0, 8), torch.arange(24, 32)])  # cp rank 0 of 2: chunks 0 and 3
+    torch.testing.assert_close(model.attn(0, q[:, :, mine], kv, mine, pos),
+                               _windowed_attention_by_hand(q[:, :, mine], kv, mine, pos, w))
 
 
 def test_tied_embeddings_have_no_head_weight():

@@ -183,6 +183,7 @@ HF_COUNTS = [  # fixture dir, published total, published active, tolerance
     ("deepseek-v3", 671e9, 37e9, 0.02),
     ("qwen3-8b", 8.2e9, None, 0.01),          # Qwen/Qwen3-8B model card: 8.2B (6.95B without embeddings)
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),   # Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
+    ("mistral-7b-v0.1", 7.24e9, None, 0.001),  # mistralai/Mistral-7B-v0.1: 7,241,732,096
 ]
 
 
@@ -218,6 +219,48 @@ def test_hf_qwen3_counts_every_weight():
     assert (moe.qkv_bias, moe.qk_norm, moe.moe.shared_experts, moe.moe.experts, moe.moe.top_k) == (False, True, 0, 128, 8)
     assert moe.params == 30_532_122_624  # 30,532,110,336 without the 48 layers' q and k norms
     assert moe.heads * moe.head_dim == 2 * moe.hidden  # q is wider than the residual stream
+
+
+def test_hf_sliding_window():
+    """Mistral 7B v0.1 puts a 4096-token window on every layer; Qwen's `use_sliding_window` covers the
+    layers from `max_window_layers` on; a config's `layer_types` says it layer by layer."""
+    mistral = get_model(str(HF / "mistral-7b-v0.1"))
+    assert (mistral.sliding_window, mistral.full_attention_every, mistral.params) == (4096, 0, 7_241_732_096)
+    assert get_model(str(HF / "qwen2-0.5b")).sliding_window is None  # use_sliding_window: false
+    cfg = json.loads((HF / "qwen3-8b" / "config.json").read_text())
+    assert from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 4096},
+                          "q").sliding_window == 4096
+    assert from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 36}, "q").sliding_window is None
+    gemma3_like = ["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(36)]
+    m = from_hf_config({**cfg, "layer_types": gemma3_like, "sliding_window": 1024}, "q")
+    assert (m.sliding_window, m.full_attention_every) == (1024, 6)
+    assert [m.attention_window(i) for i in range(6)] == [1024] * 5 + [None]
+    with pytest.raises(SpecError, match=r"layers \[0, 1, 2\] attend fully .* window of 4096"):
+        from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 3, "sliding_window": 4096}, "q")
+    with pytest.raises(SpecError, match="layer_types"):
+        from_hf_config({**cfg, "layer_types": ["sliding_attention"] * 3, "sliding_window": 4096}, "q")
+    with pytest.raises(SpecError, match="missing key 'sliding_window'"):
+        from_hf_config({**cfg, "layer_types": gemma3_like}, "q")
+
+
+def test_sliding_window_flops():
+    """The band of a causal window w over s positions holds s*w - w^2/2 query-key pairs (the
+    triangle's s^2/2 when w >= s); every k-th layer of `full_attention_every` attends to all of them."""
+    base = MODELS["llama3-8b"]
+    windowed = base.model_copy(update=dict(sliding_window=2048))
+    per_pair = 2.0 * base.heads * 2 * base.head_dim
+    s = 8192
+    assert base.attention_score_flops_per_token(s) == pytest.approx(per_pair * s / 2)
+    assert windowed.attention_score_flops_per_token(s, 2048) == pytest.approx(per_pair * (s * 2048 - 2048**2 / 2) / s)
+    assert windowed.attention_score_flops_per_token(s, s) == base.attention_score_flops_per_token(s)
+    saved = base.forward_flops_per_token(s) - windowed.forward_flops_per_token(s)
+    assert saved == pytest.approx(base.layers * per_pair * (s / 2 - (2048 - 2048**2 / (2 * s))))
+    every4 = ModelSpec(**{**windowed.model_dump(), "full_attention_every": 4})
+    assert base.forward_flops_per_token(s) - every4.forward_flops_per_token(s) == pytest.approx(saved * 3 / 4)
+    with pytest.raises(ValueError, match="needs sliding_window"):
+        ModelSpec(**{**base.model_dump(), "full_attention_every": 2})
+    with pytest.raises(ValueError, match="causal attention only"):
+        ModelSpec(**{**base.model_dump(), "sliding_window": 16, "causal": False})
 
 
 def test_hf_gpt2_defaults():

@@ -560,3 +560,17 @@ def test_sc21_sweeps_order_as_published(figure, gbs):
         p = parse_plan(x["plan"])
         assert x["fits"] and p.dp * p.tp * p.pp == 64 and getattr(p, sweep.axis) == x["degree"]
     assert r["holds"], [(x["degree"], round(x["tflops"], 1)) for x in r["rows"]]
+
+
+def test_bounds_never_exceed_the_simulation_of_sliding_windows():
+    """Layers differ when every other one attends through a window: the bounds price each."""
+    model = get_model("llama3-8b", seq_len=4096).model_copy(update=dict(sliding_window=512, full_attention_every=2))
+    cl = get_cluster("dgx-h100")
+    b = Bounds(model, cl, 4096)
+    cands = []
+    for st in structures(model, cl, 16, 4096):
+        cands.extend(b.candidates(st, len(cands)))
+    for c in random.Random(11).sample(cands, 20):
+        r = simulate(model, cl, parse_plan(c.plan_string), 4096)
+        assert c.time_lb <= r.step_time_s and b.refine(c) <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string

@@ -353,16 +353,26 @@ def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sc
     return dq, dk, dv
 
 
-def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, causal: bool) -> Tensor:
+def band_mask(qpos: Tensor, kpos: Tensor, window: int) -> Tensor:
+    """Causal sliding-window mask (T, S): query at position i sees keys at i - window + 1 .. i."""
+    d = qpos[:, None] - kpos[None, :]
+    return (d >= 0) & (d < window)
+
+
+def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, causal: bool,
+                       band: Optional[Tensor] = None) -> Tensor:
     """Attention without a fused kernel (`flash_attention=0`, Megatron-LM 2021): Q.K^T over every
     score, scale and causal mask in place, softmax, then P.V; the backward keeps the softmax output P
     (B, nh, T, S) beside q, k and v. Query heads sharing a kv head broadcast against it (no copies).
+    `band`: a sliding window's mask (`band_mask`) in place of the causal one.
     q (B, nh, T, hd), k, v (B, nkv, S, hd) -> (B, T, nh*hd)."""
     B, nh, T, hd = q.shape
     nkv = k.shape[1]
     qg = q.view(B, nkv, nh // nkv, T, hd)
     s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).mul_(1.0 / math.sqrt(hd))  # (B, nkv, rep, T, S)
-    if causal:
+    if band is not None:
+        s = s.masked_fill_(band.logical_not(), float("-inf"))
+    elif causal:
         s = s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2))  # (B, nkv, rep, T, hd)
     return o.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
@@ -438,6 +448,7 @@ class GPT:
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
+        self._band: Optional[tuple] = None  # (query positions, key positions, window, mask) last built
 
     def _rope_tables(self, pos: Tensor, hd: int, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """The rotary tables of positions `pos`, built once for every layer and micro-batch that share
@@ -446,6 +457,14 @@ class GPT:
         if c is None or c[0] is not pos or c[1] != (hd, dtype):
             c = self._rope = (pos, (hd, dtype), rope_tables(pos, hd, dtype))
         return c[2]
+
+    def _band_mask(self, qpos: Tensor, kpos: Tensor, window: int) -> Tensor:
+        """The sliding window's mask, built once for every layer and micro-batch that share the
+        position tensors (as the rotary tables are)."""
+        c = self._band
+        if c is None or c[0] is not qpos or c[1] is not kpos or c[2] != window:
+            c = self._band = (qpos, kpos, window, band_mask(qpos, kpos, window))
+        return c[3]
 
     def _norm(self, prefix: str, x: Tensor) -> Tensor:
         w = self.p[f"{prefix}.w"]
@@ -529,12 +548,19 @@ class GPT:
 
     def attn(self, l: int, q: Tensor, kv: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
         """Causal attention of this rank's heads: q (B, nh, T, hd) against kv (2, B, nkv, S, hd) at
-        positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd)."""
+        positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd); within
+        the layer's sliding window, if it has one."""
         k, v = kv[0], kv[1]
         gqa = self.nh != self.nkv
+        window = self.m.attention_window(l)
+        if window is not None and window >= kpos.shape[0]:
+            window = None  # the window holds the whole context
         if not self.flash:
-            return _unfused_attention(q, k, v, qpos, kpos, self.m.causal)
-        if kpos is qpos or (qpos.shape == kpos.shape and bool((qpos == kpos).all())):  # `is`: no device sync
+            band = self._band_mask(qpos, kpos, window) if window is not None else None
+            return _unfused_attention(q, k, v, qpos, kpos, self.m.causal, band)
+        if window is not None:  # sliding window: the band, as a mask
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._band_mask(qpos, kpos, window), enable_gqa=gqa)
+        elif kpos is qpos or (qpos.shape == kpos.shape and bool((qpos == kpos).all())):  # `is`: no device sync
             o = F.scaled_dot_product_attention(q, k, v, is_causal=self.m.causal, enable_gqa=gqa)
         else:  # context parallel: local queries against the gathered keys, masked by position
             mask = kpos[None, :] <= qpos[:, None] if self.m.causal else None  # (T, S)

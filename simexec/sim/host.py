@@ -174,6 +174,13 @@ SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 # a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
 QK_NORM_OPS = {"fwd.qkv": 12, "bwd.qkv": 24}
+# A layer's sliding window changes the operators of its forward attention: counted on
+# tests/data/window-tiny.yaml with the window on every layer, against the same model without it. The
+# band mask is built once for the positions a step's micro-batches share; then the fused kernel with
+# a mask runs 3 more than with `is_causal`, the unfused attention 2 fewer (no causal mask to build),
+# and context parallelism's all-gather, whose gathered positions are new at each call, builds the
+# band instead of the causal mask (+3). The backward is alike.
+WINDOW_OPS = {"fused": 3, "unfused": -2, "cp": 3}
 DEFAULT_OPS = 12  # a block no table knows
 
 
@@ -361,6 +368,10 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
             else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
+        self.windowed = frozenset(program.meta.get("windowed_layers", ()))
+        self.window_ops = 0
+        if plan is not None:
+            self.window_ops = WINDOW_OPS["cp" if plan.cp > 1 else "fused" if plan.flash_attention else "unfused"]
         self.zero = plan.zero if plan is not None else 0
         self.flavour = plan.zero3_flavour if plan is not None else None
         self.sp = bool(plan.sp) if plan is not None else False
@@ -418,7 +429,15 @@ class HostCosts:
             return adam_ops(self.tensors(ins.rank), self.dtype, elements, master, piece) + self.step_ops
         if ins.block in ("unscale", "grad_norm"):
             return UNSCALE_OPS if ins.block == "unscale" else GRAD_NORM_OPS
-        return ops_of(ins, self.table)
+        n = ops_of(ins, self.table)
+        if ins.block == "attn" and ins.phase != "bwd" and self._windowed(ins.layer):
+            n += self.window_ops
+        return n
+
+    def _windowed(self, layer: int) -> bool:
+        """Whether the layer's attention has a sliding window shorter than the sequence (the
+        program's `windowed_layers`, `simexec.lower.windowed_layers`)."""
+        return layer in self.windowed
 
     def kernel_passes(self, ins: Instr) -> int:
         """Per-tensor passes of an Adam step run on a CPU core (`adam_kernel_passes`), priced as

@@ -571,8 +571,10 @@ def _sliding_window(cfg: dict, origin: str, layers: int) -> dict[str, Any]:
 
 
 def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
-    """llama, mistral, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE; Qwen3's
-    RMSNorm on each head's q and k; Mistral's and Qwen's sliding-window attention."""
+    """llama, mistral, phi3, qwen2, qwen3 (and the base of the MoE ones): RMSNorm, SwiGLU, RoPE
+    (Phi-3 fuses q, k, v into one matrix and gate and up into another: the same weights); Qwen3's
+    RMSNorm on each head's q and k; Mistral's, Phi-3's and Qwen's sliding-window attention. Dropout is
+    the largest of the attention's and the residual branches' (Phi-3's `resid_pdrop`)."""
     hidden = _get(cfg, "hidden_size", origin)
     heads = _get(cfg, "num_attention_heads", origin)
     layers = _get(cfg, "num_hidden_layers", origin)
@@ -595,7 +597,7 @@ def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
         bias=attention_bias and mlp_bias,
         qkv_bias=attention_bias and not mlp_bias,
         qk_norm=mtype in ("qwen3", "qwen3_moe"),
-        dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout"), 0.0),
+        dropout=_dropout(cfg, origin, ("attention_dropout", "hidden_dropout", "resid_pdrop"), 0.0),
         **_sliding_window(cfg, origin, layers),
     )
 
@@ -700,6 +702,7 @@ _HF_IMPORTERS = {
     "gpt_neox": _hf_gpt_neox,
     "llama": _hf_llama_like,
     "mistral": _hf_llama_like,
+    "phi3": _hf_llama_like,
     "mixtral": _hf_mixtral,
     "qwen2": _hf_llama_like,
     "qwen2_moe": _hf_qwen_moe,

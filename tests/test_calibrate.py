@@ -315,19 +315,29 @@ def test_dispatch_table_matches_the_executor(model):
     assert not diff, f"refresh simexec.sim.host.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
 
 
+GROUPED = "tests/data/qk-norm-tiny.yaml"  # 4 query heads in 2 groups
+
+
 @pytest.mark.parametrize("model,plan", [("gpt-tiny", "cp=2,gbs=2"), ("moe-tiny", "cp=2,gbs=2"),
                                         ("gpt-tiny", "cp=2,cp_impl=ring,gbs=2"),
-                                        ("gpt-tiny", "cp=2,cp_impl=ring,gbs=2,dtype=fp32")])
+                                        ("gpt-tiny", "cp=2,cp_impl=ring,gbs=2,dtype=fp32"),
+                                        (GROUPED, "cp=2,cp_impl=ring,gbs=2"),
+                                        ("gpt-tiny", "gbs=1,flash_attention=0"), (GROUPED, "gbs=1,flash_attention=0"),
+                                        ("moe-tiny", "cp=2,gbs=2,flash_attention=0"),
+                                        (GROUPED, "cp=4,gbs=4,flash_attention=0")])
 def test_context_parallel_attention_counts_match_the_executor(model, plan):
-    """Under cp the executor runs another attention block; the simulator counts its operators."""
+    """Under cp the executor runs another attention block, and without a fused kernel another
+    attention; the simulator counts their operators, with query heads in groups or not."""
     from simexec.exec.microbench import count_dispatch_plan
     from simexec.model import get_model
     from simexec.plan import parse_plan
     from simexec.sim.host import dispatch_key, dispatch_table
 
+    model = str(ROOT / model) if model.endswith(".yaml") else model
     got = count_dispatch_plan(model, plan)
     p = parse_plan(plan)
-    table = dispatch_table(dispatch_key(get_model(model)), cp=p.cp, cp_impl=p.cp_impl, dtype=p.dtype)
+    table = dispatch_table(dispatch_key(get_model(model)), cp=p.cp, cp_impl=p.cp_impl, dtype=p.dtype,
+                           flash=p.flash_attention)
     for k in ("fwd.attn", "bwd.attn"):
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
 

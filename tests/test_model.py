@@ -184,6 +184,7 @@ HF_COUNTS = [  # fixture dir, published total, published active, tolerance
     ("qwen3-8b", 8.2e9, None, 0.01),          # Qwen/Qwen3-8B model card: 8.2B (6.95B without embeddings)
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),   # Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
     ("mistral-7b-v0.1", 7.24e9, None, 0.001),  # mistralai/Mistral-7B-v0.1: 7,241,732,096
+    ("phi-3-mini-4k", 3.82e9, None, 0.001),  # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552
 ]
 
 
@@ -227,6 +228,8 @@ def test_hf_sliding_window():
     mistral = get_model(str(HF / "mistral-7b-v0.1"))
     assert (mistral.sliding_window, mistral.full_attention_every, mistral.params) == (4096, 0, 7_241_732_096)
     assert get_model(str(HF / "qwen2-0.5b")).sliding_window is None  # use_sliding_window: false
+    phi3 = get_model(str(HF / "phi-3-mini-4k"))  # q, k, v fused in one matrix: the same weights
+    assert (phi3.sliding_window, phi3.params, phi3.seq_len) == (2047, 3_821_079_552, 4096)
     cfg = json.loads((HF / "qwen3-8b" / "config.json").read_text())
     assert from_hf_config({**cfg, "use_sliding_window": True, "max_window_layers": 0, "sliding_window": 4096},
                           "q").sliding_window == 4096

@@ -181,6 +181,21 @@ QK_NORM_OPS = {"fwd.qkv": 12, "bwd.qkv": 24}
 # and context parallelism's all-gather, whose gathered positions are new at each call, builds the
 # band instead of the causal mask (+3). The backward is alike.
 WINDOW_OPS = {"fused": 3, "unfused": -2, "cp": 3}
+# Without a fused kernel (`flash_attention=0`) attention is Q.K^T, the causal mask, softmax and P.V
+# one operator each (`_unfused_attention`): counted on gpt-tiny and moe-tiny, alone and under context
+# parallelism's all-gather (whose mask comes from the gathered positions, as with the fused kernel).
+# Query heads in groups (`gqa` in the dispatch key) view the queries per group: 2 more each way.
+# The ring computes per K/V chunk alike fused or not; with grouped heads it expands each chunk's
+# K and V to the query heads first (8 more operators forward, 12 backward, counted at cp 2).
+UNFUSED_ATTN_OPS = {"fwd.attn": 32, "bwd.attn": 31}
+
+
+def unfused_cp_attn_ops(cp: int) -> dict[str, int]:
+    """The unfused attention under context parallelism's all-gather (its mask as the fused one's)."""
+    return {"fwd.attn": 33 + 3 * cp, "bwd.attn": 32}
+
+
+GQA_OPS = {"unfused": {"fwd.attn": 2, "bwd.attn": 2}, "ring": {"fwd.attn": 8, "bwd.attn": 12}}
 DEFAULT_OPS = 12  # a block no table knows
 
 
@@ -189,6 +204,8 @@ def dispatch_key(model) -> str:
     parts = [model.norm, "swiglu" if model.gated else "mlp", "pos" if model.learned_pos else "rope"]
     if model.bias:
         parts.append("bias")
+    if model.kv_heads != model.heads and not model.is_mla:
+        parts.append("gqa")
     if model.qk_norm:
         parts.append("qknorm")
     if model.moe is not None:
@@ -200,18 +217,19 @@ def cost_family(model) -> str:
     """The kernels a model's blocks run (norm, MLP, positions, MoE), without its sizes: element-wise
     costs measured on one model of a family (`elementwise_cost["<family>/<phase>.<block>"]`) price
     every model of it."""
-    key = dispatch_key(model).replace("-qknorm", "")
+    key = dispatch_key(model).replace("-gqa", "").replace("-qknorm", "")
     dense, _, moe = key.partition("-moe")
     return dense + ("-moe" if moe else "")
 
 
 def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather",
-                   dtype: str = "fp32", sp: bool = False) -> dict[str, int]:
+                   dtype: str = "fp32", sp: bool = False, flash: bool = True) -> dict[str, int]:
     """Operators per `<phase>.<block>` for a `dispatch_key` (features without a table of their own
     borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds, the
-    attention block of context parallelism `cp` in `dtype`, the blocks of sequence parallelism."""
-    qk_norm = "-qknorm" in key
-    key = key.replace("-qknorm", "")
+    attention block of context parallelism `cp` in `dtype`, fused (`flash`) or not, the blocks of
+    sequence parallelism."""
+    qk_norm, grouped = "-qknorm" in key, "-gqa" in key
+    key = key.replace("-qknorm", "").replace("-gqa", "")
     dense, _, moe = key.partition("-moe")
     table = dict(DISPATCH.get(key if not moe else dense, DISPATCH[DEFAULT_TABLE]))
     if moe:
@@ -226,8 +244,14 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
                 loops = SP_MOE_OUT_OPS if sp and block == "moe_out" else MOE_LOOP_OPS
                 fixed, per = loops[f"{phase}.{block}"]
                 table[f"{phase}.{block}"] = fixed + per * n
+    ring = cp > 1 and cp_impl == "ring"
     if cp > 1:
         table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
+    if not flash and not ring:
+        table.update(unfused_cp_attn_ops(cp) if cp > 1 else UNFUSED_ATTN_OPS)
+    if grouped and (ring or not flash):
+        for block, n in GQA_OPS["ring" if ring else "unfused"].items():
+            table[block] += n
     if qk_norm:
         for block, n in QK_NORM_OPS.items():
             table[block] += n
@@ -365,8 +389,8 @@ class HostCosts:
         self.contention = c.compute_contention  # slowdown of a thread when every core is busy
         self.model = _model_of(program)
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
-        self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp) if plan is not None \
-            else dispatch_table(key, dtype=dtype)
+        self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
+                                    plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         self.windowed = frozenset(program.meta.get("windowed_layers", ()))
         self.window_ops = 0

@@ -33,7 +33,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 
 VARIANTS = ("traced", "untraced", "torch")
 
@@ -334,7 +334,7 @@ def main(argv=None) -> int:
     finally:
         stop_ray(owned)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(report, indent=2))
+        write_atomic(args.json_path, json.dumps(report, indent=2).encode())
     return 0
 
 

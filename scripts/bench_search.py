@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.search import parse_fix, search  # noqa: E402
 
 
@@ -75,7 +75,7 @@ def main() -> int:
         out = {"case": vars(args), "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                                 "platform": platform.platform()},
                "runs": runs, "result": res.to_json()}
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_atomic(args.json, json.dumps(out, indent=1).encode())
     return 0
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.lower import lower  # noqa: E402
 from simexec.model import get_model  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.plan import load_plan, resolve  # noqa: E402
 from simexec.simulate import simulate_program  # noqa: E402
 
@@ -82,7 +82,7 @@ def main() -> int:
                   f"{row['simulate_s']:>7.3f} {row['instructions_per_s']:>9,.0f} {row['step_time_s']:>8.3f} "
                   f"{100 * row['mfu']:>5.1f}%", flush=True)
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(rows, indent=1))
+        write_atomic(args.json_path, json.dumps(rows, indent=1).encode())
     return 0
 
 

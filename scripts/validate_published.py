@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import ModelSpec, get_model  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.plan import Plan, balanced_stages, load_plan  # noqa: E402
 from simexec.simulate import SimResult, simulate  # noqa: E402
 
@@ -427,7 +427,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"Megatron rows: median |error| {100 * s['median_abs_error']:.1f}%, "
               f"largest {100 * s['max_abs_error']:.1f}%  ({time.perf_counter() - t0:.0f} s)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "summary": s}, indent=1))
+        write_atomic(args.json, json.dumps({"rows": rows, "summary": s}, indent=1).encode())
     if args.markdown:
         cmd = "python scripts/validate_published.py" + "".join(
             f" {flag} {val}" for flag, val in (("--only", args.only), ("--megatron-csv", args.megatron_csv),

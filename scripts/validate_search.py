@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, 
 from simexec.cluster import get_cluster  # noqa: E402
 from simexec.markdown import replace_block  # noqa: E402
 from simexec.model import get_model  # noqa: E402
-from simexec.outputs import outputs_refused  # noqa: E402
+from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
 from simexec.search_space import structures  # noqa: E402
@@ -228,7 +228,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               f"{r['unconstrained']['step_time_s']:.4g} s; {'PASS' if r['pass'] else 'FAIL'}  "
               f"({r['simulated']} simulated, {r['wall_s']:.0f} s)", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"tolerance": TOLERANCE, "rows": results}, indent=1, default=str))
+        write_atomic(args.json, json.dumps({"tolerance": TOLERANCE, "rows": results}, indent=1, default=str).encode())
     if args.markdown:
         cmd = "python scripts/validate_search.py" + (f" --rows {args.rows}" if args.rows else "") \
             + f" --markdown {args.markdown}"

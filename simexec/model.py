@@ -602,6 +602,16 @@ def _hf_llama_like(cfg: dict, origin: str) -> dict[str, Any]:
     )
 
 
+def _hf_gemma(cfg: dict, origin: str) -> dict[str, Any]:
+    """Gemma (1): as Llama, with the head tied to the embedding unless the config says otherwise
+    (GemmaConfig's default) and heads of `head_dim` 256. Its GeGLU is priced as SwiGLU (one gated
+    activation each), its embedding's scaling by sqrt(hidden) and its norms' 1 + w are left out (an
+    element-wise pass each, no weights)."""
+    f = _hf_llama_like(cfg, origin)
+    f["tied_embeddings"] = _get(cfg, "tie_word_embeddings", origin, default=True, kind=bool)
+    return f
+
+
 def _hf_mixtral(cfg: dict, origin: str) -> dict[str, Any]:
     f = _hf_llama_like(cfg, origin)
     f["moe"] = dict(
@@ -698,6 +708,7 @@ def _hf_gpt_neox(cfg: dict, origin: str) -> dict[str, Any]:
 _HF_IMPORTERS = {
     "deepseek_v2": _hf_deepseek,
     "deepseek_v3": _hf_deepseek,
+    "gemma": _hf_gemma,
     "gpt2": _hf_gpt2,
     "gpt_neox": _hf_gpt_neox,
     "llama": _hf_llama_like,

@@ -185,6 +185,7 @@ HF_COUNTS = [  # fixture dir, published total, published active, tolerance
     ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02),   # Qwen/Qwen3-30B-A3B model card: 30.5B total, 3.3B activated
     ("mistral-7b-v0.1", 7.24e9, None, 0.001),  # mistralai/Mistral-7B-v0.1: 7,241,732,096
     ("phi-3-mini-4k", 3.82e9, None, 0.001),  # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552
+    ("gemma-7b", 8.54e9, None, 0.001),  # google/gemma-7b: 8,537,680,896 (tied head, 256-wide heads)
 ]
 
 

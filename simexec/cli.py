@@ -98,6 +98,8 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--top", type=int, default=10, help="how many plans to print")
         p.add_argument("--objective", choices=("throughput", "memory"), default="throughput")
         p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4")
+        p.add_argument("--against", default=None, metavar="PLAN",
+                       help="a plan of yours (e.g. the one you run): where it ranks and why the best beats it")
         p.add_argument("--profile", default=None, help="hardware profile JSON")
         p.add_argument("--ray-address", default=None, help="spread the sweep over a Ray cluster")
         p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core; 1: in this process)")
@@ -254,7 +256,7 @@ def cmd_search(args) -> int:
 
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
-                    profile=args.profile, ray_address=args.ray_address, workers=args.workers)
+                    profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

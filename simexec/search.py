@@ -34,10 +34,11 @@ from typing import Any, Callable, Optional, Union
 from simexec.cluster import ClusterSpec, GiB, get_cluster
 from simexec.errors import PlanError
 from simexec.model import ModelSpec, get_model
-from simexec.plan import Plan, _validate_fields, split_pairs
+from simexec.plan import Plan, _validate_fields, parse_plan, resolve, split_pairs
 from simexec.search_bounds import Bounds, Candidate
-from simexec.search_report import SearchResult, entry, explain, objective_attr, pareto_front, sort_key
-from simexec.search_runners import Context, make_runner
+from simexec.search_report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
+                                   sort_key)
+from simexec.search_runners import Context, evaluate, make_runner
 from simexec.search_space import SpaceStats, search_world, structures
 
 WAVE = 16  # plans simulated between two pruning decisions (fixed: results must not depend on workers)
@@ -98,7 +99,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
            top: int = 10, objective: str = "throughput", fix: Optional[dict] = None, profile: Any = None,
            ray_address: Optional[str] = None, workers: Optional[int] = None, progress: bool = True,
            pareto_window: float = PARETO_WINDOW, prune: bool = True, limit: Optional[float] = None,
-           simulator: Optional[Callable] = None) -> SearchResult:
+           simulator: Optional[Callable] = None, against: Optional[str] = None) -> SearchResult:
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
     top: plans to return; objective: "throughput" (shortest step) or "memory" (smallest peak);
@@ -113,6 +114,8 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     memory objective), e.g. a known plan's: plans bounded past it are not simulated, so the top K
     are exact among the plans within the limit (fewer may come back).
     simulator: stand-in for `simexec.simulate.simulate` (tests; runs in this process).
+    against: a plan string of the user's (its gbs, when given, the search's): simulated first, it
+    becomes the limit when it fits, and the result says where it ranks and why the best beats it.
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
     """
@@ -145,6 +148,12 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         from simexec.sim.profile import apply_profile
 
         bound_cluster = apply_profile(cluster, profile)
+
+    yours = None
+    if against is not None:
+        yours = _evaluate_against(against, model, cluster, gbs, seq, seq_len, profile, simulator)
+        if yours["fits"]:
+            cut = min(cut, yours[objective_attr(objective)])
 
     # 1. the space, with bounds
     stats = SpaceStats()
@@ -243,7 +252,23 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         explanation=explanation, capacity_bytes=capacity, closest=closest, wall_s=time.perf_counter() - t0,
         bound_s=bound_s, backend=runner.name, workers=runner.workers,
         error_examples=sorted((r for r in results if "error" in r), key=lambda r: r["plan"])[:3],
+        against=against_report(yours, ok, top, objective) if yours is not None else None,
     )
+
+
+def _evaluate_against(text: str, model: ModelSpec, cluster: ClusterSpec, gbs: int, seq: int,
+                      seq_len: Optional[int], profile: Any, simulator: Optional[Callable]) -> dict:
+    """The user's plan (`search(against=...)`), checked as `simulate` checks it and simulated."""
+    plan = parse_plan(text)
+    if plan.gbs is None:
+        plan = plan.model_copy(update={"gbs": gbs})
+    elif plan.gbs != gbs:
+        raise PlanError(f"--against plan has gbs={plan.gbs}, the search's global batch is {gbs}")
+    resolve(model, cluster, plan, seq)  # a one-line PlanError for a plan that cannot run
+    r = evaluate(plan.to_string(), Context(model, cluster, seq_len, profile), simulator)
+    if "error" in r:
+        raise PlanError(f"--against plan {plan.to_string()}: {r['error']}")
+    return r
 
 
 def _closest(results: list[dict], cands: list[Candidate], capacity: float) -> Optional[dict]:

@@ -81,8 +81,10 @@ def _fmt_val(v) -> str:
     return str(v)
 
 
-def explain(best: Optional[dict], runner: Optional[dict], objective: str = "throughput") -> dict:
-    """Why `best` beats `runner`: the difference of their breakdowns, largest first."""
+def explain(best: Optional[dict], runner: Optional[dict], objective: str = "throughput",
+            other: str = "the runner-up") -> dict:
+    """Why `best` beats `runner` (called `other` in the text): the difference of their breakdowns,
+    largest first."""
     if best is None:
         return {"text": "no plan fits"}
     if runner is None:
@@ -96,15 +98,44 @@ def explain(best: Optional[dict], runner: Optional[dict], objective: str = "thro
     changes = _plan_diff(best["plan"], runner["plan"])
     parts = [f"{k} {v:+.3g} s" for k, v in list(delta.items())[:4]]
     if objective == "memory":
-        head = (f"best uses {-dm / GiB:.3g} GiB less peak memory than the runner-up"
-                if dm < 0 else "best ties the runner-up on peak memory and is faster")
+        head = (f"best uses {-dm / GiB:.3g} GiB less peak memory than {other}"
+                if dm < 0 else f"best ties {other} on peak memory and is faster")
     else:
         rel = -dt / runner["step_time_s"] if runner["step_time_s"] > 0 else 0.0
-        head = (f"best is {-dt:.4g} s ({100 * rel:.2f}%) faster per step than the runner-up"
-                if dt < 0 else "best ties the runner-up on step time and needs less memory")
-    text = f"{head}; plan: {', '.join(changes) or 'same'}; breakdown (best - runner-up): {', '.join(parts) or 'equal'}"
+        head = (f"best is {-dt:.4g} s ({100 * rel:.2f}%) faster per step than {other}"
+                if dt < 0 else f"best ties {other} on step time and needs less memory")
+    short = other.removeprefix("the ")
+    text = f"{head}; plan: {', '.join(changes) or 'same'}; breakdown (best - {short}): {', '.join(parts) or 'equal'}"
     return {"best": best["plan"], "runner_up": runner["plan"], "delta_step_time_s": dt,
             "delta_peak_memory_bytes": dm, "plan_changes": changes, "delta_breakdown_s": delta, "text": text}
+
+
+def against_report(yours: dict, ok: list[dict], top: int, objective: str) -> dict:
+    """A plan of the user's against the search's fitting plans `ok` (sorted, best first): its numbers,
+    its rank where it is exact (fewer than `top` plans beat it: the search simulated every plan that
+    could), and why the best beats it."""
+    key = sort_key(objective)
+    mine = entry(yours)
+    if not mine["fits"]:  # every plan that fits does better
+        out = {**mine, "rank": None, "better_plans": len(ok) if len(ok) < top else f">= {top}"}
+        if not ok:
+            out["text"] = "no plan of the space fits either"
+        else:
+            best = entry(ok[0])
+            out["explanation"] = explain(best, mine, objective, other="yours")
+            out["text"] = (f"the best plan that fits takes {best['step_time_s']:.4g} s and "
+                           f"{best['peak_memory_bytes'] / GiB:.2f} GiB; plan: "
+                           f"{', '.join(out['explanation']['plan_changes']) or 'same'}")
+        return out
+    better = [r for r in ok if key(r) < key(yours) and r["plan"] != yours["plan"]]
+    out = {**mine, "rank": len(better) + 1 if len(better) < top else None,
+           "better_plans": len(better) if len(better) < top else f">= {top}"}
+    if not better:
+        out["text"] = "no plan of the space beats it"
+    else:
+        out["explanation"] = explain(entry(better[0]), mine, objective, other="yours")
+        out["text"] = out["explanation"]["text"]
+    return out
 
 
 @dataclass
@@ -139,6 +170,7 @@ class SearchResult:
     bound_s: float = 0.0  # enumerating and bounding the space
     backend: str = ""
     workers: int = 1
+    against: Optional[dict] = None  # the user's plan against the best (`against_report`)
 
     def to_json(self) -> dict:
         """JSON-ready; the same for the same inputs, whatever the backend (wall time left out)."""
@@ -153,6 +185,7 @@ class SearchResult:
                        for r in self.pareto],
             "pareto_limit": self.pareto_limit,
             "explanation": self.explanation, "closest": self.closest, "error_examples": self.error_examples,
+            **({"against": self.against} if self.against is not None else {}),
         }
 
     def format(self) -> str:
@@ -192,7 +225,22 @@ class SearchResult:
         lines.append(_table(self.pareto, rank=False))
         lines.append("")
         lines.append("  why the best: " + self.explanation.get("text", ""))
+        lines += self._against_lines()
         return "\n".join(lines)
+
+    def _against_lines(self) -> list[str]:
+        a = self.against
+        if a is None:
+            return []
+        fit = "fits" if a["fits"] else f"does not fit in {self.capacity_bytes / GiB:.1f} GiB"
+        if a["rank"] is not None:
+            where = f"rank {a['rank']}"
+        elif a["fits"]:
+            where = f"beyond the top {self.top} (--top shows more)"
+        else:
+            where = "unranked"
+        return ["", f"  your plan: {a['plan']}: {a['step_time_s']:.4g} s, {a['peak_memory_bytes'] / GiB:.2f} GiB "
+                f"({fit}), {where}", f"    {a['text']}"]
 
 
 def _fix_str(fix: dict) -> str:

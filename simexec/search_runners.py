@@ -39,7 +39,7 @@ def _init_worker(ctx: Context) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the driver's to handle
 
 
-def _evaluate(plan_string: str, ctx: Optional[Context] = None, simulator: Optional[Callable] = None) -> dict:
+def evaluate(plan_string: str, ctx: Optional[Context] = None, simulator: Optional[Callable] = None) -> dict:
     """Simulate one plan string exactly as `simexec simulate` would; a plain dict of its numbers."""
     ctx = ctx or _CTX
     if simulator is None:
@@ -68,7 +68,7 @@ class _Serial:
 
     def map(self, plans: list[str], on_result: Callable[[dict], None]) -> None:
         for s in plans:
-            on_result(_evaluate(s, self.ctx, self.simulator))
+            on_result(evaluate(s, self.ctx, self.simulator))
 
     def close(self, interrupted: bool = False) -> None:
         pass
@@ -88,7 +88,7 @@ class _Processes:
     def map(self, plans: list[str], on_result: Callable[[dict], None]) -> None:
         from concurrent.futures import as_completed
 
-        futures = [self.pool.submit(_evaluate, s) for s in plans]
+        futures = [self.pool.submit(evaluate, s) for s in plans]
         for fut in as_completed(futures):
             on_result(fut.result())
 
@@ -114,7 +114,7 @@ class _Ray:
         if self.owned:
             ray.init(address=None if address == "local" else address, log_to_driver=False)
         self.ctx_ref = ray.put(ctx)
-        self.remote = ray.remote(num_cpus=1, max_retries=2)(_evaluate)
+        self.remote = ray.remote(num_cpus=1, max_retries=2)(evaluate)
         self.workers = workers or int(ray.cluster_resources().get("CPU", 1))
         self.pending: list = []
 

@@ -292,6 +292,38 @@ def test_pruned_search_equals_brute_force_simulator():
     assert pruned.evaluated < brute.evaluated
 
 
+def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer():
+    """`against`: the user's plan's rank among the fitting plans is brute force's wherever fewer than
+    `top` beat it, the best plan and why it wins are given, and its step time bounds the search."""
+    sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+    mine = brute.plans[30]
+    sim.calls = 0
+    got = search(*SMALL, top=50, progress=False, simulator=sim, against=mine["plan"])
+    a = got.against
+    assert (a["plan"], a["step_time_s"], a["rank"], a["better_plans"]) == (mine["plan"], mine["step_time_s"], 31, 30)
+    assert a["explanation"]["best"] == brute.plans[0]["plan"] and "faster per step than yours" in a["text"]
+    within = [p["plan"] for p in got.plans if p["step_time_s"] <= mine["step_time_s"]]
+    assert within == [p["plan"] for p in brute.plans[:31]]
+    assert sim.calls < brute.evaluated / 5
+    few = search(*SMALL, top=10, progress=False, simulator=sim, against=mine["plan"]).against
+    assert (few["rank"], few["better_plans"]) == (None, ">= 10")
+    best = search(*SMALL, top=3, progress=False, simulator=sim, against=brute.plans[0]["plan"]).against
+    assert (best["rank"], best["text"]) == (1, "no plan of the space beats it")
+    assert "against" in got.to_json() and "your plan: " + mine["plan"] in got.format()
+
+
+def test_against_is_checked_as_simulate_checks_a_plan():
+    sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    with pytest.raises(PlanError, match="gbs=32, the search's global batch is 16"):
+        search(*SMALL, progress=False, simulator=sim, against="dp=8,gbs=32")
+    with pytest.raises(PlanError, match="not divisible by tp"):
+        search(*SMALL, progress=False, simulator=sim, against="tp=3")
+    real = search(*SMALL, top=2, workers=1, progress=False, fix=dict(SLICE, tp=2, sp=0, cp=1, offload="none"),
+                  against="dp=4,tp=2,mbs=2")
+    assert real.against["step_time_s"] == simulate("gpt3-1.3b", "dgx-a100-80g", parse_plan("dp=4,tp=2,mbs=2,gbs=16")).step_time_s
+
+
 def test_limit_keeps_every_plan_within_it_and_simulates_fewer():
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
     brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)

@@ -264,10 +264,10 @@ def _evaluate_against(text: str, model: ModelSpec, cluster: ClusterSpec, gbs: in
         plan = plan.model_copy(update={"gbs": gbs})
     elif plan.gbs != gbs:
         raise PlanError(f"--against plan has gbs={plan.gbs}, the search's global batch is {gbs}")
-    resolve(model, cluster, plan, seq)  # a one-line PlanError for a plan that cannot run
-    r = evaluate(plan.to_string(), Context(model, cluster, seq_len, profile), simulator)
+    text = resolve(model, cluster, plan, seq).plan.to_string()  # dp filled in; a one-line PlanError
+    r = evaluate(text, Context(model, cluster, seq_len, profile), simulator)
     if "error" in r:
-        raise PlanError(f"--against plan {plan.to_string()}: {r['error']}")
+        raise PlanError(f"--against plan {text}: {r['error']}")
     return r
 
 

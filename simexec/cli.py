@@ -148,10 +148,11 @@ def cmd_models(args) -> int:
     if args.json:
         print(json.dumps([{"name": m.name, "params": m.params, "active_params": m.active_params} for m in models], indent=1))
         return 0
-    print(f"{'name':<18}{'params':>12}{'active':>12}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>4} {'seq':>6}")
+    print(f"{'name':<18}{'params':>12}{'active':>12}  {'layers':>6} {'hidden':>6} {'heads':>5} {'kv':>4} {'seq':>6} "
+          f"{'window':>6}")
     for m in models:
         print(f"{m.name:<18}{m.params / 1e9:>11.2f}B{m.active_params / 1e9:>11.2f}B  {m.layers:>6} {m.hidden:>6} "
-              f"{m.heads:>5} {m.kv_heads:>4} {m.seq_len:>6}")
+              f"{m.heads:>5} {m.kv_heads:>4} {m.seq_len:>6} {m.sliding_window or '-':>6}")
     return 0
 
 

@@ -437,6 +437,12 @@ def _presets() -> dict[str, ModelSpec]:
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, l3.format("Meta-Llama-3-70B")),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, l3.format("Llama-3.1-405B")),
         ModelSpec(
+            name="mistral-7b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
+            gated=True, vocab=32000, seq_len=8192, tied_embeddings=False, norm="rmsnorm", sliding_window=4096,
+            source="Jiang et al. 2023, Mistral 7B, Table 1 (window 4096, context 8192); HF "
+            "mistralai/Mistral-7B-v0.1 config.json (7,241,732,096 parameters)",
+        ),
+        ModelSpec(
             name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128, ffn=14336,
             gated=True, vocab=32000, seq_len=4096, tied_embeddings=False, norm="rmsnorm",
             moe=MoESpec(experts=8, top_k=2, expert_ffn=14336),

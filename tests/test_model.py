@@ -228,6 +228,8 @@ def test_hf_sliding_window():
     layers from `max_window_layers` on; a config's `layer_types` says it layer by layer."""
     mistral = get_model(str(HF / "mistral-7b-v0.1"))
     assert (mistral.sliding_window, mistral.full_attention_every, mistral.params) == (4096, 0, 7_241_732_096)
+    assert mistral.model_dump(exclude={"name", "source", "seq_len"}) == \
+        MODELS["mistral-7b"].model_dump(exclude={"name", "source", "seq_len"})  # the preset trains at 8192
     assert get_model(str(HF / "qwen2-0.5b")).sliding_window is None  # use_sliding_window: false
     phi3 = get_model(str(HF / "phi-3-mini-4k"))  # q, k, v fused in one matrix: the same weights
     assert (phi3.sliding_window, phi3.params, phi3.seq_len) == (2047, 3_821_079_552, 4096)

@@ -292,19 +292,24 @@ def test_pruned_search_equals_brute_force_simulator():
     assert pruned.evaluated < brute.evaluated
 
 
-def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer():
+@pytest.mark.parametrize("objective", ["throughput", "memory"])
+def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective):
     """`against`: the user's plan's rank among the fitting plans is brute force's wherever fewer than
-    `top` beat it, the best plan and why it wins are given, and its step time bounds the search."""
+    `top` beat it, the best plan and why it wins are given, and its figure bounds the search."""
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False, objective=objective)
     mine = brute.plans[30]
     sim.calls = 0
-    got = search(*SMALL, top=50, progress=False, simulator=sim, against=mine["plan"])
+    got = search(*SMALL, top=50, progress=False, simulator=sim, against=mine["plan"], objective=objective)
     a = got.against
     assert (a["plan"], a["step_time_s"], a["rank"], a["better_plans"]) == (mine["plan"], mine["step_time_s"], 31, 30)
-    assert a["explanation"]["best"] == brute.plans[0]["plan"] and "faster per step than yours" in a["text"]
-    within = [p["plan"] for p in got.plans if p["step_time_s"] <= mine["step_time_s"]]
+    assert a["explanation"]["best"] == brute.plans[0]["plan"]
+    assert ("faster per step than yours" if objective == "throughput" else "less peak memory than yours") in a["text"]
+    attr = "step_time_s" if objective == "throughput" else "peak_memory_bytes"
+    within = [p["plan"] for p in got.plans if p[attr] <= mine[attr]]
     assert within == [p["plan"] for p in brute.plans[:31]]
+    if objective == "memory":
+        return
     assert sim.calls < brute.evaluated / 5
     few = search(*SMALL, top=10, progress=False, simulator=sim, against=mine["plan"]).against
     assert (few["rank"], few["better_plans"]) == (None, ">= 10")

@@ -252,7 +252,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         explanation=explanation, capacity_bytes=capacity, closest=closest, wall_s=time.perf_counter() - t0,
         bound_s=bound_s, backend=runner.name, workers=runner.workers,
         error_examples=sorted((r for r in results if "error" in r), key=lambda r: r["plan"])[:3],
-        against=against_report(yours, ok, top, objective) if yours is not None else None,
+        against=against_report(yours, ok, top, objective, not interrupted) if yours is not None else None,
     )
 
 

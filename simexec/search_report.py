@@ -110,10 +110,10 @@ def explain(best: Optional[dict], runner: Optional[dict], objective: str = "thro
             "delta_peak_memory_bytes": dm, "plan_changes": changes, "delta_breakdown_s": delta, "text": text}
 
 
-def against_report(yours: dict, ok: list[dict], top: int, objective: str) -> dict:
+def against_report(yours: dict, ok: list[dict], top: int, objective: str, complete: bool = True) -> dict:
     """A plan of the user's against the search's fitting plans `ok` (sorted, best first): its numbers,
-    its rank where it is exact (fewer than `top` plans beat it: the search simulated every plan that
-    could), and why the best beats it."""
+    its rank where it is exact (the search ran to the end, `complete`, and fewer than `top` plans beat
+    it: it simulated every plan that could), and why the best beats it."""
     key = sort_key(objective)
     mine = entry(yours)
     if not mine["fits"]:  # every plan that fits does better
@@ -128,7 +128,7 @@ def against_report(yours: dict, ok: list[dict], top: int, objective: str) -> dic
                            f"{', '.join(out['explanation']['plan_changes']) or 'same'}")
         return out
     better = [r for r in ok if key(r) < key(yours) and r["plan"] != yours["plan"]]
-    out = {**mine, "rank": len(better) + 1 if len(better) < top else None,
+    out = {**mine, "rank": len(better) + 1 if len(better) < top and complete else None,
            "better_plans": len(better) if len(better) < top else f">= {top}"}
     if not better:
         out["text"] = "no plan of the space beats it"
@@ -235,6 +235,8 @@ class SearchResult:
         fit = "fits" if a["fits"] else f"does not fit in {self.capacity_bytes / GiB:.1f} GiB"
         if a["rank"] is not None:
             where = f"rank {a['rank']}"
+        elif self.interrupted:
+            where = "unranked (interrupted)"
         elif a["fits"]:
             where = f"beyond the top {self.top} (--top shows more)"
         else:

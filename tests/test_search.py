@@ -318,6 +318,20 @@ def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective)
     assert "against" in got.to_json() and "your plan: " + mine["plan"] in got.format()
 
 
+def test_against_is_not_ranked_when_the_search_is_interrupted():
+    sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+
+    def stops(*a, **kw):
+        if sim.calls == 20:
+            raise KeyboardInterrupt
+        return sim(*a, **kw)
+
+    sim.calls = 0
+    got = search(*SMALL, top=50, progress=False, simulator=stops, against=brute.plans[30]["plan"])
+    assert got.interrupted and got.against["rank"] is None and "unranked (interrupted)" in got.format()
+
+
 def test_against_is_checked_as_simulate_checks_a_plan():
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
     with pytest.raises(PlanError, match="gbs=32, the search's global batch is 16"):

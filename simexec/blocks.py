@@ -221,8 +221,7 @@ class Anatomy:
 
     def layer(self, i: int) -> dict[str, Block]:
         m = self.rp.model
-        window = m.attention_window(i)
-        return self.blocks(m.is_moe_layer(i), window if window is not None and window < self.seq else None)
+        return self.blocks(m.is_moe_layer(i), m.attention_window(i, self.seq))
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""

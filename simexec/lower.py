@@ -67,7 +67,7 @@ def windowed_layers(rp: ResolvedPlan) -> list[int]:
     """The layers whose attention has a sliding window shorter than the sequence (the executor masks
     their band, which changes the operators its CPU ranks dispatch)."""
     m = rp.model
-    return [l for l in range(m.layers) if (w := m.attention_window(l)) is not None and w < rp.seq_len]
+    return [l for l in range(m.layers) if m.attention_window(l, rp.seq_len) is not None]
 
 
 def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:

@@ -127,6 +127,8 @@ class ModelSpec(BaseModel):
             raise ValueError(f"sliding_window {self.sliding_window} is modelled for causal attention only (causal is False)")
         if self.full_attention_every and self.sliding_window is None:
             raise ValueError(f"full_attention_every {self.full_attention_every} needs sliding_window to be set")
+        if self.full_attention_every == 1:
+            raise ValueError("full_attention_every 1 leaves no layer with the sliding window (0: every layer has it)")
         if self.is_mla:
             if self.qk_rope_head_dim is None:
                 raise ValueError(f"MLA (kv_lora_rank {self.kv_lora_rank}) needs qk_rope_head_dim")
@@ -161,9 +163,10 @@ class ModelSpec(BaseModel):
         """Width of one value head: head_dim, or v_head_dim under MLA."""
         return self.v_head_dim or self.head_dim
 
-    def attention_window(self, i: int) -> Optional[int]:
-        """The sliding window of layer i (0-based), or None where it attends to the whole context."""
-        if self.sliding_window is None:
+    def attention_window(self, i: int, seq_len: Optional[int] = None) -> Optional[int]:
+        """The sliding window of layer i (0-based), or None where it attends to the whole context
+        (also where the window holds a whole sequence of `seq_len`, when given)."""
+        if self.sliding_window is None or (seq_len is not None and self.sliding_window >= seq_len):
             return None
         k = self.full_attention_every
         return None if k and (i + 1) % k == 0 else self.sliding_window

@@ -34,7 +34,7 @@ from typing import Any, Callable, Optional, Union
 from simexec.cluster import ClusterSpec, GiB, get_cluster
 from simexec.errors import PlanError
 from simexec.model import ModelSpec, get_model
-from simexec.plan import Plan, _validate_fields, parse_plan, resolve, split_pairs
+from simexec.plan import Plan, _validate_fields, load_plan, resolve, split_pairs
 from simexec.search_bounds import Bounds, Candidate
 from simexec.search_report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
                                    sort_key)
@@ -114,7 +114,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     memory objective), e.g. a known plan's: plans bounded past it are not simulated, so the top K
     are exact among the plans within the limit (fewer may come back).
     simulator: stand-in for `simexec.simulate.simulate` (tests; runs in this process).
-    against: a plan string of the user's (its gbs, when given, the search's): simulated first, it
+    against: a plan of the user's, a string or a plan file (its gbs, when given, the search's): simulated first, it
     becomes the limit when it fits, and the result says where it ranks and why the best beats it.
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
@@ -259,7 +259,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
 def _evaluate_against(text: str, model: ModelSpec, cluster: ClusterSpec, gbs: int, seq: int,
                       seq_len: Optional[int], profile: Any, simulator: Optional[Callable]) -> dict:
     """The user's plan (`search(against=...)`), checked as `simulate` checks it and simulated."""
-    plan = parse_plan(text)
+    plan = load_plan(text)
     if plan.gbs is None:
         plan = plan.model_copy(update={"gbs": gbs})
     elif plan.gbs != gbs:

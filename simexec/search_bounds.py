@@ -361,7 +361,7 @@ class _StructureBounds:
         ending its forward, the one ending its backward, collective s in the forward, in the
         backward)."""
         p = self.p
-        moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l)
+        moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.mesh_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
                moe, window, rank)
         out = self.b.layers.get(key)

@@ -265,6 +265,9 @@ def test_sliding_window_flops():
     assert base.forward_flops_per_token(s) - every4.forward_flops_per_token(s) == pytest.approx(saved * 3 / 4)
     with pytest.raises(ValueError, match="needs sliding_window"):
         ModelSpec(**{**base.model_dump(), "full_attention_every": 2})
+    with pytest.raises(ValueError, match="leaves no layer with the sliding window"):
+        ModelSpec(**{**windowed.model_dump(), "full_attention_every": 1})
+    assert windowed.attention_window(0, 2048) is None and windowed.attention_window(0, 2049) == 2048
     with pytest.raises(ValueError, match="causal attention only"):
         ModelSpec(**{**base.model_dump(), "sliding_window": 16, "causal": False})
 

@@ -552,9 +552,7 @@ class GPT:
         the layer's sliding window, if it has one."""
         k, v = kv[0], kv[1]
         gqa = self.nh != self.nkv
-        window = self.m.attention_window(l)
-        if window is not None and window >= kpos.shape[0]:
-            window = None  # the window holds the whole context
+        window = self.m.attention_window(l, kpos.shape[0])  # kpos: every position of the sequence
         if not self.flash:
             band = self._band_mask(qpos, kpos, window) if window is not None else None
             return _unfused_attention(q, k, v, qpos, kpos, self.m.causal, band)

@@ -392,6 +392,7 @@ class HostCosts:
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
+        # layers whose attention masks a sliding window's band (`simexec.lower.windowed_layers`)
         self.windowed = frozenset(program.meta.get("windowed_layers", ()))
         self.window_ops = 0
         if plan is not None:
@@ -454,14 +455,9 @@ class HostCosts:
         if ins.block in ("unscale", "grad_norm"):
             return UNSCALE_OPS if ins.block == "unscale" else GRAD_NORM_OPS
         n = ops_of(ins, self.table)
-        if ins.block == "attn" and ins.phase != "bwd" and self._windowed(ins.layer):
+        if ins.block == "attn" and ins.phase != "bwd" and ins.layer in self.windowed:
             n += self.window_ops
         return n
-
-    def _windowed(self, layer: int) -> bool:
-        """Whether the layer's attention has a sliding window shorter than the sequence (the
-        program's `windowed_layers`, `simexec.lower.windowed_layers`)."""
-        return layer in self.windowed
 
     def kernel_passes(self, ins: Instr) -> int:
         """Per-tensor passes of an Adam step run on a CPU core (`adam_kernel_passes`), priced as

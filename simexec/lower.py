@@ -133,7 +133,7 @@ class _RankLowering:
         self.pool_after: dict[str, str] = {}
         self.buckets: list[tuple[str, str, tuple[int, ...], float]] = []  # (name, axis, units, bytes)
         self.sealed: list[tuple[str, list[tuple[int, float]]]] = []  # grad_overlap=0: full buckets, not yet reduced
-        self.z3_pending: list[tuple[int, int, int]] = []  # grad_overlap=0: ZeRO-3 units (unit, mb, chunk) to reduce
+        self.z3_pending: list[tuple[int, int, int, str]] = []  # grad_overlap=0: ZeRO-3 units (unit, mb, chunk, suffix) to reduce
         self.grad_colls: list[str] = []
         self.gathers: dict[tuple, list[str]] = {}
         # yafsdp: the reduce-scatter still reading each (class, parity) gradient buffer
@@ -406,8 +406,8 @@ class _RankLowering:
             self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
             self.prefetch_next(units, j, "bwd", mb, c)
-        for unit, m, ch in self.z3_pending:  # grad_overlap=0: ZeRO-3 reduce-scatters after the backward
-            self.z3_reduce(unit, m, ch, self.last_compute())
+        for unit, m, ch, suffix in self.z3_pending:  # grad_overlap=0: ZeRO-3 reduce-scatters after the backward
+            self.z3_reduce(unit, m, ch, self.last_compute(), suffix)
         self.z3_pending = []
         if self.p.grad_overlap or self.p.zero == 2:
             self.flush_all(final=mb == self.m - 1)
@@ -544,11 +544,21 @@ class _RankLowering:
     def _zero3(self) -> bool:
         return self.p.zero == 3 and (self.zero_size > 1 or (self.rp.model.moe is not None and len(self.g_edp) > 1))
 
+    def _tied_head(self, unit: int) -> bool:
+        """ZeRO-3 without a pipeline: a tied LM head reads the embedding's unit, so the head gathers it
+        too, and reduce-scatters the head's share of its gradient after the head's backward."""
+        return unit == self.L and self.rp.model.tied_embeddings and self.p.pp == 1 and self._zero3()
+
     def gather(self, unit: int, phase: str, mb: int, c: int, deps: tuple) -> None:
+        names = self._gather_unit(unit, f"{phase}.gather.L{unit}.m{mb}", phase, mb, c, deps)
+        if self._tied_head(unit):
+            names += self._gather_unit(-1, f"{phase}.gather.L{unit}.m{mb}.tied", phase, mb, c, deps)
+        self.gathers[(unit, phase, mb)] = names
+
+    def _gather_unit(self, unit: int, tag: str, phase: str, mb: int, c: int, deps: tuple) -> list[str]:
         dense, expert = self.unit_params(unit)
         dt = self.rp.dtype_bytes
         names = []
-        tag = f"{phase}.gather.L{unit}.m{mb}"
         if self.p.offload == "optimizer+params":
             # ZeRO-Infinity: the parameter shard lives in host memory and comes over PCIe first
             shard = (dense / self.zero_size + expert / max(1, len(self.g_edp))) * dt
@@ -567,7 +577,7 @@ class _RankLowering:
         if self.p.zero3_flavour == "yafsdp" and phase == "bwd":
             # the backward accumulates into the parity's gradient buffer: its last reduce-scatter first
             names += [self.z3_busy.pop((cls, unit % 2), None) for cls in ("dense", "expert")]
-        self.gathers[(unit, phase, mb)] = [n for n in names if n]
+        return [n for n in names if n]
 
     def prefetch(self, units: list[int], phase: str, mb: int, c: int) -> None:
         """Gather the first two units of a pass (two buffers in flight, as YaFSDP and FSDP's limit)."""
@@ -585,10 +595,12 @@ class _RankLowering:
 
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
         if self._zero3() and self.p.zero3_flavour == "fsdp":
-            dense, expert = self.unit_params(unit)
-            dt = self.rp.dtype_bytes
-            gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
-            self.memory("free", "buffers", gathered, f"{phase}.gather.L{unit}.m{mb}")
+            tag = f"{phase}.gather.L{unit}.m{mb}"
+            for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self._tied_head(unit) else []):
+                dense, expert = self.unit_params(u)
+                dt = self.rp.dtype_bytes
+                gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
+                self.memory("free", "buffers", gathered, t)
 
     # --- gradients -----------------------------------------------------------------------------------
     def grads_ready(self, unit: int, mb: int, c: int) -> None:
@@ -600,23 +612,25 @@ class _RankLowering:
         if self.p.zero == 3:
             if not self._zero3():
                 return self.bucket_if(last, unit, dense, expert, after)
-            tag = f"bwd.grads.L{unit}.m{mb}"
-            if self.p.zero3_flavour == "fsdp":
-                full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
-                self.memory("alloc", "buffers", full, f"{tag}.unsharded", deps=(after,))
-            if self.p.grad_overlap:
-                self.z3_reduce(unit, mb, c, after)
-            else:
-                self.z3_pending.append((unit, mb, c))
+            for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self._tied_head(unit) else []):
+                if self.p.zero3_flavour == "fsdp":
+                    d, e = self.unit_params(u)
+                    full = d * gdt * (self.zero_size > 1) + e * gdt * (len(self.g_edp) > 1)
+                    self.memory("alloc", "buffers", full, f"bwd.grads.L{u}.m{mb}{suffix}.unsharded", deps=(after,))
+                if self.p.grad_overlap:
+                    self.z3_reduce(u, mb, c, after, suffix)
+                else:
+                    self.z3_pending.append((u, mb, c, suffix))
             return None
         return self.bucket_if(last or self.p.zero == 2, unit, dense, expert, after, final=last)
 
-    def z3_reduce(self, unit: int, mb: int, c: int, after: str) -> None:
+    def z3_reduce(self, unit: int, mb: int, c: int, after: str, suffix: str = "") -> None:
         """ZeRO-3: reduce-scatter the unit's gradients of micro-batch mb (and HSDP's replicate
-        all-reduce after the last), then free its unsharded gradients."""
+        all-reduce after the last), then free its unsharded gradients. `suffix` ".tied": the tied
+        head's share of the embedding's gradient, reduced before the embedding's own."""
         dense, expert = self.unit_params(unit)
         gdt = self.grad_dt
-        tag = f"bwd.grads.L{unit}.m{mb}"
+        tag = f"bwd.grads.L{unit}.m{mb}{suffix}"
         full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
         a = self.coll(tag, "reducescatter", self.zero_axis, self.g_zero, dense * gdt, (after,), phase="bwd",
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
@@ -629,7 +643,7 @@ class _RankLowering:
         if self.p.zero3_flavour == "fsdp":
             self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
                         deps=tuple(n for n in (a, b) if n))
-        if mb == self.m - 1 and self.g_rep and a:
+        if mb == self.m - 1 and self.g_rep and a and not suffix:
             r = self.coll(f"bwd.grads_rep.L{unit}", "allreduce", "dp_replicate", self.g_rep,
                           dense * gdt / self.zero_size, (a,), phase="bwd", block="grads_rep", layer=unit,
                           items=(unit,), wait=False)

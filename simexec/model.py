@@ -402,11 +402,11 @@ def _megatron(name: str, heads: int, hidden: int, layers: int, published: str) -
 
 
 def _llama(name: str, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int,
-           seq_len: int, source: str) -> ModelSpec:
-    """Llama: RMSNorm, SwiGLU, RoPE, no biases, untied embeddings, head_dim 128."""
+           seq_len: int, source: str, tied: bool = False) -> ModelSpec:
+    """Llama: RMSNorm, SwiGLU, RoPE, no biases; embeddings untied but in Llama 3.2 1B/3B."""
     return ModelSpec(
         name=name, layers=layers, hidden=hidden, heads=heads, kv_heads=kv_heads, head_dim=hidden // heads,
-        ffn=ffn, gated=True, vocab=vocab, seq_len=seq_len, tied_embeddings=False, norm="rmsnorm",
+        ffn=ffn, gated=True, vocab=vocab, seq_len=seq_len, tied_embeddings=tied, norm="rmsnorm",
         bias=False, learned_pos=False, source=source,
     )
 
@@ -436,6 +436,8 @@ def _presets() -> dict[str, ModelSpec]:
         _llama("llama2-7b", 32, 4096, 32, 32, 11008, 32000, 4096, l2.format("7b")),
         _llama("llama2-13b", 40, 5120, 40, 40, 13824, 32000, 4096, l2.format("13b")),
         _llama("llama2-70b", 80, 8192, 64, 8, 28672, 32000, 4096, l2.format("70b")),
+        _llama("llama3.2-1b", 16, 2048, 32, 8, 8192, 128256, 8192,
+               l3.format("Llama-3.2-1B") + " (1,235,814,400 parameters, the LM head tied to the embedding)", tied=True),
         _llama("llama3-8b", 32, 4096, 32, 8, 14336, 128256, 8192, l3.format("Meta-Llama-3-8B")),
         _llama("llama3-70b", 80, 8192, 64, 8, 28672, 128256, 8192, l3.format("Meta-Llama-3-70B")),
         _llama("llama3-405b", 126, 16384, 128, 8, 53248, 128256, 8192, l3.format("Llama-3.1-405B")),

@@ -238,6 +238,29 @@ def test_zero3_gathers_each_unit_before_forward_and_backward_with_two_in_flight(
     assert third.deps and all(rank0[pos[d]].kind == "compute" for d in third.deps)
 
 
+def test_zero3_tied_head_gathers_the_embedding_and_reduce_scatters_its_share():
+    """A tied LM head reads the embedding's unit: under ZeRO-3 it gathers it beside its own, forward
+    and backward, and reduce-scatters the head's share of the embedding's gradient after its backward,
+    before the embedding's own; the gathered embedding is held while the head computes."""
+    tied = str(Path(__file__).parent / "data" / "gpt-tiny-tied.yaml")
+    rp = resolve(get_model(tied), get_cluster("local"), parse_plan("dp=2,zero=3,gbs=4"))
+    rank0 = lower(rp, symmetric=False).ranks[0]
+    pos = {i.name: n for n, i in enumerate(rank0)}
+    embed = Anatomy(rp).embed_params() * rp.dtype_bytes
+    for phase in ("fwd", "bwd"):
+        for mb in (0, 1):
+            g = rank0[pos[f"{phase}.gather.L4.m{mb}.tied"]]
+            assert (g.layer, g.bytes) == (-1, embed)
+            first = next(i for i in rank0[pos[g.name]:] if i.kind == "compute" and i.layer == 4 and i.phase == phase)
+            assert g.name in first.deps
+    for mb in (0, 1):
+        share, own = pos[f"bwd.grads.L-1.m{mb}.tied"], pos[f"bwd.grads.L-1.m{mb}"]
+        assert pos[f"bwd.head.L4.m{mb}"] < share < pos[f"bwd.embed.L-1.m{mb}"] < own
+        assert rank0[share].bytes == rank0[own].bytes
+    untied = _program("gpt-tiny", "dp=2,zero=3,gbs=4").ranks[0]
+    assert not any(i.name.endswith(".tied") for i in untied)
+
+
 def test_yafsdp_preallocates_two_buffers_and_fsdp_allocates_per_unit():
     fsdp = _program("gpt-tiny", "dp=2,zero=3,gbs=2").ranks[0]
     yafsdp = _program("gpt-tiny", "dp=2,zero=3,zero_impl=yafsdp,gbs=2").ranks[0]

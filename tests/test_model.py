@@ -23,6 +23,7 @@ PUBLISHED = [
     ("llama2-7b", 6.74e9, None, 0.01),      # Llama 2 model card
     ("llama2-13b", 13.02e9, None, 0.01),
     ("llama2-70b", 68.98e9, None, 0.01),
+    ("llama3.2-1b", 1_235_814_400, None, 1e-9),  # HF meta-llama/Llama-3.2-1B safetensors total (tied head)
     ("llama3-8b", 8.03e9, None, 0.01),      # Llama 3 model cards (HF safetensors totals)
     ("llama3-70b", 70.55e9, None, 0.01),
     ("llama3-405b", 405.8e9, None, 0.01),

@@ -6,7 +6,7 @@ pipeline stage's layers, its experts, its ZeRO shards; and much of it several ti
 replicas, parameters replicated over tp (norms, the router), HSDP's replicated shards. So each rank
 sums the squares of what it holds, each piece weighted by 1 / (how many ranks hold that same piece),
 and one all-reduce over the world adds the sums up: the same total on every rank, then the same
-coefficient min(1, clip_grad / norm).
+coefficient min(1, clip_grad / norm). The last pipeline stage's copy of a tied embedding weighs 0.
 
 `ClipWeights.of` derives the weights from the plan alone (which ranks hold which slice of which
 parameter), so no extra collective is needed to find the replicas.
@@ -19,7 +19,7 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from simexec.exec.model import Layout, ParamSpec, holds, stage_units
+from simexec.exec.model import Layout, ParamSpec, holds, is_tied_copy, stage_units
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: clip_grad / (norm + EPS)
 
@@ -60,6 +60,8 @@ class ClipWeights:
         copies: dict[str, int] = {}
 
         def weight(name: str, share: int = 1) -> float:
+            if is_tied_copy(specs[name], rp.model):  # counted once, on the first stage (Megatron-LM)
+                return 0.0
             if name not in copies:
                 copies[name] = holders.count(specs[name], rank)
             return share / copies[name]

@@ -50,7 +50,7 @@ from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONS
                                    _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
                                    _coll_keys, _downstream, _upstream)
 from simexec.exec.live_memory import _TRACKER, _LiveBytes
-from simexec.exec.model import GPT, Layout, Route, holds, init_full, param_specs, shard, stage_units
+from simexec.exec.model import GPT, Layout, Route, holds, init_full, shard, stage_specs
 from simexec.exec.optimizer_step import OptimizerStep
 from simexec.exec.pipeline_messages import PipelineMessages
 from simexec.exec.ring import RingAttention
@@ -114,10 +114,13 @@ def unsupported(rp) -> Optional[str]:
     missing = []
     if m.is_mla:
         missing.append(f"multi-head latent attention ({m.name}: kv_lora_rank={m.kv_lora_rank})")
-    if m.tied_embeddings and (p.pp > 1 or p.zero >= 2):
-        missing.append(f"tied embeddings with pp={p.pp}, zero={p.zero} ({m.name}: the LM head shares the token "
-                       "embedding; the executor runs them with pp=1 and zero<=1: no last-stage copy, and the "
-                       "embedding's gradient arrives from two blocks)")
+    if m.tied_embeddings and p.pp > 1 and p.zero >= 1:
+        missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
+                       "the embedding are sharded differently, so their gradients cannot be summed after the "
+                       "reduce-scatter; the executor runs a tied model over a pipeline with zero=0)")
+    if m.tied_embeddings and p.zero == 3 and p.zero3_flavour == "yafsdp":
+        missing.append(f"tied embeddings with zero_impl=yafsdp ({m.name}: the LM head needs the embedding's "
+                       "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
     if m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
     if p.dtype == "fp8":
@@ -199,8 +202,7 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
 
-        units = stage_units(rp, self.coords["pp"])
-        self.specs = {s.name: s for s in param_specs(m) if s.unit in units and holds(s, m, self.lay)}
+        self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
         self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
         self.colls = _COLLS_SP if p.sp else _COLLS
         # the backward collective that sums each tp-replicated parameter's partial gradient
@@ -613,6 +615,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
             return self.z3_gather(ins, g)
         if block in ("act_gather", "grad_gather"):
             return self.pipeline_gather(ins, g)
+        if block == "tied":
+            return self.tied_grads(ins, g)
         raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
 
     def _issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> _Inflight:
@@ -698,6 +702,21 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         w = self._issue(ins, [work], lambda: self._deliver_extras(extras, buf))
         for name, _ in extras:
             self.g_pending[name] = w
+
+    def tied_grads(self, ins: Instr, g) -> None:
+        """Tied embeddings over a pipeline: sum the data-parallel-reduced gradients of the first stage's
+        embedding and the last stage's copy (`stage_specs`), so that both take the same step."""
+        name = "embed.wte"
+        w = self.g_pending.pop(name, None)
+        if w is not None:
+            w.wait()
+        t = self.reduced.pop(name) if name in self.reduced else self.local_grad(name)
+        work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
+
+        def finish():
+            self.reduced[name] = t
+
+        self.g_pending[name] = self._issue(ins, [work], finish)
 
     def _consumed(self, key: tuple) -> None:
         """A forward collective has read `key`, its only reader (a row-parallel partial sum, the

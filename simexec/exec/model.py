@@ -20,7 +20,7 @@ whose backward sums them over tp together with the activation gradient (see inte
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -170,6 +170,25 @@ def stage_units(rp, pp_rank: int) -> set[int]:
     if pp_rank == rp.plan.pp - 1:
         units.add(rp.model.layers)
     return units
+
+
+def stage_specs(rp, pp_rank: int) -> list[ParamSpec]:
+    """The parameters a pipeline rank holds (before experts are split over ep): its units', and with
+    tied embeddings over a pipeline, on the last stage, a copy of the embedding in the head's unit
+    (Megatron-LM's): initialised as the first stage's, its gradient summed with the first stage's
+    by the `tied` all-reduce, so the two stay equal."""
+    m = rp.model
+    units = stage_units(rp, pp_rank)
+    out = [s for s in param_specs(m) if s.unit in units]
+    if m.tied_embeddings and rp.plan.pp > 1 and pp_rank == rp.plan.pp - 1:
+        wte = next(s for s in param_specs(m) if s.name == "embed.wte")
+        out.append(replace(wte, unit=m.layers))
+    return out
+
+
+def is_tied_copy(spec: ParamSpec, m: ModelSpec) -> bool:
+    """The last stage's copy of a tied embedding (`stage_specs`)."""
+    return spec.name == "embed.wte" and spec.unit == m.layers
 
 
 def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:

@@ -132,8 +132,13 @@ class Sharding:
                     for parity in (0, 1):
                         self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
                         self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
-            # a unit's buffer is released after its last compute before its next gather
+            # a unit's buffer is released after its last compute before its next gather; a tied LM head
+            # (the lowering's `_tied_head`) reads the embedding's unit too
             last: dict[tuple, Optional[int]] = {}
+            tied_head = self.plan.pp == 1 and self.m.tied_embeddings
+
+            def uses(i: Instr, unit: int) -> bool:
+                return i.layer == unit or (tied_head and unit == -1 and i.layer == self.m.layers)
 
             def close(key):
                 if last.get(key) is not None:
@@ -146,7 +151,7 @@ class Sharding:
                     last[key] = None
                 elif i.kind == "compute" and i.block not in ("optim", "cpu_optim"):
                     for key in last:
-                        if key[1] == i.layer:
+                        if uses(i, key[1]):
                             last[key] = k
             for key in last:
                 close(key)
@@ -387,6 +392,9 @@ class Sharding:
         else:
             flat = fl.flatten([self.local_grad(n) for n in fl.names])  # allocated on demand
         out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
+        earlier = self.gshard_pending.get(key)
+        if earlier is not None:  # summed into the shard before this one (HSDP's all-reduce reads the last)
+            earlier.wait()
         work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
         w = self._issue(ins, [work], self._accumulate_shard(key, out))
         self.gshard_pending[key] = w

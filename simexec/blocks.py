@@ -91,6 +91,10 @@ class Anatomy:
         # window_size, FlexAttention's block mask); PyTorch's CPU kernel takes the band as a mask and
         # computes every score
         self.skips_masked_tiles = self.fused_wgrad
+        # MLA's value heads are narrower than its key heads: GPU kernels take both widths (FlashAttention
+        # 3, cuDNN through TransformerEngine); PyTorch's CPU kernel takes one, so V is padded to the key
+        # width and the output sliced back (as HF's DeepSeek does for FlashAttention 2)
+        self.pads_value_heads = not self.fused_wgrad
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
@@ -190,9 +194,10 @@ class Anatomy:
         qkv = T * (m.heads * qk + m.kv_heads * (qk + v)) * dt / t if not m.is_mla else T * m.heads * (2 * qk + v) * dt / t
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
+        latent = m.latent_matmul_params()
         ws = {
             "proj": n_s + ctx + self._wgrad_tmp(o_params / t),
-            "qkv": n_s + qkv + n + self._wgrad_tmp(qkv_params / t),
+            "qkv": n_s + qkv + n + self._wgrad_tmp((qkv_params - latent) / t + latent),
         }
         if self.sp:  # a norm on the sequence slice: its input gradient
             ws["norm1"] = ws["norm2"] = n_s
@@ -237,7 +242,9 @@ class Anatomy:
         qk, v = m.qk_head_dim, m.value_head_dim
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
-        f_qkv = 2.0 * T * qkv_params / t
+        latent = m.latent_matmul_params()  # MLA's down projections: every tp rank computes them whole
+        qkv_rank = (qkv_params - latent) / t + latent
+        f_qkv = 2.0 * T * qkv_rank
         qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
         has_bias = m.bias or m.qkv_bias
         # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
@@ -245,12 +252,21 @@ class Anatomy:
         norm_f, norm_b = self._opening_norm()
         ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         b_qkv = norm_f + (2 * dt * T * qkv_out if has_bias else 0.0)
-        bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_params / t)
+        bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_rank)
         if not m.learned_pos:
-            rope = 2 * dt * T * (m.heads + (m.kv_heads if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk) / t
+            rope = 2 * dt * T * (m.heads / t + (m.kv_heads / t if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk)
             b_qkv += rope
             bb_qkv += rope
         saved_qkv = ln if self.sp else 2 * ln
+        if m.is_mla:
+            # the latents (whole on every tp rank): their norms read and write them and save their input
+            # and 1/rms (fp32); the up projections save the normed latents. The rotary and non-rotary
+            # parts of q and k, and k beside v, are concatenated per head (read and written).
+            lat, norms = (m.q_lora_rank or 0) + m.kv_lora_rank, 2 if m.q_lora_rank else 1
+            cat = 2 * dt * T * m.heads * (3 * qk + v) / t
+            b_qkv += 2 * dt * T * lat + cat
+            bb_qkv += 3 * dt * T * lat + cat
+            saved_qkv += T * ((2 * lat + m.qk_rope_head_dim) * dt + 4 * norms)
         if m.qk_norm:
             # a norm over each q and k head: read and write them; the backward reads the saved input
             # and the output gradient and writes the input gradient; it saves its input and 1/rms (fp32)
@@ -266,7 +282,10 @@ class Anatomy:
             # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
             # attention skips the masked half of the scores, a sliding window all but its band
             ctx = self._keys_per_query(window)
-            f_attn = 2.0 * T * ctx * m.heads * (qk + v) / t
+            padded = m.is_mla and self.pads_value_heads and v != qk
+            f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
+            if padded:  # the padded V and the kernel's padded output, which the slice copies out of
+                saved_attn += 2 * T * m.heads * qk * dt / t
             attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
         else:
             # unfused (Megatron-LM 2021): baddbmm Q.K^T over all s x s scores, fused scale-mask-softmax,
@@ -423,12 +442,12 @@ class Anatomy:
     def layer_param_counts(self, i: int) -> tuple[float, float]:
         """(dense, expert) parameters of layer i held by one rank before ZeRO sharding."""
         m, p = self.rp.model, self.rp.plan
-        norms = m.norm_params_per_layer()
+        replicated = m.tp_replicated_params_per_layer()
         if not m.is_moe_layer(i):
-            return (m.layer_params(i) - norms) / p.tp + norms, 0.0
+            return (m.layer_params(i) - replicated) / p.tp + replicated, 0.0
         experts = m.moe.experts * m.expert_params()
-        dense = (m.attention_params() + m.moe_mlp_params() - m.router_params() - experts) / p.tp
-        return dense + norms + m.router_params(), experts / (p.tp * p.ep)
+        dense = (m.attention_params() - m.latent_params() + m.moe_mlp_params() - m.router_params() - experts) / p.tp
+        return dense + replicated + m.router_params(), experts / (p.tp * p.ep)
 
     def embed_params(self) -> float:
         return self.rp.model.embedding_params() / self.tp

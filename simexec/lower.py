@@ -468,11 +468,15 @@ class _RankLowering:
             self.memory("free", "activations", an.hidden_bytes if full else saved, f"act.L{l}.m{mb}")
         if full:
             self.memory("free", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
-        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes)
+        # MLA's latent projections (replicated over tp) hold each tp rank's share of their gradient: it
+        # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
+        # would carry it in every slot)
+        latent = self.rp.model.latent_params()
+        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp else latent * self.grad_dt))
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
             self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
-            self.norm_grads(l, mb, c, self.rp.model.pre_norm_params())
+            self.norm_grads(l, mb, c, self.rp.model.pre_norm_params() + latent)
 
     # --- sequence parallelism ------------------------------------------------------------------------
     def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:

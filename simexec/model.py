@@ -228,6 +228,26 @@ class ModelSpec(BaseModel):
         and before the MLP) and, with qk_norm, the ones on q and k heads."""
         return self.pre_norm_params() * 2 + self.qk_norm_params()
 
+    def latent_matmul_params(self) -> int:
+        """MLA's down projections: to the q latent (if any) and to the kv latent with the shared rotary
+        key. 0 without MLA."""
+        if not self.is_mla:
+            return 0
+        return self.hidden * ((self.q_lora_rank or 0) + self.kv_lora_rank + self.qk_rope_head_dim)
+
+    def latent_params(self) -> int:
+        """MLA's down projections and the norms of its latents, which tensor parallelism replicates
+        (DeepSeek-V3's reference model and Megatron-LM split the heads, not the latents). 0 without MLA."""
+        if not self.is_mla:
+            return 0
+        norms = self._norm(self.kv_lora_rank) + (self._norm(self.q_lora_rank) if self.q_lora_rank else 0)
+        return self.latent_matmul_params() + norms
+
+    def tp_replicated_params_per_layer(self) -> int:
+        """A layer's parameters that every tensor-parallel rank holds whole (beside a MoE router):
+        its norms and MLA's latent projections."""
+        return self.norm_params_per_layer() + self.latent_params()
+
     def pre_norm_params(self) -> int:
         """One norm over the residual stream (each pre-norm, the final norm)."""
         return self._norm(self.hidden)

@@ -320,18 +320,21 @@ class ResolvedPlan:
     def params_on_pp_rank(self, pp_rank: int) -> dict[str, float]:
         """Parameters held by one rank of pipeline rank `pp_rank` before ZeRO sharding.
 
-        Dense weights are split by tp; expert weights by tp and ep. Norms are replicated.
+        Dense weights are split by tp; expert weights by tp and ep. Norms, MLA's latent projections
+        and a MoE router are replicated.
         """
         m, p = self.model, self.plan
         dense = expert = 0.0
         for layer in self.layers_of_pp_rank(pp_rank):
             if m.is_moe_layer(layer):
-                dense += m.attention_params() / p.tp + m.norm_params_per_layer() + m.router_params()
+                dense += (m.attention_params() - m.latent_params()) / p.tp + m.tp_replicated_params_per_layer()
+                dense += m.router_params()
                 shared = m.moe_mlp_params() - m.router_params() - m.moe.experts * m.expert_params()
                 dense += shared / p.tp
                 expert += m.moe.experts * m.expert_params() / (p.tp * p.ep)
             else:
-                dense += (m.layer_params(layer) - m.norm_params_per_layer()) / p.tp + m.norm_params_per_layer()
+                replicated = m.tp_replicated_params_per_layer()
+                dense += (m.layer_params(layer) - replicated) / p.tp + replicated
         if pp_rank == 0:
             dense += m.embedding_params() / p.tp
         if pp_rank == p.pp - 1:

@@ -367,6 +367,40 @@ def test_sliding_window_attention_counts_match_the_executor(tmp_path, plan):
     assert abs((priced - priced0) - (got - got0)) <= 1, ops
 
 
+@pytest.mark.parametrize("plan,q_latent", [("gbs=1", True), ("gbs=1", False), ("gbs=1,flash_attention=0", True),
+                                          ("cp=2,cp_impl=ring,gbs=2", True)])
+def test_latent_attention_counts_match_the_executor(tmp_path, plan, q_latent):
+    """Multi-head latent attention's qkv (latent projections and norms, the shared rotary key, the
+    concatenations) and attention (V padded for the fused kernel, K and V taken apart otherwise): the
+    operators the simulator adds to a model without MLA are those the executor adds."""
+    from simexec.exec.microbench import count_dispatch, count_dispatch_plan
+    from simexec.lower import lower
+    from simexec.plan import parse_plan, resolve
+    from simexec.sim.host import HostCosts
+
+    local = get_cluster("local")
+    text = (ROOT / "tests/data/mla-tiny.yaml").read_text()
+    if not q_latent:
+        text = text.replace("q_lora_rank: 24\n", "")
+    plain = "".join(line + "\n" for line in text.splitlines()
+                    if not line.startswith(("q_lora_rank", "kv_lora_rank", "qk_rope_head_dim", "v_head_dim")))
+    ops = {}
+    for name, body in (("mla", text), ("plain", plain)):
+        path = tmp_path / f"{name}.yaml"
+        path.write_text(body)
+        prog = lower(resolve(get_model(str(path)), local, parse_plan(plan)))
+        hc = HostCosts(local, prog)
+        # qkv as the tables count it (one block at a time); attention as the plan runs it (cp, unfused)
+        got = {**count_dispatch_plan(str(path), plan), **{k: v for k, v in count_dispatch(get_model(str(path))).items()
+                                                         if k.endswith("qkv")}}
+        for ins in prog.ranks[0]:
+            if ins.kind == "compute" and ins.phase in ("fwd", "bwd") and ins.block in ("qkv", "attn"):
+                ops[(name, f"{ins.phase}.{ins.block}")] = got[f"{ins.phase}.{ins.block}"], hc.ops(ins)
+    for key in ("fwd.qkv", "bwd.qkv", "fwd.attn", "bwd.attn"):
+        (got, priced), (got0, priced0) = ops[("mla", key)], ops[("plain", key)]
+        assert got - got0 > 0 and abs((priced - priced0) - (got - got0)) <= 1, (key, ops)
+
+
 @pytest.mark.parametrize("model", ["gpt-tiny", "moe-tiny"])
 def test_sequence_parallel_block_counts_match_the_executor(model):
     """Under sp the norms are blocks of their own and the column-parallel GEMMs save the weight, not

@@ -296,6 +296,27 @@ def test_qk_norms_match_reference(plan):
     check_plan(QK_NORM, plan)
 
 
+MLA = str(Path(__file__).resolve().parent / "data" / "mla-tiny.yaml")  # DeepSeek-V3's attention, tiny
+
+
+@pytest.mark.parametrize("plan", ["tp=2,gbs=2", "tp=2,sp=1,gbs=2", "cp=2,gbs=2", "tp=2,cp=2,cp_impl=ring,gbs=2",
+                                  "pp=2,gbs=4,recompute=full", "dp=2,zero=3,gbs=4",
+                                  "tp=2,gbs=2,flash_attention=0,recompute=selective"])
+def test_latent_attention_matches_reference(plan):
+    """Multi-head latent attention: the latents' projections and norms whole on every tp rank, their
+    gradients summed over tp (with the input gradient, or under sp with the first norm's); the heads'
+    up projections split; K (rotary part shared by the heads) and the narrower V side by side through
+    context parallelism's all-gather and the ring."""
+    check_plan(MLA, plan)
+
+
+def test_latent_attention_without_a_q_latent_matches_reference(tmp_path):
+    """DeepSeek-V2-Lite's layout: queries projected from the hidden state directly."""
+    path = tmp_path / "mla-no-q-latent.yaml"
+    path.write_text(Path(MLA).read_text().replace("q_lora_rank: 24\n", ""))
+    check_plan(str(path), "tp=2,sp=1,gbs=2")
+
+
 WINDOW = str(Path(__file__).resolve().parent / "data" / "window-tiny.yaml")  # a sliding window on layer 0
 
 

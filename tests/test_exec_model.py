@@ -24,7 +24,13 @@ GQA = ModelSpec(name="gqa-test", layers=2, hidden=64, heads=8, kv_heads=2, head_
 MOE_BIAS = ModelSpec(name="moe-bias-test", layers=2, hidden=32, heads=4, kv_heads=4, head_dim=8, ffn=64,
                      gated=False, vocab=128, seq_len=16, bias=True, learned_pos=True,
                      moe=MoESpec(experts=4, top_k=2, expert_ffn=32, shared_experts=1, first_dense_layers=1))
-MODELS = [get_model("gpt-tiny"), get_model("moe-tiny"), GQA, MOE_BIAS]
+# DeepSeek-V3's layout, tiny: latent attention (q latent, rotary part, narrower values) and MoE layers
+# after a dense one
+MLA_MOE = ModelSpec(name="mla-moe-test", layers=2, hidden=32, heads=4, kv_heads=4, head_dim=8, q_lora_rank=12,
+                    kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=6, ffn=64, gated=True, vocab=128, seq_len=16,
+                    norm="rmsnorm", moe=MoESpec(experts=4, top_k=2, expert_ffn=16, shared_experts=1,
+                                                first_dense_layers=1))
+MODELS = [get_model("gpt-tiny"), get_model("moe-tiny"), GQA, MOE_BIAS, MLA_MOE]
 
 
 def _rp(m: ModelSpec, plan: str):
@@ -159,9 +165,10 @@ def test_unsupported_names_what_is_missing():
 
     assert unsupported(_rp(get_model("gpt-tiny"), "dp=2,tp=2,pp=2")) is None
     assert unsupported(_rp(get_model("moe-tiny"), "dp=2,ep=2")) is None
-    mla = get_model("deepseek-v3")
-    msg = unsupported(resolve(mla, get_cluster("local"), parse_plan("dp=1,dtype=fp32"), 16))
-    assert msg and "multi-head latent attention" in msg and "deepseek-v3" in msg
+    assert unsupported(resolve(get_model("deepseek-v3"), get_cluster("local"), parse_plan("dp=1,dtype=fp32"), 16)) is None
+    dropping = get_model("moe-tiny").model_copy(update={"moe": get_model("moe-tiny").moe.model_copy(update={"capacity_factor": 1.25})})
+    msg = unsupported(_rp(dropping, "dp=2,ep=2"))
+    assert msg and "MoE token dropping (capacity_factor=1.25)" in msg and "moe-tiny" in msg
     assert unsupported(_rp(get_model("gpt-tiny"), "cp=2,cp_impl=ring")) is None
 
 

@@ -261,6 +261,25 @@ def test_zero3_tied_head_gathers_the_embedding_and_reduce_scatters_its_share():
     assert not any(i.name.endswith(".tied") for i in untied)
 
 
+def test_latent_attention_projections_are_whole_on_every_tp_rank():
+    """MLA's down projections and latent norms are replicated over tp: each rank computes them whole
+    and holds them whole, and their partial gradients are summed over tp with the input gradient's
+    all-reduce, or under sp with the first norm's (`norm_grads`)."""
+    m = get_model(str(Path(__file__).parent / "data" / "mla-tiny.yaml"))
+    latent = m.latent_params() * 4  # fp32 gradients
+    for plan, block in (("tp=2,gbs=2,dtype=fp32", "attn_in"), ("tp=2,sp=1,gbs=2,dtype=fp32", "norm_grads")):
+        rp = resolve(m, get_cluster("local"), parse_plan(plan))
+        an = Anatomy(rp)
+        ins = next(i for i in lower(rp, symmetric=False).ranks[0] if i.phase == "bwd" and i.block == block and i.layer == 0)
+        base = an.full_hidden_bytes if block == "attn_in" else m.pre_norm_params() * 4
+        assert ins.bytes == base + latent, (plan, ins.bytes, base, latent)
+    one, two = (Anatomy(resolve(m, get_cluster("local"), parse_plan(f"tp={t},gbs=2"))) for t in (1, 2))
+    assert 2 * two.layer(0)["qkv"].flops - one.layer(0)["qkv"].flops == 2 * one.tokens * m.latent_matmul_params()
+    rp1, rp2 = (resolve(m, get_cluster("local"), parse_plan(f"tp={t},gbs=2")) for t in (1, 2))
+    held = (rp1.params_on_pp_rank(0)["total"], rp2.params_on_pp_rank(0)["total"])
+    assert 2 * held[1] - held[0] == m.layers * (m.latent_params() + m.norm_params_per_layer()) + m.final_norm_params()
+
+
 def test_yafsdp_preallocates_two_buffers_and_fsdp_allocates_per_unit():
     fsdp = _program("gpt-tiny", "dp=2,zero=3,gbs=2").ranks[0]
     yafsdp = _program("gpt-tiny", "dp=2,zero=3,zero_impl=yafsdp,gbs=2").ranks[0]

@@ -112,8 +112,6 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.is_mla:
-        missing.append(f"multi-head latent attention ({m.name}: kv_lora_rank={m.kv_lora_rank})")
     if m.tied_embeddings and p.pp > 1 and p.zero >= 1:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding are sharded differently, so their gradients cannot be summed after the "
@@ -206,8 +204,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
         self.colls = _COLLS_SP if p.sp else _COLLS
         # the backward collective that sums each tp-replicated parameter's partial gradient
-        self.partial_by = {n: (_SP_PARTIAL[s.tp_partial] if p.sp and ".norm" in n else s.tp_partial)
-                           for n, s in self.specs.items() if s.tp_partial}
+        self.partial_by = {n: (s.sp_partial or (_SP_PARTIAL[s.tp_partial] if ".norm" in n else s.tp_partial))
+                           if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
             n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()

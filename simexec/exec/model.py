@@ -78,6 +78,7 @@ class ParamSpec:
     tp_dim: Optional[int] = None  # dimension split over tp; None: replicated over tp
     expert: Optional[int] = None  # routed expert index (held by one ep rank); None: a dense parameter
     tp_partial: str = ""  # replicated over tp, grads partial: summed by this collective's backward
+    sp_partial: str = ""  # under sp, the collective that sums them instead (default: see interpreter)
 
 
 def param_specs(m: ModelSpec) -> list[ParamSpec]:
@@ -86,13 +87,13 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
     std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by 1/sqrt(2L)
     out: list[ParamSpec] = []
 
-    def add(name, shape, s, unit, tp_dim=None, expert=None, tp_partial=""):
-        out.append(ParamSpec(name, tuple(shape), s, unit, tp_dim, expert, tp_partial))
+    def add(name, shape, s, unit, tp_dim=None, expert=None, tp_partial="", sp_partial=""):
+        out.append(ParamSpec(name, tuple(shape), s, unit, tp_dim, expert, tp_partial, sp_partial))
 
-    def norm(prefix, unit, partial, width=H):
-        add(f"{prefix}.w", (width,), -1.0, unit, tp_partial=partial)
+    def norm(prefix, unit, partial, width=H, sp_partial=""):
+        add(f"{prefix}.w", (width,), -1.0, unit, tp_partial=partial, sp_partial=sp_partial)
         if m.norm == "layernorm":
-            add(f"{prefix}.b", (width,), 0.0, unit, tp_partial=partial)
+            add(f"{prefix}.b", (width,), 0.0, unit, tp_partial=partial, sp_partial=sp_partial)
 
     def ffn(prefix, unit, width, expert=None):
         add(f"{prefix}.w1", (H, width), std, unit, 1, expert)  # up: column-parallel
@@ -113,9 +114,12 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
     for l in range(L):
         p = f"layers.{l}"
         norm(f"{p}.norm1", l, "attn_in")
-        add(f"{p}.attn.wq", (H, m.heads * hd), std, l, 1)
-        add(f"{p}.attn.wk", (H, m.kv_heads * hd), std, l, 1)
-        add(f"{p}.attn.wv", (H, m.kv_heads * hd), std, l, 1)
+        if m.is_mla:
+            _mla_specs(m, l, add, norm, std)
+        else:
+            add(f"{p}.attn.wq", (H, m.heads * hd), std, l, 1)
+            add(f"{p}.attn.wk", (H, m.kv_heads * hd), std, l, 1)
+            add(f"{p}.attn.wv", (H, m.kv_heads * hd), std, l, 1)
         if qkv_bias:
             add(f"{p}.attn.bq", (m.heads * hd,), 0.0, l, 0)
             add(f"{p}.attn.bk", (m.kv_heads * hd,), 0.0, l, 0)
@@ -123,7 +127,7 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
         if m.qk_norm:  # one weight for every head: each tp rank's gradient covers its own heads
             norm(f"{p}.attn.q_norm", l, "attn_in", hd)
             norm(f"{p}.attn.k_norm", l, "attn_in", hd)
-        add(f"{p}.attn.wo", (m.heads * hd, H), resid_std, l, 0)
+        add(f"{p}.attn.wo", (m.heads * m.value_head_dim, H), resid_std, l, 0)
         if m.bias:
             add(f"{p}.attn.bo", (H,), 0.0, l, 0)
         norm(f"{p}.norm2", l, "mlp_in")
@@ -139,6 +143,27 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
     if not m.tied_embeddings:  # tied: the head multiplies by the embedding's transpose
         add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
     return out
+
+
+def _mla_specs(m: ModelSpec, l: int, add, norm, std: float) -> None:
+    """Multi-head latent attention's projections (DeepSeek-V2/V3), as DeepSeek's reference splits
+    them over tp: the down projections to the q and kv latents (and the kv latent's shared rotary
+    key) and the latents' norms are replicated, each tp rank's heads taking their share of the
+    gradient, summed over tp by the input gradient's all-reduce, or under sp by the first norm's
+    (`norm_grads`: the reduce-scatter would carry them in every slot); the up projections are
+    column-parallel by heads, each head's columns together (q: nope then rope; kv: nope key then
+    value)."""
+    p, H = f"layers.{l}.attn", m.hidden
+    q_width = m.heads * m.qk_head_dim
+    if m.q_lora_rank:
+        add(f"{p}.wq_a", (H, m.q_lora_rank), std, l, tp_partial="attn_in", sp_partial="norm_grads")
+        norm(f"{p}.q_a_norm", l, "attn_in", m.q_lora_rank, sp_partial="norm_grads")
+        add(f"{p}.wq_b", (m.q_lora_rank, q_width), std, l, 1)
+    else:
+        add(f"{p}.wq", (H, q_width), std, l, 1)
+    add(f"{p}.wkv_a", (H, m.kv_lora_rank + m.qk_rope_head_dim), std, l, tp_partial="attn_in", sp_partial="norm_grads")
+    norm(f"{p}.kv_a_norm", l, "attn_in", m.kv_lora_rank, sp_partial="norm_grads")
+    add(f"{p}.wkv_b", (m.kv_lora_rank, m.heads * (m.head_dim + m.value_head_dim)), std, l, 1)
 
 
 def init_full(m: ModelSpec, seed: int) -> dict[str, Tensor]:
@@ -372,6 +397,15 @@ def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], sc
     return dq, dk, dv
 
 
+def split_kv(kv: Tensor, qk: int) -> tuple[Tensor, Tensor]:
+    """K and V (views) of the qkv block's `kv`: stacked, (2, B, nkv, S, hd); or under MLA, whose value
+    heads are narrower than its key heads, side by side in one (1, B, nh, S, qk + v). Either way the
+    sequence is dimension 3, where context parallelism gathers and the ring passes chunks."""
+    if kv.shape[0] == 2:
+        return kv[0], kv[1]
+    return kv[0, ..., :qk], kv[0, ..., qk:]
+
+
 def band_mask(qpos: Tensor, kpos: Tensor, window: int) -> Tensor:
     """Causal sliding-window mask (T, S): query at position i sees keys at i - window + 1 .. i."""
     d = qpos[:, None] - kpos[None, :]
@@ -393,8 +427,8 @@ def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tens
         s = s.masked_fill_(band.logical_not(), float("-inf"))
     elif causal:
         s = s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2))  # (B, nkv, rep, T, hd)
-    return o.view(B, nh, T, hd).transpose(1, 2).reshape(B, T, nh * hd)
+    o = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2))  # (B, nkv, rep, T, v's hd)
+    return o.view(B, nh, T, -1).transpose(1, 2).reshape(B, T, -1)
 
 
 class _Xent(torch.autograd.Function):
@@ -551,10 +585,13 @@ class GPT:
     def qkv(self, l: int, x: Tensor, pos: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
         """First norm (under sp: `norm1`, before the gather) + Q/K/V (column-parallel by heads), with
         qk_norm a norm over each q and k head. x (B, T, C) -> q (B, nh, T, hd) and kv (2, B, nkv, T,
-        hd); RoPE at positions pos (T,) unless the model learns positions."""
+        hd) (under MLA (1, B, nh, T, qk + v), `split_kv`); RoPE at positions pos (T,) unless the model
+        learns positions."""
         B, T, _ = x.shape
         pre, hd = f"layers.{l}.attn", self.m.head_dim
         h = x if self.lay.sp else self._norm(f"layers.{l}.norm1", x)
+        if self.m.is_mla:
+            return self._mla_qkv(pre, h, pos, fetch)
         q = self._lin(h, pre, "wq", "bq", fetch).view(B, T, self.nh, hd).transpose(1, 2)
         k = self._lin(h, pre, "wk", "bk", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
         v = self._lin(h, pre, "wv", "bv", fetch).view(B, T, self.nkv, hd).transpose(1, 2)
@@ -565,16 +602,42 @@ class GPT:
             q, k = rope(q, tables), rope(k, tables)
         return q, torch.stack([k, v])
 
+    def _mla_qkv(self, pre: str, h: Tensor, pos: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
+        """Multi-head latent attention (DeepSeek-V3, arXiv 2412.19437 sec. 2.1.1): queries from the
+        normed q latent (or from h), keys' and values' non-rotary part from the normed kv latent, and
+        one rotary key shared by every head, taken from h beside the kv latent. h (B, T, C) ->
+        q (B, nh, T, qk) and kv (1, B, nh, T, qk + v)."""
+        m = self.m
+        B, T = h.shape[0], h.shape[1]
+        nope, rot, r = m.head_dim, m.qk_rope_head_dim, m.kv_lora_rank
+        if m.q_lora_rank:
+            cq = self._norm(f"{pre}.q_a_norm", self._lin(h, pre, "wq_a", "", fetch))
+            q = cq @ self.p[f"{pre}.wq_b"]
+        else:
+            q = self._lin(h, pre, "wq", "", fetch)
+        q = q.view(B, T, self.nh, nope + rot).transpose(1, 2)
+        ckv = self._lin(h, pre, "wkv_a", "", fetch)  # (B, T, r + rot)
+        kv = self._norm(f"{pre}.kv_a_norm", ckv[..., :r]) @ self.p[f"{pre}.wkv_b"]
+        kv = kv.view(B, T, self.nh, nope + m.value_head_dim).transpose(1, 2)  # (B, nh, T, nope + v)
+        tables = self._rope_tables(pos, rot, q.dtype)
+        k_rot = rope(ckv[..., r:].unsqueeze(1), tables).expand(B, self.nh, T, rot)
+        q = torch.cat([q[..., :nope], rope(q[..., nope:], tables)], -1)
+        k = torch.cat([kv[..., :nope], k_rot], -1)
+        return q, torch.cat([k, kv[..., nope:]], -1).unsqueeze(0)
+
     def attn(self, l: int, q: Tensor, kv: Tensor, qpos: Tensor, kpos: Tensor) -> Tensor:
         """Causal attention of this rank's heads: q (B, nh, T, hd) against kv (2, B, nkv, S, hd) at
         positions qpos (T,), kpos (S,) (S > T under context parallelism) -> (B, T, nh*hd); within
         the layer's sliding window, if it has one."""
-        k, v = kv[0], kv[1]
+        k, v = split_kv(kv, q.shape[-1])
         gqa = self.nh != self.nkv
         window = self.m.attention_window(l, kpos.shape[0])  # kpos: every position of the sequence
         if not self.flash:
             band = self._band_mask(qpos, kpos, window) if window is not None else None
             return _unfused_attention(q, k, v, qpos, kpos, self.m.causal, band)
+        vd = v.shape[-1]
+        if vd != q.shape[-1]:  # MLA: fused kernels take one head width; V padded, as HF's DeepSeek does for FlashAttention
+            v = F.pad(v, (0, q.shape[-1] - vd))
         if window is not None:  # sliding window: the band, as a mask
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=self._band_mask(qpos, kpos, window), enable_gqa=gqa)
         elif kpos is qpos or (qpos.shape == kpos.shape and bool((qpos == kpos).all())):  # `is`: no device sync
@@ -582,6 +645,8 @@ class GPT:
         else:  # context parallel: local queries against the gathered keys, masked by position
             mask = kpos[None, :] <= qpos[:, None] if self.m.causal else None  # (T, S)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        if vd != q.shape[-1]:
+            o = o[..., :vd]
         B, _, T, _ = q.shape
         return o.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh*hd)
 

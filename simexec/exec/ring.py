@@ -20,7 +20,7 @@ from torch import Tensor
 
 from simexec.exec import data
 from simexec.exec.collectives import _Inflight
-from simexec.exec.model import attn_merge, attn_partial, attn_partial_bwd
+from simexec.exec.model import attn_merge, attn_partial, attn_partial_bwd, split_kv
 from simexec.program import Instr
 
 
@@ -49,7 +49,7 @@ class RingAttention:
                 self.ring_msg[i.name] = (int(o[1:]), int(h[1:]))
         pos = [data.cp_positions(self.rp.seq_len, cp, j).to(self.device) for j in range(cp)]
         self.ring_mask = [pos[j][None, :] <= pos[me][:, None] if self.m.causal else None for j in range(cp)]
-        self.ring_scale = 1.0 / math.sqrt(self.m.head_dim)
+        self.ring_scale = 1.0 / math.sqrt(self.m.qk_head_dim)
         self.ring_fwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a forward ring in progress
         self.ring_bwd: dict[tuple, dict] = {}  # (layer, mb) -> state of a backward ring in progress
 
@@ -78,16 +78,17 @@ class RingAttention:
         kv = self._ring_chunk(st, origin)
         del st["chunks"][origin]  # attended to here, and (in program order) already sent on
         q = st["q"]
+        k, v = split_kv(kv, q.shape[-1])
         with torch.no_grad():
-            o, lse = attn_partial(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin], self.ring_scale)
+            o, lse = attn_partial(q.float(), k.float(), v.float(), self.ring_mask[origin], self.ring_scale)
             if "o" in st:
                 o, lse = attn_merge(st["o"], st["lse"], o, lse)
         if hop < self.plan.cp - 1:
             st["o"], st["lse"] = o, lse
             return
         del self.ring_fwd[(l, mb)]
-        B, nh, T, hd = q.shape
-        self.env[("o", l, mb)] = o.to(q.dtype).transpose(1, 2).reshape(B, T, nh * hd)
+        B, nh, T, _ = q.shape
+        self.env[("o", l, mb)] = o.to(q.dtype).transpose(1, 2).reshape(B, T, -1)
         if record:
             self.records[("attn", l, mb)] = (q, o, lse)
 
@@ -100,19 +101,20 @@ class RingAttention:
             if rec is None:
                 raise RuntimeError(f"rank {self.rank}: {ins.name} has no forward record (forward not run, or run without grad)")
             q, o, lse = rec
-            B, nh, T, hd = q.shape
-            do = self.take_grad(("o", l, mb)).float().view(B, T, nh, hd).transpose(1, 2)
-            st.update(q=q, lse=lse, do=do, delta=(do * o).sum(-1), dq=torch.zeros_like(o))
+            B, nh, T, vd = o.shape
+            do = self.take_grad(("o", l, mb)).float().view(B, T, nh, vd).transpose(1, 2)
+            st.update(q=q, lse=lse, do=do, delta=(do * o).sum(-1), dq=torch.zeros_like(q, dtype=o.dtype))
         origin = (self.cp_rank - hop) % cp
         kv = self._ring_chunk(st, origin)
         dkv = st["dkv"][origin]
         q = st["q"]
+        (k, v), (dk_acc, dv_acc) = split_kv(kv, q.shape[-1]), split_kv(dkv, q.shape[-1])
         with torch.no_grad():
-            dq, dk, dv = attn_partial_bwd(q.float(), kv[0].float(), kv[1].float(), self.ring_mask[origin],
+            dq, dk, dv = attn_partial_bwd(q.float(), k.float(), v.float(), self.ring_mask[origin],
                                           self.ring_scale, st["lse"], st["do"], st["delta"])
             st["dq"] += dq
-            dkv[0] += dk.to(dkv.dtype)
-            dkv[1] += dv.to(dkv.dtype)
+            dk_acc += dk.to(dkv.dtype)
+            dv_acc += dv.to(dkv.dtype)
         if hop == cp - 1:
             self.add_grad(("q", l, mb), st["dq"].to(q.dtype))
             for key in (("q", l, mb), ("o", l, mb)):
@@ -139,18 +141,19 @@ class RingAttention:
                     del self.ring_bwd[(l, mb)]
             self._issue(ins, [self.comm.isend(t.contiguous(), ins.peer, tag=tag)], None)
             return
-        shape = self.read(("kvf", l, mb)).shape  # (2, B, nkv, T, hd): every chunk has this rank's shape
+        shape = self.read(("kvf", l, mb)).shape  # (2, B, nkv, T, hd) (`split_kv`): every chunk has this rank's shape
         if home:  # this rank's own dK/dV, complete: the gradient of `kv` that the qkv backward reads
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
             key = ("kv", l, mb)
             self.d[key] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], lambda: self._deliver(key, buf, True))
             return
         st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
-        buf = torch.empty((4 if bwd else 2,) + tuple(shape[1:]), dtype=self.dtype, device=self.device)
+        n = shape[0]
+        buf = torch.empty((2 * n if bwd else n,) + tuple(shape[1:]), dtype=self.dtype, device=self.device)
 
         def finish():
             if bwd:
-                st["chunks"][origin], st["dkv"][origin] = buf[:2], buf[2:]
+                st["chunks"][origin], st["dkv"][origin] = buf[:n], buf[n:]
             else:
                 st["chunks"][origin] = buf
 

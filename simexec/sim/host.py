@@ -152,7 +152,7 @@ MOE_LOOP_OPS = {"fwd.experts": (16, 5), "bwd.experts": (6, 26), "fwd.moe_out": (
 # merges the chunks by log-sum-exp, in fp32 under 16-bit types (its instructions cover every hop).
 CP_ATTN_OPS = {
     "allgather": lambda cp, half: {"fwd.attn": 16 + 3 * cp, "bwd.attn": 10},
-    "ring": lambda cp, half: {"fwd.attn": 62 if half else 58, "bwd.attn": 68 if half else 62},
+    "ring": lambda cp, half: {"fwd.attn": 62 if half else 58, "bwd.attn": 64 if half else 58},
 }
 # Sequence parallelism moves each norm into a block of its own (`norm1`, `norm2`, `norm` before the
 # head) and gives the column-parallel GEMMs a custom autograd function that saves the weight, not the
@@ -196,6 +196,16 @@ def unfused_cp_attn_ops(cp: int) -> dict[str, int]:
 
 
 GQA_OPS = {"unfused": {"fwd.attn": 2, "bwd.attn": 2}, "ring": {"fwd.attn": 8, "bwd.attn": 12}}
+# Multi-head latent attention (`mla` in the dispatch key, `qlora` with a q latent), counted (as the
+# tables, `count_dispatch`) on tests/data/mla-tiny.yaml with and without its q latent against the
+# same model without MLA: the
+# latents' projections and norms, the rotary key shared by the heads and the concatenations per head
+# in qkv; the fused attention pads V to the key width and slices the output (5 each way), the
+# unfused one and the ring take K and V apart.
+MLA_OPS = {"fwd.qkv": 15, "bwd.qkv": 24}
+Q_LORA_OPS = {"fwd.qkv": 9, "bwd.qkv": 18}
+MLA_ATTN_OPS = {"fused": {"fwd.attn": 5, "bwd.attn": 5}, "unfused": {"fwd.attn": 2, "bwd.attn": 1},
+                "ring": {"fwd.attn": 2, "bwd.attn": 4}}
 DEFAULT_OPS = 12  # a block no table knows
 
 
@@ -208,6 +218,8 @@ def dispatch_key(model) -> str:
         parts.append("gqa")
     if model.qk_norm:
         parts.append("qknorm")
+    if model.is_mla:
+        parts.append("mla-qlora" if model.q_lora_rank else "mla")
     if model.moe is not None:
         parts.append(f"moe{model.moe.experts}x{model.moe.top_k}+{model.moe.shared_experts}")
     return "-".join(parts)
@@ -217,7 +229,7 @@ def cost_family(model) -> str:
     """The kernels a model's blocks run (norm, MLP, positions, MoE), without its sizes: element-wise
     costs measured on one model of a family (`elementwise_cost["<family>/<phase>.<block>"]`) price
     every model of it."""
-    key = dispatch_key(model).replace("-gqa", "").replace("-qknorm", "")
+    key = _strip_adders(dispatch_key(model))[0]
     dense, _, moe = key.partition("-moe")
     return dense + ("-moe" if moe else "")
 
@@ -228,8 +240,7 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
     borrow the default's), MoE loops for the experts a rank of expert parallelism `ep` holds, the
     attention block of context parallelism `cp` in `dtype`, fused (`flash`) or not, the blocks of
     sequence parallelism."""
-    qk_norm, grouped = "-qknorm" in key, "-gqa" in key
-    key = key.replace("-qknorm", "").replace("-gqa", "")
+    key, adders = _strip_adders(key)
     dense, _, moe = key.partition("-moe")
     table = dict(DISPATCH.get(key if not moe else dense, DISPATCH[DEFAULT_TABLE]))
     if moe:
@@ -249,13 +260,29 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
         table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
     if not flash and not ring:
         table.update(unfused_cp_attn_ops(cp) if cp > 1 else UNFUSED_ATTN_OPS)
-    if grouped and (ring or not flash):
-        for block, n in GQA_OPS["ring" if ring else "unfused"].items():
-            table[block] += n
-    if qk_norm:
-        for block, n in QK_NORM_OPS.items():
+    kernel = "ring" if ring else "unfused" if not flash else "fused"
+    extra = []
+    if "gqa" in adders and kernel != "fused":
+        extra.append(GQA_OPS[kernel])
+    if "qknorm" in adders:
+        extra.append(QK_NORM_OPS)
+    if "mla" in adders or "mla-qlora" in adders:
+        extra += [MLA_OPS, MLA_ATTN_OPS[kernel]] + ([Q_LORA_OPS] if "mla-qlora" in adders else [])
+    for ops in extra:
+        for block, n in ops.items():
             table[block] += n
     return table
+
+
+def _strip_adders(key: str) -> tuple[str, set[str]]:
+    """A dispatch key without the features that add operators to any table (grouped heads, qk norms,
+    MLA), and those features."""
+    adders = set()
+    for feature in ("mla-qlora", "mla", "qknorm", "gqa"):
+        if f"-{feature}" in key:
+            adders.add(feature)
+            key = key.replace(f"-{feature}", "")
+    return key, adders
 
 
 # Operators that wait for the device: the executor's MoE forward reads the per-expert token counts
@@ -329,6 +356,8 @@ def unit_tensors(model) -> tuple[int, int, int, int]:
     ffn = (2 if model.gated else 1) * (2 if model.bias else 1) + (2 if model.bias else 1)
     qkv_bias = 3 if (model.bias or getattr(model, "qkv_bias", False)) else 0
     attn = 3 + qkv_bias + 1 + (1 if model.bias else 0)
+    if getattr(model, "is_mla", False):  # q (or its latent, norm and up projection), kv's three, o
+        attn += (1 + norm if model.q_lora_rank else 0) + norm
     embed = 1 + (1 if model.learned_pos else 0)
     return embed, 2 * norm + attn + ffn, norm + 1, ffn
 

@@ -78,7 +78,7 @@ class ParamSpec:
     tp_dim: Optional[int] = None  # dimension split over tp; None: replicated over tp
     expert: Optional[int] = None  # routed expert index (held by one ep rank); None: a dense parameter
     tp_partial: str = ""  # replicated over tp, grads partial: summed by this collective's backward
-    sp_partial: str = ""  # under sp, the collective that sums them instead (default: see interpreter)
+    sp_partial: str = ""  # under sp, the collective that sums them instead ("": the interpreter's rule for norms)
 
 
 def param_specs(m: ModelSpec) -> list[ParamSpec]:

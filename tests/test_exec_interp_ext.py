@@ -5,6 +5,7 @@ pool and `check_plan` of test_exec_interp.py."""
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -64,6 +65,12 @@ def test_plan_matches_reference(model, plan):
     check_plan(model, plan)
 
 
+def test_deepseek_layout_matches_reference():
+    """Latent attention beside MoE layers, every split they meet in DeepSeek-V3's training at once:
+    experts over ep, heads over tp with sp, stages over pp."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / "mla-moe-tiny.yaml"), "dp=2,ep=2,tp=2,sp=1,pp=2,gbs=8")
+
+
 def test_yafsdp_preallocates_and_fsdp_allocates_on_demand():
     """YaFSDP: two buffers per rank from the start, no allocation of a gathered layer in the step;
     FSDP: a gathered layer's buffer allocated at each use. The measured peaks differ the way the
@@ -107,7 +114,6 @@ def test_qk_norms_hold_the_memory_the_simulator_gives_them(tmp_path, plan):
     """The norms over q and k heads keep their input and 1/rms (fp32) for the backward: what the
     step holds beyond the same model without them is what the program counts, within 5%."""
     import json
-    from pathlib import Path
 
     from simexec.model import get_model
     from simexec.simulate import simulate

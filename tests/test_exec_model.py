@@ -24,12 +24,7 @@ GQA = ModelSpec(name="gqa-test", layers=2, hidden=64, heads=8, kv_heads=2, head_
 MOE_BIAS = ModelSpec(name="moe-bias-test", layers=2, hidden=32, heads=4, kv_heads=4, head_dim=8, ffn=64,
                      gated=False, vocab=128, seq_len=16, bias=True, learned_pos=True,
                      moe=MoESpec(experts=4, top_k=2, expert_ffn=32, shared_experts=1, first_dense_layers=1))
-# DeepSeek-V3's layout, tiny: latent attention (q latent, rotary part, narrower values) and MoE layers
-# after a dense one
-MLA_MOE = ModelSpec(name="mla-moe-test", layers=2, hidden=32, heads=4, kv_heads=4, head_dim=8, q_lora_rank=12,
-                    kv_lora_rank=8, qk_rope_head_dim=4, v_head_dim=6, ffn=64, gated=True, vocab=128, seq_len=16,
-                    norm="rmsnorm", moe=MoESpec(experts=4, top_k=2, expert_ffn=16, shared_experts=1,
-                                                first_dense_layers=1))
+MLA_MOE = get_model(str(Path(__file__).resolve().parent / "data" / "mla-moe-tiny.yaml"))  # DeepSeek-V3's layout
 MODELS = [get_model("gpt-tiny"), get_model("moe-tiny"), GQA, MOE_BIAS, MLA_MOE]
 
 

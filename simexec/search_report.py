@@ -128,8 +128,9 @@ def against_report(yours: dict, ok: list[dict], top: int, objective: str, comple
                            f"{', '.join(out['explanation']['plan_changes']) or 'same'}")
         return out
     better = [r for r in ok if key(r) < key(yours) and r["plan"] != yours["plan"]]
-    out = {**mine, "rank": len(better) + 1 if len(better) < top and complete else None,
-           "better_plans": len(better) if len(better) < top else f">= {top}"}
+    exact = len(better) < top and complete
+    out = {**mine, "rank": len(better) + 1 if exact else None,
+           "better_plans": len(better) if exact else f">= {min(len(better), top)}"}
     if not better:
         out["text"] = "no plan of the space beats it"
     else:

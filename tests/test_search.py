@@ -330,6 +330,7 @@ def test_against_is_not_ranked_when_the_search_is_interrupted():
     sim.calls = 0
     got = search(*SMALL, top=50, progress=False, simulator=stops, against=brute.plans[30]["plan"])
     assert got.interrupted and got.against["rank"] is None and "unranked (interrupted)" in got.format()
+    assert str(got.against["better_plans"]).startswith(">= ")  # a count of what was simulated, not of the space
 
 
 def test_against_is_checked_as_simulate_checks_a_plan():

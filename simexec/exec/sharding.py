@@ -133,9 +133,9 @@ class Sharding:
                         self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
                         self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
             # a unit's buffer is released after its last compute before its next gather; a tied LM head
-            # (the lowering's `_tied_head`) reads the embedding's unit too
+            # reads the embedding's unit too, where the program gathers it for the head (`.tied`)
             last: dict[tuple, Optional[int]] = {}
-            tied_head = self.plan.pp == 1 and self.m.tied_embeddings
+            tied_head = any(i.block == "gather" and i.layer == -1 and i.name.endswith(".tied") for i in self.instrs)
 
             def uses(i: Instr, unit: int) -> bool:
                 return i.layer == unit or (tied_head and unit == -1 and i.layer == self.m.layers)

@@ -42,6 +42,14 @@ class Block:
     # and (autograd without fused wgrad) the largest weight-gradient temporary. Weight gradients that
     # accumulate in place into main_grad (Megatron's gradient_accumulation_fusion) count nothing here.
     bwd_workspace: float = 0.0
+    # Split by a zero-bubble schedule (`simexec.schedules.SPLIT_BACKWARD`) into the input-gradient pass
+    # and the weight-gradient pass: the latter's GEMM FLOPs and memory traffic (parts of the backward's),
+    # its weight-gradient temporary (part of `bwd_workspace`) and the output gradients it reads, which
+    # the input-gradient pass leaves kept until it runs
+    wgrad_flops: float = 0.0
+    wgrad_bytes: float = 0.0
+    wgrad_tmp: float = 0.0
+    grad_out: float = 0.0
 
     @property
     def bwd_flops(self) -> float:
@@ -222,7 +230,50 @@ class Anatomy:
 
     def _with_workspace(self, blocks: dict[str, Block]) -> dict[str, Block]:
         ws = self.bwd_workspaces(moe="router" in blocks)
-        return {k: replace(b, bwd_workspace=ws.get(k, 0.0)) for k, b in blocks.items()}
+        wp = self.weight_passes(moe="router" in blocks)
+        out = {}
+        for k, b in blocks.items():
+            params, grad_out = wp.get(k, (0.0, 0.0))
+            out[k] = replace(b, bwd_workspace=ws.get(k, 0.0), **self._weight_pass(b, params, grad_out))
+        return out
+
+    def _weight_pass(self, b: Block, params: float, grad_out: float) -> dict[str, float]:
+        """A block's weight-gradient pass: one GEMM per weight GEMM of the forward (its FLOPs), the
+        gradient accumulation, autograd's temporary."""
+        if not params:
+            return {}
+        return {"wgrad_flops": b.flops, "wgrad_bytes": self._wgrad(params), "wgrad_tmp": self._wgrad_tmp(params),
+                "grad_out": grad_out}
+
+    def weight_passes(self, moe: bool = False) -> dict[str, tuple[float, float]]:
+        """Per weight-bearing block: (its GEMMs' weight elements on this rank, the output gradients
+        its weight-gradient pass reads). Those gradients are the GEMMs' output gradients and, for a
+        block opening with a norm (without sp), the norm output's gradient its weights need."""
+        m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
+        n = self.full_hidden_bytes
+        norm = 0.0 if self.sp else n
+        qk, v = m.qk_head_dim, m.value_head_dim
+        o_params = m.heads * v * h
+        latent = m.latent_matmul_params()
+        qkv_rank = (m.attention_matmul_params() - o_params - latent) / t + latent
+        qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
+        out = {"qkv": (qkv_rank, T * qkv_out * dt + norm), "proj": (o_params / t, n)}
+        if not moe:
+            width = m.ffn * (2 if m.gated else 1) / t
+            out["fc1"] = (h * width, T * width * dt + norm)
+            out["fc2"] = (m.ffn * h / t, n)
+        else:
+            e = m.moe
+            width = e.expert_ffn * (2 if m.gated else 1) / t
+            shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts
+            slots = self.expert_slots
+            out["router"] = (h * e.experts, T * e.experts * 4 + norm)
+            out["experts"] = (e.experts / self.ep * (h * width + e.expert_ffn * h / t),
+                              slots * (width + h) * dt)
+            if shared:
+                out["moe_out"] = (h * shared * ((3 if m.gated else 2) / t),
+                                  T * (shared * (2 if m.gated else 1) / t + h) * dt)
+        return out
 
     def layer(self, i: int) -> dict[str, Block]:
         m = self.rp.model
@@ -432,6 +483,9 @@ class Anatomy:
                                     2 * self.full_hidden_bytes + wgrad_tmp)}
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
+        head = blocks["head"]
+        grad_out = n_logits * dt + (0.0 if self.sp else self.full_hidden_bytes)
+        blocks["head"] = replace(head, **self._weight_pass(head, h * m.vocab / t, grad_out))
         return {
             **blocks,
             "xent": Block("loss", 0.0, 32.0 * n_logits, 0.0, (8.0 + 4.0 + dt) * n_logits),

@@ -18,12 +18,13 @@ Memory markers (alloc/free) track model states, activations and gathered buffers
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
 from simexec.program import Instr, Program
-from simexec.schedules import Action, exchange_groups, pipeline_order
+from simexec.schedules import SPLIT_BACKWARD, Action, exchange_groups, pipeline_order
 from simexec.sim.host import ADAM_FLOPS_PER_PARAM, dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
@@ -138,6 +139,11 @@ class _RankLowering:
         self.gathers: dict[tuple, list[str]] = {}
         # yafsdp: the reduce-scatter still reading each (class, parity) gradient buffer
         self.z3_busy: dict[tuple[str, int], str] = {}
+        # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
+        # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
+        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.defer_to: Optional[tuple[int, int]] = None
+        self.deferred: dict[tuple[int, int], list[Instr]] = {}
 
     # --- emit ----------------------------------------------------------------------------------------
     def _emit(self, ins: Instr) -> str:
@@ -146,17 +152,28 @@ class _RankLowering:
 
     def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "") -> str:
         """A compute instruction; a backward one holds its block's gradient buffers (`bwd_workspace`:
-        incoming, input and intermediate gradients) while it runs."""
-        fwd = phase != "bwd"
+        incoming, input and intermediate gradients) while it runs. Under a zero-bubble schedule the
+        backward (`bwd`) computes the input gradients and leaves the output gradients the weight
+        gradients need (`grad_out`) to the weight-gradient pass (`wgrad`), which frees them."""
         name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
         deps, self.wait = tuple(dict.fromkeys(self.wait)), []
-        ws = 0.0 if fwd else b.bwd_workspace
+        if phase == "wgrad":
+            flops, nbytes, ws = b.wgrad_flops, b.wgrad_bytes, b.wgrad_tmp
+        elif phase == "bwd" and self.split:
+            flops, nbytes, ws = b.bwd_flops - b.wgrad_flops, b.bwd_bytes - b.wgrad_bytes, b.bwd_workspace - b.wgrad_tmp
+        elif phase == "bwd":
+            flops, nbytes, ws = b.bwd_flops, b.bwd_bytes, b.bwd_workspace
+        else:
+            flops, nbytes, ws = b.flops, b.bytes, 0.0
         self.memory("alloc", "activations", ws, name, deps=deps)
         out = self._emit(Instr(
             self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
-            chunk=chunk, flops=b.flops if fwd else b.bwd_flops, bytes=b.bytes if fwd else b.bwd_bytes, deps=deps,
+            chunk=chunk, flops=flops, bytes=nbytes, deps=deps,
         ))
-        self.memory("free", "activations", ws, name, deps=(name,))
+        self.memory("free", "activations", ws, name, deps=(name,), defer=False)
+        if self.split and phase in ("bwd", "wgrad"):
+            self.memory("alloc" if phase == "bwd" else "free", "activations", b.grad_out,
+                        f"grad_out.{block}.L{layer}.m{mb}{suffix}", deps=(name,), defer=False)
         return out
 
     def coll(self, name: str, verb: str, axis: str, group: tuple[int, ...], nbytes: float, deps=(), *,
@@ -174,10 +191,14 @@ class _RankLowering:
         return name
 
     def memory(self, op: str, category: str, nbytes: float, tag: str, stream: str = "compute",
-               deps: tuple[str, ...] = ()) -> None:
-        if nbytes > 0:
-            self._emit(Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes),
-                             category=category, deps=deps))
+               deps: tuple[str, ...] = (), defer: bool = True) -> None:
+        if nbytes <= 0:
+            return
+        ins = Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes), category=category, deps=deps)
+        if defer and self.defer_to is not None and op == "free" and category == "activations":
+            self.deferred.setdefault(self.defer_to, []).append(ins)
+        else:
+            self._emit(ins)
 
     def last_compute(self) -> Optional[str]:
         for ins in reversed(self.out):
@@ -207,8 +228,10 @@ class _RankLowering:
             for act in group:
                 if act.kind == "F":
                     self.forward(act)
-                else:
+                elif act.kind == "B":
                     self.backward(act)
+                else:
+                    self.weight_pass(act)
         self.finish()
         return self.out
 
@@ -386,6 +409,8 @@ class _RankLowering:
         self.prefetch(units, "bwd", mb, c)
         for j, unit in enumerate(units):
             self.wait_gather(unit, "bwd", mb)
+            if self.split:
+                self.defer_to = (unit, mb)
             if unit == self.L:
                 head = self.an.head
                 again = self.regather("head", unit, mb, c)
@@ -400,12 +425,24 @@ class _RankLowering:
                     self.norm_grads(unit, mb, c, self.rp.model.final_norm_params())
             elif unit == -1:
                 self.tp("embed_out", "bwd", -1, mb, c, self.an.full_hidden_bytes)
-                self.compute("bwd", "embed", -1, mb, c, self.an.embed)
+                if not self.split:  # its backward is all weight gradient
+                    self.compute("bwd", "embed", -1, mb, c, self.an.embed)
             else:
                 self.layer_backward(unit, mb, c)
-            self.grads_ready(unit, mb, c)
+            self.defer_to = None
+            if not self.split:
+                self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
             self.prefetch_next(units, j, "bwd", mb, c)
+        if vs > 0 and self.split:
+            self.send("grad", vs, mb, self.an.hidden_bytes)
+        if not self.split:
+            self.reduce_micro_batch(mb)
+            if vs > 0:
+                self.send("grad", vs, mb, self.an.hidden_bytes)
+
+    def reduce_micro_batch(self, mb: int) -> None:
+        """After a micro-batch's weight gradients: the reductions the plan makes per micro-batch."""
         for unit, m, ch, suffix in self.z3_pending:  # grad_overlap=0: ZeRO-3 reduce-scatters after the backward
             self.z3_reduce(unit, m, ch, self.last_compute(), suffix)
         self.z3_pending = []
@@ -417,8 +454,43 @@ class _RankLowering:
             # (the executor waits the same dependency)
             self.wait.extend(n for n in self.grad_colls[self._z2_seen:] if n)
             self._z2_seen = len(self.grad_colls)
-        if vs > 0:
-            self.send("grad", vs, mb, self.an.hidden_bytes)
+
+    def weight_pass(self, act: Action) -> None:
+        """A zero-bubble schedule's W: the weight gradients of a micro-batch's units, in the order of
+        their backward, each unit then freeing its activations and reducing its gradients."""
+        c, mb = act.chunk, act.mb
+        for unit in reversed(self.units(c)):
+            if unit == self.L:
+                self.compute("wgrad", "head", unit, mb, c, self.an.head["head"])
+            elif unit == -1:
+                e = self.an.embed
+                self.compute("wgrad", "embed", -1, mb, c,
+                             replace(e, wgrad_bytes=e.bwd_bytes, wgrad_tmp=e.bwd_workspace))
+            else:
+                for name, b in reversed(self.an.layer(unit).items()):
+                    if b.wgrad_flops:
+                        self.compute("wgrad", name, unit, mb, c, b)
+            self.tp_partial_grads(unit, mb, c)
+            for ins in self.deferred.pop((unit, mb), []):
+                self._emit(replace(ins, deps=(self.last_compute(),)))
+            self.grads_ready(unit, mb, c)
+        self.reduce_micro_batch(mb)
+
+    def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:
+        """Under a zero-bubble schedule, the gradients of a unit's parameters that tp replicates but
+        each rank computes a part of (norms, a router, MLA's latent projections) are made after the
+        input-gradient collectives that would have carried them: one all-reduce sums them."""
+        m = self.rp.model
+        if unit == -1:
+            return
+        if unit == self.L:
+            params = m.final_norm_params()
+        else:
+            params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
+            if m.is_moe_layer(unit):
+                params += m.hidden * m.moe.experts
+        self.coll(f"wgrad.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.g_tp, params * self.grad_dt,
+                  (self.last_compute(),), phase="wgrad", block="norm_grads", layer=unit, mb=mb, chunk=c, wait=False)
 
     def layer_backward(self, l: int, mb: int, c: int) -> None:
         an, blocks = self.an, self.an.layer(l)
@@ -472,7 +544,7 @@ class _RankLowering:
         # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
         # would carry it in every slot)
         latent = self.rp.model.latent_params()
-        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp else latent * self.grad_dt))
+        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split else latent * self.grad_dt))
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
             self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")

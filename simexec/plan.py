@@ -40,8 +40,9 @@ class Plan(BaseModel):
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
     gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
-    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b"]] = Field(
-        None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1"
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]] = Field(
+        None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
+        " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble"
     )
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
@@ -500,6 +501,15 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             fail(f"interleaved-1f1b needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
         if micro % p.pp:
             fail(f"interleaved-1f1b needs micro-batches ({micro}) divisible by pp={p.pp}")
+    if sched == "zb-h1":
+        if p.pp < 2:
+            fail("schedule=zb-h1 needs pp >= 2")
+        if p.zero == 3:
+            fail("schedule=zb-h1 does not run with zero=3 (the deferred weight gradients would hold every"
+                 " gathered unit until they run); use zero <= 2")
+        if p.sp:
+            fail("schedule=zb-h1 does not run with sp=1 (the deferred weight gradients of the column-parallel"
+                 " GEMMs would need their inputs gathered over tp a second time); use sp=0")
     if model.moe is None and p.ep > 1:
         fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")
     if model.moe is not None:

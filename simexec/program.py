@@ -19,7 +19,7 @@ from typing import Iterator, Optional
 from simexec.errors import SimexecError
 
 KINDS = ("compute", "collective", "send", "recv", "copy", "memory")
-PHASES = ("fwd", "bwd", "recompute", "optim", "setup", "")
+PHASES = ("fwd", "bwd", "wgrad", "recompute", "optim", "setup", "")
 COLLECTIVES = ("allreduce", "allgather", "reducescatter", "alltoall", "broadcast")
 MEMORY_CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "workspace")
 
@@ -204,6 +204,6 @@ class Program:
 
 
 def _short(i: Instr) -> str:
-    tag = {"fwd": "F", "bwd": "B", "recompute": "R", "optim": "O"}.get(i.phase, "")
+    tag = {"fwd": "F", "bwd": "B", "wgrad": "W", "recompute": "R", "optim": "O"}.get(i.phase, "")
     return f"{tag}{i.block}{i.layer if i.layer >= 0 else ''}m{i.mb}" if i.mb >= 0 else f"{tag}{i.block}"
 

@@ -1,8 +1,10 @@
 """Pipeline schedules as per-rank action lists (torch.distributed.pipelining's `pipeline_order` idea).
 
-An action is (chunk, 'F' or 'B', micro-batch): chunk c of pipeline rank r is virtual stage
-c * pp + r (Megatron's interleaved assignment). A schedule only orders the actions; lowering turns
-each into instructions.
+An action is (chunk, kind, micro-batch): chunk c of pipeline rank r is virtual stage c * pp + r
+(Megatron's interleaved assignment). Kind 'F' is a forward and 'B' a backward; zero-bubble schedules
+split the backward into 'B' (the input gradients, which the previous stage waits for) and 'W' (the
+weight gradients, which nothing downstream waits for). A schedule only orders the actions; lowering
+turns each into instructions.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from simexec.errors import PlanError
 
 class Action(NamedTuple):
     chunk: int
-    kind: str  # "F" or "B"
+    kind: str  # "F", "B" or "W"
     mb: int
 
     def __str__(self) -> str:  # torch-pipelining style: 0F3 = chunk 0, forward, micro-batch 3
@@ -68,6 +70,35 @@ def interleaved_1f1b(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
     return out
 
 
+def zb_h1(pp: int, rank: int, m: int) -> list[Action]:
+    """Zero-bubble ZB-H1 (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §3.1): 1F1B's order of
+    forwards and input-gradient backwards, each backward followed by the weight-gradient pass of the
+    oldest backward still owed one, except that rank r owes r of them until the end, where they fill
+    the cool-down bubble. A micro-batch's activations live until its W, so every rank holds at most pp
+    micro-batches, 1F1B's peak on its first rank; the bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W).
+    """
+    warmup = min(pp - rank - 1, m)
+    out = [Action(0, "F", i) for i in range(warmup)]
+    f, b, w = warmup, 0, 0
+
+    def backward() -> None:
+        nonlocal b, w
+        out.append(Action(0, "B", b))
+        b += 1
+        if b > rank:
+            out.append(Action(0, "W", w))
+            w += 1
+
+    while f < m:
+        out.append(Action(0, "F", f))
+        f += 1
+        backward()
+    while b < m:
+        backward()
+    out += [Action(0, "W", i) for i in range(w, m)]
+    return out
+
+
 def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
     """Forward units before the first backward; with as many micro-batches as stages, every rank
     runs all its forwards first (Megatron-LM's `all_warmup_microbatches`)."""
@@ -100,7 +131,13 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
         return {r: one_f_one_b(pp, r, m) for r in range(pp)}
     if schedule == "interleaved-1f1b":
         return {r: interleaved_1f1b(pp, r, m, vpp) for r in range(pp)}
-    raise PlanError(f"unknown schedule {schedule!r}; schedules: gpipe, 1f1b, interleaved-1f1b")
+    if schedule == "zb-h1":
+        return {r: zb_h1(pp, r, m) for r in range(pp)}
+    raise PlanError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is split into B and W
 
 
 def format_order(order: dict[int, list[Action]]) -> str:

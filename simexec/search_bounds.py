@@ -32,6 +32,7 @@ from simexec.cluster import ClusterSpec
 from simexec.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.model import ModelSpec
 from simexec.plan import ResolvedPlan
+from simexec.schedules import SPLIT_BACKWARD
 from simexec.search_space import Structure
 
 
@@ -244,7 +245,9 @@ class _StructureBounds:
         self.dt, self.gdt = rp.dtype_bytes, rp.grad_bytes  # parameters, gradients
         model = rp.model
         ranks = self.mesh.rank_of_stage
-        self.F, self.B, self.saved, self.Ft, self.Bt = [], [], [], [], []
+        # zero-bubble schedules: B is the input-gradient pass, W the weight-gradient pass
+        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.F, self.B, self.W, self.saved, self.Ft, self.Bt = [], [], [], [], [], []
         self.Fx, self.Bx = [], []  # the compute alone (F and B less the collectives they wait on)
         self.Fh, self.Bh = [], []  # the collective that opens F and B (it may run before the recv)
         self._k = 0.0
@@ -260,16 +263,18 @@ class _StructureBounds:
                     pair = dense[r] = (self._layer(layers[0], True, r), self._layer(layers[0], False, r))
                 lr, ln = pair
                 f = n * ln[0]
+                w = n * ln[7]
                 b_ = n_rc * lr[1] + (n - n_rc) * ln[1]
                 saved = n_rc * lr[2] + (n - n_rc) * ln[2]
                 kf = n * ln[5]
                 kb = n_rc * lr[6] + (n - n_rc) * ln[6]
                 ft, bt = ln[3], ln[4]
             else:
-                f = b_ = saved = kf = kb = 0.0
+                f = b_ = w = saved = kf = kb = 0.0
                 for pos, l in enumerate(layers):
                     c = self._layer(l, pos < n_rc, r)
                     f += c[0]
+                    w += c[7]
                     b_ += c[1]
                     saved += c[2]
                     kf += c[5]
@@ -278,7 +283,11 @@ class _StructureBounds:
             if vs == 0:
                 ef, eb = self._tp("embed_out", 0, r), self._tp("embed_out", 1, r)
                 f += self._fwd(an.embed) + ef
-                b_ += self._bwd(an.embed) + eb  # eb runs before the embedding's backward compute
+                if self.split:  # the embedding's backward is all weight gradient
+                    w += self.cm.time(an.embed.op, an.embed.bwd_flops, an.embed.bwd_bytes)
+                    b_ += eb
+                else:
+                    b_ += self._bwd(an.embed) + eb  # eb runs before the embedding's backward compute
                 kf += ef
                 kb += eb
                 bt = 0.0
@@ -290,6 +299,7 @@ class _StructureBounds:
             if vs == self.V - 1:
                 bh = 0.0
                 hf, hb, hs, hkf, hkb = self._head(r)
+                w += self._wgrad(an.head["head"])
                 f += hf
                 b_ += hb
                 saved += hs
@@ -298,6 +308,7 @@ class _StructureBounds:
                 ft = 0.0
             self.F.append(f)
             self.B.append(b_)
+            self.W.append(w)
             self.Fx.append(f - kf)
             self.Bx.append(b_ - kb)
             self.Fh.append(fh)
@@ -319,7 +330,15 @@ class _StructureBounds:
         return self.cm.time(blk.op, blk.flops, blk.bytes)
 
     def _bwd(self, blk) -> float:
+        if self.split:
+            return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes)
         return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes)
+
+    def _wgrad(self, blk) -> float:
+        """A block's weight-gradient pass (zero-bubble schedules only)."""
+        if not (self.split and blk.wgrad_flops):
+            return 0.0
+        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
 
     def _tp(self, block: str, bwd: int, rank: int) -> float:
         verb = _TP_OPS[block][self.sp][bwd]
@@ -359,11 +378,11 @@ class _StructureBounds:
     def _layer(self, l: int, rc: bool, rank: int) -> tuple:
         """Layer l: (forward s, backward s incl. recompute, activation bytes saved, the collective
         ending its forward, the one ending its backward, collective s in the forward, in the
-        backward)."""
+        backward, weight-gradient pass s under a zero-bubble schedule)."""
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.mesh_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
-               moe, window, rank)
+               moe, window, rank, self.split)
         out = self.b.layers.get(key)
         if out is not None:
             return out
@@ -389,7 +408,8 @@ class _StructureBounds:
         b += self._bwd(blocks["qkv"]) + self._tp("attn_in", 1, rank)
         saved = an.hidden_bytes if full else sum(x.saved for x in blocks.values())
         kb = self._k
-        out = (f, b, saved, self._tp("mlp_out", 0, rank), self._tp("attn_in", 1, rank), kf, kb)
+        w = sum(self._wgrad(x) for x in blocks.values())
+        out = (f, b, saved, self._tp("mlp_out", 0, rank), self._tp("attn_in", 1, rank), kf, kb, w)
         self.b.layers[key] = out
         return out
 
@@ -457,27 +477,29 @@ class _StructureBounds:
             back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
         interleaved = self.p.schedule_name == "interleaved-1f1b"
         end, self.act, self.w_after = [], [], []
-        Fx, Bx = self.Fx, self.Bx
+        Fx, Bx, W = self.Fx, self.Bx, self.W
         for r in range(pp):
             counts = self._forwards_before_first_backward(r)
             f_before = sum(n * F[c * pp + r] for c, n in enumerate(counts))
-            work = m * sum(Fx[c * pp + r] + Bx[c * pp + r] for c in range(self.vpp))
+            work = m * sum(Fx[c * pp + r] + Bx[c * pp + r] + W[c * pp + r] for c in range(self.vpp))
             self.w_after.append(work - sum(n * Fx[c * pp + r] for c, n in enumerate(counts)))
             self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(counts)))
             vs_first = (self.vpp - 1) * pp + r if interleaved else r
             first_b = max(back[vs_first], reach[r] + f_before - Fh[r] + Bh[vs_first])
-            total = m * sum(F[c * pp + r] + B[c * pp + r] for c in range(self.vpp))
+            total = m * sum(F[c * pp + r] + B[c * pp + r] + W[c * pp + r] for c in range(self.vpp))
             end.append(first_b + total - f_before - Bh[vs_first])
         # the last micro-batch's gradients still walk down to stage 0 (chunk 0 of every rank)
         last = [0.0] * pp
         for r in range(pp - 1, -1, -1):
             last[r] = end[r]
-            if r < pp - 1:
+            if r < pp - 1 and not self.split:
                 last[r] = max(last[r], last[r + 1] - Bt[r + 1] + p2pB[r] + B[r] - Bh[r])
-        # end of each rank's last compute, and the collective still running after it
-        self.last_compute = [last[r] - Bt[r] for r in range(pp)]
-        self.own_last_compute = [end[r] - Bt[r] for r in range(pp)]
-        self.tail = Bt[:pp]
+        # end of each rank's last compute, and the collective still running after it (a zero-bubble
+        # rank ends with weight passes, which wait for the last backward's closing collective)
+        tail = [0.0] * pp if self.split else Bt[:pp]
+        self.last_compute = [last[r] - tail[r] for r in range(pp)]
+        self.own_last_compute = [end[r] - tail[r] for r in range(pp)]
+        self.tail = tail
 
     # --- per state variant ---------------------------------------------------------------------
     def _params(self) -> list[dict]:
@@ -693,6 +715,7 @@ class _StructureBounds:
         order = pipeline_order(self.p.schedule_name, pp, m, self.vpp)
         fend = [[-1.0] * m for _ in range(V)]
         bend = [[-1.0] * m for _ in range(V)]
+        wend = [[-1.0] * m for _ in range(V)]
         ptr = [0] * pp
         t_end = [0.0] * pp
         t_tail = [0.0] * pp
@@ -705,6 +728,7 @@ class _StructureBounds:
         kinds = {
             "F": (fend, Fh, Fb, Ft, [None] + [(fend[vs - 1], p2pF[vs - 1]) for vs in range(1, V)], 0),
             "B": (bend, Bh, Bb, Bt, [(bend[vs + 1], p2pB[vs]) for vs in range(V - 1)] + [None], 1),
+            "W": (wend, [0.0] * V, self.W, [0.0] * V, [None] * V, 1),
         }
         left = sum(len(a) for a in order.values())
         while left:

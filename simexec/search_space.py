@@ -21,7 +21,7 @@ stages             the even split when pp*vpp divides the layers, and the balanc
                    layer, as DeepSpeed, Megatron-LM and torchtitan can split) when it differs:
                    without it a pp that does not divide the layers (BLOOM-176B: 70 layers, pp 12)
                    has no plan, and with it the end stages stop being the pipeline's slowest
-schedule           pp = 1: none; vpp = 1: 1f1b, gpipe; vpp > 1: interleaved-1f1b
+schedule           pp = 1: none; vpp = 1: 1f1b, gpipe, zb-h1; vpp > 1: interleaved-1f1b
 dp                 what is left: world / (tp*cp*pp)
 ep                 MoE only: powers of two dividing the experts and dp
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
@@ -49,8 +49,9 @@ sp, cp, pp, vpp, schedule, ep, mbs, recompute) times *state variants* (how model
 zero, its flavour, dp_shard, offload). Search bounds a structure once and each variant cheaply.
 
 Validation: every structure is checked by `resolve` with its first state variant that passes; every
-state variant by `resolve` once per (dp, ep) it occurs with. The rules of `resolve` each read either
-structure fields or state fields with dp and ep, never both, so the two checks together accept
+state variant by `resolve` once per (dp, ep, whether the schedule splits the backward) it occurs
+with. The rules of `resolve` each read either structure fields or state fields with those three,
+never both, so the two checks together accept
 exactly what `resolve` accepts plan by plan (tests/test_search.py holds the space to that); a plan
 is resolved again, in full, when it is simulated.
 
@@ -66,6 +67,7 @@ from simexec.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.model import ModelSpec
 from simexec.plan import Plan, ResolvedPlan, balanced_stages, resolve
+from simexec.schedules import SPLIT_BACKWARD
 
 MBS = (1, 2, 4, 8)
 MIN_CP_CHUNK = 1024
@@ -175,7 +177,7 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -
     if rp is None:
         stats.invalid += len(states)
         return None
-    key0 = (fields["dp"], fields["ep"])
+    key0 = (fields["dp"], fields["ep"], fields["schedule"] in SPLIT_BACKWARD)
     for state in failed:
         state_ok[key0 + state] = False
     state_ok[key0 + states[first]] = True
@@ -217,7 +219,7 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
         if pp == 1:
             scheds = [None]
         elif vpp == 1:
-            scheds = [None, "gpipe"]  # None: 1f1b, the default
+            scheds = [None, "gpipe", "zb-h1"]  # None: 1f1b, the default
         else:
             scheds = [None]  # interleaved-1f1b, the default when vpp > 1
         for stages in _stage_splits(model, fix, pp, vpp):

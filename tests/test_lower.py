@@ -34,6 +34,8 @@ PLANS = [
     ("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=8,grad_overlap=0,grad_fp32=1"),
     ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,zero=1,clip_grad=1"),
     ("gpt-tiny", "dp=2,zero=3,offload=optimizer,gbs=4,clip_grad=1"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,schedule=zb-h1,recompute=full"),
+    ("moe-tiny", "dp=2,ep=2,tp=2,pp=2,gbs=8,zero=2,schedule=zb-h1"),
 ]
 
 
@@ -439,3 +441,34 @@ def test_hsdp_shards_within_blocks_and_replicates_across():
     rank0 = prog.ranks[0]
     assert {i.group for i in rank0 if i.block == "gather"} == {(0, 1)}
     assert {i.group for i in rank0 if i.block == "grads_rep"} == {(0, 2)}
+
+
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8"), ("moe-tiny", "dp=2,ep=2,pp=4,gbs=8,zero=1")])
+def test_zero_bubble_splits_the_backward_without_changing_the_work(model, plan):
+    """zb-h1 moves each weight-bearing block's weight-gradient GEMM out of its backward into a `wgrad`
+    instruction: per rank the FLOPs and bytes add up to 1F1B's, the gradients are reduced after the
+    weight passes, and the partial gradients of tp-replicated parameters get an all-reduce of their own."""
+    one = _program(model, plan)
+    zb = _program(model, plan + ",schedule=zb-h1")
+    for rank in one.ranks:
+        def work(prog, kind):
+            return sum(getattr(i, kind) for i in prog.ranks[rank] if i.kind == "compute")
+        for kind in ("flops", "bytes"):
+            assert work(zb, kind) == pytest.approx(work(one, kind), rel=1e-9)
+        names = [i.name for i in zb.ranks[rank]]
+        wgrads = [i for i in zb.ranks[rank] if i.phase == "wgrad" and i.kind == "compute"]
+        assert {i.block for i in wgrads} >= {"qkv", "proj"} and all(i.flops > 0 or i.block == "embed" for i in wgrads)
+        for i in zb.ranks[rank]:
+            if i.kind == "collective" and i.block.startswith("grads"):
+                last_w = max(n for n, j in enumerate(zb.ranks[rank]) if j.phase == "wgrad" and j.layer in i.items)
+                assert names.index(i.name) > last_w
+    tp_sums = [i for i in zb.ranks[0] if i.block == "norm_grads"]
+    assert bool(tp_sums) == ("tp=2" in plan) and all(i.phase == "wgrad" and i.collective == "allreduce" for i in tp_sums)
+
+
+def test_zero_bubble_keeps_activations_until_the_weight_pass():
+    prog = _program("gpt-tiny", "pp=2,gbs=8,schedule=zb-h1")
+    for instrs in prog.ranks.values():
+        for n, i in enumerate(instrs):
+            if i.kind == "memory" and i.op == "free" and i.name.startswith("mem.free.act.L"):
+                assert instrs[n - 1].phase == "wgrad" or instrs[n - 1].kind == "memory", i.name

@@ -165,6 +165,14 @@ def test_interleaving_with_indivisible_micro_batches():
     ok("llama2-7b", "dgx-h100", "dp=2,pp=4,vpp=2,gbs=16")
 
 
+def test_zero_bubble_needs_a_pipeline_and_refuses_what_its_deferred_weight_passes_cannot_hold():
+    refused(TINY, "local", "dp=2,schedule=zb-h1", "schedule=zb-h1 needs pp >= 2")
+    refused(TINY, "local", "dp=2,pp=2,zero=3,gbs=4,schedule=zb-h1", "does not run with zero=3")
+    refused(TINY, "local", "tp=2,sp=1,pp=2,gbs=4,schedule=zb-h1", "does not run with sp=1")
+    refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-h1", "vpp=2 needs schedule=interleaved-1f1b")
+    assert ok(TINY, "local", "dp=2,pp=2,zero=2,gbs=4,schedule=zb-h1").plan.schedule_name == "zb-h1"
+
+
 def test_zero_impl_needs_zero3():
     refused(TINY, "local", "dp=2,zero=2,zero_impl=yafsdp", "zero_impl=yafsdp needs zero=3, got zero=2")
     assert ok(TINY, "local", "dp=2,zero=3,zero_impl=yafsdp").plan.zero3_flavour == "yafsdp"

@@ -84,3 +84,33 @@ def test_format_order_prints_one_line_per_rank():
     text = format_order(pipeline_order("1f1b", 2, 2))
     assert text.splitlines()[0].startswith("rank 0: 0F0")
     assert len(text.splitlines()) == 2
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (4, 3), (4, 8)])
+def test_zb_h1_runs_every_pass_once_input_gradient_before_weight_gradient(pp, m):
+    for rank, actions in pipeline_order("zb-h1", pp, m).items():
+        assert sorted(actions) == sorted(Action(0, k, i) for k in "FBW" for i in range(m))
+        pos = {a: n for n, a in enumerate(actions)}
+        for i in range(m):
+            assert pos[Action(0, "F", i)] < pos[Action(0, "B", i)] < pos[Action(0, "W", i)]
+        # forwards and input-gradient backwards keep 1F1B's order
+        assert [a for a in actions if a.kind != "W"] == pipeline_order("1f1b", pp, m)[rank]
+
+
+def test_zb_h1_defers_rank_r_weight_passes_and_holds_pp_micro_batches():
+    """Qi et al. 2024, §3.1: rank r leaves r weight passes to the cool-down; a micro-batch's activations
+    live until its W, so every rank holds pp of them, the first rank's 1F1B peak."""
+    pp, m = 4, 8
+    for rank, actions in pipeline_order("zb-h1", pp, m).items():
+        last_b = max(n for n, a in enumerate(actions) if a.kind == "B")
+        assert len(actions) - 1 - last_b == rank + 1  # its own W and the r deferred ones
+        live = peak = 0
+        for a in actions:
+            live += {"F": 1, "B": 0, "W": -1}[a.kind]
+            peak = max(peak, live)
+        assert peak == pp
+    # the first rank has nothing to defer: each B is followed by its own W
+    assert [str(a) for a in pipeline_order("zb-h1", 2, 3)[0]] == ["0F0", "0F1", "0B0", "0W0", "0F2", "0B1", "0W1",
+                                                                  "0B2", "0W2"]
+    assert [str(a) for a in pipeline_order("zb-h1", 2, 3)[1]] == ["0F0", "0B0", "0F1", "0B1", "0W0", "0F2", "0B2",
+                                                                  "0W1", "0W2"]

@@ -44,6 +44,24 @@ def test_interleaving_shrinks_the_bubble_by_vpp(v):
     assert seconds == pytest.approx(bubble(f"pp={p},gbs={m}")[0] / v, rel=0.03)
 
 
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w(p, m):
+    """ZB-H1 (Qi et al. 2024, Table 1): bubble (p-1)(T_F + T_B - T_W), B the input-gradient pass and W
+    the weight-gradient pass, against 1F1B's (p-1)(T_F + T_B + T_W); the passes' times taken from the
+    simulated trace."""
+    from collections import defaultdict
+
+    r = simulate(UNIFORM, FREE, f"pp={p},gbs={m},schedule=zb-h1", trace=True)
+    per_mb = defaultdict(float)
+    for e in r.trace.events:
+        if e.rank == 0 and e.kind == "compute" and e.phase in ("fwd", "bwd", "wgrad"):
+            per_mb[e.phase] += e.dur_us / 1e6 / m
+    f, b, w = per_mb["fwd"], per_mb["bwd"], per_mb["wgrad"]
+    assert w > 0.5 * b  # a weight-gradient GEMM per input-gradient GEMM
+    assert bubble(f"pp={p},gbs={m},schedule=zb-h1")[0] == pytest.approx((p - 1) * (f + b - w), rel=0.03)
+    assert bubble(f"pp={p},gbs={m}")[0] == pytest.approx((p - 1) * (f + b + w), rel=0.03)
+
+
 def test_breakdown_adds_up_to_the_step_time():
     r = simulate("gpt3-125m", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16")
     assert sum(r.breakdown_s.values()) == pytest.approx(r.step_time_s, rel=1e-9)

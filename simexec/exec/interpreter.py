@@ -56,7 +56,9 @@ from simexec.exec.pipeline_messages import PipelineMessages
 from simexec.exec.ring import RingAttention
 from simexec.exec.scaler import LossScaler
 from simexec.exec.sharding import Sharding
+from simexec.exec.weight_grads import DeferredWeights, backward_inputs
 from simexec.program import Instr
+from simexec.schedules import SPLIT_BACKWARD
 
 
 def _engine_backward(tensors: tuple, grads: tuple) -> None:
@@ -65,12 +67,23 @@ def _engine_backward(tensors: tuple, grads: tuple) -> None:
     _ENGINE.run_backward(tensors, grads, False, False, (), True, True)
 
 
+def _engine_backward_to(tensors: tuple, grads: tuple, inputs: tuple) -> None:
+    """As `_engine_backward`, to `inputs` alone, keeping the graph (a zero-bubble schedule's B)."""
+    _ENGINE.run_backward(tensors, grads, True, False, inputs, True, True)
+
+
+def _autograd_backward_to(tensors: tuple, grads: tuple, inputs: tuple) -> None:
+    torch.autograd.backward(tensors, grads, retain_graph=True, inputs=inputs)
+
+
 try:
     _ENGINE = torch.autograd.Variable._execution_engine
     _run_backward = _engine_backward
+    _run_backward_to = _engine_backward_to
     _DEALLOCATE = True
 except AttributeError:  # pragma: no cover - a torch without the engine handle
     _run_backward = torch.autograd.backward
+    _run_backward_to = _autograd_backward_to
     _DEALLOCATE = False  # torch.autograd.backward checks the outputs' shapes against the gradients'
 
 
@@ -206,6 +219,12 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (_SP_PARTIAL[s.tp_partial] if ".norm" in n else s.tp_partial))
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
+        # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
+        # after the input-gradient collectives; one all-reduce per unit sums the partial ones
+        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.deferred: dict[tuple, DeferredWeights] = {}
+        if self.split:
+            self.partial_by = {n: "norm_grads" for n in self.partial_by}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
             n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()
@@ -430,6 +449,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
             return self.ring_backward(ins, hop) if ins.phase == "bwd" else self.ring_forward(ins, hop, record)
         if ins.phase == "bwd":
             return self.backward(ins)
+        if ins.phase == "wgrad":
+            return self.weight_grads(ins)
         self.forward(ins, record)
 
     def _run_block(self, block: str, l: int, mb: int, xs: list) -> tuple:
@@ -557,7 +578,15 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         (as `loss * scale` does), so that the step is skipped rather than the run stopped."""
         return torch.ones_like(loss).mul_(self.scaler.scale)
 
-    def backward(self, ins: Instr) -> None:
+    def weight_grads(self, ins: Instr) -> None:
+        """A zero-bubble schedule's W for one block: the weight gradients its B deferred, or, for a
+        block whose backward is all weight gradient (the embedding), that whole backward."""
+        deferred = self.deferred.pop((ins.block, ins.layer, ins.mb), None)
+        if deferred is None:
+            return self.backward(ins, split=False)
+        deferred.run()
+
+    def backward(self, ins: Instr, split: Optional[bool] = None) -> None:
         l, mb = ins.layer, ins.mb
         rec = self.records.pop((ins.block, l, mb), None)
         if rec is None:
@@ -570,7 +599,12 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
-        if ts:
+        if ts and (self.split if split is None else split):
+            inputs = [v for v in vals if isinstance(v, Tensor) and v.requires_grad]
+            deferred = backward_inputs(tuple(ts), tuple(gs), inputs, _run_backward_to, _run_backward)
+            if deferred is not None:
+                self.deferred[(ins.block, l, mb)] = deferred
+        elif ts:
             _run_backward(tuple(ts), tuple(gs))
         for n, v in zip(ins_names, vals):
             if isinstance(v, Tensor) and v.grad is not None:
@@ -695,6 +729,12 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         extras = self._tp_partial_grads(ins)
         if not extras:
             return
+        # an earlier micro-batch's sum still in flight (a zero-bubble schedule runs its deferred weight
+        # passes back to back) delivers first: `g_pending` tracks only the latest
+        for name, _ in extras:
+            w = self.g_pending.get(name)
+            if w is not None:
+                w.wait()
         buf = torch.cat([e.reshape(-1) for _, e in extras])
         work = self.comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=g, async_op=True)
         w = self._issue(ins, [work], lambda: self._deliver_extras(extras, buf))

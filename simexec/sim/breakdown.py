@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from simexec.sim.engine import COLLECTIVE, COMPUTE, MEMORY, RECV, Engine
 
-_BUSY = {"fwd": "compute", "bwd": "compute", "recompute": "recompute", "optim": "optimizer"}
+_BUSY = {"fwd": "compute", "bwd": "compute", "wgrad": "compute", "recompute": "recompute", "optim": "optimizer"}
 
 
 def _label(stream: str) -> str:

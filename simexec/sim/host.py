@@ -57,6 +57,7 @@ from typing import Callable, Iterable, Optional
 
 from simexec.cluster import ClusterSpec
 from simexec.program import Instr, Program
+from simexec.schedules import SPLIT_BACKWARD
 from simexec.sim.cores import Cores
 from simexec.sim.issue import ISSUE_OPS_PER_TENSOR, activation_ops, is_activation_collective, partial_gradients, tensor_passes
 
@@ -336,10 +337,37 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
                 issue.append(0.0)
                 sync.append(False)
                 continue
-            t = c.instr_overhead_s + hc.ops(ins) * per_op + (c.bwd_overhead_s if ins.phase == "bwd" else 0.0)
+            t = c.instr_overhead_s + hc.ops(ins) * per_op + (c.bwd_overhead_s if ins.phase in ("bwd", "wgrad") else 0.0)
             issue.append(t)
             sync.append(ins.block in HOST_SYNC_BLOCKS and ins.phase != "bwd")
     return issue, sync
+
+
+# A zero-bubble schedule's split backward (`simexec.exec.weight_grads`), counted with
+# count_dispatch_plan on gpt-tiny, pp=2: a block's weight pass dispatches about three operators per
+# parameter tensor (the weight-gradient GEMM or reduction, its transpose, its accumulation), and its
+# input pass the rest of the whole backward's and two more. Families not counted take their forward's
+# count for the weight pass.
+WGRAD_OPS = {"layernorm-mlp-pos-bias": {"qkv": 21, "proj": 6, "fc1": 9, "fc2": 6}}
+INPUT_PASS_OPS = 2
+WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
+
+
+def split_backward_table(table: dict[str, int], family: str) -> dict[str, int]:
+    """`table` with each weight-bearing block's backward split into `bwd` (input gradients) and
+    `wgrad`; the embedding's backward is all weight pass."""
+    out = dict(table)
+    counted = WGRAD_OPS.get(family, {})
+    for block in WEIGHT_BLOCKS:
+        whole = table.get(f"bwd.{block}")
+        if whole is None:
+            continue
+        w = counted.get(block, min(table.get(f"fwd.{block}", whole), whole))
+        out[f"wgrad.{block}"] = w
+        out[f"bwd.{block}"] = max(0, whole - w) + INPUT_PASS_OPS
+    if "bwd.embed" in table:
+        out["wgrad.embed"] = table["bwd.embed"]
+    return out
 
 
 def ops_of(ins: Instr, table: dict[str, int]) -> int:
@@ -420,6 +448,8 @@ class HostCosts:
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
+        if plan is not None and plan.schedule_name in SPLIT_BACKWARD:
+            self.table = split_backward_table(self.table, key.split("/")[0])
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         # layers whose attention masks a sliding window's band (`simexec.lower.windowed_layers`)
         self.windowed = frozenset(program.meta.get("windowed_layers", ()))
@@ -503,7 +533,7 @@ class HostCosts:
         t = self.instr_s + (self.ops(ins) + self.kernel_passes(ins)) * self.op_s
         if ins.kind == "copy":
             return t + (ins.bytes / self.copy_bw if ins.bytes > 0 else 0.0)
-        if ins.phase == "bwd":
+        if ins.phase in ("bwd", "wgrad"):  # each a call into the autograd engine
             t += self.bwd_s
         op = "optimizer" if ins.op == "cpu_optimizer" else ins.op
         t += self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))

@@ -434,12 +434,10 @@ class _RankLowering:
                 self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
             self.prefetch_next(units, j, "bwd", mb, c)
-        if vs > 0 and self.split:
-            self.send("grad", vs, mb, self.an.hidden_bytes)
-        if not self.split:
+        if not self.split:  # else after the weight pass
             self.reduce_micro_batch(mb)
-            if vs > 0:
-                self.send("grad", vs, mb, self.an.hidden_bytes)
+        if vs > 0:
+            self.send("grad", vs, mb, self.an.hidden_bytes)
 
     def reduce_micro_batch(self, mb: int) -> None:
         """After a micro-batch's weight gradients: the reductions the plan makes per micro-batch."""

@@ -471,7 +471,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"sequence length {seq} not divisible by tp={p.tp} (needed by sp)")
     if p.cp > 1 and seq % (2 * p.cp):
         fail(f"sequence length {seq} not divisible by 2*cp = {2 * p.cp} (causal load balancing)")
-    if p.cp > 1 and p.cp_impl == "ring" and any(model.attention_window(i, seq) for i in range(model.layers)):
+    if (p.cp > 1 and p.cp_impl == "ring" and model.sliding_window is not None
+            and any(model.attention_window(i, seq) for i in range(model.layers))):
         fail(f"cp_impl=ring does not run sliding-window attention (window {model.sliding_window} < sequence "
              f"{seq}); use cp_impl=allgather")
     if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:

@@ -16,7 +16,9 @@
    it is skipped too: only plans that can beat it are simulated.
 4. **Parallel** (`simexec.search_runners`): waves go to local processes (spawn) or Ray tasks; a
    wave's plans and the pruning after it do not depend on which worker ran what, so serial, local
-   and Ray searches return identical results, run after run. Ties break on (step time, peak memory,
+   and Ray searches return identical results, run after run. Local processes also share the first
+   bounds, each enumerating and bounding the structures of its (tp, cp) pairs, while this process
+   enumerates the space for the plans and counts; a bound is a function of its plan alone. Ties break on (step time, peak memory,
    plan string).
 
 A plan's numbers are those of `simexec.simulate.simulate` on its plan string, to the last digit: the
@@ -155,14 +157,20 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         if yours["fits"]:
             cut = min(cut, yours[objective_attr(objective)])
 
-    # 1. the space, with bounds
+    # 1. the space, with bounds: shared among local worker processes, which then simulate
+    ctx = Context(model, cluster, seq_len, profile)
     stats = SpaceStats()
     bounds = Bounds(model, bound_cluster, seq)
     cands: list[Candidate] = []
     interrupted = False
+    runner = None
     try:
-        for st in structures(model, bound_cluster, gbs, seq, fix, stats):
-            cands.extend(bounds.candidates(st, len(cands)))
+        runner = make_runner(ctx, simulator=simulator, ray_address=ray_address, workers=workers, local_only=True)
+        if runner is not None:
+            cands = _bound_by_workers(runner, model, bound_cluster, gbs, seq, fix, stats)
+        else:
+            for st in structures(model, bound_cluster, gbs, seq, fix, stats):
+                cands.extend(bounds.candidates(st, len(cands)))
     except KeyboardInterrupt:  # nothing simulated yet: an empty, interrupted result
         interrupted = True
         cands = []
@@ -183,8 +191,11 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     refine_on_pop = prune and objective == "throughput"
 
     # 2. simulate in waves, pruning between them
-    runner = make_runner(Context(model, cluster, seq_len, profile), simulator=simulator, ray_address=ray_address,
-                         workers=workers, serial=interrupted or not fitting)
+    if runner is None or interrupted or not fitting:
+        if runner is not None:
+            runner.close(interrupted)
+        runner = make_runner(ctx, simulator=simulator, ray_address=ray_address, workers=workers,
+                             serial=interrupted or not fitting)
     bar = _progress(len(fitting), progress)
     results: list[dict] = []
     ok: list[dict] = []
@@ -292,6 +303,21 @@ def _limits(ok: list[dict], top: int, objective: str, window: float) -> tuple[fl
         return math.inf, math.inf
     attr = objective_attr(objective)
     return ok[top - 1][attr], ok[0][attr] * (1.0 + window)
+
+
+def _bound_by_workers(runner, model: ModelSpec, cluster: ClusterSpec, gbs: int, seq: int, fix: dict,
+                      stats: SpaceStats) -> list[Candidate]:
+    """The first bounds of every plan, the space shared among the runner's workers while this process
+    enumerates it (for the structures and the counts); in the order, and with the values, of the
+    serial enumeration."""
+    futures = runner.first_bounds(gbs, seq, fix)
+    sts = list(structures(model, cluster, gbs, seq, fix, stats))
+    parts = [iter(f.result()) for f in futures]
+    cands: list[Candidate] = []
+    for st in sts:
+        for state, (est, time_lb, mem_lb) in zip(st.states, next(parts[st.pair % len(parts)])):
+            cands.append(Candidate(est, time_lb, mem_lb, len(cands), st, state))
+    return cands
 
 
 def _prunable(c: Candidate, kth: float, edge: float, ok: list[dict], objective: str, bounds: Bounds) -> bool:

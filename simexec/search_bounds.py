@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 from simexec.cluster import ClusterSpec
 # _TP_OPS: (forward op, backward op) of Megatron's f/g conjugates, as the lowering emits them
@@ -142,6 +142,7 @@ class Bounds:
         self.states: dict[tuple, tuple] = {}
         self.memory: dict[tuple, tuple] = {}
         self.params: dict[tuple, list[dict]] = {}
+        self._rebuilt: dict[int, _StructureBounds] = {}
         self.workspace = cluster.costs.workspace_bytes
         self.dyn = 1.0 + cluster.costs.allocator_overhead
         self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
@@ -165,10 +166,24 @@ class Bounds:
         sb = _StructureBounds(self, st)
         return [Candidate(*sb.bounds(state), start + i, st, state, sb) for i, state in enumerate(st.states)]
 
+    def first_bounds(self, structures: Iterable[Structure]) -> list[list[tuple]]:
+        """(estimate, time bound, memory bound) of each state of each structure: a worker's part of
+        the search (`Candidate`s made of them lack their structure's bounds; `refine` rebuilds
+        those where it needs them)."""
+        out = []
+        for st in structures:
+            sb = _StructureBounds(self, st)
+            out.append([sb.bounds(state) for state in st.states])
+        return out
+
     def refine(self, c: Candidate) -> float:
         """A tighter time bound for a plan the first one did not prune: the same prices, but the
         pipeline schedule replayed action by action (every micro-batch's messages and waits)."""
         if not c.refined:
+            if c.sb is None:  # bounded by a worker
+                c.sb = self._rebuilt.get(id(c.structure))
+                if c.sb is None:
+                    c.sb = self._rebuilt[id(c.structure)] = _StructureBounds(self, c.structure)
             c.time_lb = max(c.time_lb, c.sb.replay_bound(c.state))
             c.refined = True
         return c.time_lb

@@ -56,6 +56,21 @@ def evaluate(plan_string: str, ctx: Optional[Context] = None, simulator: Optiona
     return out
 
 
+def first_bounds(gbs: int, seq_len: int, fix: dict, part: tuple[int, int], ctx: Optional[Context] = None) -> list:
+    """A worker's part of the search's first bounds: the structures of `part` (see
+    `simexec.search_space.structures`), bounded as the search would bound them."""
+    from simexec.search_bounds import Bounds
+    from simexec.search_space import structures
+
+    ctx = ctx or _CTX
+    cluster = ctx.cluster
+    if ctx.profile is not None:
+        from simexec.sim.profile import apply_profile
+
+        cluster = apply_profile(cluster, ctx.profile)
+    return Bounds(ctx.model, cluster, seq_len).first_bounds(structures(ctx.model, cluster, gbs, seq_len, fix, part=part))
+
+
 class _Serial:
     """Every runner: `map` calls `on_result` once per plan, in any order; `close(interrupted)` stops
     what it started, without waiting for running plans when interrupted; `name` and `workers` are
@@ -84,6 +99,10 @@ class _Processes:
         self.workers = workers
         self.pool = ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn"),
                                         initializer=_init_worker, initargs=(ctx,))
+
+    def first_bounds(self, gbs: int, seq_len: int, fix: dict) -> list:
+        """Futures of the first bounds, the space shared among the workers by (tp, cp) pairs."""
+        return [self.pool.submit(first_bounds, gbs, seq_len, fix, (k, self.workers)) for k in range(self.workers)]
 
     def map(self, plans: list[str], on_result: Callable[[dict], None]) -> None:
         from concurrent.futures import as_completed
@@ -138,10 +157,13 @@ class _Ray:
 
 
 def make_runner(ctx: Context, *, simulator: Optional[Callable] = None, ray_address: Optional[str] = None,
-                workers: Optional[int] = None, serial: bool = False):
+                workers: Optional[int] = None, serial: bool = False, local_only: bool = False):
     """Ray tasks when given an address, else local processes (`workers`, default the CPU count);
-    in this process when asked (`serial`), with a stand-in simulator, or with one worker."""
+    in this process when asked (`serial`), with a stand-in simulator, or with one worker.
+    local_only: local processes or nothing (None), for the search's bounds."""
     n_workers = workers if workers is not None else (os.cpu_count() or 1)
+    if local_only:
+        return _Processes(ctx, n_workers) if simulator is None and ray_address is None and n_workers > 1 else None
     if serial or simulator is not None or (ray_address is None and n_workers <= 1):
         return _Serial(ctx, simulator)
     if ray_address is not None:

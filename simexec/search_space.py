@@ -99,6 +99,7 @@ class Structure:
     states: list[tuple]  # (zero, zero_impl, dp_shard, offload), each valid with this structure
     rp: ResolvedPlan
     extra: dict = field(default_factory=dict)  # fields passed through from `fix`
+    pair: int = -1  # index of its (tp, cp) pair in the enumeration (`structures`' part)
 
     def plan(self, state: tuple) -> Plan:
         return Plan(**self.fields, **dict(zip(STATE_KEYS, state)), **self.extra)
@@ -134,17 +135,23 @@ def _choices(fix: dict, key: str, default: list) -> list:
 
 
 def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
-               stats: Optional[SpaceStats] = None) -> Iterator[Structure]:
-    """Every structure of the space with the state variants `resolve` accepts, in a fixed order."""
+               stats: Optional[SpaceStats] = None, part: Optional[tuple[int, int]] = None) -> Iterator[Structure]:
+    """Every structure of the space with the state variants `resolve` accepts, in a fixed order.
+    part=(k, n): only those of every n-th (tp, cp) pair from the k-th (`part_of` says whose a
+    structure is), so that n workers can share the space without enumerating it all."""
     fix = dict(fix or {})
     stats = stats if stats is not None else SpaceStats()
     world = search_world(cluster, fix)
     gpn = cluster.node.gpus_per_node or world
     extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
     state_ok: dict[tuple, bool] = {}
+    pair = -1
     for tp in _choices(fix, "tp", _pow2_upto(gpn)):
         cps = [c for c in _pow2_upto(MAX_CP) if c == 1 or seq_len // c >= MIN_CP_CHUNK]
         for cp in _choices(fix, "cp", cps):
+            pair += 1
+            if part is not None and pair % part[1] != part[0]:
+                continue
             if tp <= 0 or cp <= 0 or world % (tp * cp):
                 continue
             rest = world // (tp * cp)
@@ -160,6 +167,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
                     stats.combinations += len(states)
                     st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats)
                     if st is not None:
+                        st.pair = pair
                         yield st
 
 
@@ -231,7 +239,9 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
 def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
     tp, cp, dp = split["tp"], split["cp"], split["dp"]
     for schedule in _choices(fix, "schedule", scheds):
-        for sp in _choices(fix, "sp", [False, True] if tp > 1 else [False]):
+        # a zero-bubble schedule refuses sp (`simexec.plan`): not enumerated, rather than refused
+        sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
+        for sp in _choices(fix, "sp", sps):
             for cp_impl in _choices(fix, "cp_impl", ["allgather", "ring"] if cp > 1 else ["allgather"]):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):

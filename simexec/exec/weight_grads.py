@@ -21,6 +21,22 @@ from torch import Tensor
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 
+def _python_backward(roots: list, grads: list, keep: bool, inputs: list) -> None:
+    torch.autograd.backward(roots, grads, retain_graph=keep, inputs=inputs)
+
+
+def _engine_backward(roots: list, grads: list, keep: bool, inputs: list) -> None:
+    """torch.autograd.backward without its Python-side checks (a fifth of its cost on a CPU rank)."""
+    _ENGINE.run_backward(tuple(roots), tuple(grads), keep, False, tuple(inputs), True, True)
+
+
+try:
+    _ENGINE = torch.autograd.Variable._execution_engine
+    _backward = _engine_backward
+except AttributeError:  # pragma: no cover - a torch without the engine handle
+    _backward = _python_backward
+
+
 class DeferredWeights:
     """What W needs: per group of parameters, the join nodes and the gradients B kept for them."""
 
@@ -34,7 +50,7 @@ class DeferredWeights:
         last = len(self.groups) - 1
         if self.from_outputs is not None:
             params, edges, grads = self.from_outputs
-            torch.autograd.backward(edges, grads, retain_graph=last >= 0, inputs=params)
+            _backward(edges, grads, last >= 0, params)
         for n, (params, joins) in enumerate(self.groups):
             edges, grads = [], []
             for node in joins:
@@ -47,7 +63,7 @@ class DeferredWeights:
             # a join downstream of another would pass it a second share of what B already kept for it
             clamps = [node.register_prehook(lambda _g, kept=self.kept[node]: kept) for node in joins] if len(joins) > 1 else []
             try:
-                torch.autograd.backward(edges, grads, retain_graph=n < last, inputs=params)
+                _backward(edges, grads, n < last, params)
             finally:
                 for h in clamps:
                     h.remove()

@@ -16,10 +16,10 @@
    it is skipped too: only plans that can beat it are simulated.
 4. **Parallel** (`simexec.search_runners`): waves go to local processes (spawn) or Ray tasks; a
    wave's plans and the pruning after it do not depend on which worker ran what, so serial, local
-   and Ray searches return identical results, run after run. Local processes also share the first
-   bounds, each enumerating and bounding the structures of its (tp, cp) pairs, while this process
-   enumerates the space for the plans and counts; a bound is a function of its plan alone. Ties break on (step time, peak memory,
-   plan string).
+   and Ray searches return identical results, run after run. Ties break on (step time, peak memory,
+   plan string). Local processes also share the first bounds, each enumerating and bounding the
+   structures of its (tp, cp) pairs while this process enumerates the space for the plans and the
+   counts; a bound is a function of its plan alone, so the result is the serial search's.
 
 A plan's numbers are those of `simexec.simulate.simulate` on its plan string, to the last digit: the
 search parses the string it reports and simulates exactly that. `simexec.search_report` formats

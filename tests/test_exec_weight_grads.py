@@ -65,3 +65,20 @@ def test_a_block_without_parameters_runs_its_backward_whole():
     y = torch.softmax(x, -1)
     assert backward_inputs((y,), (torch.ones(3, 5),), [x], _run_to, _run_whole) is None
     assert x.grad is not None
+
+
+def test_the_analysis_kept_for_a_block_serves_its_next_micro_batches():
+    p = _params()
+    xs, dys = [torch.randn(4, 8) for _ in range(3)], [torch.randn(4, 16) for _ in range(3)]
+    for x, dy in zip(xs, dys):
+        _block(x.clone().requires_grad_(), p).backward(dy)
+    want = {n: t.grad.clone() for n, t in p.items()}
+    for t in p.values():
+        t.grad = None
+    cache = {}
+    for x, dy in zip(xs, dys):
+        x2 = x.clone().requires_grad_()
+        backward_inputs((_block(x2, p),), (dy,), [x2], _run_to, _run_whole, cache, "block").run()
+    assert list(cache) == ["block"]
+    for n, t in p.items():
+        assert torch.allclose(t.grad, want[n], atol=1e-5), n

@@ -223,6 +223,7 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
         self.split = p.schedule_name in SPLIT_BACKWARD
         self.deferred: dict[tuple, DeferredWeights] = {}
+        self.split_analyses: dict[tuple, object] = {}  # (block, layer) -> where its parameters join
         if self.split:
             self.partial_by = {n: "norm_grads" for n in self.partial_by}
         full = init_full(m, seed)
@@ -601,7 +602,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
                     gs.append(g)
         if ts and (self.split if split is None else split):
             inputs = [v for v in vals if isinstance(v, Tensor) and v.requires_grad]
-            deferred = backward_inputs(tuple(ts), tuple(gs), inputs, _run_backward_to, _run_backward)
+            deferred = backward_inputs(tuple(ts), tuple(gs), inputs, _run_backward_to, _run_backward,
+                                       self.split_analyses, (ins.block, l))
             if deferred is not None:
                 self.deferred[(ins.block, l, mb)] = deferred
         elif ts:

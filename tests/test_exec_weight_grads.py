@@ -1,5 +1,8 @@
 """The split backward of zero-bubble schedules on one block: B and then W give the whole backward's
 gradients, W through autograd's own accumulation."""
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -82,3 +85,36 @@ def test_the_analysis_kept_for_a_block_serves_its_next_micro_batches():
     assert list(cache) == ["block"]
     for n, t in p.items():
         assert torch.allclose(t.grad, want[n], atol=1e-5), n
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "window", "qk-norm", "mla"])
+def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(model):
+    """`simexec.sim.host.weight_pass_calls` against the batches the executor forms for each block."""
+    from torch.autograd.graph import get_gradient_edge
+
+    from simexec.exec.model import GPT, Layout, init_full
+    from simexec.exec.weight_grads import _analyse
+    from simexec.model import get_model
+    from simexec.sim.host import weight_pass_calls
+
+    data = Path(__file__).resolve().parent / "data"
+    m = get_model(str(data / f"{model}-tiny.yaml") if model != "gpt-tiny" else model)
+    M = GPT(m, Layout(), {n: t.clone().requires_grad_() for n, t in init_full(m, 0).items()}, flash=True)
+    T = 16
+
+    def leaf(*shape):
+        return torch.randn(*shape, requires_grad=True)
+
+    def calls(outs, inputs):
+        outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
+        an = _analyse([get_gradient_edge(o).node for o in outs], inputs)
+        return len(an.batches) + (1 if an.from_outputs else 0)
+
+    x, o, a, r = leaf(1, T, m.hidden), leaf(1, T, m.heads * m.value_head_dim), None, leaf(1, T, m.hidden)
+    got = {"qkv": calls(M.qkv(0, x, torch.arange(T)), [x]), "proj": calls((M.proj(0, o, r),), [o, r])}
+    a = M.fc1(0, x)
+    got["fc1"] = calls((a,), [x])
+    a = a.detach().requires_grad_()
+    got["fc2"] = calls((M.fc2(0, a, r),), [a, r])
+    got["head"] = calls(M.head(x, None), [x])
+    assert got == {b: weight_pass_calls(b, m, sp=False) for b in got}

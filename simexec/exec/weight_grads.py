@@ -35,11 +35,21 @@ def _engine_backward(roots: list, grads: list, keep: bool, inputs: list) -> None
     _ENGINE.run_backward(tuple(roots), tuple(grads), keep, False, tuple(inputs), True, True)
 
 
+def _python_grads(outs: tuple, grads: tuple, targets: tuple) -> tuple:
+    return torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True)
+
+
+def _engine_grads(outs: tuple, grads: tuple, targets: tuple) -> tuple:
+    """torch.autograd.grad(outs, targets, grads, retain_graph=True, allow_unused=True) without its
+    Python-side checks: the gradients of tensors or of nodes' outputs (GradientEdges)."""
+    return _ENGINE.run_backward(outs, grads, True, False, targets, True, False)
+
+
 try:
     _ENGINE = torch.autograd.Variable._execution_engine
-    _backward = _engine_backward
+    _backward, _grads = _engine_backward, _engine_grads
 except AttributeError:  # pragma: no cover - a torch without the engine handle
-    _backward = _python_backward
+    _backward, _grads = _python_backward, _python_grads
 
 
 class DeferredWeights:
@@ -86,6 +96,7 @@ class _Analysis:
 
     batches: Optional[list[tuple[list[Tensor], list[Place], bool]]]
     from_outputs: Optional[list[Tensor]] = None
+    arity: Optional[dict[Place, int]] = None  # gradients flowing into each join, once seen
 
     def locate(self, roots: list[Node]) -> Optional[dict[Place, Node]]:
         """The join nodes of this graph, or None where it differs from the analysed one."""
@@ -196,13 +207,28 @@ def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs:
         run_whole(outs, grads)
         return None
     kept: dict[Node, tuple] = {}
-    hooks = [node.register_prehook(lambda g, node=node: kept.__setitem__(node, g)) for node in joins.values()]
-    try:
-        if inputs:
-            run(outs, grads, tuple(inputs))
-    finally:
-        for h in hooks:
-            h.remove()
+    if an.arity is not None and inputs:
+        # the gradients of the inputs and of the joins' outputs from one engine call, no hooks
+        places = list(joins)
+        edges = [GradientEdge(joins[p], i) for p in places for i in range(an.arity[p])]
+        got = _grads(tuple(outs), tuple(grads), tuple(inputs) + tuple(edges))
+        for x, g in zip(inputs, got):
+            if g is not None:
+                x.grad = g if x.grad is None else x.grad + g
+        k = len(inputs)
+        for p in places:
+            kept[joins[p]] = tuple(got[k:k + an.arity[p]])
+            k += an.arity[p]
+    else:
+        hooks = [node.register_prehook(lambda g, node=node: kept.__setitem__(node, g)) for node in joins.values()]
+        try:
+            if inputs:
+                run(outs, grads, tuple(inputs))
+        finally:
+            for h in hooks:
+                h.remove()
+        if inputs and all(node in kept for node in joins.values()):
+            an.arity = {p: len(kept[node]) for p, node in joins.items()}
     batches = [(ps, [joins[p] for p in places], clamp) for ps, places, clamp in an.batches]
     from_outputs = (an.from_outputs, [get_gradient_edge(o) for o in outs], list(grads)) if an.from_outputs else None
     return DeferredWeights(batches, kept, from_outputs)

@@ -337,7 +337,7 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
                 issue.append(0.0)
                 sync.append(False)
                 continue
-            t = c.instr_overhead_s + hc.ops(ins) * per_op + (c.bwd_overhead_s if ins.phase in ("bwd", "wgrad") else 0.0)
+            t = c.instr_overhead_s + hc.ops(ins) * per_op + c.bwd_overhead_s * hc.engine_calls(ins)
             issue.append(t)
             sync.append(ins.block in HOST_SYNC_BLOCKS and ins.phase != "bwd")
     return issue, sync
@@ -351,6 +351,27 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
 WGRAD_OPS = {"layernorm-mlp-pos-bias": {"qkv": 21, "proj": 6, "fc1": 9, "fc2": 6}}
 INPUT_PASS_OPS = 2
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
+
+
+def weight_pass_calls(block: str, model, sp: bool) -> int:
+    """Autograd engine calls of a block's weight pass: `simexec.exec.weight_grads` batches the
+    parameters whose joins are independent, so one call for the GEMMs, one for the norm opening the
+    block (its affine feeds them), one for the bias adds after them, one for q/k norms after the q/k
+    GEMMs; MLA's down GEMMs, latent norms and up GEMMs one each; an expert's up and down GEMMs one
+    each (tests/test_exec_weight_grads.py holds these to the executor's batches)."""
+    if model is None or block == "embed":
+        return 1
+    bias = bool(model.bias)
+    norm = 0 if sp else 1
+    if block == "qkv":
+        if model.is_mla:
+            return 3 + norm
+        return 1 + norm + int(bias or bool(getattr(model, "qkv_bias", False))) + int(bool(model.qk_norm))
+    if block in ("fc1", "router", "head"):
+        return 1 + norm + int(bias and block == "fc1")
+    if block in ("experts", "moe_out"):
+        return 2 + 2 * int(bias)
+    return 1 + int(bias)
 
 
 def split_backward_table(table: dict[str, int], family: str) -> dict[str, int]:
@@ -518,6 +539,12 @@ class HostCosts:
             n += self.window_ops
         return n
 
+    def engine_calls(self, ins: Instr) -> int:
+        """Calls into the autograd engine: one per backward instruction, one per batch of a weight pass."""
+        if ins.phase == "bwd":
+            return 1
+        return weight_pass_calls(ins.block, self.model, self.sp) if ins.phase == "wgrad" else 0
+
     def kernel_passes(self, ins: Instr) -> int:
         """Per-tensor passes of an Adam step run on a CPU core (`adam_kernel_passes`), priced as
         operators; none for other instructions, nor for an accelerator's Adam (one fused launch per
@@ -533,8 +560,7 @@ class HostCosts:
         t = self.instr_s + (self.ops(ins) + self.kernel_passes(ins)) * self.op_s
         if ins.kind == "copy":
             return t + (ins.bytes / self.copy_bw if ins.bytes > 0 else 0.0)
-        if ins.phase in ("bwd", "wgrad"):  # each a call into the autograd engine
-            t += self.bwd_s
+        t += self.bwd_s * self.engine_calls(ins)
         op = "optimizer" if ins.op == "cpu_optimizer" else ins.op
         t += self.roofline(op, ins.flops, ins.bytes * self.elementwise_factor(ins))
         if self.nograd != 1.0 and ins.phase == "fwd" and ins.name in self.without_grad(ins.rank):

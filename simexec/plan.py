@@ -40,9 +40,10 @@ class Plan(BaseModel):
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
     gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
-    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1"]] = Field(
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb"]] = Field(
         None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
-        " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble"
+        " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble;"
+        " interleaved-zb: the same over vpp virtual stages"
     )
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
@@ -491,25 +492,29 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
     micro = gbs // (p.mbs * dp)
     sched = p.schedule_name
-    if p.vpp > 1 and sched != "interleaved-1f1b":
-        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, got {sched}")
-    if sched == "interleaved-1f1b":
+    interleaved = ("interleaved-1f1b", "interleaved-zb")
+    if p.vpp > 1 and sched not in interleaved:
+        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b or interleaved-zb, got {sched}")
+    if sched in interleaved:
         if p.vpp < 2:
-            fail("schedule=interleaved-1f1b needs vpp >= 2")
+            fail(f"schedule={sched} needs vpp >= 2")
         if p.pp < 2:
-            fail("schedule=interleaved-1f1b needs pp >= 2")
+            fail(f"schedule={sched} needs pp >= 2")
         if micro < p.pp:
-            fail(f"interleaved-1f1b needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
+            fail(f"{sched} needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
         if micro % p.pp:
-            fail(f"interleaved-1f1b needs micro-batches ({micro}) divisible by pp={p.pp}")
-    if sched == "zb-h1":
+            fail(f"{sched} needs micro-batches ({micro}) divisible by pp={p.pp}")
+    if sched == "interleaved-zb" and not p.p2p_overlap:
+        fail("schedule=interleaved-zb needs p2p_overlap=1 (its order pairs no forward with a backward, so"
+             " blocking exchanges one action at a time wait on each other)")
+    if sched in ("zb-h1", "interleaved-zb"):
         if p.pp < 2:
-            fail("schedule=zb-h1 needs pp >= 2")
+            fail(f"schedule={sched} needs pp >= 2")
         if p.zero == 3:
-            fail("schedule=zb-h1 does not run with zero=3 (the deferred weight gradients would hold every"
+            fail(f"schedule={sched} does not run with zero=3 (the deferred weight gradients would hold every"
                  " gathered unit until they run); use zero <= 2")
         if p.sp:
-            fail("schedule=zb-h1 does not run with sp=1 (the deferred weight gradients of the column-parallel"
+            fail(f"schedule={sched} does not run with sp=1 (the deferred weight gradients of the column-parallel"
                  " GEMMs would need their inputs gathered over tp a second time); use sp=0")
     if model.moe is None and p.ep > 1:
         fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")

@@ -77,25 +77,41 @@ def zb_h1(pp: int, rank: int, m: int) -> list[Action]:
     the cool-down bubble. A micro-batch's activations live until its W, so every rank holds at most pp
     micro-batches, 1F1B's peak on its first rank; the bubble shrinks from (p-1)(F+B+W) to (p-1)(F+B-W).
     """
-    warmup = min(pp - rank - 1, m)
-    out = [Action(0, "F", i) for i in range(warmup)]
+    return interleaved_zb(pp, rank, m, 1)
+
+
+def interleaved_zb(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
+    """Interleaved zero bubble (the paper's ZB-H1 over virtual stages; torch.distributed.pipelining's
+    ScheduleInterleavedZeroBubble): interleaved 1F1B's units with (v-1)p + (p-1-r) forwards of warm-up
+    instead of Megatron's (v-1)p + 2(p-1-r), each input-gradient backward followed by the weight pass
+    of the oldest one owed, rank r owing r of them until the end. With vpp = 1 it is ZB-H1."""
+    total = m * vpp
+
+    def unit(k: int, kind: str) -> Action:
+        chunk = (k // pp) % vpp
+        if kind != "F":
+            chunk = vpp - 1 - chunk
+        return Action(chunk, kind, (k // (pp * vpp)) * pp + k % pp)
+
+    warmup = min((vpp - 1) * pp + pp - 1 - rank, total)
+    out = [unit(k, "F") for k in range(warmup)]
     f, b, w = warmup, 0, 0
 
     def backward() -> None:
         nonlocal b, w
-        out.append(Action(0, "B", b))
+        out.append(unit(b, "B"))
         b += 1
         if b > rank:
-            out.append(Action(0, "W", w))
+            out.append(unit(w, "W"))
             w += 1
 
-    while f < m:
-        out.append(Action(0, "F", f))
+    while f < total:
+        out.append(unit(f, "F"))
         f += 1
         backward()
-    while b < m:
+    while b < total:
         backward()
-    out += [Action(0, "W", i) for i in range(w, m)]
+    out += [unit(k, "W") for k in range(w, total)]
     return out
 
 
@@ -133,11 +149,15 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
         return {r: interleaved_1f1b(pp, r, m, vpp) for r in range(pp)}
     if schedule == "zb-h1":
         return {r: zb_h1(pp, r, m) for r in range(pp)}
+    if schedule == "interleaved-zb":
+        if m % pp:
+            raise PlanError(f"interleaved-zb needs micro-batches ({m}) divisible by pp={pp}")
+        return {r: interleaved_zb(pp, r, m, vpp) for r in range(pp)}
     raise PlanError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
-SPLIT_BACKWARD = ("zb-h1",)  # schedules whose backward is split into B and W
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")  # schedules whose backward is split into B and W
 
 
 def format_order(order: dict[int, list[Action]]) -> str:

@@ -449,10 +449,11 @@ class _StructureBounds:
         sched = self.p.schedule_name
         if sched == "gpipe":
             return [m]
-        if sched != "interleaved-1f1b":
+        if sched not in ("interleaved-1f1b", "interleaved-zb"):
             return [min(pp - r, m)]
         total = m * v
-        w = min(min((pp - r - 1) * 2 + (v - 1) * pp, total) + 1, total)
+        hops = (pp - r - 1) * (2 if sched == "interleaved-1f1b" else 1)
+        w = min(min(hops + (v - 1) * pp, total) + 1, total)
         counts = [0] * v
         full, rest = divmod(w, pp)
         for k in range(full):  # forward unit k runs chunk (k // pp) % v
@@ -490,7 +491,7 @@ class _StructureBounds:
         back[V - 1] = reach[V - 1] + F[V - 1] - Fh[V - 1] + Bh[V - 1]
         for vs in range(V - 2, -1, -1):
             back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
-        interleaved = self.p.schedule_name == "interleaved-1f1b"
+        interleaved = self.p.schedule_name in ("interleaved-1f1b", "interleaved-zb")
         end, self.act, self.w_after = [], [], []
         Fx, Bx, W = self.Fx, self.Bx, self.W
         for r in range(pp):

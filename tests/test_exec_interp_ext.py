@@ -273,6 +273,8 @@ def test_dynamically_scaled_plan_matches_reference(plan):
     ("tied", "pp=2,gbs=4,schedule=zb-h1"),
     ("mla", "tp=2,pp=2,gbs=4,schedule=zb-h1"),
     ("gpt-tiny", "cp=2,pp=2,gbs=4,cp_impl=ring,schedule=zb-h1,p2p_overlap=0"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,vpp=2,gbs=8,schedule=interleaved-zb"),
+    ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,zero=1,schedule=interleaved-zb,recompute=selective"),
 ])
 def test_zero_bubble_matches_reference(model, plan):
     """ZB-H1: each block's backward split into its input gradients (B) and, later, its weight gradients

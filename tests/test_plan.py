@@ -145,7 +145,7 @@ def test_cp_chunk_divisible_by_tp_with_sp():
 
 
 def test_vpp_needs_interleaved_schedule():
-    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b, got 1f1b")
+    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b or interleaved-zb, got 1f1b")
 
 
 def test_interleaved_schedule_needs_vpp():
@@ -171,6 +171,10 @@ def test_zero_bubble_needs_a_pipeline_and_refuses_what_its_deferred_weight_passe
     refused(TINY, "local", "tp=2,sp=1,pp=2,gbs=4,schedule=zb-h1", "does not run with sp=1")
     refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-h1", "vpp=2 needs schedule=interleaved-1f1b")
     assert ok(TINY, "local", "dp=2,pp=2,zero=2,gbs=4,schedule=zb-h1").plan.schedule_name == "zb-h1"
+    refused(TINY, "local", "pp=2,gbs=4,schedule=interleaved-zb", "schedule=interleaved-zb needs vpp >= 2")
+    refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=interleaved-zb,p2p_overlap=0", "needs p2p_overlap=1")
+    refused(TINY, "local", "dp=2,pp=2,vpp=2,zero=3,gbs=8,schedule=interleaved-zb", "does not run with zero=3")
+    assert ok(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=interleaved-zb").plan.schedule_name == "interleaved-zb"
 
 
 def test_zero_impl_needs_zero3():

@@ -114,3 +114,24 @@ def test_zb_h1_defers_rank_r_weight_passes_and_holds_pp_micro_batches():
                                                                   "0B2", "0W2"]
     assert [str(a) for a in pipeline_order("zb-h1", 2, 3)[1]] == ["0F0", "0B0", "0F1", "0B1", "0W0", "0F2", "0B2",
                                                                   "0W1", "0W2"]
+
+
+@pytest.mark.parametrize("pp,m,vpp", [(2, 4, 2), (4, 8, 2), (4, 4, 3)])
+def test_interleaved_zb_keeps_interleaved_order_with_a_shorter_warm_up(pp, m, vpp):
+    """torch.distributed.pipelining's ScheduleInterleavedZeroBubble: interleaved 1F1B's units, (v-1)p +
+    (p-1-r) forwards of warm-up, each B then the weight pass of the oldest B owed one (r owed to the end)."""
+    order = pipeline_order("interleaved-zb", pp, m, vpp)
+    for rank, actions in order.items():
+        assert sorted(actions) == sorted(Action(c, k, i) for c in range(vpp) for k in "FBW" for i in range(m))
+        pos = {a: n for n, a in enumerate(actions)}
+        for c in range(vpp):
+            for i in range(m):
+                assert pos[Action(c, "F", i)] < pos[Action(c, "B", i)] < pos[Action(c, "W", i)]
+        first_b = next(n for n, a in enumerate(actions) if a.kind == "B")
+        assert first_b == min((vpp - 1) * pp + pp - 1 - rank, m * vpp) + 1
+        fb = [a for a in actions if a.kind != "W"]
+        ref = [a for a in pipeline_order("interleaved-1f1b", pp, m, vpp)[rank]]
+        assert [a for a in fb if a.kind == "F"] == [a for a in ref if a.kind == "F"]
+        assert [a for a in fb if a.kind == "B"] == [a for a in ref if a.kind == "B"]
+        assert [(a.chunk, a.mb) for a in actions if a.kind == "W"] == [(a.chunk, a.mb) for a in fb if a.kind == "B"]
+    assert pipeline_order("interleaved-zb", 2, 4, 1) == pipeline_order("zb-h1", 2, 4)

@@ -112,7 +112,7 @@ def test_space_covers_every_knob():
     seen = {k: {getattr(p, k) for p in ps} for k in Plan.model_fields}
     assert seen["tp"] == {1, 2, 4, 8} and seen["sp"] == {False, True} and seen["cp"] == {1, 2, 4}
     assert seen["pp"] == {1, 2, 4, 8, 16} and seen["vpp"] >= {1, 2, 4, 8}
-    assert seen["schedule"] == {None, "gpipe", "zb-h1"} and seen["ep"] >= {1, 2, 4, 8}
+    assert seen["schedule"] == {None, "gpipe", "zb-h1", "interleaved-zb"} and seen["ep"] >= {1, 2, 4, 8}
     assert seen["zero"] == {0, 1, 2, 3} and seen["zero_impl"] == {None, "yafsdp"}
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
     assert seen["mbs"] == {1, 2, 4, 8} and seen["recompute"] == {"none", "selective", "full"}
@@ -172,12 +172,14 @@ def test_bounds_never_exceed_the_simulation(name, cluster, gbs, seq, n):
         assert b.refine(c) <= r.step_time_s, c.plan_string  # the replayed bound too
 
 
-@pytest.mark.parametrize("name,cluster,gbs,seq", [("gpt3-1.3b", "dgx-a100-80g", 16, 2048),
-                                                  ("mixtral-8x7b", "2xdgx-h100", 32, 4096)])
-def test_bounds_never_exceed_the_simulation_of_zero_bubble(name, cluster, gbs, seq):
-    """ZB-H1: a rank's last compute is a weight pass, after its last backward's closing collective;
-    split passes cost more than the whole backward where the GEMMs get smaller."""
-    model, cl, cands = _candidates(name, cluster, gbs, seq, {"schedule": "zb-h1"})
+@pytest.mark.parametrize("name,cluster,gbs,seq,schedule", [("gpt3-1.3b", "dgx-a100-80g", 16, 2048, "zb-h1"),
+                                                           ("mixtral-8x7b", "2xdgx-h100", 32, 4096, "zb-h1"),
+                                                           ("gpt3-1.3b", "dgx-a100-80g", 16, 2048, "interleaved-zb")])
+def test_bounds_never_exceed_the_simulation_of_zero_bubble(name, cluster, gbs, seq, schedule):
+    """Zero bubble: a rank's last compute is a weight pass, after its last backward's closing
+    collective; split passes cost more than the whole backward where the GEMMs get smaller; the
+    interleaved schedule's warm-up is shorter than interleaved 1F1B's."""
+    model, cl, cands = _candidates(name, cluster, gbs, seq, {"schedule": schedule})
     b = Bounds(model, cl, seq)
     for c in random.Random(7).sample(cands, 12):
         r = simulate(model, cl, parse_plan(c.plan_string), seq)

@@ -62,6 +62,23 @@ def test_zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w(p, m):
     assert bubble(f"pp={p},gbs={m}")[0] == pytest.approx((p - 1) * (f + b + w), rel=0.03)
 
 
+@pytest.mark.parametrize("p,m,v", [(2, 4, 2), (4, 8, 2), (4, 8, 4)])
+def test_interleaved_zero_bubble_idles_a_vth_of_zb_h1(p, m, v):
+    """Interleaved zero bubble: ZB-H1's bubble over v virtual stages, (p-1)(T_F + T_B - T_W)/v, the
+    passes' times those of a whole stage's (v chunks') forward, input and weight passes."""
+    from collections import defaultdict
+
+    r = simulate(UNIFORM, FREE, f"pp={p},vpp={v},gbs={m},schedule=interleaved-zb", trace=True)
+    per_mb = defaultdict(float)
+    for e in r.trace.events:
+        if e.rank == 0 and e.kind == "compute" and e.phase in ("fwd", "bwd", "wgrad"):
+            per_mb[e.phase] += e.dur_us / 1e6 / m
+    f, b, w = per_mb["fwd"], per_mb["bwd"], per_mb["wgrad"]
+    idle = bubble(f"pp={p},vpp={v},gbs={m},schedule=interleaved-zb")[0]
+    assert idle == pytest.approx((p - 1) * (f + b - w) / v, rel=0.04)
+    assert idle < bubble(f"pp={p},vpp={v},gbs={m}")[0] / 2
+
+
 def test_breakdown_adds_up_to_the_step_time():
     r = simulate("gpt3-125m", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16")
     assert sum(r.breakdown_s.values()) == pytest.approx(r.step_time_s, rel=1e-9)

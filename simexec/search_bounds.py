@@ -142,6 +142,7 @@ class Bounds:
         self.states: dict[tuple, tuple] = {}
         self.memory: dict[tuple, tuple] = {}
         self.params: dict[tuple, list[dict]] = {}
+        self.live: dict[tuple, list] = {}  # zero bubble: passes before the first weight pass
         self._rebuilt: dict[int, _StructureBounds] = {}
         self.workspace = cluster.costs.workspace_bytes
         self.dyn = 1.0 + cluster.costs.allocator_overhead
@@ -263,6 +264,7 @@ class _StructureBounds:
         # zero-bubble schedules: B is the input-gradient pass, W the weight-gradient pass
         self.split = p.schedule_name in SPLIT_BACKWARD
         self.F, self.B, self.W, self.saved, self.Ft, self.Bt = [], [], [], [], [], []
+        self.kept: list[float] = []
         self.Fx, self.Bx = [], []  # the compute alone (F and B less the collectives they wait on)
         self.Fh, self.Bh = [], []  # the collective that opens F and B (it may run before the recv)
         self._k = 0.0
@@ -329,6 +331,9 @@ class _StructureBounds:
             self.Fh.append(fh)
             self.Bh.append(bh)
             self.saved.append(saved)
+            if self.split:  # the output gradients a stage's input-gradient pass keeps for its weight pass
+                kept = sum(b.grad_out for l in layers for b in an.layer(l).values())
+                self.kept.append(kept + (an.head["head"].grad_out if vs == self.V - 1 else 0.0))
             self.Ft.append(ft)
             self.Bt.append(bt)
         self._pipeline()
@@ -461,6 +466,26 @@ class _StructureBounds:
         counts[full % v] += rest
         return counts
 
+    def _passes_before_first_weight_pass(self, r: int) -> tuple[list[int], list[int]]:
+        """Under a zero-bubble schedule, how many forwards and input-gradient passes of each chunk rank
+        r runs before its first weight pass, which frees the first activations and kept gradients
+        (counted on the schedule, once per shape)."""
+        key = (self.p.schedule_name, self.pp, self.m, self.vpp)
+        per_rank = self.b.live.get(key)
+        if per_rank is None:
+            from simexec.schedules import pipeline_order
+
+            per_rank = []
+            for acts in pipeline_order(self.p.schedule_name, self.pp, self.m, self.vpp).values():
+                counts = {"F": [0] * self.vpp, "B": [0] * self.vpp}
+                for a in acts:
+                    if a.kind == "W":
+                        break
+                    counts[a.kind][a.chunk] += 1
+                per_rank.append((counts["F"], counts["B"]))
+            self.b.live[key] = per_rank
+        return per_rank[r]
+
     def _pipeline(self) -> None:
         """Per pipeline rank: the end of its last compute (a compute-only replay of the schedule) and
         the activations live before its first backward.
@@ -499,7 +524,12 @@ class _StructureBounds:
             f_before = sum(n * F[c * pp + r] for c, n in enumerate(counts))
             work = m * sum(Fx[c * pp + r] + Bx[c * pp + r] + W[c * pp + r] for c in range(self.vpp))
             self.w_after.append(work - sum(n * Fx[c * pp + r] for c, n in enumerate(counts)))
-            self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(counts)))
+            if self.split:  # every forward and input-gradient pass before the first weight pass
+                fwds, bwds = self._passes_before_first_weight_pass(r)
+                self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(fwds))
+                                + sum(n * self.kept[c * pp + r] for c, n in enumerate(bwds)))
+            else:
+                self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(counts)))
             vs_first = (self.vpp - 1) * pp + r if interleaved else r
             first_b = max(back[vs_first], reach[r] + f_before - Fh[r] + Bh[vs_first])
             total = m * sum(F[c * pp + r] + B[c * pp + r] + W[c * pp + r] for c in range(self.vpp))

@@ -236,7 +236,8 @@ def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
     assert all(p.grad_overlap and p.p2p_overlap and not p.grad_fp32 and not p.master_grads for p in free)
     fixed = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048,
                        parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1,p2p_overlap=0")))
-    assert len(fixed) == len(free)
+    # interleaved zero bubble needs p2p_overlap=1 (`simexec.plan`)
+    assert len(fixed) == len([p for p in free if p.schedule != "interleaved-zb"])
     assert all(not p.grad_overlap and p.grad_fp32 and p.master_grads and not p.p2p_overlap for p in fixed)
 
 

@@ -28,6 +28,16 @@ def bubble_fraction(plan: str) -> float:
     return bubble(plan)[1]
 
 
+def pass_times(plan: str, m: int) -> tuple[float, float, float]:
+    """Seconds of a micro-batch's forward, input-gradient and weight-gradient passes on the first
+    rank (all its chunks), from the simulated trace."""
+    per_mb = {"fwd": 0.0, "bwd": 0.0, "wgrad": 0.0}
+    for e in simulate(UNIFORM, FREE, plan, trace=True).trace.events:
+        if e.rank == 0 and e.kind == "compute" and e.phase in per_mb:
+            per_mb[e.phase] += e.dur_us / 1e6 / m
+    return per_mb["fwd"], per_mb["bwd"], per_mb["wgrad"]
+
+
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 4)])
 def test_bubble_is_p_minus_1_over_m_plus_p_minus_1(schedule, p, m):
@@ -49,14 +59,7 @@ def test_zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w(p, m):
     """ZB-H1 (Qi et al. 2024, Table 1): bubble (p-1)(T_F + T_B - T_W), B the input-gradient pass and W
     the weight-gradient pass, against 1F1B's (p-1)(T_F + T_B + T_W); the passes' times taken from the
     simulated trace."""
-    from collections import defaultdict
-
-    r = simulate(UNIFORM, FREE, f"pp={p},gbs={m},schedule=zb-h1", trace=True)
-    per_mb = defaultdict(float)
-    for e in r.trace.events:
-        if e.rank == 0 and e.kind == "compute" and e.phase in ("fwd", "bwd", "wgrad"):
-            per_mb[e.phase] += e.dur_us / 1e6 / m
-    f, b, w = per_mb["fwd"], per_mb["bwd"], per_mb["wgrad"]
+    f, b, w = pass_times(f"pp={p},gbs={m},schedule=zb-h1", m)
     assert w > 0.5 * b  # a weight-gradient GEMM per input-gradient GEMM
     assert bubble(f"pp={p},gbs={m},schedule=zb-h1")[0] == pytest.approx((p - 1) * (f + b - w), rel=0.03)
     assert bubble(f"pp={p},gbs={m}")[0] == pytest.approx((p - 1) * (f + b + w), rel=0.03)
@@ -66,14 +69,7 @@ def test_zero_bubble_h1_idles_p_minus_1_times_f_plus_b_minus_w(p, m):
 def test_interleaved_zero_bubble_idles_a_vth_of_zb_h1(p, m, v):
     """Interleaved zero bubble: ZB-H1's bubble over v virtual stages, (p-1)(T_F + T_B - T_W)/v, the
     passes' times those of a whole stage's (v chunks') forward, input and weight passes."""
-    from collections import defaultdict
-
-    r = simulate(UNIFORM, FREE, f"pp={p},vpp={v},gbs={m},schedule=interleaved-zb", trace=True)
-    per_mb = defaultdict(float)
-    for e in r.trace.events:
-        if e.rank == 0 and e.kind == "compute" and e.phase in ("fwd", "bwd", "wgrad"):
-            per_mb[e.phase] += e.dur_us / 1e6 / m
-    f, b, w = per_mb["fwd"], per_mb["bwd"], per_mb["wgrad"]
+    f, b, w = pass_times(f"pp={p},vpp={v},gbs={m},schedule=interleaved-zb", m)
     idle = bubble(f"pp={p},vpp={v},gbs={m},schedule=interleaved-zb")[0]
     assert idle == pytest.approx((p - 1) * (f + b - w) / v, rel=0.04)
     assert idle < bubble(f"pp={p},vpp={v},gbs={m}")[0] / 2

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from simexec.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
 from simexec.model import ModelSpec
+from simexec.schedules import INTERLEAVED, SPLIT_BACKWARD
 
 AXES = ("tp", "cp", "dp", "pp")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -492,10 +493,9 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
     micro = gbs // (p.mbs * dp)
     sched = p.schedule_name
-    interleaved = ("interleaved-1f1b", "interleaved-zb")
-    if p.vpp > 1 and sched not in interleaved:
+    if p.vpp > 1 and sched not in INTERLEAVED:
         fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b or interleaved-zb, got {sched}")
-    if sched in interleaved:
+    if sched in INTERLEAVED:
         if p.vpp < 2:
             fail(f"schedule={sched} needs vpp >= 2")
         if p.pp < 2:
@@ -507,7 +507,7 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if sched == "interleaved-zb" and not p.p2p_overlap:
         fail("schedule=interleaved-zb needs p2p_overlap=1 (its order pairs no forward with a backward, so"
              " blocking exchanges one action at a time wait on each other)")
-    if sched in ("zb-h1", "interleaved-zb"):
+    if sched in SPLIT_BACKWARD:
         if p.pp < 2:
             fail(f"schedule={sched} needs pp >= 2")
         if p.zero == 3:

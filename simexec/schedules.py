@@ -158,6 +158,7 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
 SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")  # schedules whose backward is split into B and W
+INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules over vpp virtual stages
 
 
 def format_order(order: dict[int, list[Action]]) -> str:

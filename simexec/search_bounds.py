@@ -32,7 +32,7 @@ from simexec.cluster import ClusterSpec
 from simexec.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.model import ModelSpec
 from simexec.plan import ResolvedPlan
-from simexec.schedules import SPLIT_BACKWARD
+from simexec.schedules import INTERLEAVED, SPLIT_BACKWARD
 from simexec.search_space import Structure
 
 
@@ -454,7 +454,7 @@ class _StructureBounds:
         sched = self.p.schedule_name
         if sched == "gpipe":
             return [m]
-        if sched not in ("interleaved-1f1b", "interleaved-zb"):
+        if sched not in INTERLEAVED:
             return [min(pp - r, m)]
         total = m * v
         hops = (pp - r - 1) * (2 if sched == "interleaved-1f1b" else 1)
@@ -516,7 +516,7 @@ class _StructureBounds:
         back[V - 1] = reach[V - 1] + F[V - 1] - Fh[V - 1] + Bh[V - 1]
         for vs in range(V - 2, -1, -1):
             back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
-        interleaved = self.p.schedule_name in ("interleaved-1f1b", "interleaved-zb")
+        interleaved = self.p.schedule_name in INTERLEAVED
         end, self.act, self.w_after = [], [], []
         Fx, Bx, W = self.Fx, self.Bx, self.W
         for r in range(pp):

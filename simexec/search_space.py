@@ -51,8 +51,7 @@ zero, its flavour, dp_shard, offload). Search bounds a structure once and each v
 Validation: every structure is checked by `resolve` with its first state variant that passes; every
 state variant by `resolve` once per (dp, ep, whether the schedule splits the backward) it occurs
 with. The rules of `resolve` each read either structure fields or state fields with those three,
-never both, so the two checks together accept
-exactly what `resolve` accepts plan by plan (tests/test_search.py holds the space to that); a plan
+never both, so the two checks together accept exactly what `resolve` accepts plan by plan (tests/test_search.py holds the space to that); a plan
 is resolved again, in full, when it is simulated.
 
 A cluster sized to the plan (`local`) has no world size of its own: the search uses one rank per
@@ -137,7 +136,7 @@ def _choices(fix: dict, key: str, default: list) -> list:
 def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
                stats: Optional[SpaceStats] = None, part: Optional[tuple[int, int]] = None) -> Iterator[Structure]:
     """Every structure of the space with the state variants `resolve` accepts, in a fixed order.
-    part=(k, n): only those of every n-th (tp, cp) pair from the k-th (`part_of` says whose a
+    part=(k, n): only those of every n-th (tp, cp) pair from the k-th (`Structure.pair` says whose a
     structure is), so that n workers can share the space without enumerating it all."""
     fix = dict(fix or {})
     stats = stats if stats is not None else SpaceStats()

@@ -1078,3 +1078,21 @@ def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_l
     assert [r.step_s for r in runs] == [1.0, 2.0, 1.3, 2.0, 1.0, 2.0]
     assert len(list((tmp_path / "kept").iterdir())) == 6
     assert noise_guard(None) is None
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml"])
+def test_zero_bubble_split_counts_match_the_executor(model):
+    """Under a zero-bubble schedule each weight-bearing block dispatches its input-gradient pass and
+    its weight pass apart (`simexec.sim.host.SPLIT_OPS`); the embedding's backward is all weight pass."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.model import get_model
+    from simexec.sim.host import dispatch_key, dispatch_table, split_backward_table
+
+    model = str(ROOT / model) if model.endswith(".yaml") else model
+    got = count_dispatch_plan(model, "pp=2,gbs=4,dtype=fp32,schedule=zb-h1")
+    key = dispatch_key(get_model(model))
+    table = split_backward_table(dispatch_table(key), key)
+    blocks = ("qkv", "proj", "fc1", "fc2") if "gqa" not in key else ("proj", "fc1", "fc2")
+    for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")] + ["wgrad.embed"]:
+        assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
+    assert "bwd.embed" not in got

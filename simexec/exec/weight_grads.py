@@ -1,8 +1,9 @@
 """A zero-bubble schedule's split backward: a block's input gradients now, its weight gradients later.
 
 The input-gradient pass (B) runs autograd from the block's outputs to its inputs alone and keeps the
-graph. Prehooks on the nodes where a parameter's gradient path joins the inputs' (the GEMM whose
-other operand is the weight, a norm's affine, a bias add) keep the gradients flowing into them. The
+graph, and keeps the gradients flowing into the nodes where a parameter's gradient path joins the
+inputs' (the GEMM whose other operand is the weight, a norm's affine, a bias add): through prehooks
+the first time a block runs, then as further outputs of the same engine call. The
 weight-gradient pass (W) runs autograd from those nodes, with those gradients, to the parameters
 alone, so no input-gradient kernel runs twice (the approach of torch.distributed.pipelining's
 `stage_backward_input` / `stage_backward_weight`, which torchtitan's zero-bubble schedules use).

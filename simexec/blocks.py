@@ -154,6 +154,16 @@ class Anatomy:
         return self.rp.plan.mbs * self.seq * per_tok * self.dt / self.tp
 
     @cached_property
+    def heads_exchange_bytes(self) -> tuple[float, float]:
+        """cp_impl=a2a (DeepSpeed-Ulysses): what one rank's two all-to-alls over cp move per layer and
+        micro-batch, each way: q, k and v of its tokens for its heads (sequence-split in, heads-split out),
+        and the attention's output (heads-split in, sequence-split out)."""
+        m, T, dt = self.rp.model, self.tokens, self.dt
+        qk, v = m.qk_head_dim, m.value_head_dim
+        qkv = (m.heads * qk + m.kv_heads * (qk + v)) if not m.is_mla else m.heads * (2 * qk + v)
+        return T * qkv * dt / self.tp, T * m.heads * v * dt / self.tp
+
+    @cached_property
     def expert_slots(self) -> float:
         """Rows one rank's tokens fill in the experts' buffers: top_k per token under balanced routing,
         times the capacity factor where buffers are cut or padded to capacity (MoESpec.capacity_factor)."""
@@ -337,6 +347,10 @@ class Anatomy:
             f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
             if padded:  # the padded V and the kernel's padded output, which the slice copies out of
                 saved_attn += 2 * T * m.heads * qk * dt / t
+            if self.cp > 1 and self.rp.plan.cp_impl == "a2a":
+                # the kernel keeps its output in the heads-split layout for its backward, while the output
+                # projection keeps the all-to-all's sequence-split copy
+                saved_attn += ctx_bytes
             attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
         else:
             # unfused (Megatron-LM 2021): baddbmm Q.K^T over all s x s scores, fused scale-mask-softmax,

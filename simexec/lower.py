@@ -325,6 +325,10 @@ class _RankLowering:
         self.compute(phase, "qkv", l, mb, c, blocks["qkv"])
         if self.p.cp > 1 and self.p.cp_impl == "ring":
             self.ring_attention(phase, l, mb, c, blocks["attn"])
+        elif self.p.cp > 1 and self.p.cp_impl == "a2a":
+            self.heads_exchange("heads_in", phase, l, mb, c)
+            self.compute(phase, "attn", l, mb, c, blocks["attn"])
+            self.heads_exchange("heads_out", phase, l, mb, c)
         else:
             if self.p.cp > 1:
                 self.coll(f"{phase}.kv.L{l}.m{mb}", "allgather", "cp", self.g_cp, an.kv_bytes,
@@ -377,6 +381,14 @@ class _RankLowering:
                 self.wait.append(rname)
             else:
                 self.compute(phase, "attn", l, mb, c, part, suffix=f".r{i}")
+
+    def heads_exchange(self, block: str, phase: str, l: int, mb: int, c: int) -> None:
+        """cp_impl=a2a (DeepSpeed-Ulysses): `heads_in` turns this rank's q, k and v from its share of
+        the sequence for all its heads into the whole sequence for a cp-th of them, `heads_out` turns
+        the attention's output back; the backward runs each the other way."""
+        nbytes = self.an.heads_exchange_bytes[0 if block == "heads_in" else 1]
+        self.coll(f"{phase}.{block}.L{l}.m{mb}", "alltoall", "cp", self.g_cp, nbytes, (self.last_compute(),),
+                  phase=phase, block=block, layer=l, mb=mb, chunk=c)
 
     def a2a(self, block: str, phase: str, l: int, mb: int, c: int) -> None:
         self.coll(f"{phase}.{block}.L{l}.m{mb}", "alltoall", "ep", self.g_ep, self.an.dispatch_bytes,
@@ -517,6 +529,9 @@ class _RankLowering:
         again = self.regather("attn", l, mb, c)
         self.compute("bwd", "proj", l, mb, c, blocks["proj"])
         ring = self.p.cp > 1 and self.p.cp_impl == "ring"
+        heads = self.p.cp > 1 and self.p.cp_impl == "a2a"
+        if heads:
+            self.heads_exchange("heads_out", "bwd", l, mb, c)
         if rc and self.p.recompute == "selective":
             if ring:
                 self.ring_attention("recompute", l, mb, c, blocks["attn"])
@@ -526,7 +541,9 @@ class _RankLowering:
             self.ring_attention("bwd", l, mb, c, blocks["attn"])
         else:
             self.compute("bwd", "attn", l, mb, c, blocks["attn"])
-        if self.p.cp > 1 and not ring:
+        if heads:
+            self.heads_exchange("heads_in", "bwd", l, mb, c)
+        elif self.p.cp > 1 and not ring:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
         self.compute_regathered("qkv", l, mb, c, blocks["qkv"], again)

@@ -31,7 +31,9 @@ class Plan(BaseModel):
     tp: int = Field(1, gt=0, description="tensor-parallel degree (Megatron 1D)")
     sp: bool = Field(False, description="sequence parallel on top of tp (Korthikanti et al. 2022)")
     cp: int = Field(1, gt=0, description="context-parallel degree: the sequence split across ranks")
-    cp_impl: Literal["allgather", "ring"] = Field("allgather", description="K/V exchange: all-gather (Llama 3) or ring")
+    cp_impl: Literal["allgather", "ring", "a2a"] = Field(
+        "allgather", description="K/V exchange: all-gather (Llama 3), ring, or all-to-all between sequence and "
+        "heads (DeepSpeed-Ulysses)")
     pp: int = Field(1, gt=0, description="pipeline stages")
     vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
     ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
@@ -477,6 +479,13 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             and any(model.attention_window(i, seq) for i in range(model.layers))):
         fail(f"cp_impl=ring does not run sliding-window attention (window {model.sliding_window} < sequence "
              f"{seq}); use cp_impl=allgather")
+    if p.cp > 1 and p.cp_impl == "a2a":
+        heads = model.heads if model.is_mla else model.kv_heads
+        if (model.heads // p.tp) % p.cp or (heads // p.tp) % p.cp:
+            kind = "attention" if (model.heads // p.tp) % p.cp else "KV"
+            n = model.heads if kind == "attention" else heads
+            fail(f"{kind} heads per tp rank {n}/{p.tp} = {n // p.tp} not divisible by cp={p.cp} (cp_impl=a2a "
+                 f"splits them over cp); use cp_impl=allgather or ring")
     if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:
         fail(f"sequence chunk {seq // p.cp} per cp rank not divisible by tp={p.tp} (needed by sp)")
     n_stages = p.pp * p.vpp

@@ -385,12 +385,16 @@ class _StructureBounds:
 
     def _attention(self, attn, rank: int, bwd: int) -> float:
         """The attention core: after an all-gather of K/V over cp (backward: before a reduce-scatter
-        of their gradients), or as cp partial attentions between the hops of ring attention (whose
-        messages are left out: they only delay)."""
+        of their gradients), between cp_impl=a2a's two all-to-alls, or as cp partial attentions
+        between the hops of ring attention (whose messages are left out: they only delay)."""
         p = self.p
         if p.cp > 1 and p.cp_impl == "ring":
             f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
             return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp)
+        if p.cp > 1 and p.cp_impl == "a2a":
+            qkv, out = self.an.heads_exchange_bytes
+            exchanges = self._coll("alltoall", rank, "cp", qkv) + self._coll("alltoall", rank, "cp", out)
+            return exchanges + (self._bwd(attn) if bwd else self._fwd(attn))
         if bwd:
             return self._bwd(attn) + (self._coll("reducescatter", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0)
         return (self._coll("allgather", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0) + self._fwd(attn)

@@ -12,7 +12,7 @@ tp                 powers of two up to the GPUs of one node (TP all-reduces ever
 sp                 off, on (tp > 1 only)
 cp                 powers of two, keeping at least 1,024 tokens per rank (shorter chunks starve
                    the attention kernel), at most 32
-cp_impl            allgather, ring (cp > 1 only)
+cp_impl            allgather, ring (cp > 1 only), a2a (cp > 1, heads per tp rank divisible by cp)
 pp                 every divisor of world/(tp*cp) up to the layers
 vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B); 1
                    alone when pp does not divide the layers
@@ -241,7 +241,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
         # a zero-bubble schedule refuses sp (`simexec.plan`): not enumerated, rather than refused
         sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
         for sp in _choices(fix, "sp", sps):
-            for cp_impl in _choices(fix, "cp_impl", ["allgather", "ring"] if cp > 1 else ["allgather"]):
+            for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
                         for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
@@ -255,6 +255,15 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                             for rl in rls:
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl)
+
+
+def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
+    """How cp can exchange K/V: all-to-all only where each tp rank's heads split over cp (`simexec.plan`)."""
+    if cp == 1:
+        return ["allgather"]
+    kv = model.heads if model.is_mla else model.kv_heads
+    heads_split = (model.heads // tp) % cp == 0 and (kv // tp) % cp == 0
+    return ["allgather", "ring"] + (["a2a"] if heads_split else [])
 
 
 def _eps(model: ModelSpec, dp: int) -> list[int]:

@@ -166,7 +166,8 @@ def test_a_collectives_call_costs_its_thread_and_leaves_the_rest_of_its_latency(
 
 
 @pytest.mark.parametrize("model,plan", [("gpt-tiny", "tp=2,sp=1,gbs=4,dtype=fp32"), ("moe-tiny", "tp=2,gbs=2,dtype=fp32"),
-                                        ("moe-tiny", "ep=2,dp=2,gbs=4,dtype=fp32"), ("gpt-tiny", "cp=2,gbs=2,dtype=fp32")])
+                                        ("moe-tiny", "ep=2,dp=2,gbs=4,dtype=fp32"), ("gpt-tiny", "cp=2,gbs=2,dtype=fp32"),
+                                        ("gpt-tiny", "cp=2,cp_impl=a2a,gbs=2,dtype=fp32")])
 def test_activation_collective_operators_match_the_executor(model, plan):
     """`scripts/collective_ops.py`: what the interpreter dispatches around each activation
     collective, counted on rank 0 of a real step, is what the simulator charges for it."""
@@ -324,7 +325,9 @@ GROUPED = "tests/data/qk-norm-tiny.yaml"  # 4 query heads in 2 groups
                                         (GROUPED, "cp=2,cp_impl=ring,gbs=2"),
                                         ("gpt-tiny", "gbs=1,flash_attention=0"), (GROUPED, "gbs=1,flash_attention=0"),
                                         ("moe-tiny", "cp=2,gbs=2,flash_attention=0"),
-                                        (GROUPED, "cp=4,gbs=4,flash_attention=0")])
+                                        (GROUPED, "cp=4,gbs=4,flash_attention=0"),
+                                        ("gpt-tiny", "cp=2,cp_impl=a2a,gbs=2"), (GROUPED, "cp=2,cp_impl=a2a,gbs=2"),
+                                        ("gpt-tiny", "cp=2,cp_impl=a2a,gbs=2,flash_attention=0")])
 def test_context_parallel_attention_counts_match_the_executor(model, plan):
     """Under cp the executor runs another attention block, and without a fused kernel another
     attention; the simulator counts their operators, with query heads in groups or not."""

@@ -399,6 +399,30 @@ def test_context_parallel_gathers_kv_forward_and_scatters_their_grads_backward()
     assert kv == {("fwd", "allgather@cp"): layers, ("bwd", "reducescatter@cp"): layers}
 
 
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_all_to_all_context_parallelism_exchanges_heads_around_the_attention(recompute):
+    """cp_impl=a2a (DeepSpeed-Ulysses): per layer an all-to-all of q, k and v before the attention and
+    one of its output after it, each run the other way in the backward; no K/V all-gather. Selective
+    recompute reruns the attention on the exchanged q, k and v; full recompute reruns the exchanges."""
+    plan = f"cp=2,cp_impl=a2a,gbs=1,recompute={recompute}"
+    prog = _program("llama3.2-1b", plan)
+    rank0 = prog.ranks[0]
+    layer0 = [(i.phase, i.block) for i in rank0 if i.layer == 0 and i.block in ("qkv", "heads_in", "attn", "heads_out", "proj")]
+    fwd = [("fwd", "qkv"), ("fwd", "heads_in"), ("fwd", "attn"), ("fwd", "heads_out"), ("fwd", "proj")]
+    bwd = [("bwd", "proj"), ("bwd", "heads_out")] + ([("recompute", "attn")] if recompute == "selective" else []) + \
+        [("bwd", "attn"), ("bwd", "heads_in"), ("bwd", "qkv")]
+    rec = [("recompute", b) for _, b in fwd] if recompute == "full" else []
+    assert layer0 == fwd + rec + bwd
+    assert not any(i.block == "kv" for i in rank0)
+    rp = resolve(get_model("llama3.2-1b"), get_cluster("local"), parse_plan(plan))
+    tokens = rp.seq_len // 2
+    qkv, out = tokens * (32 * 64 + 8 * 2 * 64) * 2, tokens * 32 * 64 * 2  # bf16, 32 query and 8 KV heads of 64
+    for i in rank0:
+        if i.block in ("heads_in", "heads_out"):
+            assert i.op == "alltoall@cp" and i.group == (0, 1)
+            assert i.bytes == (qkv if i.block == "heads_in" else out)
+
+
 def test_offload_copies_gradients_out_steps_on_the_host_and_copies_parameters_back():
     prog = _program("gpt-tiny", "dp=2,zero=1,offload=optimizer,gbs=2")
     names = [i.block for i in prog.ranks[0] if i.stream in ("copy.d2h", "host", "copy.h2d")]

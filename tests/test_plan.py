@@ -109,6 +109,15 @@ def test_balanced_stages_count_the_embedding_and_the_head_as_layers():
                 assert sum(split) == layers and min(split) >= 1 and max(units) - min(units) <= 1
 
 
+def test_all_to_all_context_parallelism_splits_each_tp_ranks_heads_over_cp():
+    # Llama 3 8B: 32 query heads, 8 KV heads; cp_impl=a2a gives each cp rank a cp-th of a tp rank's heads
+    ok("llama3-8b", "1xdgx-h100", "tp=2,cp=4,cp_impl=a2a,gbs=8")
+    refused("llama3-8b", "2xdgx-h100", "tp=8,cp=2,cp_impl=a2a,gbs=8",
+            "KV heads per tp rank 8/8 = 1 not divisible by cp=2", "cp_impl=allgather or ring")
+    refused(TINY, "local", "cp=8,cp_impl=a2a,gbs=1", "attention heads per tp rank 4/1 = 4 not divisible by cp=8")
+    ok(TINY, "local", "cp=4,cp_impl=ring,gbs=1")  # the other exchanges do not split heads
+
+
 def test_gbs_divisible_by_mbs_times_dp():
     refused(TINY, "local", "dp=4,gbs=10", "global batch 10 not divisible by mbs*dp = 1*4 = 4")
     refused(TINY, "local", "dp=2,mbs=2,gbs=6", "global batch 6 not divisible by mbs*dp = 2*2 = 4")

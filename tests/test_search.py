@@ -187,6 +187,33 @@ def test_bounds_never_exceed_the_simulation_of_zero_bubble(name, cluster, gbs, s
         assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
 
 
+@pytest.mark.parametrize("name,cluster,gbs,seq", [("llama3-8b", "2xdgx-h100", 64, 8192),
+                                                   ("mistral-7b", "1xdgx-h100", 16, 8192)])  # sliding window
+def test_bounds_never_exceed_the_simulation_of_all_to_all_context_parallelism(name, cluster, gbs, seq):
+    """cp_impl=a2a: the attention between two all-to-alls over cp, each way."""
+    model, cl, cands = _candidates(name, cluster, gbs, seq, {"cp_impl": "a2a"})
+    cands = [c for c in cands if ",cp=" in c.plan_string]
+    b = Bounds(model, cl, seq)
+    for c in random.Random(3).sample(cands, 12):
+        r = simulate(model, cl, parse_plan(c.plan_string), seq)
+        assert c.time_lb <= r.step_time_s and b.refine(c) <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+
+
+def test_all_to_all_context_parallelism_is_searched_where_the_heads_split():
+    """llama3-8b's 8 KV heads: a2a up to cp=8 at tp=1, cp=4 at tp=2, cp=2 at tp=4, never at tp=8."""
+    _, _, cands = _candidates("llama3-8b", "4xdgx-h100", 32, 65536)
+    seen = {}
+    for c in cands:
+        p = parse_plan(c.plan_string)
+        if p.cp > 1:
+            seen.setdefault((p.tp, p.cp), set()).add(p.cp_impl)
+    assert seen, "no context-parallel plan in the space"
+    for (tp, cp), impls in seen.items():
+        assert ("a2a" in impls) == ((8 // tp) % cp == 0), (tp, cp, impls)
+        assert {"allgather", "ring"} <= impls
+
+
 def test_bounds_never_exceed_the_simulation_of_megatron_2021_knobs():
     """Gradients reduced after the backward, fp32 main gradients at the step, blocking pipeline
     exchanges (scripts/validate_search.py); pipelines sliced over tp among them."""

@@ -16,7 +16,7 @@ from typing import Optional
 _BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "embed": ((), ("emb",)),
     "qkv": (("xa",), ("q", "kv")),
-    "attn": (("q", "kvf"), ("o",)),
+    "attn": (("qf", "kvf"), ("oh",)),
     "proj": (("o", "xa"), ("yp",)),
     "fc1": (("xma",), ("a",)),
     "fc2": (("a", "xma"), ("y2p",)),
@@ -32,7 +32,9 @@ _BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 _PERMUTED_INPUT = {"experts": "xr", "moe_out": "yc"}
 
 # collective block: (input name, output name, dimension it gathers/scatters along).
-# Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C).
+# Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C). The
+# attention reads qf and kvf and writes oh: q, kv and o themselves but under cp (an all-gather of kv, or
+# cp_impl=a2a's exchanges between the sequence-split and the heads-split layouts).
 _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
     "embed_out": ("emb", "x", 1),
     "attn_in": ("x", "xa", 1),
@@ -43,6 +45,8 @@ _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
     "ce_max": ("lmax", "gmax", None),
     "ce_sum": ("ce", "ceg", None),
     "kv": ("kv", "kvf", 3),
+    "heads_in": ("q", "qf", None),  # with kv -> kvf: cp_impl=a2a (`simexec.exec.heads_exchange`)
+    "heads_out": ("oh", "o", None),
     "dispatch": ("xs", "xr", 0),
     "combine": ("yr", "yc", 0),
 }
@@ -72,7 +76,7 @@ _TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
 # later collective of their unit carries, an all-reduce of their own (`norm_grads`)
 _SP_PARTIAL = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
-_CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax"))  # their backward also sums replicated params' grads
+_CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
 
 
 def _coll_keys(block: str, layer: int, mb: int, table: dict = _COLLS) -> tuple[tuple, tuple]:

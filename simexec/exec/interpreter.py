@@ -49,6 +49,7 @@ from simexec.exec.collectives import TorchComm, _Inflight
 from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
                                    _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
                                    _coll_keys, _downstream, _upstream)
+from simexec.exec.heads_exchange import HeadsExchange
 from simexec.exec.live_memory import _TRACKER, _LiveBytes
 from simexec.exec.model import GPT, Layout, Route, holds, init_full, shard, stage_specs
 from simexec.exec.optimizer_step import OptimizerStep
@@ -183,7 +184,7 @@ class _NullTracer:
         pass
 
 
-class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
+class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerStep):
     """One rank's program, run step by step: its loop, the compute blocks and the activation
     collectives; the parameter and gradient storage is `Sharding`'s, ring attention
     `RingAttention`'s, the pipeline messages `PipelineMessages`' and the optimizer step
@@ -249,6 +250,7 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         self._setup_grad_buffers()
         self._setup_optimizer()
         self._setup_ring()
+        self._setup_heads()
         self._prepare()
 
     # --- env reads and writes ---------------------------------------------------------------------
@@ -468,6 +470,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         if block == "norm":
             return (M.final_norm(xs[0]),)
         if block == "attn":
+            if self.heads:  # cp_impl=a2a: the whole sequence, in order, for this rank's share of the heads
+                return (M.attn(l, xs[0], xs[1], self.heads_pos, self.heads_pos),)
             pos = self.batch(mb).pos
             kpos = self._kpos if xs[1].shape[3] != xs[0].shape[2] else pos
             return (M.attn(l, xs[0], xs[1], pos, kpos),)
@@ -667,6 +671,8 @@ class _Rank(Sharding, RingAttention, PipelineMessages, OptimizerStep):
         gathered_input = self.plan.sp and not backward and (ins.block in _SP_GATHERS or ins.block in _REGATHERS)
         if ins.block in ("dispatch", "combine"):
             return self.alltoall(ins, g, src, dst, backward)
+        if ins.block in ("heads_in", "heads_out"):
+            return self.heads_exchange(ins, g, backward)
         if backward:
             x = self.take_grad(dst)
             extras = self._tp_partial_grads(ins) if ins.block in _TP_PARTIAL else []

@@ -154,6 +154,7 @@ MOE_LOOP_OPS = {"fwd.experts": (16, 5), "bwd.experts": (6, 26), "fwd.moe_out": (
 CP_ATTN_OPS = {
     "allgather": lambda cp, half: {"fwd.attn": 16 + 3 * cp, "bwd.attn": 10},
     "ring": lambda cp, half: {"fwd.attn": 62 if half else 58, "bwd.attn": 64 if half else 58},
+    "a2a": lambda cp, half: {},  # the whole sequence for fewer heads: the single-rank attention's
 }
 # Sequence parallelism moves each norm into a block of its own (`norm1`, `norm2`, `norm` before the
 # head) and gives the column-parallel GEMMs a custom autograd function that saves the weight, not the
@@ -260,7 +261,7 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
     if cp > 1:
         table.update(CP_ATTN_OPS.get(cp_impl, CP_ATTN_OPS["allgather"])(cp, dtype in ("bf16", "fp16")))
     if not flash and not ring:
-        table.update(unfused_cp_attn_ops(cp) if cp > 1 else UNFUSED_ATTN_OPS)
+        table.update(unfused_cp_attn_ops(cp) if cp > 1 and cp_impl == "allgather" else UNFUSED_ATTN_OPS)
     kernel = "ring" if ring else "unfused" if not flash else "fused"
     extra = []
     if "gqa" in adders and kernel != "fused":

@@ -37,6 +37,11 @@ ACTIVATION_OPS = {
 REDUCESCATTER_OPS_PER_MEMBER = 2
 BACKWARD_READ_OPS = -1  # a gradient is taken, not read and detached: one operator fewer (not all-to-all's)
 CP_KV_OPS = 1  # context parallelism's K/V all-gather stacks the two first
+# cp_impl=a2a's exchanges (`simexec.exec.heads_exchange`), counted on gpt-tiny at cp=2 (block, backward):
+# q and k/v (or the output) laid out for the call (split, permuted, made contiguous, joined) and, once
+# waited, sliced, laid out again and put in sequence order (heads_in forward) or the heads joined
+HEADS_EXCHANGE_OPS = {("heads_in", False): (12, 12), ("heads_out", False): (6, 5),
+                      ("heads_out", True): (6, 5), ("heads_in", True): (14, 10)}
 DISPATCH_COUNTS_OPS = 5  # MoE's forward dispatch first exchanges per-expert counts (`exchanges_counts`)
 # A partial gradient summed with an activation's: flattened before the call (and the activation with
 # it, once, replacing the all-reduce's copy); once waited, sliced, viewed, copied out and, after the
@@ -103,6 +108,8 @@ def activation_ops(ins: Instr, partial: int = 0) -> tuple[int, int]:
     after_partial = partial * (PARTIAL_AFTER_OPS + (1 if ins.mb > 0 else 0))
     if ins.block == "norm_grads":
         return NORM_GRADS_OPS + PARTIAL_BEFORE_OPS * partial, after_partial
+    if (ins.block, ins.phase == "bwd") in HEADS_EXCHANGE_OPS:
+        return HEADS_EXCHANGE_OPS[(ins.block, ins.phase == "bwd")]
     verb = ins.collective
     before, after = ACTIVATION_OPS.get(verb, (0, 0))
     if ins.phase == "bwd" and verb != "alltoall" and not ins.block.endswith("_regather"):

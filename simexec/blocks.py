@@ -103,6 +103,10 @@ class Anatomy:
         # 3, cuDNN through TransformerEngine); PyTorch's CPU kernel takes one, so V is padded to the key
         # width and the output sliced back (as HF's DeepSeek does for FlashAttention 2)
         self.pads_value_heads = not self.fused_wgrad
+        # ring attention on CPU ranks (simexec's executor) merges the chunks' outputs in fp32 and keeps
+        # that output for its backward beside the output projection's copy; TransformerEngine's ring
+        # saves the one output both read
+        self.ring_keeps_fp32_output = not self.fused_wgrad
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
@@ -223,6 +227,10 @@ class Anatomy:
             ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
         else:
             ws["attn"] = n_s + ctx + qkv + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
+        if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
+            # the gathered K/V's gradients, whole, until their reduce-scatter
+            kv = T * (m.kv_heads if not m.is_mla else m.heads) * (qk + v) * dt / t
+            ws["attn"] += kv * (self.cp - 1)
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t
@@ -338,6 +346,8 @@ class Anatomy:
         q_bytes = T * m.heads * qk * dt / t
         kv_local = T * m.kv_heads * (qk + v) * dt / t if not m.is_mla else T * m.heads * (qk + v) * dt / t
         saved_attn = q_bytes + kv_local
+        if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
+            saved_attn += kv_local * (self.cp - 1)  # the attention keeps the gathered K/V for its backward
         ctx_bytes = T * m.heads * v * dt / t
         if self.rp.plan.flash_attention:
             # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
@@ -347,9 +357,11 @@ class Anatomy:
             f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
             if padded:  # the padded V and the kernel's padded output, which the slice copies out of
                 saved_attn += 2 * T * m.heads * qk * dt / t
-            if self.cp > 1 and self.rp.plan.cp_impl == "a2a":
+            if self.cp > 1 and self.rp.plan.cp_impl == "ring" and self.ring_keeps_fp32_output:
+                saved_attn += T * m.heads * v * 4 / t
+            if self.cp > 1 and self.rp.plan.cp_impl == "a2a" and not padded:
                 # the kernel keeps its output in the heads-split layout for its backward, while the output
-                # projection keeps the all-to-all's sequence-split copy
+                # projection keeps the all-to-all's sequence-split copy (a padded output is counted above)
                 saved_attn += ctx_bytes
             attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
         else:

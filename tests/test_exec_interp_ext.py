@@ -319,18 +319,22 @@ def test_all_to_all_context_parallelism_matches_reference(model, plan):
     check_plan(str(Path(__file__).parent / "data" / model), plan)
 
 
-def test_all_to_all_context_parallelism_memory_follows_the_simulator():
-    """cp_impl=a2a holds what ring attention holds, and the attention's output twice: the kernel keeps
-    it in the heads-split layout, the output projection the exchanged copy. The difference between the
-    two, measured per rank, is the predicted one."""
+@pytest.mark.parametrize("model,impl,tol", [("gpt-tiny", "allgather", 0.02), ("gpt-tiny", "ring", 0.02),
+                                            ("gpt-tiny", "a2a", 0.02), ("mla-tiny.yaml", "allgather", 0.05),
+                                            ("mla-tiny.yaml", "a2a", 0.05)])
+def test_context_parallel_memory_follows_the_simulator(model, impl, tol):
+    """With activations most of the peak (16 sequences of 64): the all-gather keeps the gathered K/V
+    for the attention's backward and holds their gradients whole until the reduce-scatter; the ring
+    on CPU keeps its fp32 output beside the output projection's copy; the all-to-all keeps the
+    attention's output in both layouts, and frees q, k and v of the sequence split once exchanged.
+    Every rank within `tol` of its prediction (before these were counted: +7.2%, +3.3%, +3.2% and,
+    for MLA's all-gather, +33%)."""
     from simexec.simulate import simulate
 
-    peaks = {}
-    for impl in ("ring", "a2a"):
-        plan = f"cp=2,gbs=16,mbs=16,cp_impl={impl}"
-        _, results = run_plan("gpt-tiny", plan, seq_len=64)
-        predicted = simulate("gpt-tiny", "local", plan + ",dtype=fp32", seq_len=64).peak_memory_bytes_per_rank
-        peaks[impl] = [(res["peak_memory_bytes"], predicted[r]) for r, res in enumerate(results)]
-    for (ring_m, ring_p), (a2a_m, a2a_p) in zip(peaks["ring"], peaks["a2a"]):
-        assert a2a_p > ring_p and a2a_m - ring_m == pytest.approx(a2a_p - ring_p, rel=0.05)
-        assert a2a_m == pytest.approx(a2a_p, rel=0.05)
+    model = str(Path(__file__).parent / "data" / model) if model.endswith(".yaml") else model
+    plan = f"cp=2,gbs=16,mbs=16,cp_impl={impl}"
+    _, results = run_plan(model, plan, seq_len=64)
+    predicted = simulate(model, "local", plan + ",dtype=fp32", seq_len=64).peak_memory_bytes_per_rank
+    for r, res in enumerate(results):
+        err = res["peak_memory_bytes"] / predicted[r] - 1
+        assert abs(err) < tol, f"{plan} rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted[r]:.0f} ({err:+.1%})"

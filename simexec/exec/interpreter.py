@@ -462,7 +462,15 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
             b = self.batch(mb)
             return (M.embed(b.tokens, b.pos),)
         if block == "qkv":
-            return M.qkv(l, xs[0], self.batch(mb).pos, self._fetch("xa", l, mb))
+            q, kv = M.qkv(l, xs[0], self.batch(mb).pos, self._fetch("xa", l, mb))
+            # what a cp collective is the only reader of (kv; q too under cp_impl=a2a) becomes a tensor of
+            # its own, freed once sent: a recorded view (MLA's kv, q of the projection's output) would keep
+            # its base alive until the backward
+            if self.plan.cp > 1 and not self.ring:
+                kv = kv.clone() if kv._base is not None else kv
+                if self.heads and q._base is not None:
+                    q = q.clone()
+            return q, kv
         if block == "norm1":
             return (M.norm1(l, xs[0]),)
         if block == "norm2":

@@ -12,7 +12,9 @@ tp                 powers of two up to the GPUs of one node (TP all-reduces ever
 sp                 off, on (tp > 1 only)
 cp                 powers of two, keeping at least 1,024 tokens per rank (shorter chunks starve
                    the attention kernel), at most 32
-cp_impl            allgather, ring (cp > 1 only), a2a (cp > 1, heads per tp rank divisible by cp)
+cp_impl            allgather, ring (cp > 1 only); a2a where each tp rank's heads split over cp and
+                   it moves fewer bytes per layer than the all-gather, or holds less (grouped K/V
+                   heads make the all-gather's K/V small: Llama 3 70B needs cp >= 6 for either)
 pp                 every divisor of world/(tp*cp) up to the layers
 vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B); 1
                    alone when pp does not divide the layers
@@ -258,12 +260,19 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
 
 
 def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
-    """How cp can exchange K/V: all-to-all only where each tp rank's heads split over cp (`simexec.plan`)."""
+    """How cp can exchange K/V. The all-to-all needs each tp rank's heads to split over cp
+    (`simexec.plan`), and is left out where it would move at least the all-gather's bytes and hold at
+    least its memory: per token, q, k, v and the output against cp times the K/V, and the output's
+    second copy against the cp - 1 gathered K/V (with grouped K/V heads and small cp it loses both)."""
     if cp == 1:
         return ["allgather"]
-    kv = model.heads if model.is_mla else model.kv_heads
-    heads_split = (model.heads // tp) % cp == 0 and (kv // tp) % cp == 0
-    return ["allgather", "ring"] + (["a2a"] if heads_split else [])
+    kv_heads = model.heads if model.is_mla else model.kv_heads
+    if (model.heads // tp) % cp or (kv_heads // tp) % cp:
+        return ["allgather", "ring"]
+    q, o = model.heads * model.qk_head_dim, model.heads * model.value_head_dim
+    kv = kv_heads * (model.qk_head_dim + model.value_head_dim)
+    useful = q + kv + o < cp * kv or o < (cp - 1) * kv
+    return ["allgather", "ring"] + (["a2a"] if useful else [])
 
 
 def _eps(model: ModelSpec, dp: int) -> list[int]:

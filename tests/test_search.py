@@ -200,17 +200,24 @@ def test_bounds_never_exceed_the_simulation_of_all_to_all_context_parallelism(na
         assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
 
 
-def test_all_to_all_context_parallelism_is_searched_where_the_heads_split():
-    """llama3-8b's 8 KV heads: a2a up to cp=8 at tp=1, cp=4 at tp=2, cp=2 at tp=4, never at tp=8."""
-    _, _, cands = _candidates("llama3-8b", "4xdgx-h100", 32, 65536)
+@pytest.mark.parametrize("name,a2a_from", [("llama3-8b", 4), ("llama2-7b", 2)])
+def test_all_to_all_context_parallelism_is_searched_where_it_can_help(name, a2a_from):
+    """a2a where each tp rank's heads split over cp (llama3-8b's 8 KV heads: cp up to 8 at tp 1, 4 at
+    tp 2, 2 at tp 4, none at tp 8; llama2-7b's 32) and it moves or holds less than the all-gather:
+    with 8 of 32 heads for K/V only from cp 4 (its output's second copy against 3 gathered K/V), with
+    every head's K/V from cp 2 (one output against the gathered K/V)."""
+    m = get_model(name)
+    _, _, cands = _candidates(name, "4xdgx-h100", 32, 65536)
     seen = {}
     for c in cands:
         p = parse_plan(c.plan_string)
         if p.cp > 1:
             seen.setdefault((p.tp, p.cp), set()).add(p.cp_impl)
     assert seen, "no context-parallel plan in the space"
+    assert any("a2a" in impls for impls in seen.values())
     for (tp, cp), impls in seen.items():
-        assert ("a2a" in impls) == ((8 // tp) % cp == 0), (tp, cp, impls)
+        split = (m.kv_heads // tp) % cp == 0 and (m.heads // tp) % cp == 0
+        assert ("a2a" in impls) == (split and cp >= a2a_from), (tp, cp, impls)
         assert {"allgather", "ring"} <= impls
 
 

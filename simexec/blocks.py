@@ -153,19 +153,17 @@ class Anatomy:
     @cached_property
     def kv_bytes(self) -> float:
         """K and V of the whole sequence for this rank's KV heads (what cp all-gathers)."""
-        m = self.rp.model
-        per_tok = m.kv_heads * (m.qk_head_dim + m.value_head_dim) if not m.is_mla else m.heads * (m.qk_head_dim + m.value_head_dim)
-        return self.rp.plan.mbs * self.seq * per_tok * self.dt / self.tp
+        _, kv, _ = self.rp.model.attention_widths
+        return self.rp.plan.mbs * self.seq * kv * self.dt / self.tp
 
     @cached_property
     def heads_exchange_bytes(self) -> tuple[float, float]:
         """cp_impl=a2a (DeepSpeed-Ulysses): what one rank's two all-to-alls over cp move per layer and
         micro-batch, each way: q, k and v of its tokens for its heads (sequence-split in, heads-split out),
         and the attention's output (heads-split in, sequence-split out)."""
-        m, T, dt = self.rp.model, self.tokens, self.dt
-        qk, v = m.qk_head_dim, m.value_head_dim
-        qkv = (m.heads * qk + m.kv_heads * (qk + v)) if not m.is_mla else m.heads * (2 * qk + v)
-        return T * qkv * dt / self.tp, T * m.heads * v * dt / self.tp
+        q, kv, o = self.rp.model.attention_widths
+        per_token = self.tokens * self.dt / self.tp
+        return (q + kv) * per_token, o * per_token
 
     @cached_property
     def expert_slots(self) -> float:
@@ -213,7 +211,8 @@ class Anatomy:
         n_s, n = self.hidden_bytes, self.full_hidden_bytes
         qk, v = m.qk_head_dim, m.value_head_dim
         ctx = T * m.heads * v * dt / t
-        qkv = T * (m.heads * qk + m.kv_heads * (qk + v)) * dt / t if not m.is_mla else T * m.heads * (2 * qk + v) * dt / t
+        w_q, w_kv, _ = m.attention_widths
+        qkv = T * (w_q + w_kv) * dt / t
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
         latent = m.latent_matmul_params()
@@ -229,8 +228,7 @@ class Anatomy:
             ws["attn"] = n_s + ctx + qkv + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
             # the gathered K/V's gradients, whole, until their reduce-scatter
-            kv = T * (m.kv_heads if not m.is_mla else m.heads) * (qk + v) * dt / t
-            ws["attn"] += kv * (self.cp - 1)
+            ws["attn"] += T * w_kv * dt / t * (self.cp - 1)
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t
@@ -270,11 +268,10 @@ class Anatomy:
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
         n = self.full_hidden_bytes
         norm = 0.0 if self.sp else n
-        qk, v = m.qk_head_dim, m.value_head_dim
-        o_params = m.heads * v * h
+        o_params = m.heads * m.value_head_dim * h
         latent = m.latent_matmul_params()
         qkv_rank = (m.attention_matmul_params() - o_params - latent) / t + latent
-        qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
+        qkv_out = sum(m.attention_widths[:2]) / t
         out = {"qkv": (qkv_rank, T * qkv_out * dt + norm), "proj": (o_params / t, n)}
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
@@ -314,7 +311,7 @@ class Anatomy:
         latent = m.latent_matmul_params()  # MLA's down projections: every tp rank computes them whole
         qkv_rank = (qkv_params - latent) / t + latent
         f_qkv = 2.0 * T * qkv_rank
-        qkv_out = (m.heads * qk + m.kv_heads * (qk + v)) / t if not m.is_mla else m.heads * (2 * qk + v) / t
+        qkv_out = sum(m.attention_widths[:2]) / t
         has_bias = m.bias or m.qkv_bias
         # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
         # output), rotary on q and k
@@ -344,7 +341,7 @@ class Anatomy:
             bb_qkv += 3 * dt * heads_qk * qk
             saved_qkv += heads_qk * (qk * dt + 4)
         q_bytes = T * m.heads * qk * dt / t
-        kv_local = T * m.kv_heads * (qk + v) * dt / t if not m.is_mla else T * m.heads * (qk + v) * dt / t
+        kv_local = T * m.attention_widths[1] * dt / t
         saved_attn = q_bytes + kv_local
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
             saved_attn += kv_local * (self.cp - 1)  # the attention keeps the gathered K/V for its backward

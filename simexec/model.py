@@ -154,6 +154,18 @@ class ModelSpec(BaseModel):
         return self.kv_lora_rank is not None
 
     @property
+    def kv_head_count(self) -> int:
+        """K/V heads as attention reads them: kv_heads, or every head under MLA (whose latent is
+        expanded into a key and a value per head)."""
+        return self.heads if self.is_mla else self.kv_heads
+
+    @property
+    def attention_widths(self) -> tuple[int, int, int]:
+        """Elements per token, over all heads, of (q, k and v together, the attention's output)."""
+        return (self.heads * self.qk_head_dim, self.kv_head_count * (self.qk_head_dim + self.value_head_dim),
+                self.heads * self.value_head_dim)
+
+    @property
     def qk_head_dim(self) -> int:
         """Width of one query/key head: head_dim, plus the rotary part under MLA (128 + 64 for DeepSeek-V3)."""
         return self.head_dim + (self.qk_rope_head_dim or 0)

@@ -458,6 +458,15 @@ def balanced_stages(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
     return tuple(counts) if min(counts) >= 1 else None
 
 
+def heads_unsplit(model: ModelSpec, tp: int, cp: int) -> Optional[str]:
+    """Why cp_impl=a2a cannot split each tp rank's query and K/V heads over cp, or None where it can."""
+    for kind, n in (("attention", model.heads), ("KV", model.kv_head_count)):
+        if (n // tp) % cp:
+            return (f"{kind} heads per tp rank {n}/{tp} = {n // tp} not divisible by cp={cp} (cp_impl=a2a splits "
+                    "them over cp); use cp_impl=allgather or ring")
+    return None
+
+
 def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, seq: int) -> None:
     """The rules of parallel training, one `if` each."""
     def fail(msg: str) -> None:
@@ -479,13 +488,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
             and any(model.attention_window(i, seq) for i in range(model.layers))):
         fail(f"cp_impl=ring does not run sliding-window attention (window {model.sliding_window} < sequence "
              f"{seq}); use cp_impl=allgather")
-    if p.cp > 1 and p.cp_impl == "a2a":
-        heads = model.heads if model.is_mla else model.kv_heads
-        if (model.heads // p.tp) % p.cp or (heads // p.tp) % p.cp:
-            kind = "attention" if (model.heads // p.tp) % p.cp else "KV"
-            n = model.heads if kind == "attention" else heads
-            fail(f"{kind} heads per tp rank {n}/{p.tp} = {n // p.tp} not divisible by cp={p.cp} (cp_impl=a2a "
-                 f"splits them over cp); use cp_impl=allgather or ring")
+    if p.cp > 1 and p.cp_impl == "a2a" and (why := heads_unsplit(model, p.tp, p.cp)):
+        fail(why)
     if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:
         fail(f"sequence chunk {seq // p.cp} per cp rank not divisible by tp={p.tp} (needed by sp)")
     n_stages = p.pp * p.vpp

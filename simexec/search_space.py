@@ -67,7 +67,7 @@ from typing import Iterator, Optional
 from simexec.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.model import ModelSpec
-from simexec.plan import Plan, ResolvedPlan, balanced_stages, resolve
+from simexec.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
 from simexec.schedules import SPLIT_BACKWARD
 
 MBS = (1, 2, 4, 8)
@@ -266,11 +266,9 @@ def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
     second copy against the cp - 1 gathered K/V (with grouped K/V heads and small cp it loses both)."""
     if cp == 1:
         return ["allgather"]
-    kv_heads = model.heads if model.is_mla else model.kv_heads
-    if (model.heads // tp) % cp or (kv_heads // tp) % cp:
+    if heads_unsplit(model, tp, cp):
         return ["allgather", "ring"]
-    q, o = model.heads * model.qk_head_dim, model.heads * model.value_head_dim
-    kv = kv_heads * (model.qk_head_dim + model.value_head_dim)
+    q, kv, o = model.attention_widths
     useful = q + kv + o < cp * kv or o < (cp - 1) * kv
     return ["allgather", "ring"] + (["a2a"] if useful else [])
 

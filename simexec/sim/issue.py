@@ -108,8 +108,9 @@ def activation_ops(ins: Instr, partial: int = 0) -> tuple[int, int]:
     after_partial = partial * (PARTIAL_AFTER_OPS + (1 if ins.mb > 0 else 0))
     if ins.block == "norm_grads":
         return NORM_GRADS_OPS + PARTIAL_BEFORE_OPS * partial, after_partial
-    if (ins.block, ins.phase == "bwd") in HEADS_EXCHANGE_OPS:
-        return HEADS_EXCHANGE_OPS[(ins.block, ins.phase == "bwd")]
+    exchange = HEADS_EXCHANGE_OPS.get((ins.block, ins.phase == "bwd"))
+    if exchange is not None:
+        return exchange
     verb = ins.collective
     before, after = ACTIVATION_OPS.get(verb, (0, 0))
     if ins.phase == "bwd" and verb != "alltoall" and not ins.block.endswith("_regather"):

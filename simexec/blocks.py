@@ -50,6 +50,17 @@ class Block:
     wgrad_bytes: float = 0.0
     wgrad_tmp: float = 0.0
     grad_out: float = 0.0
+    # the part of `saved` that only the input-gradient pass reads: what the ops between the block's
+    # output and its last weight GEMM saved (an activation function's input, softmax probabilities,
+    # dropout masks, the MoE combine's operands). A zero-bubble schedule frees it there and keeps the
+    # rest, which the weight pass's autograd graph still holds, until that pass; a block without
+    # weights frees all it saved there.
+    bwd_only: float = 0.0
+
+    @property
+    def kept_for_weight_pass(self) -> float:
+        """Saved bytes that live until the weight-gradient pass under a zero-bubble schedule."""
+        return self.saved - self.bwd_only if self.wgrad_flops else 0.0
 
     @property
     def bwd_flops(self) -> float:
@@ -149,6 +160,19 @@ class Anatomy:
     def full_hidden_bytes(self) -> float:
         """The same activation gathered over the tp group (what tp all-reduces move)."""
         return self.tokens * self.h * self.dt
+
+    @cached_property
+    def logits_released(self) -> float:
+        """The head's fp32 logits (the saved exp(z)) that its backward lets go once it has cast their
+        gradient to a 16-bit dt, before any weight-gradient pass; in fp32 that gradient is the same
+        buffer, kept until the pass."""
+        n_logits = self.tokens * self.rp.model.vocab / self.tp
+        return 4.0 * n_logits if self.dt < 4 else 0.0
+
+    def freed_by_input_pass(self, i: int) -> float:
+        """Under a zero-bubble schedule, what layer i's input-gradient pass frees of its saved bytes;
+        the rest lives until its weight pass."""
+        return sum(b.saved - b.kept_for_weight_pass for b in self.layer(i).values())
 
     @cached_property
     def kv_bytes(self) -> float:
@@ -384,7 +408,7 @@ class Anatomy:
             **self._sp_norm("norm1"),
             "qkv": Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv),
             "attn": attn,
-            "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj),
+            "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
         }
 
     def _sp_norm(self, name: str) -> dict[str, Block]:
@@ -422,9 +446,9 @@ class Anatomy:
         return {
             **self._sp_norm("norm2"),
             "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + T * width * dt / t,
-                         norm_b + a_b + self._wgrad(h * width / t)),
+                         norm_b + a_b + self._wgrad(h * width / t), bwd_only=T * width * dt / t),
             "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
-                         self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t)),
+                         self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t), bwd_only=self._mask),
         }
 
     def _moe(self) -> dict[str, Block]:
@@ -458,14 +482,15 @@ class Anatomy:
         return {
             **self._sp_norm("norm2"),
             "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + T * moe.experts * 4,
-                            bb_router),
+                            bb_router, bwd_only=T * moe.experts * 4),
             "experts": Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
             "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
                              (routed * h + T * moe.top_k + T * shared_ffn * (3 if m.gated else 2) / t) * dt
                              + self._mask,
                              sa_b + 2 * combine + self._residual_bwd(False)
-                             + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t)),
+                             + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t),
+                             bwd_only=(routed * h + T * moe.top_k) * dt + self._mask),
         }
 
     # --- embedding and head --------------------------------------------------------------------------
@@ -492,22 +517,26 @@ class Anatomy:
         b_head = (0.0 if self.sp else norm_f) + (dt + 4) * n_logits
         bb_head = (0.0 if self.sp else norm_b) + self._wgrad(h * m.vocab / t)
         wgrad_tmp = self._wgrad_tmp(h * m.vocab / t)
+        # the backward casts the fp32 logits' gradient to dt for the GEMM while the fp32 one is still held
+        cast = n_logits * dt if dt < 4 else 0.0
         if self.sp:
             # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
             # GEMM's input gradient (gathered), the norm's (this rank's slice)
             blocks = {
                 "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes, norm_b, self.hidden_bytes),  # as norm1
-                "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head, self.full_hidden_bytes + wgrad_tmp),
+                "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head,
+                              self.full_hidden_bytes + wgrad_tmp + cast),
             }
         else:
             # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
             # and the norm's, plus autograd's weight-gradient temporary
             blocks = {"head": Block("gemm", f, b_head, 2 * T * h * dt + logits, bb_head,
-                                    2 * self.full_hidden_bytes + wgrad_tmp)}
+                                    2 * self.full_hidden_bytes + wgrad_tmp + cast)}
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
         head = blocks["head"]
-        grad_out = n_logits * dt + (0.0 if self.sp else self.full_hidden_bytes)
+        # the logits' gradient W reads: in fp32 the saved exp(z) itself, in place; else its cast (above)
+        grad_out = cast + (0.0 if self.sp else self.full_hidden_bytes)
         blocks["head"] = replace(head, **self._weight_pass(head, h * m.vocab / t, grad_out))
         return {
             **blocks,

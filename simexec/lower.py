@@ -408,7 +408,9 @@ class _RankLowering:
         self.coll(f"fwd.ce_sum.L{L}.m{mb}", "allreduce", "tp", self.g_tp, 2 * ce_bytes, (self.last_compute(),),
                   phase="fwd", block="ce_sum", layer=L, mb=mb, chunk=c)
         self.compute("fwd", "loss", L, mb, c, head["loss"])
-        self.memory("alloc", "activations", head["head"].saved, f"act.L{L}.m{mb}")
+        released = an.logits_released
+        self.memory("alloc", "activations", head["head"].saved - released, f"act.L{L}.m{mb}")
+        self.memory("alloc", "activations", released, f"act.logits.L{L}.m{mb}")
         if self.p.sp:
             self.memory("alloc", "activations", head["norm"].saved, f"act.norm.L{L}.m{mb}")
 
@@ -429,7 +431,9 @@ class _RankLowering:
                 self.compute("bwd", "loss", unit, mb, c, head["loss"])
                 self.compute("bwd", "xent", unit, mb, c, head["xent"])
                 self.compute_regathered("head", unit, mb, c, head["head"], again)
-                self.memory("free", "activations", head["head"].saved, f"act.L{unit}.m{mb}")
+                released = self.an.logits_released
+                self.memory("free", "activations", head["head"].saved - released, f"act.L{unit}.m{mb}")
+                self.memory("free", "activations", released, f"act.logits.L{unit}.m{mb}", defer=False)
                 self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
                 if self.p.sp:
                     self.compute("bwd", "norm", unit, mb, c, head["norm"])
@@ -547,14 +551,17 @@ class _RankLowering:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
         self.compute_regathered("qkv", l, mb, c, blocks["qkv"], again)
+        # a zero-bubble schedule frees here what only the input gradients needed; the rest waits for W
+        early = an.freed_by_input_pass(l) if self.split else 0.0
         if self.p.sp:
             # the first norm's input (the layer's input) is saved until the norm's backward
             kept = an.hidden_bytes if full else blocks["norm1"].saved
-            self.memory("free", "activations", (an.hidden_bytes if full else saved) - kept, f"act.L{l}.m{mb}")
+            self.memory("free", "activations", (an.hidden_bytes if full else saved - early) - kept, f"act.L{l}.m{mb}")
         else:
-            self.memory("free", "activations", an.hidden_bytes if full else saved, f"act.L{l}.m{mb}")
+            self.memory("free", "activations", an.hidden_bytes if full else saved - early, f"act.L{l}.m{mb}")
         if full:
-            self.memory("free", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
+            self.memory("free", "activations", saved - an.hidden_bytes - early, f"act.recompute.L{l}.m{mb}")
+        self.memory("free", "activations", early, f"act.input_pass.L{l}.m{mb}", defer=False)
         # MLA's latent projections (replicated over tp) hold each tp rank's share of their gradient: it
         # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
         # would carry it in every slot)

@@ -332,8 +332,9 @@ class _StructureBounds:
             self.Bh.append(bh)
             self.saved.append(saved)
             if self.split:  # the output gradients a stage's input-gradient pass keeps for its weight pass
-                kept = sum(b.grad_out for l in layers for b in an.layer(l).values())
-                self.kept.append(kept + (an.head["head"].grad_out if vs == self.V - 1 else 0.0))
+                kept = sum(sum(b.grad_out for b in an.layer(l).values()) - an.freed_by_input_pass(l) for l in layers)
+                head = an.head["head"].grad_out - an.logits_released
+                self.kept.append(kept + (head if vs == self.V - 1 else 0.0))
             self.Ft.append(ft)
             self.Bt.append(bt)
         self._pipeline()

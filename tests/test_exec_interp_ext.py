@@ -311,6 +311,44 @@ def test_zero_bubble_peak_memory_follows_the_simulator():
     assert measured_growth > 0.1 and abs(measured_growth - predicted_growth) < 0.1 * predicted_growth + 0.02
 
 
+def _measured_and_predicted(model: str, plan: str, seq_len: int) -> tuple[list[int], dict]:
+    """Per-rank peaks of the plan as given (its dtype included) run by the executor, and as simulated."""
+    from simexec.cluster import get_cluster
+    from simexec.lower import lower
+    from simexec.model import get_model
+    from simexec.plan import parse_plan, resolve
+    from simexec.simulate import simulate
+    from test_exec_interp import _pool
+
+    rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan), seq_len)
+    results = _pool().run(rp, lower(rp, symmetric=False), 2)
+    predicted = simulate(get_model(model), "local", plan, seq_len=seq_len).peak_memory_bytes_per_rank
+    return [r["peak_memory_bytes"] for r in results], predicted
+
+
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "pp=2,gbs=16,mbs=4,dtype=fp32"),
+                                        ("gpt-tiny", "pp=2,gbs=16,mbs=4,dtype=bf16"),
+                                        ("moe-tiny", "pp=2,gbs=8,mbs=4,dtype=fp32")])
+def test_zero_bubble_weight_pass_keeps_only_what_it_reads(model, plan):
+    """Under ZB-H1, with micro-batches large enough for the activations to dominate: a block's
+    input-gradient pass frees what only it reads (an activation function's input, the attention's
+    saved tensors, the MoE combine's operands, the fp32 logits once their gradient is cast) and the
+    weight pass's operands live until it runs. Every rank within 3%; counting every activation until
+    the weight pass, as before, put the last stage 12% above its measured peak."""
+    measured, predicted = _measured_and_predicted(model, plan + ",schedule=zb-h1", 64)
+    for r, m in enumerate(measured):
+        err = m / predicted[r] - 1
+        assert abs(err) < 0.03, f"{model} {plan} rank {r}: measured {m}, predicted {predicted[r]:.0f} ({err:+.1%})"
+
+
+def test_sixteen_bit_logits_gradient_is_cast_beside_the_fp32_one():
+    """In bf16 the head's backward casts the fp32 logits' gradient to bf16 while the fp32 one is
+    held: with the vocabulary dominating (micro-batch 16), the peak falls there and is predicted
+    within 1% (it was 6.8% above the prediction without the cast)."""
+    measured, predicted = _measured_and_predicted("gpt-tiny", "dp=1,gbs=16,mbs=16,dtype=bf16", 64)
+    assert abs(measured[0] / predicted[0] - 1) < 0.01, (measured, predicted)
+
+
 @pytest.mark.parametrize("model,plan", [("window-tiny.yaml", "cp=2,cp_impl=a2a"), ("mla-tiny.yaml", "cp=2,tp=2,cp_impl=a2a"),
                                         ("qk-norm-tiny.yaml", "cp=2,cp_impl=a2a,schedule=zb-h1,pp=2,gbs=4")])
 def test_all_to_all_context_parallelism_matches_reference(model, plan):

@@ -623,6 +623,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         for n, v in zip(ins_names, vals):
             if isinstance(v, Tensor) and v.grad is not None:
                 self.add_grad((n, l, mb), v.grad)
+                v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
             if n == "xma" and ins.block == "moe_out" and self.plan.sp:
                 continue  # the router's backward reads the re-gathered input after this one

@@ -375,3 +375,49 @@ def test_gloo_event_loops_stay_as_gloo_starts_them_when_asked(monkeypatch):
     before, changed, after, again = spawn_ranks(_loop_policies, 2, (), timeout_s=60)
     assert before and changed == again == 0
     assert after == before
+
+
+def _send_unwaited(rank: int, world: int, port: int, out) -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from simexec.exec.collectives import SendWaiter, _Inflight
+    from simexec.program import Instr
+
+    class _Rank:  # what _Inflight.wait touches of the interpreter's rank
+        step_no, inflight = 0, {}
+
+        class tracer:
+            end = staticmethod(lambda ins, step: None)
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        if rank == 0:
+            ins = Instr(0, "fwd.act.send", "send", "p2p.send", "send", peer=1)
+            bare = dist.isend(torch.ones(1 << 16), 1)
+            watched = _Inflight(_Rank(), ins, [dist.isend(torch.ones(1 << 16), 1)], None, SendWaiter.shared())
+            dist.barrier()  # rank 1 has received both
+            deadline = time.monotonic() + 10
+            while not watched.completed() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            out.put((bare.is_completed(), watched.completed()))
+            watched.wait()
+            bare.wait()
+        else:
+            for _ in range(2):
+                dist.recv(torch.empty(1 << 16), 0)
+            dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_gloo_sends_complete_without_being_waited():
+    """gloo's send Work stays `is_completed() == False` after its data has left until someone waits on
+    it; the rank's send waiter completes it in the background, so that `reap` lets its buffer go."""
+    from simexec.exec.spawn import spawn_ranks
+
+    bare, watched = spawn_ranks(_send_unwaited, 2, (), timeout_s=60)
+    assert watched
+    assert not bare  # if gloo ever reports its own sends, SendWaiter can go

@@ -8,10 +8,12 @@ in with the same methods (`simexec.exec.xla.HostComm`).
 
 `_Inflight` is an issued collective, send or recv: waited once (by an instruction that depends on it
 or reads its result, or reaped once complete), then its `finish` stores the result and the tracer
-ends its event.
+ends its event. `SendWaiter` completes gloo's sends in the background, which gloo itself does not.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import TYPE_CHECKING, Callable, Optional
 
 import torch.distributed as dist
@@ -97,13 +99,62 @@ class TorchComm:
     irecv = staticmethod(dist.irecv)
 
 
+class SendWaiter:
+    """gloo's send reports itself complete only once someone has waited on it (`is_completed()` stays
+    False after the data has left), so an eager send that nothing depends on would hold its buffer
+    until the step ends, where NCCL's lets it go when sent. One thread per rank waits on each such
+    send as it is issued; `_Inflight.wait` then waits on that thread's signal, never on the Work a
+    second time (a gloo send waited twice waits for a second completion)."""
+
+    _shared: Optional["SendWaiter"] = None
+
+    def __init__(self):
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._run, name="simexec-send-waiter", daemon=True).start()
+
+    @classmethod
+    def shared(cls) -> "SendWaiter":
+        """The process's waiter (a rank process runs one plan after another)."""
+        if cls._shared is None:
+            cls._shared = cls()
+        return cls._shared
+
+    def watch(self, works: list) -> "_Sent":
+        sent = _Sent()
+        self._todo.put((works, sent))
+        return sent
+
+    def _run(self) -> None:
+        while True:
+            works, sent = self._todo.get()
+            try:
+                for w in works:
+                    w.wait()
+            except Exception as e:  # raised again by the rank's own wait
+                sent.error = e
+            works = None
+            sent.set()
+
+
+class _Sent(threading.Event):
+    error: Optional[BaseException] = None
+
+
 class _Inflight:
     """An issued collective / send / recv: waited once, then `finish` stores its result."""
 
-    __slots__ = ("ins", "works", "finish", "done", "rank")
+    __slots__ = ("ins", "works", "finish", "done", "rank", "sent")
 
-    def __init__(self, rank: "_Rank", ins: Instr, works: list, finish: Optional[Callable[[], None]]):
+    def __init__(self, rank: "_Rank", ins: Instr, works: list, finish: Optional[Callable[[], None]],
+                 waiter: Optional[SendWaiter] = None):
         self.rank, self.ins, self.works, self.finish, self.done = rank, ins, works, finish, False
+        self.sent = waiter.watch(works) if waiter is not None else None
+
+    def completed(self) -> bool:
+        """Finished, so that waiting would not block."""
+        if self.sent is not None:
+            return self.sent.is_set()
+        return all(w.is_completed() for w in self.works)
 
     def wait(self) -> None:
         if self.done:
@@ -113,8 +164,13 @@ class _Inflight:
         if tracker is not None:
             tracker.in_backend += 1
         try:
-            for w in self.works:
-                w.wait()
+            if self.sent is not None:
+                self.sent.wait()
+                if self.sent.error is not None:
+                    raise self.sent.error
+            else:
+                for w in self.works:
+                    w.wait()
         finally:
             if tracker is not None:
                 tracker.in_backend -= 1

@@ -45,7 +45,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from simexec.exec import data
-from simexec.exec.collectives import TorchComm, _Inflight
+from simexec.exec.collectives import SendWaiter, TorchComm, _Inflight
 from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
                                    _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
                                    _coll_keys, _downstream, _upstream)
@@ -208,6 +208,8 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.L = m.layers
         self.step_no = -1
         self.inflight: dict[str, _Inflight] = {}
+        # gloo's sends complete only when waited on (`SendWaiter`); NCCL's and XLA's host sends do not need it
+        self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
         self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
         self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
@@ -296,12 +298,10 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
 
     def reap(self) -> None:
         """Finish what has completed without blocking, so its event ends near when it did (not at the
-        instruction that happens to wait for it; an eager send is waited by nobody until the step ends)."""
+        instruction that happens to wait for it; an eager send is waited by nobody until the step
+        ends), and its buffers go."""
         for w in list(self.inflight.values()):
-            for x in w.works:
-                if not x.is_completed():
-                    break
-            else:
+            if w.completed():
                 w.wait()
 
     def wait_all(self) -> None:
@@ -667,7 +667,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
 
     def _issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> _Inflight:
-        w = _Inflight(self, ins, works, finish)
+        w = _Inflight(self, ins, works, finish, self.send_waiter if ins.kind == "send" else None)
         self.inflight[ins.name] = w
         return w
 

@@ -286,14 +286,15 @@ class _RMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
-        # in place where it can be: two input-sized buffers at a time beside g, as near as eager
-        # operators come to a fused kernel's none
+        # in place where it can be, with the operators of the plain formula (the dispatch tables,
+        # simexec.sim.host, count them): at most three input-sized buffers beside g, as near as
+        # eager operators come to a fused kernel's none
         x, rstd, w = ctx.saved_tensors
         xhat = _opmath(x) * rstd
         gx = _opmath(g) * xhat
         gw = gx.reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
         torch.mul(_opmath(g), _opmath(w), out=gx)
-        dot = torch.linalg.vecdot(gx, xhat).unsqueeze(-1).div_(x.shape[-1])
+        dot = (gx * xhat).mean(-1, keepdim=True)
         dx = gx.sub_(xhat.mul_(dot)).mul_(rstd)
         return dx.to(x.dtype), gw, None
 

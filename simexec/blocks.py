@@ -162,12 +162,16 @@ class Anatomy:
         return self.tokens * self.h * self.dt
 
     @cached_property
+    def n_logits(self) -> float:
+        """The head's logits on this rank: its tokens times its shard of the vocabulary."""
+        return self.tokens * self.rp.model.vocab / self.tp
+
+    @cached_property
     def logits_released(self) -> float:
         """The head's fp32 logits (the saved exp(z)) that its backward lets go once it has cast their
         gradient to a 16-bit dt, before any weight-gradient pass; in fp32 that gradient is the same
         buffer, kept until the pass."""
-        n_logits = self.tokens * self.rp.model.vocab / self.tp
-        return 4.0 * n_logits if self.dt < 4 else 0.0
+        return 4.0 * self.n_logits if self.dt < 4 else 0.0
 
     def freed_by_input_pass(self, i: int) -> float:
         """Under a zero-bubble schedule, what layer i's input-gradient pass frees of its saved bytes;
@@ -510,7 +514,7 @@ class Anatomy:
     def head(self) -> dict[str, Block]:
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
         f, _ = _gemm(T, h, m.vocab / t, dt)
-        n_logits = T * m.vocab / t
+        n_logits = self.n_logits
         logits = n_logits * 4  # fp32 logits for the cross entropy
         # final norm (a block of its own under sp), GEMM, logits cast to fp32 (read dt, write 4)
         norm_f, norm_b = self._norm_fwd(), 3 * dt * T * h / self.sp_div

@@ -151,16 +151,18 @@ def _pool() -> RankPool:
     return _POOL
 
 
-def resolved(model: str, plan: str, seq_len: int | None = 32):
-    return resolve(get_model(model), get_cluster("local"), parse_plan(plan + ",dtype=fp32"), seq_len)
+def resolved(model: str, plan: str, seq_len: int | None = 32, dtype: str | None = "fp32"):
+    """`plan` in `dtype` (fp32 by default, to compare with the fp32 reference; None: the plan's own)."""
+    return resolve(get_model(model), get_cluster("local"), parse_plan(plan + (f",dtype={dtype}" if dtype else "")),
+                   seq_len)
 
 
-def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None
-             ) -> tuple[object, list[dict]]:
+def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None,
+             dtype: str | None = "fp32") -> tuple[object, list[dict]]:
     """Lower `plan` and run every rank (in the session's pool, or `pool`); the results of run_rank per rank."""
     from simexec.lower import lower
 
-    rp = resolved(model, plan, seq_len)
+    rp = resolved(model, plan, seq_len, dtype)
     program = lower(rp, symmetric=False)
     program.validate()
     return rp, (pool or _pool()).run(rp, program, steps)

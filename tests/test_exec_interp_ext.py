@@ -313,15 +313,11 @@ def test_zero_bubble_peak_memory_follows_the_simulator():
 
 def _measured_and_predicted(model: str, plan: str, seq_len: int) -> tuple[list[int], dict]:
     """Per-rank peaks of the plan as given (its dtype included) run by the executor, and as simulated."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
     from simexec.model import get_model
-    from simexec.plan import parse_plan, resolve
     from simexec.simulate import simulate
-    from test_exec_interp import _pool
+    from test_exec_interp import run_plan
 
-    rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan), seq_len)
-    results = _pool().run(rp, lower(rp, symmetric=False), 2)
+    _, results = run_plan(model, plan, seq_len, steps=2, dtype=None)
     predicted = simulate(get_model(model), "local", plan, seq_len=seq_len).peak_memory_bytes_per_rank
     return [r["peak_memory_bytes"] for r in results], predicted
 

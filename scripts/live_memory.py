@@ -89,6 +89,7 @@ def main(argv=None) -> int:
     ap.add_argument("plan", help="plan string, e.g. dp=4,ep=2,gbs=8,dtype=fp32")
     ap.add_argument("--model", default="moe-tiny")
     ap.add_argument("--rank", type=int, default=None, help="the rank to show (default: the largest measured peak)")
+    ap.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     args = ap.parse_args(argv)
     from simexec.blocks import Anatomy
     from simexec.cluster import get_cluster
@@ -99,19 +100,19 @@ def main(argv=None) -> int:
     from simexec.simulate import simulate
 
     try:
-        rp = resolve(get_model(args.model), get_cluster("local"), load_plan(args.plan))
+        rp = resolve(get_model(args.model), get_cluster("local"), load_plan(args.plan), args.seq_len)
         if args.rank is not None and not 0 <= args.rank < rp.world:
             raise SimexecError(f"--rank {args.rank}: the plan has ranks 0-{rp.world - 1}")
-        predicted = simulate(args.model, "local", args.plan).peak_memory_bytes
+        predicted = simulate(args.model, "local", args.plan, seq_len=args.seq_len).peak_memory_bytes_per_rank
         with tempfile.TemporaryDirectory() as tmp:
-            res = execute(args.model, "local", args.plan, steps=1, runner=tagging_runner(tmp))
+            res = execute(args.model, "local", args.plan, steps=1, seq_len=args.seq_len, runner=tagging_runner(tmp))
             rank = args.rank if args.rank is not None else max(res.peak_memory_bytes_per_rank,
                                                                key=res.peak_memory_bytes_per_rank.get)
             best = json.loads(Path(tmp, f"rank{rank}.json").read_text())
     except SimexecError as exc:
         print(f"live_memory: error: {exc}", file=sys.stderr)
         return 2
-    measured = res.peak_memory_bytes_per_rank[rank]
+    measured, predicted = res.peak_memory_bytes_per_rank[rank], predicted[rank]
     print(f"rank {rank}: measured peak {measured / 1e6:.3f} MB at {best['at']}, predicted {predicted / 1e6:.3f} MB "
           f"(error {predicted / measured - 1:+.1%})")
     by_made: dict[str, int] = defaultdict(int)

@@ -118,12 +118,34 @@ class Anatomy:
         # that output for its backward beside the output projection's copy; TransformerEngine's ring
         # saves the one output both read
         self.ring_keeps_fp32_output = not self.fused_wgrad
+        # the RMSNorm backward of CPU ranks (simexec.exec.model._RMSNorm, eager operators) holds three
+        # fp32 buffers of its input's size at its worst; Megatron's and TransformerEngine's fused
+        # kernels hold none, and torch's CPU layer_norm backward is one kernel
+        self.norm_bwd_fp32_buffers = 3 if m.norm == "rmsnorm" and not self.fused_wgrad else 0
+        # and its SwiGLU backward (simexec.exec.model._SwiGLU) one buffer of the activation's size
+        # beside the two gradients, where Megatron's fused bias-SwiGLU kernel holds none
+        self.swiglu_bwd_buffers = 1 if m.gated and not self.fused_wgrad else 0
+        # a norm's statistics per token: RMSNorm's 1/rms in fp32 everywhere (simexec.exec.model._RMSNorm
+        # too); LayerNorm's mean and 1/std in fp32 on GPUs (Apex, TransformerEngine, torch's CUDA
+        # kernel), in the input's type from torch's CPU kernel
+        self.norm_stats_per_token = 4.0 if m.norm == "rmsnorm" else 2.0 * (4 if self.fused_wgrad else self.dt)
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
     def _norm_fwd(self) -> float:
         """LayerNorm / RMSNorm: read x, write y (replicated over tp unless sp)."""
         return 2 * self.dt * self.tokens * self.h / self.sp_div
+
+    @cached_property
+    def norm_stats(self) -> float:
+        """What a norm saves beside its input: its statistics of each token it normalises (this rank's
+        slice under sp). Korthikanti et al. leave them out of their per-layer formula as small."""
+        return self.tokens / self.sp_div * self.norm_stats_per_token
+
+    @property
+    def _opening_stats(self) -> float:
+        """The statistics of the norm that opens a column-parallel block (under sp, its own block's)."""
+        return 0.0 if self.sp else self.norm_stats
 
     def _norm_bwd(self) -> float:
         """Norm backward (read x, dy; write dx) + the residual stream's gradient sum (read 2, write 1)."""
@@ -230,6 +252,11 @@ class Anatomy:
         """The largest weight-gradient temporary of a block (0 with fused wgrad)."""
         return 0.0 if self.fused_wgrad or not params else max(params) * self.grad_dt
 
+    def _norm_bwd_temps(self, elems: float) -> float:
+        """The temporaries a norm's backward over `elems` input elements holds at its worst, beside the
+        incoming gradient (its own output among them); 0 for a fused kernel."""
+        return self.norm_bwd_fp32_buffers * 4.0 * elems
+
     def bwd_workspaces(self, moe: bool = False) -> dict[str, float]:
         """Per block, the transient bytes its backward holds at its peak beyond what it saved (see
         Block.bwd_workspace). n_s: the residual stream's gradient on this rank (split by sp), carried
@@ -244,24 +271,33 @@ class Anatomy:
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
         latent = m.latent_matmul_params()
+        # a block that opens with a norm (without sp) runs the norm's backward last, on the GEMM's
+        # input gradient n with the residual stream's gradient carried beside it
+        opening_norm = 0.0 if self.sp else n_s + n + self._norm_bwd_temps(T * h)
+        inner_norms = max(self._norm_bwd_temps(T * (m.q_lora_rank or 0)), self._norm_bwd_temps(T * (m.kv_lora_rank or 0)),
+                          self._norm_bwd_temps(T * max(m.heads, m.kv_heads) / t * qk) if m.qk_norm else 0.0)
         ws = {
             "proj": n_s + ctx + self._wgrad_tmp(o_params / t),
-            "qkv": n_s + qkv + n + self._wgrad_tmp((qkv_params - latent) / t + latent),
+            "qkv": max(n_s + qkv + n + self._wgrad_tmp((qkv_params - latent) / t + latent), n_s + qkv + inner_norms,
+                       opening_norm),
         }
         if self.sp:  # a norm on the sequence slice: its input gradient
-            ws["norm1"] = ws["norm2"] = n_s
+            ws["norm1"] = ws["norm2"] = n_s + self._norm_bwd_temps(T * h / self.sp_div)
         if self.rp.plan.flash_attention:
             ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
         else:
             ws["attn"] = n_s + ctx + qkv + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
-            # the gathered K/V's gradients, whole, until their reduce-scatter
-            ws["attn"] += T * w_kv * dt / t * (self.cp - 1)
+            # the gathered K/V's gradients, whole, until their reduce-scatter; on CPU ranks twice: the
+            # executor's gathered K/V is a strided view (the all-gather's output moved back to the
+            # sequence dimension), so autograd copies the kernel's gradient into that layout
+            ws["attn"] += T * w_kv * dt / t * ((self.cp - 1) + (0 if self.fused_wgrad else self.cp))
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t
             ws["fc2"] = n_s + T * ffn * dt + self._wgrad_tmp(m.ffn * h / t)
-            ws["fc1"] = n_s + max(T * (ffn + width) * dt, T * width * dt + n) + self._wgrad_tmp(h * width)
+            swiglu = T * (ffn + width + self.swiglu_bwd_buffers * ffn) * dt
+            ws["fc1"] = max(n_s + max(swiglu, T * width * dt + n) + self._wgrad_tmp(h * width), opening_norm)
         else:
             e = m.moe
             routed, slots = T * e.top_k, self.expert_slots
@@ -269,7 +305,8 @@ class Anatomy:
             shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts * (2 if m.gated else 1) / t
             ws["moe_out"] = n_s + routed * h * dt + T * shared * dt + n + self._wgrad_tmp(h * shared)
             ws["experts"] = n_s + 2 * slots * h * dt + slots * width * dt + self._wgrad_tmp(h * width)
-            ws["router"] = n_s + slots * h * dt / self.sp_div + n + 2 * T * e.experts * 4 + self._wgrad_tmp(h * e.experts)
+            ws["router"] = max(n_s + slots * h * dt / self.sp_div + n + 2 * T * e.experts * 4
+                               + self._wgrad_tmp(h * e.experts), opening_norm)
         return ws
 
     def _with_workspace(self, blocks: dict[str, Block]) -> dict[str, Block]:
@@ -351,7 +388,7 @@ class Anatomy:
             rope = 2 * dt * T * (m.heads / t + (m.kv_heads / t if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk)
             b_qkv += rope
             bb_qkv += rope
-        saved_qkv = ln if self.sp else 2 * ln
+        saved_qkv = ln if self.sp else 2 * ln + self.norm_stats
         if m.is_mla:
             # the latents (whole on every tp rank): their norms read and write them and save their input
             # and 1/rms (fp32); the up projections save the normed latents. The rotary and non-rotary
@@ -376,8 +413,10 @@ class Anatomy:
         ctx_bytes = T * m.heads * v * dt / t
         if self.rp.plan.flash_attention:
             # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
-            # attention skips the masked half of the scores, a sliding window all but its band
+            # attention skips the masked half of the scores, a sliding window all but its band. It
+            # saves each query row's log-sum-exp (fp32) for its backward
             ctx = self._keys_per_query(window)
+            saved_attn += T * m.heads / t * 4
             padded = m.is_mla and self.pads_value_heads and v != qk
             f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
             if padded:  # the padded V and the kernel's padded output, which the slice copies out of
@@ -420,7 +459,7 @@ class Anatomy:
         slice of the sequence: it saves its input; the GEMM block saves the norm's output."""
         if not self.sp:
             return {}
-        return {name: Block("elementwise", 0.0, self._norm_fwd(), self.hidden_bytes, self._norm_bwd())}
+        return {name: Block("elementwise", 0.0, self._norm_fwd(), self.hidden_bytes + self.norm_stats, self._norm_bwd())}
 
     @property
     def _mask(self) -> float:
@@ -449,7 +488,7 @@ class Anatomy:
         norm_f, norm_b = self._opening_norm()
         return {
             **self._sp_norm("norm2"),
-            "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + T * width * dt / t,
+            "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self._opening_stats + T * width * dt / t,
                          norm_b + a_b + self._wgrad(h * width / t), bwd_only=T * width * dt / t),
             "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
                          self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t), bwd_only=self._mask),
@@ -485,7 +524,8 @@ class Anatomy:
         combine = dt * (slots + routed) * h + dt * routed * h
         return {
             **self._sp_norm("norm2"),
-            "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + T * moe.experts * 4,
+            "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + self._opening_stats
+                            + T * moe.experts * 4,
                             bb_router, bwd_only=T * moe.experts * 4),
             "experts": Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
                              ea_b + self._wgrad(expert_w)),
@@ -527,15 +567,17 @@ class Anatomy:
             # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
             # GEMM's input gradient (gathered), the norm's (this rank's slice)
             blocks = {
-                "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes, norm_b, self.hidden_bytes),  # as norm1
+                "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes + self.norm_stats, norm_b,
+                              self.hidden_bytes + self._norm_bwd_temps(T * h / self.sp_div)),  # as norm1
                 "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head,
                               self.full_hidden_bytes + wgrad_tmp + cast),
             }
         else:
             # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
-            # and the norm's, plus autograd's weight-gradient temporary
-            blocks = {"head": Block("gemm", f, b_head, 2 * T * h * dt + logits, bb_head,
-                                    2 * self.full_hidden_bytes + wgrad_tmp + cast)}
+            # and the norm's, plus autograd's weight-gradient temporary; then the norm's backward
+            n = self.full_hidden_bytes
+            blocks = {"head": Block("gemm", f, b_head, 2 * T * h * dt + self.norm_stats + logits, bb_head,
+                                    max(2 * n + wgrad_tmp + cast, n + self._norm_bwd_temps(T * h)))}
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
         head = blocks["head"]

@@ -518,20 +518,27 @@ class _RankLowering:
         again = self.regather("mlp", l, mb, c)
         if "fc1" in blocks:
             self.compute("bwd", "fc2", l, mb, c, blocks["fc2"])
+            self.release_saved(l, mb, "fc2", blocks["fc2"])
             self.compute_regathered("fc1", l, mb, c, blocks["fc1"], again)
+            self.release_saved(l, mb, "fc1", blocks["fc1"])
         else:
             # the shared experts' GEMMs read the gathered input too: the first block waits for it
             self.compute_regathered("moe_out", l, mb, c, blocks["moe_out"], again, release=False)
+            self.release_saved(l, mb, "moe_out", blocks["moe_out"])
             self.a2a("combine", "bwd", l, mb, c)
             self.compute("bwd", "experts", l, mb, c, blocks["experts"])
+            self.release_saved(l, mb, "experts", blocks["experts"])
             self.a2a("dispatch", "bwd", l, mb, c)
             self.compute_regathered("router", l, mb, c, blocks["router"], again, wait=False)
+            self.release_saved(l, mb, "router", blocks["router"])
         self.tp("mlp_in", "bwd", l, mb, c, an.full_hidden_bytes)
         if self.p.sp:
             self.compute("bwd", "norm2", l, mb, c, blocks["norm2"])
+            self.release_saved(l, mb, "norm2", blocks["norm2"])
         self.tp("attn_out", "bwd", l, mb, c, an.full_hidden_bytes)
         again = self.regather("attn", l, mb, c)
         self.compute("bwd", "proj", l, mb, c, blocks["proj"])
+        self.release_saved(l, mb, "proj", blocks["proj"])
         ring = self.p.cp > 1 and self.p.cp_impl == "ring"
         heads = self.p.cp > 1 and self.p.cp_impl == "a2a"
         if heads:
@@ -545,23 +552,23 @@ class _RankLowering:
             self.ring_attention("bwd", l, mb, c, blocks["attn"])
         else:
             self.compute("bwd", "attn", l, mb, c, blocks["attn"])
+        self.release_saved(l, mb, "attn", blocks["attn"])
         if heads:
             self.heads_exchange("heads_in", "bwd", l, mb, c)
         elif self.p.cp > 1 and not ring:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
         self.compute_regathered("qkv", l, mb, c, blocks["qkv"], again)
-        # a zero-bubble schedule frees here what only the input gradients needed; the rest waits for W
-        early = an.freed_by_input_pass(l) if self.split else 0.0
-        if self.p.sp:
-            # the first norm's input (the layer's input) is saved until the norm's backward
-            kept = an.hidden_bytes if full else blocks["norm1"].saved
+        self.release_saved(l, mb, "qkv", blocks["qkv"])
+        if self.split:
+            # the input-gradient pass keeps the layer's graph for the weight pass: what only it read
+            # goes at the layer's end, the rest with the weight pass
+            early = an.freed_by_input_pass(l)
+            kept = (an.hidden_bytes if full else blocks["norm1"].saved) if self.p.sp else 0.0
             self.memory("free", "activations", (an.hidden_bytes if full else saved - early) - kept, f"act.L{l}.m{mb}")
-        else:
-            self.memory("free", "activations", an.hidden_bytes if full else saved - early, f"act.L{l}.m{mb}")
-        if full:
-            self.memory("free", "activations", saved - an.hidden_bytes - early, f"act.recompute.L{l}.m{mb}")
-        self.memory("free", "activations", early, f"act.input_pass.L{l}.m{mb}", defer=False)
+            if full:
+                self.memory("free", "activations", saved - an.hidden_bytes - early, f"act.recompute.L{l}.m{mb}")
+            self.memory("free", "activations", early, f"act.input_pass.L{l}.m{mb}", defer=False)
         # MLA's latent projections (replicated over tp) hold each tp rank's share of their gradient: it
         # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
         # would carry it in every slot)
@@ -569,7 +576,9 @@ class _RankLowering:
         self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split else latent * self.grad_dt))
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
-            self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
+            self.release_saved(l, mb, "norm1", blocks["norm1"])
+            if self.split:
+                self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
             self.norm_grads(l, mb, c, self.rp.model.pre_norm_params() + latent)
 
     # --- sequence parallelism ------------------------------------------------------------------------
@@ -588,6 +597,13 @@ class _RankLowering:
         if got:
             self.memory("alloc", "activations", self.an.full_hidden_bytes, name, stream="comm.tp", deps=(name,))
         return got
+
+    def release_saved(self, l: int, mb: int, name: str, b: Block) -> None:
+        """After a block's backward autograd lets go of what the block saved (under full recompute, of
+        its recomputed copy; the layer's input goes with the block that saved it). Not under a
+        zero-bubble schedule, whose input-gradient pass keeps the graph (`layer_backward`)."""
+        if not self.split:
+            self.memory("free", "activations", b.saved, f"act.L{l}.m{mb}.{name}")
 
     def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
                            wait: bool = True, release: bool = True) -> None:

@@ -471,10 +471,17 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, g: Tensor):
+        # d up = g silu(gate); d gate = g up s (1 + gate (1 - s)), s = sigmoid(gate): in place where
+        # it can be, with as many operators as the plain formula (the dispatch tables count them), so
+        # that one buffer beside the two gradients is all it holds (a fused kernel holds none)
         gate, up = ctx.saved_tensors
-        sig = torch.sigmoid(gate)
-        dup = g * gate * sig
-        dgate = g * up * sig * (1 + gate * (1 - sig))
+        s = torch.sigmoid(gate)
+        dgate = g * up
+        dgate.mul_(s)
+        silu = s.mul_(gate)
+        dup = g * silu
+        t = silu.neg_().add_(gate).add_(1)  # 1 + gate - silu(gate)
+        dgate.mul_(t)
         return dgate, dup
 
 

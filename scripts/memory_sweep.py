@@ -9,8 +9,9 @@ Runs two steps of every plan on local Ray CPU ranks (one actor pool for the whol
 compares the executor's per-rank peak (every live tensor storage, `simexec.exec.live_memory`) with
 `simexec simulate` on the same plan string, dtype included. The default sweep covers every memory
 feature the executor runs: ZeRO stages and flavours, tp, the pipeline schedules, recompute,
-offload, the three context-parallel implementations, experts, latent attention, a sliding window
-and tied embeddings. The errors are signed: above zero, the rank held more than predicted.
+offload, the three context-parallel implementations, experts, latent attention, a sliding window,
+tied embeddings, and RMSNorm models (q/k norms, latent attention, windows) under tp, sp and pp. The
+errors are signed: above zero, the rank held more than predicted.
 """
 from __future__ import annotations
 
@@ -37,6 +38,11 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
     ("moe-tiny", "dp=2,ep=2,mbs=4" + _BF16), ("moe-tiny", "tp=2,mbs=4" + _BF16),
     ("tests/data/mla-tiny.yaml", "tp=2,mbs=4" + _BF16), ("tests/data/window-tiny.yaml", "dp=1,mbs=4" + _BF16),
     ("tests/data/gpt-tiny-tied.yaml", "pp=2,mbs=4" + _BF16), ("gpt-tiny", "dp=1,gbs=16,mbs=16,dtype=bf16"),
+    # RMSNorm models: the CPU kernels' backward buffers, q/k norms, latent norms, windows under tp, sp, pp
+    *[("tests/data/window-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "pp=2,mbs=4", "pp=2,mbs=4,schedule=zb-h1")],
+    *[("tests/data/qk-norm-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "tp=2,sp=1,mbs=4", "pp=2,mbs=4")],
+    ("tests/data/qk-norm-tiny.yaml", "dp=1,gbs=8,mbs=4,dtype=fp32"),
+    *[("tests/data/mla-tiny.yaml", p + _BF16) for p in ("tp=2,sp=1,mbs=4", "pp=2,mbs=4", "pp=2,mbs=4,schedule=zb-h1")],
 ]
 
 

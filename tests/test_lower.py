@@ -496,3 +496,18 @@ def test_zero_bubble_keeps_activations_until_the_weight_pass():
         for n, i in enumerate(instrs):
             if i.kind == "memory" and i.op == "free" and i.name.startswith("mem.free.act.L"):
                 assert instrs[n - 1].phase == "wgrad" or instrs[n - 1].kind == "memory", i.name
+
+
+@pytest.mark.parametrize("plan", ["dp=1,gbs=2", "tp=2,sp=1,gbs=2", "dp=1,gbs=2,recompute=full"])
+def test_each_block_lets_its_saved_activations_go_after_its_own_backward(plan):
+    """Autograd frees a node's saved tensors once the node has run: after a block's backward its
+    saved bytes are freed, before the next block of the layer runs (not all at the layer's end)."""
+    rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan))
+    an = Anatomy(rp)
+    instrs = lower(rp).ranks[0]
+    names = [i.name for i in instrs]
+    for block, b in an.layer(0).items():
+        at = names.index(f"bwd.{block}.L0.m0")
+        free = next(i for i in instrs[at + 1:] if i.kind == "memory" and i.op == "free"
+                    and i.name.startswith("mem.free.act.L0.m0"))
+        assert free.name == f"mem.free.act.L0.m0.{block}" and free.bytes == b.saved, (block, free)

@@ -24,6 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from simexec.errors import SimexecError  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 
 SEQ = 64
@@ -64,9 +65,10 @@ def sweep(cases: list[tuple[str, str]], seq_len: int, ray_address=None) -> list[
             model = _model(model_name)
             predicted = simulate(model, "local", plan, seq_len=seq_len).peak_memory_bytes_per_rank
             measured = session.execute(model, plan, steps=2, seq_len=seq_len).result.peak_memory_bytes_per_rank
-            errors = [measured[r] / predicted[r] - 1 for r in sorted(measured)]
-            rows.append({"model": model_name, "plan": plan, "measured_bytes": [measured[r] for r in sorted(measured)],
-                         "predicted_bytes": [round(predicted[r]) for r in sorted(measured)], "errors": errors})
+            ranks = sorted(measured)
+            errors = [measured[r] / predicted[r] - 1 for r in ranks]
+            rows.append({"model": model_name, "plan": plan, "measured_bytes": [measured[r] for r in ranks],
+                         "predicted_bytes": [round(predicted[r]) for r in ranks], "errors": errors})
             worst = max(errors, key=abs)
             print(f"{model_name:30s} {plan:52s} worst rank {worst:+6.1%}  "
                   f"({', '.join(f'{e:+.1%}' for e in errors)})", flush=True)
@@ -92,14 +94,15 @@ def main(argv=None) -> int:
     cases = [(args.model, p) for p in args.plans] if args.plans else DEFAULT_SWEEP
     try:
         rows = sweep(cases, args.seq_len, args.ray_address)
-    except Exception as exc:  # noqa: BLE001 - one line for a bad plan or model
-        print(f"memory_sweep: {exc}", file=sys.stderr)
+        s = summary(rows)
+        print(f"{s['plans']} plans: worst-rank |error| median {s['median_worst_rank_abs_error']:.1%}, "
+              f"max {s['max_worst_rank_abs_error']:.1%}; {s['within_5pct']} within 5%")
+        if args.json:
+            text = json.dumps({"seq_len": args.seq_len, "rows": rows, "summary": s}, indent=1) + "\n"
+            write_atomic(args.json, text.encode())
+    except SimexecError as exc:  # a bad plan or model, a failed run, an output that cannot be written
+        print(f"memory_sweep.py: error: {exc}", file=sys.stderr)
         return 2
-    s = summary(rows)
-    print(f"{s['plans']} plans: worst-rank |error| median {s['median_worst_rank_abs_error']:.1%}, "
-          f"max {s['max_worst_rank_abs_error']:.1%}; {s['within_5pct']} within 5%")
-    if args.json:
-        write_atomic(args.json, (json.dumps({"seq_len": args.seq_len, "rows": rows, "summary": s}, indent=1) + "\n").encode())
     return 0
 
 

@@ -32,7 +32,7 @@ _BF16 = ",gbs=8,dtype=bf16"
 DEFAULT_SWEEP: list[tuple[str, str]] = [
     *[("gpt-tiny", p + _BF16) for p in (
         "dp=2,mbs=4", "dp=2,zero=1,mbs=4", "dp=2,zero=2,mbs=4", "dp=2,zero=3,mbs=4",
-        "dp=2,zero=3,zero_impl=yafsdp,mbs=4", "tp=2,mbs=4", "pp=2,mbs=4,schedule=gpipe", "pp=2,mbs=4,schedule=zb-h1",
+        "dp=2,zero=3,zero_impl=yafsdp,mbs=4", "dp=2,zero=3,zero_impl=deepspeed,mbs=4", "tp=2,mbs=4", "pp=2,mbs=4,schedule=gpipe", "pp=2,mbs=4,schedule=zb-h1",
         "pp=2,vpp=2,mbs=2", "pp=2,vpp=2,schedule=interleaved-zb,mbs=2", "dp=2,recompute=full,mbs=4",
         "dp=2,recompute=selective,mbs=4", "dp=2,offload=optimizer,mbs=4", "cp=2,mbs=4", "cp=2,cp_impl=ring,mbs=4",
         "cp=2,cp_impl=a2a,mbs=4")],

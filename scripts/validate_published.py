@@ -264,7 +264,10 @@ def zero_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[d
         name = f"zero-7.5b-64gpu-stage{stage}"
         if only and not only(name):
             continue
-        plan = f"dp={ZERO_ND},zero={stage},gbs={ZERO_ND},dtype=fp16"
+        # stage 3 as DeepSpeed runs it: the gradient partition allocated at start, like the paper's count
+        # (FSDP, the default flavour, makes the gradient shards during the backward)
+        impl = ",zero_impl=deepspeed" if stage == 3 else ""
+        plan = f"dp={ZERO_ND},zero={stage}{impl},gbs={ZERO_ND},dtype=fp16"
         res = simulate(model, f"{ZERO_ND // 8}xdgx-a100-80g", plan, 512, trace=True)
         gb = sum(model_states(res).values()) / 1e9
         at_peak = sum(res.memory_breakdown_bytes[k] for k in STATES) / 1e9

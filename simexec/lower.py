@@ -139,6 +139,8 @@ class _RankLowering:
         self.gathers: dict[tuple, list[str]] = {}
         # yafsdp: the reduce-scatter still reading each (class, parity) gradient buffer
         self.z3_busy: dict[tuple[str, int], str] = {}
+        self.z3_shards: set[int] = set()  # lazy_grad_shards: units whose gradient shard exists this step
+        self.lazy_shards = 0.0  # ... and their bytes once all exist (freed after the optimizer step)
         # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
         # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
         self.split = p.schedule_name in SPLIT_BACKWARD
@@ -274,6 +276,9 @@ class _RankLowering:
 
     def setup(self) -> None:
         states = self.rp.model_state_bytes(self.pp_rank)
+        if self.p.lazy_grad_shards and self._zero3():  # made by their first reduce-scatter instead
+            self.lazy_shards = sum(self.z3_shard_bytes(u) for c in range(self.p.vpp) for u in self.units(c))
+            states["grads"] = max(0.0, states["grads"] - self.lazy_shards)
         for cat in ("params", "grads", "optimizer"):
             self.memory("alloc", cat, states[cat], f"{cat}.static")
         self.memory("alloc", "workspace", self.rp.cluster.costs.workspace_bytes, "workspace")
@@ -285,6 +290,12 @@ class _RankLowering:
     @property
     def zero_size(self) -> int:
         return len(self.g_zero)
+
+    def z3_shard_bytes(self, unit: int) -> float:
+        """This rank's reduce-scattered ZeRO-3 gradient shard of a unit, dense and expert."""
+        dense, expert = self.unit_params(unit)
+        edp = len(self.g_edp)
+        return self.grad_dt * (dense / self.zero_size * (self.zero_size > 1) + expert / edp * (edp > 1))
 
     def is_recompute_layer(self, layer: int, chunk: int) -> bool:
         if self.p.recompute == "none":
@@ -679,7 +690,7 @@ class _RankLowering:
             deps = (self._emit(Instr(self.rank, f"copy.{tag}", "copy", "copy.h2d", "h2d", phase=phase,
                                      block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
                                      deps=tuple(d for d in deps if d), items=(unit,))),)
-        if self.p.zero3_flavour == "fsdp":
+        if self.p.zero3_flavour != "yafsdp":
             gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
             self.memory("alloc", "buffers", gathered, tag, stream=f"comm.{self.zero_axis}", deps=deps)
         n = self.coll(tag, "allgather", self.zero_axis, self.g_zero, dense * dt, deps, phase=phase, block="gather",
@@ -708,7 +719,7 @@ class _RankLowering:
         self.wait.extend(self.gathers.get((unit, phase, mb), ()))
 
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
-        if self._zero3() and self.p.zero3_flavour == "fsdp":
+        if self._zero3() and self.p.zero3_flavour != "yafsdp":
             tag = f"{phase}.gather.L{unit}.m{mb}"
             for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self._tied_head(unit) else []):
                 dense, expert = self.unit_params(u)
@@ -727,7 +738,7 @@ class _RankLowering:
             if not self._zero3():
                 return self.bucket_if(last, unit, dense, expert, after)
             for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self._tied_head(unit) else []):
-                if self.p.zero3_flavour == "fsdp":
+                if self.p.zero3_flavour != "yafsdp":
                     d, e = self.unit_params(u)
                     full = d * gdt * (self.zero_size > 1) + e * gdt * (len(self.g_edp) > 1)
                     self.memory("alloc", "buffers", full, f"bwd.grads.L{u}.m{mb}{suffix}.unsharded", deps=(after,))
@@ -746,6 +757,13 @@ class _RankLowering:
         gdt = self.grad_dt
         tag = f"bwd.grads.L{unit}.m{mb}{suffix}"
         full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
+        shard = self.z3_shard_bytes(unit)
+        first = self.p.lazy_grad_shards and unit not in self.z3_shards
+        if first:  # the first reduce-scatter's output becomes the unit's gradient shard
+            self.z3_shards.add(unit)
+            self.memory("alloc", "grads", shard, f"grads.shard.L{unit}", deps=(after,))
+        else:  # a later one's output is summed into the shard once it lands
+            self.memory("alloc", "grads", shard, f"{tag}.out", deps=(after,))
         a = self.coll(tag, "reducescatter", self.zero_axis, self.g_zero, dense * gdt, (after,), phase="bwd",
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         b = self.coll(tag + ".experts", "reducescatter", "edp", self.g_edp, expert * gdt, (after,), phase="bwd",
@@ -754,9 +772,11 @@ class _RankLowering:
         for cls, n in (("dense", a), ("expert", b)):
             if n and self.p.zero3_flavour == "yafsdp":
                 self.z3_busy[(cls, unit % 2)] = n
-        if self.p.zero3_flavour == "fsdp":
-            self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}",
-                        deps=tuple(n for n in (a, b) if n))
+        landed = tuple(n for n in (a, b) if n)
+        if self.p.zero3_flavour != "yafsdp":
+            self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}", deps=landed)
+        if not first:
+            self.memory("free", "grads", shard, f"{tag}.out", stream=f"comm.{self.zero_axis}", deps=landed)
         if mb == self.m - 1 and self.g_rep and a and not suffix:
             r = self.coll(f"bwd.grads_rep.L{unit}", "allreduce", "dp_replicate", self.g_rep,
                           dense * gdt / self.zero_size, (a,), phase="bwd", block="grads_rep", layer=unit,
@@ -877,6 +897,7 @@ class _RankLowering:
                                    deps=(d2h,)))
             opt = self._emit(Instr(self.rank, "copy.params_h2d", "copy", "copy.h2d", "h2d", phase="optim",
                                    block="params_h2d", bytes=shard * self.rp.dtype_bytes, deps=(cpu,)))
+            read = d2h
         else:
             self.wait.extend(deps)
             # Megatron-LM's optimizer first copies the gradients of its shard to fp32 (`master_grads`);
@@ -887,6 +908,9 @@ class _RankLowering:
                                Block("optimizer", shard * ADAM_FLOPS_PER_PARAM,
                                      shard * (adam_bytes_per_param(self.rp) + clip_bytes), 0.0))
             self.memory("free", "grads", main, "grads.main")
+            read = opt
+        # FSDP2's zero_grad(set_to_none) lets the lazily made shards go once the optimizer has read them
+        self.memory("free", "grads", self.lazy_shards, "grads.shards", deps=(read,))
         if self.p.zero in (1, 2):
             dt = self.rp.dtype_bytes
             for name, axis, units, nbytes in self.buckets:

@@ -38,7 +38,8 @@ class Plan(BaseModel):
     vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
     ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
-    zero_impl: Optional[Literal["fsdp", "yafsdp"]] = Field(None, description="flavour of ZeRO-3; default fsdp")
+    zero_impl: Optional[Literal["fsdp", "yafsdp", "deepspeed"]] = Field(
+        None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
     dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
@@ -101,6 +102,16 @@ class Plan(BaseModel):
     @property
     def zero3_flavour(self) -> Optional[str]:
         return (self.zero_impl or "fsdp") if self.zero == 3 else None
+
+    @property
+    def lazy_grad_shards(self) -> bool:
+        """ZeRO-3 gradient shards that exist only from their unit's first reduce-scatter of a step to
+        the optimizer step (FSDP2: `.grad` made in the post-backward, freed by `zero_grad`; YaFSDP as
+        simexec runs it), rather than one flat partition allocated at start and zeroed after each
+        step (`deepspeed`: DeepSpeed stage 3, the system of the ZeRO paper). Gathering is the same:
+        `fsdp` and `deepspeed` allocate each unit's gathered parameters on demand, `yafsdp` reuses
+        two buffers."""
+        return self.zero3_flavour in ("fsdp", "yafsdp")
 
     def to_string(self) -> str:
         """The short form `parse_plan` reads back: only fields that differ from their defaults."""

@@ -3,8 +3,10 @@
 Priced by the simulator's own `ComputeModel` and `Network` (idle network), with the process groups
 the lowering itself builds:
 
-- memory: model states (`ResolvedPlan.model_state_bytes`) + workspace + YaFSDP's buffers + the
-  activations the schedule holds before a rank's first backward, with the allocator's overhead.
+- memory: model states (`ResolvedPlan.model_state_bytes`, less the gradient shards that ZeRO-3
+  makes during the backward, `Plan.lazy_grad_shards`) + workspace + YaFSDP's buffers + the
+  activations the schedule holds before a rank's first backward, with the allocator's overhead;
+  and the model states with the fp32 main gradients of the optimizer step.
   Each term is memory the lowering allocates and nothing frees before that moment, so the
   simulated peak cannot be lower; a bound over capacity counts the plan as `oom` unsimulated.
 - time: a closed-form critical path of the pipeline: micro-batch 0 through every stage and
@@ -572,9 +574,10 @@ class _StructureBounds:
             self.b.params[key] = out
         return out
 
-    def _memory(self, state: tuple) -> tuple[list[float], list[float], list[float], list[float]]:
-        """Per pipeline rank: model-state bytes (`model_state_bytes`), YaFSDP's preallocated buffers,
-        the optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
+    def _memory(self, state: tuple) -> tuple[list[float], list[float], list[float], list[float], list[float]]:
+        """Per pipeline rank: model-state bytes (`model_state_bytes`), those held before the first
+        backward (without lazily made ZeRO-3 gradient shards), YaFSDP's preallocated buffers, the
+        optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
         p, rp = self.p, self.rp
         key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads,
                p.grad_bucket_view, state)
@@ -589,17 +592,20 @@ class _StructureBounds:
         edp = max(1, len(groups["edp"]))
         dt, gdt = self.dt, self.gdt
         yafsdp = zero == 3 and (zero_impl or "fsdp") == "yafsdp" and zero_size > 1
-        static, buffers, shards, main = [], [], [], []
+        lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
+        static, early, buffers, shards, main = [], [], [], [], []
         params = self._params()
         memo = _MemoParams(vrp, params)
         for r, prm in enumerate(params):
             ms = ResolvedPlan.model_state_bytes(memo, r)
             static.append(ms["params"] + ms["grads"] + ms["optimizer"])
+            made = gdt * (prm["dense"] / zero_size * (zero_size > 1) + prm["expert"] / edp * (edp > 1)) if lazy else 0.0
+            early.append(static[-1] - min(made, ms["grads"]))
             big = prm["biggest"]
             buffers.append(2 * big * dt + 2 * big * gdt if yafsdp else 0.0)
             shards.append(prm["dense"] / (zero_size if zero >= 1 else 1) + prm["expert"] / (edp if zero >= 1 else 1))
             main.append(shards[-1] * vrp.master_grad_bytes)
-        out = self.b.memory[key] = (static, buffers, shards, main)
+        out = self.b.memory[key] = (static, early, buffers, shards, main)
         return out
 
     def _state(self, state: tuple) -> tuple:
@@ -613,7 +619,7 @@ class _StructureBounds:
         if out is not None:
             return out
         zero, zero_impl, dp_shard, offload = state
-        static, buffers, shards, main = self._memory(state)
+        static, early, buffers, shards, main = self._memory(state)
         vrp = self.rp if (p.zero, p.zero_impl, p.dp_shard, p.offload) == state else replace(
             rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload)))
         dt, gdt = self.dt, self.gdt
@@ -656,7 +662,7 @@ class _StructureBounds:
             else:
                 busy.append((total, 0.0))
             traffic.append(total)
-        out = self.b.states[key] = (static, buffers, tail, busy, traffic, main)
+        out = self.b.states[key] = (static, early, buffers, tail, busy, traffic, main)
         return out
 
     def _units(self, r: int, chunk: Optional[int] = None) -> list[int]:
@@ -685,7 +691,7 @@ class _StructureBounds:
         optimizer step and parameter gather, as in `bounds`. Under ZeRO-3 the replay goes unit by
         unit with the parameter gathers and gradient reduce-scatters on their stream."""
         zero, _, dp_shard, _ = state
-        _, _, tails, _, _, _ = self._state(state)
+        _, _, _, tails, _, _, _ = self._state(state)
         if zero == 3 and len(self.mesh.groups(self.mesh.rank_of_stage[0], self.p.ep, dp_shard)["zero"]) > 1:
             ends = self._zero3_replays.get(dp_shard)
             if ends is None:
@@ -815,7 +821,7 @@ class _StructureBounds:
 
     def bounds(self, state: tuple) -> tuple[float, float, float]:
         """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""
-        static, buffers, tails, busy, traffic, main = self._state(state)
+        static, early, buffers, tails, busy, traffic, main = self._state(state)
         ws, dyn, a = self.b.workspace, self.b.dyn, self.b.slow
         t = mem = tr = 0.0
         lc, own, tl, act, m, wa = self.last_compute, self.own_last_compute, self.tail, self.act, self.m, self.w_after
@@ -836,7 +842,7 @@ class _StructureBounds:
                 x = y
             if x > t:
                 t = x
-            y = static[r] + ws + dyn * (buffers[r] + act[r])
+            y = early[r] + ws + dyn * (buffers[r] + act[r])
             if y > mem:
                 mem = y
             y = static[r] + ws + main[r]  # the optimizer step: model states and the fp32 main gradients

@@ -290,6 +290,44 @@ def test_yafsdp_preallocates_two_buffers_and_fsdp_allocates_per_unit():
     assert [i.name for i in ya] == ["mem.alloc.yafsdp.params", "mem.alloc.yafsdp.grads"]
 
 
+@pytest.mark.parametrize("plan", ["dp=2,zero=3,gbs=4", "dp=4,zero=3,zero_impl=yafsdp,gbs=8", "dp=4,pp=2,zero=3,gbs=8",
+                                  "dp=4,zero=3,dp_shard=2,offload=optimizer,gbs=8"])
+def test_fsdp_gradient_shards_come_with_their_first_reduce_scatter_and_go_after_the_step(plan):
+    """fsdp and yafsdp: no gradients as the step starts; a unit's shard with its first reduce-scatter
+    (later ones' outputs until they land), all of them once the optimizer reads them, none after."""
+    rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan))
+    for rank, instrs in lower(rp).ranks.items():
+        names = [i.name for i in instrs]
+        grads = [i for i in instrs if i.kind == "memory" and i.category == "grads" and i.name != "mem.alloc.grads.main"
+                 and i.name != "mem.free.grads.main"]
+        assert "mem.alloc.grads.static" not in names
+        made = [i for i in grads if i.name.startswith("mem.alloc.grads.shard.L")]
+        first = {i.name.removeprefix("mem.alloc.grads.shard.L"): names.index(i.name) for i in made}
+        for u, at in first.items():
+            rs = [k for k, n in enumerate(names) if n.startswith(f"bwd.grads.L{u}.m") and "." not in n.split(".m")[1]]
+            assert rs and at < min(rs), (rank, u)  # allocated just before the unit's first reduce-scatter
+        full = rp.model_state_bytes(rp.mesh.coords(rank)["pp"])["grads"]
+        assert sum(i.bytes for i in made) == pytest.approx(full)
+        free = names.index("mem.free.grads.shards")
+        read = names.index("copy.grads_d2h") if rp.plan.offload != "none" else names.index("optim.optim.L-1.m-1")
+        assert read < free and instrs[free].bytes == pytest.approx(full)
+        live = 0.0
+        for i in grads:
+            live += i.bytes if i.op == "alloc" else -i.bytes
+            assert live >= -1e-6
+        assert live == pytest.approx(0.0, abs=1e-6)
+
+
+def test_deepspeed_holds_its_gradient_partition_from_the_start():
+    rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=2,zero=3,zero_impl=deepspeed,gbs=4"))
+    instrs = lower(rp).ranks[0]
+    static = next(i for i in instrs if i.name == "mem.alloc.grads.static")
+    assert static.bytes == pytest.approx(rp.model_state_bytes(0)["grads"])
+    assert not any(i.name.startswith("mem.alloc.grads.shard") or i.name == "mem.free.grads.shards" for i in instrs)
+    outs = [i for i in instrs if i.kind == "memory" and i.name.endswith(".out")]  # each reduce-scatter's output
+    assert outs and sum(i.bytes if i.op == "alloc" else -i.bytes for i in outs) == pytest.approx(0.0)
+
+
 def test_yafsdp_backward_waits_for_the_last_reduce_scatter_out_of_its_gradient_buffer():
     """Two gradient buffers by layer parity: before a layer's backward accumulates into one, the
     reduce-scatter of the layer two above (that buffer's last user) must have read it out."""

@@ -37,7 +37,7 @@ def plan_fields(small: bool):
             "dp": st.sampled_from([1, 2, 3, 4, 8] if not small else [1, 2, 4]),
             "tp": deg, "cp": st.sampled_from([1, 2]), "pp": deg, "vpp": st.sampled_from([1, 2, 3]),
             "ep": st.sampled_from([1, 2, 4, 8]), "sp": st.booleans(), "cp_impl": st.sampled_from(["allgather", "ring"]),
-            "zero": st.integers(0, 3), "zero_impl": st.sampled_from(["fsdp", "yafsdp"]),
+            "zero": st.integers(0, 3), "zero_impl": st.sampled_from(["fsdp", "yafsdp", "deepspeed"]),
             "dp_shard": st.sampled_from([1, 2, 3, 4]),
             "offload": st.sampled_from(["none", "optimizer", "optimizer+params"]),
             "mbs": st.sampled_from([1, 2, 3]), "gbs": st.integers(1, 128),

@@ -212,7 +212,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
         self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
         self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
-        self.flavour = p.zero3_flavour  # ZeRO-3: fsdp or yafsdp
+        self.flavour = p.zero3_flavour  # ZeRO-3: fsdp, yafsdp or deepspeed
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
 

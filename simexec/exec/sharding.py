@@ -2,13 +2,15 @@
 
 Parameter storage per plan: plain tensors (ZeRO 0); plus one flat shard per gradient bucket, updated
 by Adam and all-gathered back (ZeRO 1-2); or one flat shard per unit (embedding, layer, head) and
-class (dense, expert), all-gathered into a buffer before each use (ZeRO-3: `fsdp` allocates it on
+class (dense, expert), all-gathered into a buffer before each use (ZeRO-3: `fsdp`, `deepspeed` allocate it on
 demand and frees it after the unit's last use; `yafsdp` uses two buffers preallocated at start,
 even units in one and odd units in the other). Gradients: one flat buffer per bucket whose views are
 the parameters' `.grad` (ZeRO 0-1); under ZeRO-2 a bucket's buffer made at its first gradient of a
 micro-batch and freed once reduce-scattered; under ZeRO-3 a unit's gradients flattened on demand
-(`fsdp`) or into one of two preallocated buffers (`yafsdp`), then reduce-scattered into its shard.
-A `_Flat` is the layout of one bucket or unit.
+(`fsdp`, `deepspeed`) or into one of two preallocated buffers (`yafsdp`), then reduce-scattered;
+the shard is the first reduce-scatter's output, later ones summed into it, and is let go after the
+optimizer step (`fsdp`, `yafsdp`), or every unit's shard allocated at start, summed into and
+zeroed as each step starts (`deepspeed`). A `_Flat` is the layout of one bucket or unit.
 """
 from __future__ import annotations
 
@@ -64,7 +66,7 @@ class Sharding:
     collectives (`grads<k>`, `grads_rep<k>`, `params<k>`, ZeRO-3's `gather` and `grads`).
 
     Reads of the rank: `rank`, `instrs`, `specs`, `shapes`, `plan`, `device`, `dtype`, `xla`,
-    `flavour` (ZeRO-3: fsdp or yafsdp), `comm`, `_issue` (an issued collective as an `_Inflight`).
+    `flavour` (ZeRO-3: fsdp, yafsdp or deepspeed), `comm`, `_issue` (an issued collective as an `_Inflight`).
     Shares with it: `p` (parameters by name; their `.data` and `.grad` are set here), `g` and
     `g_pending` (gradients moved out of `.grad`, and the collectives still summing them),
     `reduced` (ZeRO-0 bucket results). Its own: `buckets`, `pbuf`, `shards`, `gshard`,
@@ -126,6 +128,9 @@ class Sharding:
             for (cls, unit), fl in self.z3.items():
                 for n in fl.names:
                     self.p[n].data = empty  # parameters live as shards until gathered
+            if self.flavour == "deepspeed":  # DeepSpeed stage 3's gradient partition, held from the start
+                for key, fl in self.z3.items():
+                    self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.dtype)
             if self.flavour == "yafsdp":
                 for cls in {c for c, _ in self.z3}:
                     size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)
@@ -228,6 +233,9 @@ class Sharding:
 
     def _attach_grads(self, key: Optional[tuple] = None) -> None:
         """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
+        if key is None and self.flavour == "deepspeed":
+            for shard in self.gshard.values():
+                shard.zero_()
         for k, buf in self.gbuf.items():
             if key is None or k == key:
                 buf.zero_()
@@ -335,7 +343,12 @@ class Sharding:
     def _accumulate_shard(self, key: tuple, out: Tensor) -> Callable[[], None]:
         def finish():
             prev = self.gshard.get(key)
-            self.gshard[key] = out if prev is None else prev + out
+            if prev is None:
+                self.gshard[key] = out
+            elif self.flavour == "deepspeed":
+                prev.add_(out)
+            else:
+                self.gshard[key] = prev + out
         return finish
 
     def grads_rep(self, ins: Instr, g) -> None:

@@ -74,6 +74,15 @@ def test_plan_matches_reference(model, plan):
     check_plan(model, plan)
 
 
+@pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=2,ep=2,tp=2,sp=1", "dp=4,ep=2,zero=3,mbs=2,gbs=8",
+                                  "dp=2,ep=2,pp=2,gbs=4", "dp=4,ep=4,mbs=2,gbs=8"])
+def test_token_dropping_matches_reference(plan):
+    """capacity_factor=1: the experts' buffers cut and padded to capacity per sequence, so every
+    split of the batch drops what the single process drops (tests/test_exec_model.py checks that
+    some are dropped)."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), plan)
+
+
 def test_deepseek_layout_matches_reference():
     """Latent attention beside MoE layers, every split they meet in DeepSeek-V3's training at once:
     experts over ep, heads over tp with sp, stages over pp."""

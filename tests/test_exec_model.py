@@ -17,6 +17,7 @@ from simexec.model import ModelSpec, MoESpec, get_model
 from simexec.plan import parse_plan, resolve
 
 torch.set_num_threads(1)
+DATA = Path(__file__).resolve().parent / "data"
 
 # A third model for the pieces the presets leave out: GQA, RoPE, RMSNorm, SwiGLU, q/k/v biases only.
 GQA = ModelSpec(name="gqa-test", layers=2, hidden=64, heads=8, kv_heads=2, head_dim=8, ffn=96, gated=True,
@@ -92,6 +93,26 @@ def _tp_forward(m: ModelSpec, tp: int, tokens, targets, pos) -> torch.Tensor:
     return GPT.loss(ce, 1.0 / targets.numel())
 
 
+def test_capacity_factor_drops_and_pads_per_sequence():
+    """capacity_factor=1: each expert holds ceil(T*k/E) rows per sequence, padded with zeros where
+    fewer come, the later assignments of a busier expert dropped; a sequence's drops do not depend
+    on the other sequences of its batch."""
+    m = get_model(str(DATA / "moe-cap-tiny.yaml"))
+    g = GPT(m, Layout(), init_full(m, 0))
+    x = torch.randn(3, 32, m.hidden)
+    h, w, xs, route = g.router(0, x)
+    cap = 32 * m.moe.top_k // m.moe.experts
+    assert route.counts.tolist() == [3 * cap] * m.moe.experts and xs.shape[0] == 3 * cap * m.moe.experts
+    kept = route.rows >= 0
+    assert 0 < int((~kept).sum()) and len(set(route.rows[kept].tolist())) == int(kept.sum())
+    padded = torch.ones(xs.shape[0], dtype=torch.bool)
+    padded[route.rows[kept]] = False
+    assert int(padded.sum()) == int((~kept).sum()) and not xs[padded].any()  # as many pads as drops
+    _, _, _, alone = g.router(0, x[1:2])
+    dropped_alone = (alone.rows < 0).tolist()
+    assert dropped_alone == (route.rows < 0).view(3, -1)[1].tolist()
+
+
 @pytest.mark.parametrize("tp", [2, 4])
 @pytest.mark.parametrize("m", MODELS, ids=lambda m: m.name)
 def test_tensor_parallel_shards_add_up_to_the_full_model(m, tp):
@@ -162,8 +183,9 @@ def test_unsupported_names_what_is_missing():
     assert unsupported(_rp(get_model("moe-tiny"), "dp=2,ep=2")) is None
     assert unsupported(resolve(get_model("deepseek-v3"), get_cluster("local"), parse_plan("dp=1,dtype=fp32"), 16)) is None
     dropping = get_model("moe-tiny").model_copy(update={"moe": get_model("moe-tiny").moe.model_copy(update={"capacity_factor": 1.25})})
-    msg = unsupported(_rp(dropping, "dp=2,ep=2"))
-    assert msg and "MoE token dropping (capacity_factor=1.25)" in msg and "moe-tiny" in msg
+    assert unsupported(_rp(dropping, "dp=2,ep=2")) is None
+    msg = unsupported(_rp(dropping, "dp=2,ep=2,cp=2"))
+    assert msg and "MoE token dropping (capacity_factor=1.25) with cp=2" in msg and "moe-tiny" in msg
     assert unsupported(_rp(get_model("gpt-tiny"), "cp=2,cp_impl=ring")) is None
 
 

@@ -133,8 +133,9 @@ def unsupported(rp) -> Optional[str]:
     if m.tied_embeddings and p.zero == 3 and p.zero3_flavour == "yafsdp":
         missing.append(f"tied embeddings with zero_impl=yafsdp ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
-    if m.moe is not None and m.moe.capacity_factor is not None:
-        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor})")
+    if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
+        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
+                       "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
     if p.dtype != "fp32" and p.grad_fp32:

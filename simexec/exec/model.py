@@ -487,10 +487,35 @@ class _SwiGLU(torch.autograd.Function):
 
 @dataclass
 class Route:
-    """A MoE layer's routing of its N tokens (no gradients): the dispatch order and counts."""
+    """A MoE layer's routing of its N tokens (no gradients): where each assignment sits in the rows
+    sent to the experts, and how many rows each expert gets."""
 
-    order: Tensor  # (N*k,) assignment (token*k + slot) at each position of the expert-sorted list
-    counts: Tensor  # (E,) assignments per expert
+    rows: Tensor  # (N*k,) row of each assignment (token*k + slot) in the expert-sorted list; -1: dropped
+    counts: Tensor  # (E,) rows per expert (under a capacity factor, the padded capacity)
+
+
+def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
+    """Rows of one expert's buffer per sequence of `tokens` tokens: the balanced load times the
+    capacity factor, rounded up (Megatron-LM's `ceil(tokens * top_k / experts * capacity_factor)`)."""
+    return math.ceil(tokens * top_k / experts * capacity_factor)
+
+
+def _capacity_rows(experts: Tensor, sequences: int, n_experts: int, capacity: int) -> Tensor:
+    """Under a capacity factor, each sequence fills each expert's buffer up to `capacity` rows in
+    token order (GShard's groups, one per sequence; Megatron-LM's `position` drop policy), so that
+    what is dropped does not depend on how the batch is split over ranks and micro-batches. experts
+    (N*k,) the expert of each assignment, token-major -> its row in the padded buffer, laid out
+    expert by expert, then sequence by sequence; -1 where dropped."""
+    nk = experts.shape[0]
+    seq = torch.arange(nk, device=experts.device) // (nk // sequences)
+    queue = seq * n_experts + experts  # (sequence, expert) queue of each assignment
+    order = torch.argsort(queue, stable=True)
+    sizes = torch.bincount(queue, minlength=sequences * n_experts)
+    starts = torch.cumsum(sizes, 0) - sizes
+    place = torch.empty_like(queue)
+    place[order] = torch.arange(nk, device=experts.device) - starts[queue[order]]
+    rows = experts * (sequences * capacity) + seq * capacity + place
+    return torch.where(place < capacity, rows, torch.full_like(rows, -1))
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -684,10 +709,11 @@ class GPT:
     # -- MoE MLP ------------------------------------------------------------------------------------
 
     def router(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
-        """Second norm (under sp: `norm2`) + gate + top-k, no token dropped. x (B, T, C) -> h (N, C)
-        normed tokens (None under sp, where the shared experts read the gathered x themselves), w (N, k)
-        routing weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies sorted by
-        expert (what dispatch sends), and the Route."""
+        """Second norm (under sp: `norm2`) + gate + top-k. x (B, T, C) -> h (N, C) normed tokens
+        (None under sp, where the shared experts read the gathered x themselves), w (N, k) routing
+        weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies sorted by expert
+        (what dispatch sends), and the Route. Under a capacity factor each expert's rows are cut or
+        zero-padded to its capacity per sequence (`_capacity_rows`); else no token is dropped."""
         moe = self.m.moe
         if self.lay.sp:
             logits = _GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
@@ -698,12 +724,26 @@ class GPT:
         top, idx = probs.topk(moe.top_k, dim=-1)  # (N, k)
         w = top / top.sum(-1, keepdim=True)
         flat = idx.reshape(-1)  # (N*k,) expert of each assignment
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=moe.experts)
-        token = order // moe.top_k
-        if self.lay.sp:
-            return None, w, x.reshape(-1, x.shape[-1])[token], Route(order, counts)
-        return h, w, h[token], Route(order, counts)
+        src = x.reshape(-1, x.shape[-1]) if self.lay.sp else h
+        if moe.capacity_factor is None:
+            order = torch.argsort(flat, stable=True)
+            route = Route(torch.argsort(order), torch.bincount(flat, minlength=moe.experts))
+            xs = src[order // moe.top_k]
+        else:
+            sequences = x.shape[0]
+            cap = expert_capacity(moe.capacity_factor, w.shape[0] // sequences, moe.top_k, moe.experts)
+            rows = _capacity_rows(flat, sequences, moe.experts, cap)
+            kept = (rows >= 0).nonzero().squeeze(1)
+            n_rows = moe.experts * sequences * cap
+            route = Route(rows, torch.full((moe.experts,), sequences * cap, dtype=torch.int64, device=flat.device))
+            # gathered, then the padding rows zeroed in place: autograd keeps the indices and the mask
+            # only (index_copy into zeros would save the gathered tokens too)
+            pick = torch.zeros(n_rows, dtype=torch.int64, device=flat.device)
+            pick[rows[kept]] = kept // moe.top_k
+            pad = torch.ones(n_rows, dtype=torch.bool, device=flat.device)
+            pad[rows[kept]] = False
+            xs = src[pick].masked_fill_(pad.unsqueeze(1), 0)
+        return (None if self.lay.sp else h), w, xs, route
 
     def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
         """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
@@ -727,7 +767,9 @@ class GPT:
         returns them), plus the shared experts on the normed tokens h (N, C; under sp the gathered
         (B, T, C)), plus the residual x -> (B, T, C) partial over tp."""
         N, k = w.shape
-        per_slot = yc[torch.argsort(route.order)].view(N, k, -1)  # (N, k, C) in token order
+        per_slot = yc[route.rows.clamp(min=0)].view(N, k, -1)  # (N, k, C) in token order
+        if self.m.moe.capacity_factor is not None:  # a dropped assignment adds nothing
+            per_slot = per_slot.masked_fill_((route.rows < 0).view(N, k, 1), 0)
         y = (w.unsqueeze(-1) * per_slot).sum(1)  # (N, C)
         if self.lay.sp:
             y = y.view(h.shape)

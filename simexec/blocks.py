@@ -103,32 +103,36 @@ class Anatomy:
         # dropout on the attention probabilities and the residual branches (ModelSpec.dropout: 0.1 for
         # GPT-2/3 and Megatron's GPT, 0 for Llama-style models): its 1-byte masks are kept only when on
         self.dropout = m.dropout > 0
+        # CPU ranks (simexec's executor) run PyTorch's eager CPU operators where GPU training stacks
+        # run fused kernels (Megatron, TransformerEngine, FlashAttention); each flag below is one
+        # thing that changes in what a block holds
+        self.eager_kernels = rp.cluster.device.name == "cpu"
         # Megatron / cuBLAS on GPUs accumulate weight gradients in place (fused wgrad into main_grad);
         # autograd on the CPU executor makes each one a temporary, then adds it to .grad
-        self.fused_wgrad = rp.cluster.device.name != "cpu"
+        self.fused_wgrad = not self.eager_kernels
         # fused attention kernels on GPUs skip the tiles a sliding window masks out (FlashAttention's
         # window_size, FlexAttention's block mask); PyTorch's CPU kernel takes the band as a mask and
         # computes every score
-        self.skips_masked_tiles = self.fused_wgrad
+        self.skips_masked_tiles = not self.eager_kernels
         # MLA's value heads are narrower than its key heads: GPU kernels take both widths (FlashAttention
         # 3, cuDNN through TransformerEngine); PyTorch's CPU kernel takes one, so V is padded to the key
         # width and the output sliced back (as HF's DeepSeek does for FlashAttention 2)
-        self.pads_value_heads = not self.fused_wgrad
+        self.pads_value_heads = self.eager_kernels
         # ring attention on CPU ranks (simexec's executor) merges the chunks' outputs in fp32 and keeps
         # that output for its backward beside the output projection's copy; TransformerEngine's ring
         # saves the one output both read
-        self.ring_keeps_fp32_output = not self.fused_wgrad
+        self.ring_keeps_fp32_output = self.eager_kernels
         # the RMSNorm backward of CPU ranks (simexec.exec.model._RMSNorm, eager operators) holds three
         # fp32 buffers of its input's size at its worst; Megatron's and TransformerEngine's fused
         # kernels hold none, and torch's CPU layer_norm backward is one kernel
-        self.norm_bwd_fp32_buffers = 3 if m.norm == "rmsnorm" and not self.fused_wgrad else 0
+        self.norm_bwd_fp32_buffers = 3 if m.norm == "rmsnorm" and self.eager_kernels else 0
         # and its SwiGLU backward (simexec.exec.model._SwiGLU) one buffer of the activation's size
         # beside the two gradients, where Megatron's fused bias-SwiGLU kernel holds none
-        self.swiglu_bwd_buffers = 1 if m.gated and not self.fused_wgrad else 0
+        self.swiglu_bwd_buffers = 1 if m.gated and self.eager_kernels else 0
         # a norm's statistics per token: RMSNorm's 1/rms in fp32 everywhere (simexec.exec.model._RMSNorm
         # too); LayerNorm's mean and 1/std in fp32 on GPUs (Apex, TransformerEngine, torch's CUDA
         # kernel), in the input's type from torch's CPU kernel
-        self.norm_stats_per_token = 4.0 if m.norm == "rmsnorm" else 2.0 * (4 if self.fused_wgrad else self.dt)
+        self.norm_stats_per_token = 4.0 if m.norm == "rmsnorm" else 2.0 * (self.dt if self.eager_kernels else 4)
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
@@ -291,7 +295,7 @@ class Anatomy:
             # the gathered K/V's gradients, whole, until their reduce-scatter; on CPU ranks twice: the
             # executor's gathered K/V is a strided view (the all-gather's output moved back to the
             # sequence dimension), so autograd copies the kernel's gradient into that layout
-            ws["attn"] += T * w_kv * dt / t * ((self.cp - 1) + (0 if self.fused_wgrad else self.cp))
+            ws["attn"] += T * w_kv * dt / t * ((self.cp - 1) + (self.cp if self.eager_kernels else 0))
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t

@@ -85,14 +85,15 @@ def test_expert_capacity_scales_what_the_experts_compute_and_receive(factor):
     assert (step[1] > step[0]) == (factor > 1)
 
 
-def test_the_executor_refuses_expert_capacity():
+def test_the_executor_refuses_expert_capacity_only_with_context_parallelism():
     pytest.importorskip("torch")
     from simexec.exec.interpreter import unsupported
 
     m = get_model("moe-tiny")
     capped = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": 1.25})})
     assert unsupported(resolve(m, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4"))) is None
-    assert "capacity_factor=1.25" in unsupported(resolve(capped, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4")))
+    assert unsupported(resolve(capped, get_cluster("local"), parse_plan("dp=2,ep=2,gbs=4"))) is None
+    assert "capacity_factor=1.25" in unsupported(resolve(capped, get_cluster("local"), parse_plan("dp=2,ep=2,cp=2,gbs=4")))
 
 
 def test_sliding_window_prices_the_band_on_gpus_and_every_score_on_cpus():

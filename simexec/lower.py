@@ -277,7 +277,8 @@ class _RankLowering:
     def setup(self) -> None:
         states = self.rp.model_state_bytes(self.pp_rank)
         if self.p.lazy_grad_shards and self._zero3():  # made by their first reduce-scatter instead
-            self.lazy_shards = sum(self.z3_shard_bytes(u) for c in range(self.p.vpp) for u in self.units(c))
+            self.lazy_shards = sum(self.z3_bytes(u, self.grad_dt, shard=True) for c in range(self.p.vpp)
+                                   for u in self.units(c))
             states["grads"] = max(0.0, states["grads"] - self.lazy_shards)
         for cat in ("params", "grads", "optimizer"):
             self.memory("alloc", cat, states[cat], f"{cat}.static")
@@ -291,11 +292,12 @@ class _RankLowering:
     def zero_size(self) -> int:
         return len(self.g_zero)
 
-    def z3_shard_bytes(self, unit: int) -> float:
-        """This rank's reduce-scattered ZeRO-3 gradient shard of a unit, dense and expert."""
+    def z3_bytes(self, unit: int, dt: float, shard: bool = False) -> float:
+        """A ZeRO-3 unit at `dt` bytes per element, as its gathers and reduce-scatters hold it: whole
+        (`shard`: this rank's share), dense and expert; a class whose group is one rank stays out."""
         dense, expert = self.unit_params(unit)
-        edp = len(self.g_edp)
-        return self.grad_dt * (dense / self.zero_size * (self.zero_size > 1) + expert / edp * (edp > 1))
+        zs, edp = self.zero_size, len(self.g_edp)
+        return dt * (dense * (zs > 1) / (zs if shard else 1) + expert * (edp > 1) / (edp if shard else 1))
 
     def is_recompute_layer(self, layer: int, chunk: int) -> bool:
         if self.p.recompute == "none":
@@ -691,8 +693,7 @@ class _RankLowering:
                                      block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
                                      deps=tuple(d for d in deps if d), items=(unit,))),)
         if self.p.zero3_flavour != "yafsdp":
-            gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
-            self.memory("alloc", "buffers", gathered, tag, stream=f"comm.{self.zero_axis}", deps=deps)
+            self.memory("alloc", "buffers", self.z3_bytes(unit, dt), tag, stream=f"comm.{self.zero_axis}", deps=deps)
         n = self.coll(tag, "allgather", self.zero_axis, self.g_zero, dense * dt, deps, phase=phase, block="gather",
                       layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         names.append(n)
@@ -722,10 +723,7 @@ class _RankLowering:
         if self._zero3() and self.p.zero3_flavour != "yafsdp":
             tag = f"{phase}.gather.L{unit}.m{mb}"
             for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self._tied_head(unit) else []):
-                dense, expert = self.unit_params(u)
-                dt = self.rp.dtype_bytes
-                gathered = dense * dt * (self.zero_size > 1) + expert * dt * (len(self.g_edp) > 1)
-                self.memory("free", "buffers", gathered, t)
+                self.memory("free", "buffers", self.z3_bytes(u, self.rp.dtype_bytes), t)
 
     # --- gradients -----------------------------------------------------------------------------------
     def grads_ready(self, unit: int, mb: int, c: int) -> None:
@@ -739,9 +737,8 @@ class _RankLowering:
                 return self.bucket_if(last, unit, dense, expert, after)
             for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self._tied_head(unit) else []):
                 if self.p.zero3_flavour != "yafsdp":
-                    d, e = self.unit_params(u)
-                    full = d * gdt * (self.zero_size > 1) + e * gdt * (len(self.g_edp) > 1)
-                    self.memory("alloc", "buffers", full, f"bwd.grads.L{u}.m{mb}{suffix}.unsharded", deps=(after,))
+                    self.memory("alloc", "buffers", self.z3_bytes(u, gdt), f"bwd.grads.L{u}.m{mb}{suffix}.unsharded",
+                                deps=(after,))
                 if self.p.grad_overlap:
                     self.z3_reduce(u, mb, c, after, suffix)
                 else:
@@ -756,8 +753,7 @@ class _RankLowering:
         dense, expert = self.unit_params(unit)
         gdt = self.grad_dt
         tag = f"bwd.grads.L{unit}.m{mb}{suffix}"
-        full = dense * gdt * (self.zero_size > 1) + expert * gdt * (len(self.g_edp) > 1)
-        shard = self.z3_shard_bytes(unit)
+        full, shard = self.z3_bytes(unit, gdt), self.z3_bytes(unit, gdt, shard=True)
         first = self.p.lazy_grad_shards and unit not in self.z3_shards
         if first:  # the first reduce-scatter's output becomes the unit's gradient shard
             self.z3_shards.add(unit)

@@ -138,8 +138,6 @@ def unsupported(rp) -> Optional[str]:
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
-    if p.dtype != "fp32" and p.grad_fp32:
-        missing.append(f"fp32 gradient buffers under dtype={p.dtype} (grad_fp32=1)")
     if not missing and (p.sp or p.cp > 1):
         missing += _lowering_gaps(rp)
     if not missing:
@@ -216,6 +214,9 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp, yafsdp or deepspeed
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
+        # Megatron-LM's main_grad: gradients accumulated and reduced in fp32 beside 16-bit parameters
+        self.main_grads = bool(p.grad_fp32) and self.dtype != torch.float32
+        self.gdtype = torch.float32 if self.main_grads else self.dtype
 
         self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
         self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
@@ -813,7 +814,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
     def _deliver_extras(self, extras: list[tuple[str, Tensor]], flat: Tensor) -> None:
         off = 0
         for name, e in extras:
-            r = flat[off : off + e.numel()].view(e.shape).clone()
+            r = flat[off : off + e.numel()].view(e.shape).to(self.gdtype, copy=True)
             off += e.numel()
             self.g[name] = r if name not in self.g else self.g[name] + r
             if self.g_pending.get(name) is not None and self.g_pending[name].done:

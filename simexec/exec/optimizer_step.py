@@ -39,7 +39,7 @@ class OptimizerStep:
         self.offload = self.plan.offload != "none"
         if self.offload:  # host copies: the optimizer's parameters and states live in host memory
             self.host = [t.detach().to("cpu", copy=True) for t in tensors]
-            self.host_grads = [torch.empty_like(h) for h in self.host]
+            self.host_grads = [torch.empty_like(h, dtype=self.gdtype) for h in self.host]
             self.opt = Adam(self.host)
         else:
             self.opt = Adam(tensors, master_grads=self.plan.master_grads)
@@ -138,7 +138,7 @@ class OptimizerStep:
             if isinstance(k, tuple):
                 g = self.gshard.get(k)
                 if g is None:
-                    g = torch.zeros_like(self.shards[k])
+                    g = torch.zeros_like(self.shards[k], dtype=self.gdtype)
                 out.append(g)
             else:
                 out.append(self.reduced.pop(k) if k in self.reduced else self.local_grad(k))

@@ -11,6 +11,11 @@ micro-batch and freed once reduce-scattered; under ZeRO-3 a unit's gradients fla
 the shard is the first reduce-scatter's output, later ones summed into it, and is let go after the
 optimizer step (`fsdp`, `yafsdp`), or every unit's shard allocated at start, summed into and
 zeroed as each step starts (`deepspeed`). A `_Flat` is the layout of one bucket or unit.
+
+Under `grad_fp32` with 16-bit parameters (Megatron-LM's `main_grad`) every gradient store above is
+fp32: autograd still makes each 16-bit gradient, and a hook adds it into the parameter's fp32
+gradient as it lands and lets it go (`_setup_grad_hooks`), so micro-batches accumulate, and
+buckets reduce, in fp32.
 """
 from __future__ import annotations
 
@@ -71,7 +76,10 @@ class Sharding:
     `g_pending` (gradients moved out of `.grad`, and the collectives still summing them),
     `reduced` (ZeRO-0 bucket results). Its own: `buckets`, `pbuf`, `shards`, `gshard`,
     `gshard_pending`, `gbuf`, `gview`, `z2buf`, `z2_of`, `z2views`, `z3`, `z3_pending`,
-    `z3_free_after`, `z3_buffers`, `z3_gbuffers`, `z3_gbusy`, `z3_live`."""
+    `z3_free_after`, `z3_buffers`, `z3_gbuffers`, `z3_gbusy`, `z3_gview`, `z3_live`.
+
+    `gdtype` is the gradients' dtype: the parameters' own, or fp32 where `main_grads` (grad_fp32
+    under a 16-bit dtype) keeps them apart from `.grad`, in `g`."""
 
     # --- parameters per unit and class ------------------------------------------------------------
     def unit_names(self, unit: int, cls: str) -> list[str]:
@@ -104,6 +112,7 @@ class Sharding:
         self.z3_gbuffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated gradient buffer
         self.z3_gbusy: dict[tuple, _Inflight] = {}  # yafsdp: the reduce-scatter still reading a gradient buffer
         self.z3_live: dict[tuple, Tensor] = {}  # fsdp: (cls, unit) -> gathered buffer in use
+        self.z3_gview: dict[str, Tensor] = {}  # yafsdp: each parameter's view of its unit's gradient buffer
         for i in self.instrs:
             if i.kind == "collective" and i.block.startswith("params"):
                 key = (self._cls(i.axis), tuple(i.items))
@@ -130,13 +139,13 @@ class Sharding:
                     self.p[n].data = empty  # parameters live as shards until gathered
             if self.flavour == "deepspeed":  # DeepSpeed stage 3's gradient partition, held from the start
                 for key, fl in self.z3.items():
-                    self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.dtype)
+                    self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.gdtype)
             if self.flavour == "yafsdp":
                 for cls in {c for c, _ in self.z3}:
                     size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)
                     for parity in (0, 1):
                         self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
-                        self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
+                        self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.gdtype)
             # a unit's buffer is released after its last compute before its next gather; a tied LM head
             # reads the embedding's unit too, where the program gathers it for the head (`.tied`)
             last: dict[tuple, Optional[int]] = {}
@@ -171,8 +180,7 @@ class Sharding:
         self.gbuf: dict[tuple, Tensor] = {}
         self.gview: dict[str, Tensor] = {}
         self.z2buf: dict[tuple, Tensor] = {}  # ZeRO-2: this micro-batch's bucket buffers, until reduce-scattered
-        if self.plan.zero == 2 and not self.xla:
-            self._setup_zero2_hooks()
+        self._setup_grad_hooks()
         self.bucket_keys: dict[str, tuple] = {}  # grad_bucket_view=0: bucket number -> bucket
         if self.plan.zero >= 2 or self.xla:  # XLA: no aliasing .grad views; buckets are flattened copies
             return
@@ -187,7 +195,7 @@ class Sharding:
                 continue  # the same bucket on another micro-batch (or another grouping: copied then)
             fl = self.buckets.get(key) or self._flat(names, i.group)
             self.buckets.setdefault(key, fl)
-            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
+            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.gdtype, device=self.device)
             covered.update(names)
             if self.plan.grad_bucket_view:
                 for n, v in zip(names, fl.views(buf)):
@@ -198,38 +206,68 @@ class Sharding:
         if rest:
             key = ("local", ())
             fl = self.buckets[key] = self._flat(rest, (self.rank,))
-            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
+            self.gbuf[key] = buf = torch.zeros(fl.padded, dtype=self.gdtype, device=self.device)
             for n, v in zip(rest, fl.views(buf)):
                 self.gview[n] = v
 
-    def _setup_zero2_hooks(self) -> None:
-        """ZeRO-2: each gradient moves into its bucket's buffer as autograd produces it (DeepSpeed's
-        reduce buckets), so a bucket's gradients never exist twice; the buffer is made at the
-        bucket's first gradient of a micro-batch and freed once reduce-scattered."""
+    def _setup_grad_hooks(self) -> None:
+        """Hooks that move each gradient where it is kept as autograd accumulates it.
+
+        ZeRO-2: into its bucket's buffer (DeepSpeed's reduce buckets), so a bucket's gradients never
+        exist twice; the buffer is made at the bucket's first gradient of a micro-batch and freed once
+        reduce-scattered. Main gradients (grad_fp32 under a 16-bit dtype, Megatron-LM's `main_grad`):
+        each 16-bit gradient is added into the parameter's fp32 gradient (its bucket's view, ZeRO-2's
+        buffer, YaFSDP's gradient buffer, or its own) and let go. A parameter whose partial gradient a
+        tensor-parallel collective sums (`partial_by`) keeps it in `.grad` for that collective, whose
+        sum lands in `g` in fp32."""
         self.z2_of: dict[str, tuple] = {}
-        for i in self.instrs:
-            if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit():
-                key = (self._cls(i.axis), tuple(i.items))
-                for n in (n for u in i.items for n in self.unit_names(u, key[0])):
-                    self.z2_of.setdefault(n, key)
-        name_of = {id(self.p[n]): n for n in self.z2_of}
         self.z2views: dict[tuple, dict[str, Tensor]] = {}
+        if self.plan.zero == 2 and not self.xla:
+            for i in self.instrs:
+                if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit():
+                    key = (self._cls(i.axis), tuple(i.items))
+                    for n in (n for u in i.items for n in self.unit_names(u, key[0])):
+                        self.z2_of.setdefault(n, key)
+        if self.main_grads:
+            hooked = [n for n in self.p if not (self.plan.tp > 1 and n in self.partial_by)]
+        else:
+            hooked = list(self.z2_of)
+        name_of = {id(self.p[n]): n for n in hooked}
 
         def hook(param: Tensor) -> None:
             n = name_of[id(param)]
-            key = self.z2_of[n]
-            views = self.z2views.get(key)
-            if key not in self.z2buf:
-                fl = self.buckets[key]
-                buf = self.z2buf[key] = torch.zeros(fl.padded, dtype=self.dtype, device=self.device)
-                views = self.z2views[key] = dict(zip(fl.names, fl.views(buf)))
-            v = views[n]
-            if param.grad is not None and param.grad.data_ptr() != v.data_ptr():
-                v.copy_(param.grad)
-                param.grad = v
+            if not self.main_grads:  # `.grad` becomes the view: later micro-batches accumulate in place
+                v = self._grad_home(n)
+                if param.grad is not None and param.grad.data_ptr() != v.data_ptr():
+                    v.copy_(param.grad)
+                    param.grad = v
+                return
+            g, param.grad = param.grad, None
+            main = self.g.get(n)
+            if main is None:
+                home = self._grad_home(n)
+                if home is None:
+                    self.g[n] = g.to(self.gdtype)
+                    return
+                main = self.g[n] = home
+            main.add_(g)
 
-        for n in self.z2_of:
+        for n in hooked:
             self.p[n].register_post_accumulate_grad_hook(hook)
+
+    def _grad_home(self, name: str) -> Optional[Tensor]:
+        """Where a parameter's gradient accumulates, if somewhere is set aside for it: its view of a
+        bucket's buffer (ZeRO-2's made here at the bucket's first gradient) or of YaFSDP's buffer."""
+        key = self.z2_of.get(name)
+        if key is None:
+            v = self.gview.get(name)
+            return v if v is not None else self.z3_gview.get(name)
+        views = self.z2views.get(key)
+        if key not in self.z2buf:
+            fl = self.buckets[key]
+            buf = self.z2buf[key] = torch.zeros(fl.padded, dtype=self.gdtype, device=self.device)
+            views = self.z2views[key] = dict(zip(fl.names, fl.views(buf)))
+        return views[name]
 
     def _attach_grads(self, key: Optional[tuple] = None) -> None:
         """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
@@ -239,6 +277,8 @@ class Sharding:
         for k, buf in self.gbuf.items():
             if key is None or k == key:
                 buf.zero_()
+                if self.main_grads:  # (the hook adds into the views)
+                    continue
                 for n in self.buckets[k].names:
                     if self.p[n].grad is None and n in self.gview:  # (not torch DDP's own buckets)
                         self.p[n].grad = self.gview[n]
@@ -256,8 +296,8 @@ class Sharding:
             g = p.grad if g is None else g + p.grad
             p.grad = None
         if g is None:
-            g = torch.zeros(self.shapes[name], dtype=p.dtype, device=self.device)
-        return g
+            return torch.zeros(self.shapes[name], dtype=self.gdtype, device=self.device)
+        return g if g.dtype == self.gdtype else g.to(self.gdtype)
 
     def grads_bucket(self, ins: Instr, verb: str, g) -> None:
         """`grads<k>`: flatten the gradients of the bucket's units; all-reduce (ZeRO-0) or
@@ -279,7 +319,7 @@ class Sharding:
                 w = self.g_pending.pop(n, None)
                 if w is not None:
                     w.wait()
-            flat = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
+            flat = torch.empty(fl.padded, dtype=self.gdtype, device=self.device)
             flat[fl.total :].zero_()
             for n, v in zip(names, fl.views(flat)):
                 v.copy_(self.local_grad(n))
@@ -315,14 +355,17 @@ class Sharding:
 
     def bucket_in(self, ins: Instr) -> None:
         """`bucket_in<k>` (grad_bucket_view=0): torch DDP copies the bucket's gradients into its own
-        buffer for the all-reduce; `.grad` keeps its copy."""
+        buffer for the all-reduce; `.grad` keeps its copy (main gradients: `g`)."""
         key = self.bucket_keys.get(ins.block.removeprefix("bucket_in"))
         if key is None or key not in self.gbuf:
             return  # no buffer of its own (XLA; a grouping met before): the bucket's collective flattens a copy
         for n, v in zip(self.buckets[key].names, self.buckets[key].views(self.gbuf[key])):
             gr = self.local_grad(n)
             v.copy_(gr)
-            self.p[n].grad = gr
+            if self.main_grads:
+                self.g[n] = gr
+            else:
+                self.p[n].grad = gr
 
     def bucket_out(self, ins: Instr) -> None:
         """`bucket_out` (grad_bucket_view=0): once every bucket is all-reduced, the sums are copied back
@@ -334,11 +377,12 @@ class Sharding:
                 w = self.g_pending.pop(n, None)
                 if w is not None:
                     w.wait()
-                g = self.p[n].grad
+                g = self.g.get(n) if self.main_grads else self.p[n].grad
                 if g is None or n not in self.reduced:
                     continue
                 g.copy_(self.reduced[n])
                 self.reduced[n], self.p[n].grad = g, None
+                self.g.pop(n, None)
 
     def _accumulate_shard(self, key: tuple, out: Tensor) -> Callable[[], None]:
         def finish():
@@ -387,7 +431,10 @@ class Sharding:
                 gbuf = self.z3_gbuffers[parity][: fl.padded]
                 gbuf.zero_()
                 for n, v in zip(fl.names, fl.views(gbuf)):
-                    self.p[n].grad = v
+                    if self.main_grads:  # (the hook adds into it)
+                        self.z3_gview[n] = v
+                    else:
+                        self.p[n].grad = v
 
         self.z3_pending[key] = self._issue(ins, [work], finish)
 
@@ -399,11 +446,15 @@ class Sharding:
             parity = (key[0], ins.layer % 2)
             flat = self.z3_gbuffers[parity][: fl.padded]
             for n, v in zip(fl.names, fl.views(flat)):
+                self.z3_gview.pop(n, None)
                 gr = self.local_grad(n)
                 if gr.data_ptr() != v.data_ptr():
                     v.copy_(gr)
-        else:
-            flat = fl.flatten([self.local_grad(n) for n in fl.names])  # allocated on demand
+        else:  # allocated on demand; each gradient let go once copied in (FSDP2's reduce-scatter input)
+            flat = torch.empty(fl.padded, dtype=self.gdtype, device=self.device)
+            flat[fl.total :].zero_()
+            for n, v in zip(fl.names, fl.views(flat)):
+                v.copy_(self.local_grad(n))
         out = torch.empty(fl.shard, dtype=flat.dtype, device=flat.device)
         earlier = self.gshard_pending.get(key)
         if earlier is not None:  # summed into the shard before this one (HSDP's all-reduce reads the last)

@@ -397,6 +397,52 @@ def split_backward_table(table: dict[str, int], key: str) -> dict[str, int]:
     return out
 
 
+# Main gradients (`grad_fp32` under a 16-bit dtype): the executor's hook adds each 16-bit gradient
+# into its fp32 main gradient as it lands (one `add_`, or the first micro-batch's copy, counted with
+# `count_dispatch_plan`), and the hook is a Python call of about an operator's cost besides (gpt-tiny
+# `dp=2,gbs=8`: 13 µs a gradient on the 2-core VM, 2026-11-29): two operators a gradient.
+MAIN_GRAD_OPS = 2
+
+
+def grad_tensors(block: str, model, sp: bool, tp: int = 1, ep: int = 1) -> int:
+    """Parameter tensors whose gradient a block's backward makes and the main-gradient hook moves
+    (`simexec.exec.model.param_specs`): a block's own norm unless sp gives the norm a block of its
+    own; under tp > 1 not those replicated over tp with partial gradients (norms, the router, MLA's
+    down projections), which the tensor-parallel collective sums instead."""
+    if model is None:
+        return 0
+    norm = 2 if model.norm == "layernorm" else 1
+    bias = 1 if model.bias else 0
+    whole = tp == 1  # tensors replicated over tp with partial gradients are hooked only without tp
+    own_norm = norm if whole and not sp else 0
+    up = (1 + bias) * (2 if model.gated else 1)
+    ffn = up + 1 + bias
+    if block in ("norm1", "norm2", "norm"):
+        return norm if whole else 0
+    if block == "embed":
+        return 1 + (1 if model.learned_pos else 0)
+    if block == "qkv":
+        n = own_norm + (3 if model.bias or getattr(model, "qkv_bias", False) else 0)
+        n += 2 * norm if model.qk_norm and whole else 0
+        if getattr(model, "is_mla", False):  # wq (or wq_b) and wkv_b; wq_a, q_a_norm, wkv_a, kv_a_norm
+            down = (1 + norm if model.q_lora_rank else 0) + 1 + norm
+            return n + 2 + (down if whole else 0)
+        return n + 3
+    if block in ("proj", "fc2"):
+        return 1 + bias
+    if block == "fc1":
+        return own_norm + up
+    if block == "router":
+        return own_norm + (1 if whole else 0)
+    if block == "experts":
+        return ffn * math.ceil(model.moe.experts / max(1, ep))
+    if block == "moe_out":
+        return ffn * model.moe.shared_experts
+    if block == "head":
+        return own_norm + 1
+    return 0
+
+
 def ops_of(ins: Instr, table: dict[str, int]) -> int:
     """Aten operators a compute instruction dispatches (recompute runs the forward's)."""
     phase = "fwd" if ins.phase == "recompute" else ins.phase
@@ -478,6 +524,11 @@ class HostCosts:
         if plan is not None and plan.schedule_name in SPLIT_BACKWARD:
             self.table = split_backward_table(self.table, key.split("/")[0])
         self.master_grads = bool(plan.master_grads) if plan is not None else False
+        # main gradients: which phase makes the weight gradients, and each block's count of them
+        self.main_grads = plan is not None and bool(plan.grad_fp32) and dtype != "fp32"
+        self.grads_phase = "wgrad" if plan is not None and plan.schedule_name in SPLIT_BACKWARD else "bwd"
+        self._grad_tensors: dict[str, int] = {}
+        self._grad_args = (bool(plan.sp), plan.tp, max(1, plan.ep)) if plan is not None else (False, 1, 1)
         # layers whose attention masks a sliding window's band (`simexec.lower.windowed_layers`)
         self.windowed = frozenset(program.meta.get("windowed_layers", ()))
         self.window_ops = 0
@@ -543,6 +594,11 @@ class HostCosts:
         n = ops_of(ins, self.table)
         if ins.block == "attn" and ins.phase != "bwd" and ins.layer in self.windowed:
             n += self.window_ops
+        if self.main_grads and ins.phase == self.grads_phase:
+            k = self._grad_tensors.get(ins.block)
+            if k is None:
+                k = self._grad_tensors[ins.block] = grad_tensors(ins.block, self.model, *self._grad_args)
+            n += MAIN_GRAD_OPS * k
         return n
 
     def engine_calls(self, ins: Instr) -> int:

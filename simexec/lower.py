@@ -127,6 +127,15 @@ class _RankLowering:
         else:
             self.zero_axis, self.g_zero, self.g_rep = "dp", self.g_dp, ()
         self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": p.pp - 1})}))
+        # tied embeddings over a pipeline: the two stages' gradients summed (`bwd.tied`) after the
+        # data-parallel all-reduce (Megatron-LM), or under ZeRO-1 before the reduce-scatter, which
+        # shards each stage's copy in its own layout (DeepSpeed's pipeline engine: ReduceTiedGrads,
+        # then ReduceGrads); `tied_unit` is the unit that holds this stage's copy
+        self.tied_unit: Optional[int] = None
+        if rp.model.tied_embeddings and p.pp > 1 and self.pp_rank in (0, p.pp - 1):
+            self.tied_unit = -1 if self.pp_rank == 0 else self.L
+        self.tied_first = self.tied_unit is not None and p.zero == 1
+        self.tied: Optional[str] = None  # the emitted `bwd.tied`
         # gradient buckets: pools keyed by axis, each a list of (unit, bytes)
         self.bucket_bytes = p.bucket_mb * 1e6
         self.pools: dict[str, list[tuple[int, float]]] = {}
@@ -474,7 +483,7 @@ class _RankLowering:
             self.z3_reduce(unit, m, ch, self.last_compute(), suffix)
         self.z3_pending = []
         if self.p.grad_overlap or self.p.zero == 2:
-            self.flush_all(final=mb == self.m - 1)
+            self.flush_all(final=mb == self.m - 1, hold_tied=True)
         if self.p.zero == 2:
             # ZeRO-2 (DeepSpeed's stage 2 epilogue): a micro-batch's backward ends with its gradient
             # reductions complete, so its full gradients are gone before the next micro-batch computes
@@ -792,7 +801,10 @@ class _RankLowering:
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
-                if self.p.grad_overlap:
+                # (a bucket that waits for the tied sum goes after this stage's last sends, which the
+                # other stage needs before its own part of the sum)
+                waits_for_tied = self.tied_first and any(u == self.tied_unit for u, _ in pool)
+                if self.p.grad_overlap and not waits_for_tied:
                     self.flush(axis, group, final)
                 else:  # the bucket is full, but its reduction waits for the end of the backward
                     self.sealed.append((axis, pool))
@@ -808,15 +820,32 @@ class _RankLowering:
         else:
             self._z2_alloc[axis].bytes += nbytes
 
-    def flush_all(self, final: bool = True) -> None:
+    def flush_all(self, final: bool = True, hold_tied: bool = False) -> None:
         """Reduce every bucket not yet reduced: the full ones held back by `grad_overlap=0` (they
-        start after the last backward instruction so far), then the open ones."""
+        start after the last backward instruction so far), then the open ones. `hold_tied`: keep a
+        bucket that waits for the tied sum for the end of the step (`bucket_if`)."""
         after = None if self.p.grad_overlap else self.last_compute()
+
+        def held(pool) -> bool:
+            return hold_tied and self.tied_first and any(u == self.tied_unit for u, _ in pool)
+
+        kept = [(axis, pool) for axis, pool in self.sealed if held(pool)]
         for axis, pool in self.sealed:
-            self.flush(axis, self._group(axis), final, pool, after)
-        self.sealed = []
+            if not held(pool):
+                self.flush(axis, self._group(axis), final, pool, after)
+        self.sealed = kept
         for axis in list(self.pools):
-            self.flush(axis, self._group(axis), final, after=after)
+            if held(self.pools[axis]):
+                self.sealed.append((axis, self.pools[axis]))
+                self.pools[axis] = []
+            else:
+                self.flush(axis, self._group(axis), final, after=after)
+
+    def tied_reduce(self, deps: tuple) -> Optional[str]:
+        """`bwd.tied`: sum the tied embedding's gradient over the first and last stages."""
+        self.tied = self.coll("bwd.tied", "allreduce", "embed", self.g_embed, self.an.embed_params() * self.grad_dt,
+                              deps, phase="bwd", block="tied", wait=False) or ""
+        return self.tied or None
 
     def _group(self, axis: str) -> tuple[int, ...]:
         return self.g_zero if axis == self.zero_axis else self.g_edp
@@ -835,6 +864,8 @@ class _RankLowering:
         after = after or self.pool_after[axis]
         if self.rp.bucket_copy_bytes and final:  # torch DDP's own buckets: the gradients copied in first
             after = self.compute("bwd", f"bucket_in{k}", -1, -1, 0, _copy_block(nbytes))
+        if self.tied_first and final and self.tied is None and self.tied_unit in units and axis == self.zero_axis:
+            after = self.tied_reduce((after,))
         self.coll(name, verb, axis, group, nbytes, (after,), phase="bwd", block=f"grads{k}", items=units, wait=False)
         self.grad_colls.append(name)
         if self.p.zero == 2:
@@ -867,11 +898,8 @@ class _RankLowering:
         self.sends_to_wait = []
         self.flush_all()
         deps = list(self.grad_colls)
-        m = self.rp.model
-        if m.tied_embeddings and self.p.pp > 1 and self.pp_rank in (0, self.p.pp - 1):
-            n = self.coll("bwd.tied", "allreduce", "embed", self.g_embed, self.an.embed_params() * self.grad_dt,
-                          tuple(deps) + (self.last_compute(),), phase="bwd", block="tied", wait=False)
-            deps.append(n)
+        if self.tied_unit is not None and self.tied is None:
+            deps.append(self.tied_reduce(tuple(deps) + (self.last_compute(),)))
         if self.rp.bucket_copy_bytes:  # ... and the reduced ones copied back to `.grad` once all are done
             copied = sum(nbytes for _, axis, _, nbytes in self.buckets if axis)
             self.wait.extend(d for d in deps if d)

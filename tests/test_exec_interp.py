@@ -276,12 +276,16 @@ TIED = str(Path(__file__).resolve().parent / "data" / "gpt-tiny-tied.yaml")  # t
 
 @pytest.mark.parametrize("plan", ["dp=2", "tp=2,gbs=2", "dp=2,zero=1,gbs=4", "dp=2,zero=2,gbs=4",
                                   "dp=4,dp_shard=2,zero=3,gbs=8", "dp=2,pp=2,gbs=8,grad_bucket_view=0",
-                                  "pp=2,vpp=2,gbs=4,clip_grad=0.01"])
+                                  "pp=2,vpp=2,gbs=4,clip_grad=0.01", "dp=2,pp=2,zero=1,gbs=8,clip_grad=0.01",
+                                  "dp=4,pp=2,zero=1,dp_shard=2,gbs=8", "dp=2,pp=2,vpp=2,zero=1,gbs=8,bucket_mb=0.05",
+                                  "dp=2,pp=2,zero=1,gbs=8,grad_overlap=0"])
 def test_tied_embeddings_match_reference(plan):
     """The head multiplies by the (vocab-parallel) embedding, whose gradient sums both uses. Under
     ZeRO-3 the head gathers the embedding's unit as well and reduce-scatters its share of the
     gradient into the embedding's shard (HSDP: replicated once, after both). Over a pipeline the
-    last stage holds a copy, whose gradient the `tied` all-reduce sums with the first stage's; the
+    last stage holds a copy, whose gradient the `tied` all-reduce sums with the first stage's:
+    after the data-parallel all-reduce, or under ZeRO-1 before the reduce-scatter (each stage shards
+    its copy in its own layout), the last stage's bucket then waiting for the end of the step; the
     gradient norm counts it once (clipping at 0.01 moves every step: counted twice, the embedding
     drifts 1e-3 from the reference)."""
     check_plan(TIED, plan)
@@ -330,7 +334,7 @@ def test_sliding_window_matches_reference(plan):
     check_plan(WINDOW, plan)
 
 
-@pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=1,gbs=8", "dp=2,zero=3,zero_impl=yafsdp,gbs=4"])
+@pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=2,gbs=8", "dp=2,zero=3,zero_impl=yafsdp,gbs=4"])
 def test_tied_embeddings_refused_where_not_run(plan):
     from simexec.exec.interpreter import unsupported
 

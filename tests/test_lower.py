@@ -263,6 +263,31 @@ def test_zero3_tied_head_gathers_the_embedding_and_reduce_scatters_its_share():
     assert not any(i.name.endswith(".tied") for i in untied)
 
 
+@pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=1,gbs=8", "dp=2,pp=2,zero=1,gbs=8,grad_overlap=0",
+                                  "dp=2,pp=2,vpp=2,zero=1,gbs=8,bucket_mb=0.05", "dp=2,pp=2,gbs=8"])
+def test_tied_sum_comes_before_zero1_reduce_scatters_and_after_the_all_reduce(plan):
+    """Tied embeddings over a pipeline: under ZeRO-1 the two stages' gradients are summed before the
+    reduce-scatter of the bucket that holds this stage's copy, which waits for the sum and comes after
+    the stage's last send (the other stage needs it before it can join the sum); under ZeRO-0 after
+    every bucket's all-reduce."""
+    tied = str(Path(__file__).parent / "data" / "gpt-tiny-tied.yaml")
+    rp = resolve(get_model(tied), get_cluster("local"), parse_plan(plan))
+    prog = lower(rp, symmetric=False)
+    prog.validate()
+    for rank in (0, rp.mesh.rank(tp=0, cp=0, dp=0, pp=1)):
+        instrs = prog.ranks[rank]
+        pos = {i.name: k for k, i in enumerate(instrs)}
+        tied_unit = -1 if rp.mesh.coords(rank)["pp"] == 0 else rp.model.layers
+        buckets = [i for i in instrs if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()]
+        holder = next(b for b in buckets if tied_unit in b.items)
+        sends = [k for k, i in enumerate(instrs) if i.kind == "send"]
+        if rp.plan.zero == 1:
+            assert holder.deps == ("bwd.tied",) and pos["bwd.tied"] < pos[holder.name]
+            assert not sends or sends[-1] < pos[holder.name]
+        else:
+            assert all(pos[b.name] < pos["bwd.tied"] for b in buckets)
+
+
 def test_latent_attention_projections_are_whole_on_every_tp_rank():
     """MLA's down projections and latent norms are replicated over tp: each rank computes them whole
     and holds them whole, and their partial gradients are summed over tp with the input gradient's

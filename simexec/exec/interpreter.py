@@ -126,10 +126,10 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.tied_embeddings and p.pp > 1 and p.zero >= 1:
+    if m.tied_embeddings and p.pp > 1 and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
-                       "the embedding are sharded differently, so their gradients cannot be summed after the "
-                       "reduce-scatter; the executor runs a tied model over a pipeline with zero=0)")
+                       "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
+                       "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does)")
     if m.tied_embeddings and p.zero == 3 and p.zero3_flavour == "yafsdp":
         missing.append(f"tied embeddings with zero_impl=yafsdp ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
@@ -761,17 +761,21 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
             self.g_pending[name] = w
 
     def tied_grads(self, ins: Instr, g) -> None:
-        """Tied embeddings over a pipeline: sum the data-parallel-reduced gradients of the first stage's
-        embedding and the last stage's copy (`stage_specs`), so that both take the same step."""
+        """Tied embeddings over a pipeline: sum the gradients of the first stage's embedding and the
+        last stage's copy (`stage_specs`), so that both take the same step: data-parallel-reduced
+        (ZeRO-0, Megatron-LM), or under ZeRO-1 this rank's own, before its bucket is reduce-scattered
+        (DeepSpeed's pipeline engine; the program orders it so), the sum going back where the bucket
+        reads it."""
         name = "embed.wte"
         w = self.g_pending.pop(name, None)
         if w is not None:
             w.wait()
         t = self.reduced.pop(name) if name in self.reduced else self.local_grad(name)
         work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        store = self.g if self.plan.zero >= 1 else self.reduced
 
         def finish():
-            self.reduced[name] = t
+            store[name] = t
 
         self.g_pending[name] = self._issue(ins, [work], finish)
 

@@ -801,10 +801,7 @@ class _RankLowering:
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
-                # (a bucket that waits for the tied sum goes after this stage's last sends, which the
-                # other stage needs before its own part of the sum)
-                waits_for_tied = self.tied_first and any(u == self.tied_unit for u, _ in pool)
-                if self.p.grad_overlap and not waits_for_tied:
+                if self.p.grad_overlap and not self._waits_for_tied(pool):
                     self.flush(axis, group, final)
                 else:  # the bucket is full, but its reduction waits for the end of the backward
                     self.sealed.append((axis, pool))
@@ -827,7 +824,7 @@ class _RankLowering:
         after = None if self.p.grad_overlap else self.last_compute()
 
         def held(pool) -> bool:
-            return hold_tied and self.tied_first and any(u == self.tied_unit for u, _ in pool)
+            return hold_tied and self._waits_for_tied(pool)
 
         kept = [(axis, pool) for axis, pool in self.sealed if held(pool)]
         for axis, pool in self.sealed:
@@ -840,6 +837,12 @@ class _RankLowering:
                 self.pools[axis] = []
             else:
                 self.flush(axis, self._group(axis), final, after=after)
+
+    def _waits_for_tied(self, pool: list) -> bool:
+        """Whether a bucket holds this stage's copy of a tied embedding under ZeRO-1: its reduction
+        waits for the tied sum, so it goes after this stage's last sends, which the other stage needs
+        before it can join the sum."""
+        return self.tied_first and any(u == self.tied_unit for u, _ in pool)
 
     def tied_reduce(self, deps: tuple) -> Optional[str]:
         """`bwd.tied`: sum the tied embedding's gradient over the first and last stages."""

@@ -345,6 +345,30 @@ def test_context_parallel_attention_counts_match_the_executor(model, plan):
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
 
 
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "tp=2,sp=1,gbs=2"), ("moe-tiny", "dp=2,ep=2,gbs=2"),
+                                        ("tests/data/mla-tiny.yaml", "tp=2,gbs=2"),
+                                        ("tests/data/gpt-tiny-tied.yaml", "pp=2,gbs=2,schedule=zb-h1")])
+def test_main_gradient_hooks_are_counted_per_block(model, plan):
+    """Under main gradients (grad_fp32 in bf16) each gradient a block's backward (a zero-bubble
+    schedule's weight pass) makes costs its hook's `add_`: the executor's count of operators per
+    block grows by `grad_tensors` there and nowhere else (tp-replicated norms, the router and MLA's
+    latents excepted under tp; experts per ep rank; the tied head's share of the embedding)."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.plan import parse_plan
+    from simexec.sim.host import grad_tensors
+
+    model = str(ROOT / model) if model.endswith(".yaml") else model
+    without = count_dispatch_plan(model, plan + ",dtype=bf16")
+    main = count_dispatch_plan(model, plan + ",dtype=bf16,grad_fp32=1")
+    p, spec = parse_plan(plan), get_model(model)
+    phase = "wgrad" if "zb" in plan else "bwd"
+    for key in sorted(set(without) | set(main)):
+        ph, block = key.split(".", 1)
+        want = grad_tensors(block, spec, bool(p.sp), p.tp, max(1, p.ep)) if ph == phase else 0
+        assert main.get(key, 0) - without.get(key, 0) == want, key
+    assert any(main[k] > without.get(k, 0) for k in main)
+
+
 @pytest.mark.parametrize("plan", ["gbs=1", "gbs=1,flash_attention=0", "cp=2,gbs=2"])
 def test_sliding_window_attention_counts_match_the_executor(tmp_path, plan):
     """A windowed layer's attention masks its band: the simulator counts the operators that adds (or

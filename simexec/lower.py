@@ -135,7 +135,7 @@ class _RankLowering:
         if rp.model.tied_embeddings and p.pp > 1 and self.pp_rank in (0, p.pp - 1):
             self.tied_unit = -1 if self.pp_rank == 0 else self.L
         self.tied_first = self.tied_unit is not None and p.zero == 1
-        self.tied: Optional[str] = None  # the emitted `bwd.tied`
+        self.tied: Optional[str] = None  # the emitted `bwd.tied` ("" where its group is one rank)
         # gradient buckets: pools keyed by axis, each a list of (unit, bytes)
         self.bucket_bytes = p.bucket_mb * 1e6
         self.pools: dict[str, list[tuple[int, float]]] = {}
@@ -801,7 +801,7 @@ class _RankLowering:
             pool.append((unit, n * self.grad_dt))
             self.pool_after[axis] = after
             if sum(b for _, b in pool) >= self.bucket_bytes:
-                if self.p.grad_overlap and not self._waits_for_tied(pool):
+                if self.p.grad_overlap and not self._waits_for_tied(axis, pool):
                     self.flush(axis, group, final)
                 else:  # the bucket is full, but its reduction waits for the end of the backward
                     self.sealed.append((axis, pool))
@@ -823,26 +823,26 @@ class _RankLowering:
         bucket that waits for the tied sum for the end of the step (`bucket_if`)."""
         after = None if self.p.grad_overlap else self.last_compute()
 
-        def held(pool) -> bool:
-            return hold_tied and self._waits_for_tied(pool)
+        def held(axis: str, pool: list) -> bool:
+            return hold_tied and self._waits_for_tied(axis, pool)
 
-        kept = [(axis, pool) for axis, pool in self.sealed if held(pool)]
+        kept = [(axis, pool) for axis, pool in self.sealed if held(axis, pool)]
         for axis, pool in self.sealed:
-            if not held(pool):
+            if not held(axis, pool):
                 self.flush(axis, self._group(axis), final, pool, after)
         self.sealed = kept
         for axis in list(self.pools):
-            if held(self.pools[axis]):
+            if held(axis, self.pools[axis]):
                 self.sealed.append((axis, self.pools[axis]))
                 self.pools[axis] = []
             else:
                 self.flush(axis, self._group(axis), final, after=after)
 
-    def _waits_for_tied(self, pool: list) -> bool:
+    def _waits_for_tied(self, axis: str, pool: list) -> bool:
         """Whether a bucket holds this stage's copy of a tied embedding under ZeRO-1: its reduction
         waits for the tied sum, so it goes after this stage's last sends, which the other stage needs
         before it can join the sum."""
-        return self.tied_first and any(u == self.tied_unit for u, _ in pool)
+        return self.tied_first and axis == self.zero_axis and any(u == self.tied_unit for u, _ in pool)
 
     def tied_reduce(self, deps: tuple) -> Optional[str]:
         """`bwd.tied`: sum the tied embedding's gradient over the first and last stages."""
@@ -867,7 +867,7 @@ class _RankLowering:
         after = after or self.pool_after[axis]
         if self.rp.bucket_copy_bytes and final:  # torch DDP's own buckets: the gradients copied in first
             after = self.compute("bwd", f"bucket_in{k}", -1, -1, 0, _copy_block(nbytes))
-        if self.tied_first and final and self.tied is None and self.tied_unit in units and axis == self.zero_axis:
+        if final and self.tied is None and self._waits_for_tied(axis, pool):
             after = self.tied_reduce((after,))
         self.coll(name, verb, axis, group, nbytes, (after,), phase="bwd", block=f"grads{k}", items=units, wait=False)
         self.grad_colls.append(name)

@@ -411,16 +411,16 @@ def grad_tensors(block: str, model, sp: bool, tp: int = 1, ep: int = 1) -> int:
     down projections), which the tensor-parallel collective sums instead."""
     if model is None:
         return 0
+    embed, _, _, ffn = unit_tensors(model)
     norm = 2 if model.norm == "layernorm" else 1
     bias = 1 if model.bias else 0
     whole = tp == 1  # tensors replicated over tp with partial gradients are hooked only without tp
     own_norm = norm if whole and not sp else 0
-    up = (1 + bias) * (2 if model.gated else 1)
-    ffn = up + 1 + bias
+    up = ffn - 1 - bias  # the up (and gate) projections; the down one is fc2's
     if block in ("norm1", "norm2", "norm"):
         return norm if whole else 0
     if block == "embed":
-        return 1 + (1 if model.learned_pos else 0)
+        return embed
     if block == "qkv":
         n = own_norm + (3 if model.bias or getattr(model, "qkv_bias", False) else 0)
         n += 2 * norm if model.qk_norm and whole else 0

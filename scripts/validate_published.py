@@ -131,10 +131,12 @@ def megatron_plan(layers: int, tp: int, pp: int, gpus: int, global_batch: int) -
     r = megatron_rule(layers, tp, pp, gpus, global_batch)
     # the authors' runs scale the loss by 8192 and clip the gradients at 1.0 (examples/sc21/CONFIG.sh:
     # `--clip-grad 1.0 --fp16 --loss-scale 8192`)
+    # the fp16 optimizer copies the gradients to fp32 main gradients for the step (master_grads)
     plan = (f"tp={tp},pp={pp},dp={r['dp']},mbs={r['mbs']},gbs={global_batch},recompute=full,"
-            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},loss_scale=8192,clip_grad=1")
-    if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv)
-        plan += ",p2p_overlap=0"
+            f"flash_attention=0,dtype=fp16,bucket_mb={r['bucket_mb']:g},loss_scale=8192,clip_grad=1,master_grads=1")
+    if pp > 1:  # Megatron-LM's pipeline messages block (`_communicate` waits on batch_isend_irecv), and
+        # its local DDP all-reduces every model chunk's buffer after the whole backward (`train_step`)
+        plan += ",p2p_overlap=0,grad_overlap=0"
     else:  # torch DDP as Megatron-LM wraps it: its own buckets beside `.grad` (gradient_as_bucket_view=False)
         plan += ",grad_bucket_view=0"
     if r["vpp"] > 1:
@@ -299,11 +301,17 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
 
 # What Megatron-DeepSpeed (BigScience, 2022) ran BLOOM with, whatever the (tp, pp): bf16, ZeRO-1, full
 # recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
-# non-interleaved pipeline with blocking sends and the gradients reduced after the backward, gradients
-# clipped at 1.0 (tr11-176B-ml.slurm: `--clip-grad 1.0`, ds_config `"gradient_clipping": 1.0`).
+# non-interleaved pipeline with blocking sends, gradients clipped at 1.0 (tr11-176B-ml.slurm:
+# `--clip-grad 1.0`, ds_config `"gradient_clipping": 1.0`). bf16 with ZeRO-1 under DeepSpeed's pipeline
+# engine is its BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, written for BLOOM): each
+# micro-batch's bf16 gradients are added into fp32 ones (`update_hp_grads` after every backward), which
+# are all-reduced whole after the last backward (`_exec_reduce_grads` -> `buffered_allreduce_fallback`,
+# buffers of MEMORY_OPT_ALLREDUCE_SIZE = 5e8 elements, 2000 MB of fp32) before each rank steps its shard
+# and the bf16 parameters are all-gathered.
+DEEPSPEED_ALLREDUCE_MB = 5e8 * 4 / 1e6
 BLOOM_2022 = dict(vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none", recompute="full",
-                  recompute_layers=None, flash_attention=False, dtype="bf16", bucket_mb=WHOLE_BUFFER_MB,
-                  p2p_overlap=False, clip_grad=1.0)
+                  recompute_layers=None, flash_attention=False, dtype="bf16", grad_fp32=True, grad_allreduce=True,
+                  grad_overlap=False, bucket_mb=DEEPSPEED_ALLREDUCE_MB, p2p_overlap=False, clip_grad=1.0)
 
 
 def bloom_recipe(model: ModelSpec, tp: int, pp: int) -> dict:

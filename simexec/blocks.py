@@ -100,6 +100,8 @@ class Anatomy:
         self.sp = bool(p.sp)
         self.h = m.hidden
         self.grad_dt = 4 if p.dtype == "fp32" else 2
+        # the sum weight gradients accumulate into over micro-batches: fp32 under `grad_fp32`
+        self.acc_dt = rp.grad_bytes
         # dropout on the attention probabilities and the residual branches (ModelSpec.dropout: 0.1 for
         # GPT-2/3 and Megatron's GPT, 0 for Llama-style models): its 1-byte masks are kept only when on
         self.dropout = m.dropout > 0
@@ -173,8 +175,9 @@ class Anatomy:
         return (2 * self.dt + 1) * n + (self.dt * n if bias else 0.0)
 
     def _wgrad(self, params: float) -> float:
-        """Accumulating a weight gradient over micro-batches: read the sum and the new one, write the sum."""
-        return 3 * self.grad_dt * params
+        """Accumulating a weight gradient over micro-batches: read the sum and the new one, write the sum
+        (the sum in fp32 under `grad_fp32`: 10 bytes per parameter instead of 6)."""
+        return (2 * self.acc_dt + self.grad_dt) * params
 
     # --- activations crossing block boundaries -------------------------------------------------------
     @cached_property

@@ -862,7 +862,7 @@ class _RankLowering:
         k = len(self.buckets)
         units = tuple(u for u, _ in pool)
         nbytes = sum(b for _, b in pool)
-        verb = "allreduce" if self.p.zero == 0 else "reducescatter"
+        verb = "allreduce" if self.p.zero == 0 or self.p.grad_allreduce else "reducescatter"
         name = f"bwd.grads{k}"
         after = after or self.pool_after[axis]
         if self.rp.bucket_copy_bytes and final:  # torch DDP's own buckets: the gradients copied in first

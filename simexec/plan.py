@@ -67,6 +67,10 @@ class Plan(BaseModel):
         True, description="gradients are views into the data-parallel reduction buckets (DDP's"
         " gradient_as_bucket_view=True, Megatron-LM's contiguous buffer, FSDP); False: torch DDP's default, whose"
         " buckets are a second copy of the gradients, filled before and copied back after each all-reduce")
+    grad_allreduce: bool = Field(
+        False, description="ZeRO-1: all-reduce the whole gradients and keep this rank's share of the sum instead of"
+        " reduce-scattering them (DeepSpeed's BF16_Optimizer, which Megatron-DeepSpeed pipelines train with: twice"
+        " the gradient traffic)")
     master_grads: bool = Field(
         False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
         " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
@@ -551,6 +555,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks)")
     if p.zero_impl is not None and p.zero != 3:
         fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
+    if p.grad_allreduce and p.zero != 1:
+        fail(f"grad_allreduce=1 needs zero=1, got zero={p.zero}")
     if p.dp_shard is not None:
         if p.zero == 0:
             fail(f"dp_shard={p.dp_shard} (HSDP) needs zero >= 1")

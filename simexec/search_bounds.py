@@ -614,7 +614,7 @@ class _StructureBounds:
         and the gradient traffic."""
         p, rp = self.p, self.rp
         key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap,
-               p.grad_bucket_view, state)
+               p.grad_bucket_view, p.grad_allreduce, state)
         out = self.b.states.get(key)
         if out is not None:
             return out
@@ -624,7 +624,7 @@ class _StructureBounds:
             rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload)))
         dt, gdt = self.dt, self.gdt
         mesh, cm = self.mesh, self.cm
-        verb = "allreduce" if zero == 0 else "reducescatter"
+        verb = "allreduce" if zero == 0 or (zero == 1 and p.grad_allreduce) else "reducescatter"
 
         def zc(verb: str, rank: int, nbytes: float, axis: str = "zero") -> float:
             return mesh.coll(verb, rank, axis, nbytes, p.ep, dp_shard)

@@ -126,3 +126,16 @@ def test_sliding_window_refuses_the_ring_and_the_search_leaves_it_out():
     resolve(m, get_cluster("dgx-h100"), parse_plan("cp=2,cp_impl=a2a,gbs=4"))  # and the all-to-all
     found = list(plans(m, get_cluster("dgx-h100"), 8, 8192, {"cp": 2, "tp": 4, "zero": 1}))
     assert found and {p.cp_impl for p in found} == {"allgather"}  # the all-to-all: more bytes and memory at cp 2
+
+
+def test_fp32_main_gradients_accumulate_each_micro_batch_at_ten_bytes_a_parameter():
+    """A weight gradient's accumulation reads the sum and the new gradient and writes the sum: 6 bytes
+    per parameter in bf16, 10 when the sum is fp32 (`grad_fp32`); everything else in a block stays."""
+    plain = Anatomy(resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=8,mbs=2")))
+    fp32 = Anatomy(resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=8,mbs=2,grad_fp32=1")))
+    h = MODEL.hidden
+    weights = {"qkv": 3 * h * h, "proj": h * h, "fc1": MODEL.ffn * h, "fc2": MODEL.ffn * h}
+    for name, params in weights.items():
+        a, b = plain.dense[name], fp32.dense[name]
+        assert b.bwd_bytes - a.bwd_bytes == pytest.approx(4 * params, rel=1e-3), name
+        assert (b.flops, b.bytes, b.saved, b.bwd_flops) == (a.flops, a.bytes, a.saved, a.bwd_flops)

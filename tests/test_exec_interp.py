@@ -268,6 +268,8 @@ CORE = [
     ("gpt-tiny", "tp=2,gbs=2,flash_attention=0"),  # unfused attention: Q.K^T, softmax, P.V
     ("gpt-tiny", "dp=2,gbs=4,grad_bucket_view=0"),  # torch DDP's own buckets: copied in, reduced, copied back
     ("gpt-tiny", "dp=2,tp=2,gbs=4,grad_bucket_view=0,grad_overlap=0"),
+    ("gpt-tiny", "dp=4,zero=1,grad_allreduce=1"),  # ZeRO-1 taking its slice of an all-reduce (DeepSpeed bf16)
+    ("gpt-tiny", "dp=2,pp=2,zero=1,gbs=8,grad_allreduce=1,grad_overlap=0"),
 ]
 
 

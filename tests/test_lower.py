@@ -33,6 +33,7 @@ PLANS = [
     ("gpt-tiny", "dp=4,zero=2,gbs=8,grad_overlap=0,bucket_mb=0.001"),
     ("gpt-tiny", "dp=4,zero=3,dp_shard=2,gbs=8,grad_overlap=0,grad_fp32=1"),
     ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,zero=1,clip_grad=1"),
+    ("gpt-tiny", "dp=2,pp=2,gbs=8,zero=1,grad_allreduce=1,grad_fp32=1,dtype=bf16"),
     ("gpt-tiny", "dp=2,zero=3,offload=optimizer,gbs=4,clip_grad=1"),
     ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,schedule=zb-h1,recompute=full"),
     ("moe-tiny", "dp=2,ep=2,tp=2,pp=2,gbs=8,zero=2,schedule=zb-h1"),
@@ -226,6 +227,18 @@ def test_zero2_reduce_scatters_every_micro_batch_and_zero1_only_the_last():
     rs2 = [i for i in z2 if i.op == "reducescatter@dp"]
     assert len(rs2) == 4 * len(rs1)
     assert [i.op for i in z1 if i.block.startswith("params")] == ["allgather@dp"] * len(rs1)
+
+
+def test_zero1_grad_allreduce_all_reduces_the_same_buckets_and_gathers_the_same_parameters():
+    """DeepSpeed's BF16_Optimizer: the buckets a reduce-scatter would shard are all-reduced whole,
+    then the step and the parameter all-gathers are ZeRO-1's."""
+    rs = _program("gpt-tiny", "dp=2,zero=1,gbs=8").ranks[0]
+    ar = _program("gpt-tiny", "dp=2,zero=1,gbs=8,grad_allreduce=1").ranks[0]
+    grads = [(i.name, i.bytes) for i in rs if i.op == "reducescatter@dp"]
+    assert grads and [(i.name, i.bytes) for i in ar if i.op == "allreduce@dp"] == grads
+    assert not [i for i in ar if i.op == "reducescatter@dp"]
+    assert [(i.op, i.bytes) for i in ar if i.block.startswith("params")] == \
+        [(i.op, i.bytes) for i in rs if i.block.startswith("params")]
 
 
 def test_zero3_gathers_each_unit_before_forward_and_backward_with_two_in_flight():

@@ -191,6 +191,12 @@ def test_zero_impl_needs_zero3():
     assert ok(TINY, "local", "dp=2,zero=3,zero_impl=yafsdp").plan.zero3_flavour == "yafsdp"
 
 
+def test_grad_allreduce_needs_zero1():
+    for zero in (0, 2, 3):
+        refused(TINY, "local", f"dp=2,zero={zero},grad_allreduce=1", f"grad_allreduce=1 needs zero=1, got zero={zero}")
+    assert ok(TINY, "local", "dp=2,zero=1,grad_allreduce=1").plan.grad_allreduce
+
+
 def test_dp_shard_needs_zero():
     refused(TINY, "local", "dp=4,dp_shard=2", "dp_shard=2 (HSDP) needs zero >= 1")
 

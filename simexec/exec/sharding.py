@@ -328,7 +328,12 @@ class Sharding:
                 gr = self.local_grad(n)
                 if gr.data_ptr() != v.data_ptr():
                     v.copy_(gr)
-        if verb == "allreduce":
+        if verb == "allreduce" and key in self.shards:
+            # ZeRO-1 under `grad_allreduce` (DeepSpeed's BF16_Optimizer): every rank gets the whole sum
+            # and keeps its slice of it for the optimizer
+            work = self.comm.all_reduce(flat, group=g, async_op=True)
+            finish = self._accumulate_shard(key, fl.my_slice(flat))
+        elif verb == "allreduce":
             work = self.comm.all_reduce(flat, group=g, async_op=True)
 
             def finish():
@@ -350,7 +355,7 @@ class Sharding:
         w = self._issue(ins, [work], finish)
         for n in names:
             self.g_pending[n] = w
-        if verb == "reducescatter":
+        if key in self.shards:
             self.gshard_pending[key] = w
 
     def bucket_in(self, ins: Instr) -> None:

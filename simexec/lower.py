@@ -940,10 +940,36 @@ class _RankLowering:
         self.memory("free", "grads", self.lazy_shards, "grads.shards", deps=(read,))
         if self.p.zero in (1, 2):
             dt = self.rp.dtype_bytes
+            phase, deps = ("fwd", ()) if self.p.param_overlap else ("optim", (opt,))
             for name, axis, units, nbytes in self.buckets:
                 if not axis:
                     continue
                 k = name.removeprefix("bwd.grads")
                 group = self.g_zero if axis == self.zero_axis else self.g_edp
-                self.coll(f"optim.params{k}", "allgather", axis, group, nbytes / self.grad_dt * dt, (opt,),
-                          phase="optim", block=f"params{k}", items=units, wait=False)
+                self.coll(f"{phase}.params{k}", "allgather", axis, group, nbytes / self.grad_dt * dt, deps,
+                          phase=phase, block=f"params{k}", items=units, wait=False)
+            if self.p.param_overlap:
+                self.overlap_param_gathers()
+
+    def overlap_param_gathers(self) -> None:
+        """`param_overlap`: the parameter all-gathers the step has just emitted belong to the next
+        step's forward (Megatron-LM's --overlap-param-gather). In a step of the steady state they are
+        issued as it starts, in the order the forward first needs their buckets, and each unit's first
+        forward instruction waits for its bucket."""
+        gathers = [i for i in self.out if i.kind == "collective" and i.phase == "fwd" and i.block.startswith("params")]
+        rest = [i for i in self.out if not (i.kind == "collective" and i.phase == "fwd" and i.block.startswith("params"))]
+        first: dict[int, int] = {}  # unit -> index in `rest` of its first forward compute
+        for j, ins in enumerate(rest):
+            if ins.kind == "compute" and ins.phase == "fwd" and ins.layer not in first:
+                first[ins.layer] = j
+        waits: dict[int, list[str]] = {}
+        for g in gathers:
+            for u in g.items:
+                j = first.get(u)
+                if j is not None:
+                    waits.setdefault(j, []).append(g.name)
+        for j, names in waits.items():
+            rest[j].deps = tuple(dict.fromkeys(rest[j].deps + tuple(names)))
+        gathers.sort(key=lambda g: min((first.get(u, len(rest)) for u in g.items), default=len(rest)))
+        start = next((j for j, ins in enumerate(rest) if ins.kind != "memory"), len(rest))  # after `setup`
+        self.out[:] = rest[:start] + gathers + rest[start:]

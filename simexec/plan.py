@@ -67,6 +67,9 @@ class Plan(BaseModel):
         True, description="gradients are views into the data-parallel reduction buckets (DDP's"
         " gradient_as_bucket_view=True, Megatron-LM's contiguous buffer, FSDP); False: torch DDP's default, whose"
         " buckets are a second copy of the gradients, filled before and copied back after each all-reduce")
+    param_overlap: bool = Field(
+        False, description="ZeRO-1/2: all-gather the updated parameters during the next step's forward, each bucket"
+        " before its first layer runs (Megatron-LM's --overlap-param-gather), instead of after the optimizer step")
     grad_allreduce: bool = Field(
         False, description="ZeRO-1: all-reduce the whole gradients and keep this rank's share of the sum instead of"
         " reduce-scattering them (DeepSpeed's BF16_Optimizer, which Megatron-DeepSpeed pipelines train with: twice"
@@ -555,6 +558,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks)")
     if p.zero_impl is not None and p.zero != 3:
         fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
+    if p.param_overlap and p.zero not in (1, 2):
+        fail(f"param_overlap=1 needs zero=1 or 2, got zero={p.zero}")
     if p.grad_allreduce and p.zero != 1:
         fail(f"grad_allreduce=1 needs zero=1, got zero={p.zero}")
     if p.dp_shard is not None:

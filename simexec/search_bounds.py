@@ -614,7 +614,7 @@ class _StructureBounds:
         and the gradient traffic."""
         p, rp = self.p, self.rp
         key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap,
-               p.grad_bucket_view, p.grad_allreduce, state)
+               p.grad_bucket_view, p.grad_allreduce, p.param_overlap, state)
         out = self.b.states.get(key)
         if out is not None:
             return out
@@ -640,7 +640,7 @@ class _StructureBounds:
             # the last unit's gradients are reduced after the last backward, before the optimizer
             red = zc(verb, rank, prm["last_dense"] * gdt)
             gather = 0.0
-            if zero in (1, 2):  # parameters all-gathered after the step
+            if zero in (1, 2) and not p.param_overlap:  # parameters all-gathered after the step
                 gather = zc("allgather", rank, prm["dense"] * dt)
                 if prm["expert"] > 0:
                     gather = max(gather, zc("allgather", rank, prm["expert"] * dt, "edp"))

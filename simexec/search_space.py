@@ -43,7 +43,9 @@ flash_attention, bucket_mb, rank_order; and what describes the training software
 split, which could only cost time or memory: grad_overlap (reducing the gradients after the backward
 is never faster than overlapping them with it), p2p_overlap (nor is waiting for pipeline sends),
 grad_fp32 and master_grads (Megatron-LM's gradient layout: more bytes per parameter, more gradient
-traffic), grad_allreduce (DeepSpeed's bf16 ZeRO-1: twice the gradient traffic). `fix` pins any field of `Plan` to one value, inside or
+traffic), grad_allreduce (DeepSpeed's bf16 ZeRO-1: twice the gradient traffic); and param_overlap
+(Megatron-LM's parameter all-gathers in the next forward), which, like grad_overlap, stays as the plan
+has it unless `fix` sets it. `fix` pins any field of `Plan` to one value, inside or
 outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...).
 
 The space factors into *structures* (everything that shapes the compute and the activations: tp,

@@ -270,6 +270,8 @@ CORE = [
     ("gpt-tiny", "dp=2,tp=2,gbs=4,grad_bucket_view=0,grad_overlap=0"),
     ("gpt-tiny", "dp=4,zero=1,grad_allreduce=1"),  # ZeRO-1 taking its slice of an all-reduce (DeepSpeed bf16)
     ("gpt-tiny", "dp=2,pp=2,zero=1,gbs=8,grad_allreduce=1,grad_overlap=0"),
+    ("gpt-tiny", "dp=4,zero=1,param_overlap=1"),  # parameters gathered in the next step's forward (Megatron)
+    ("gpt-tiny", "dp=2,tp=2,pp=2,vpp=2,zero=2,gbs=8,param_overlap=1,bucket_mb=0.05"),
 ]
 
 

@@ -197,6 +197,12 @@ def test_grad_allreduce_needs_zero1():
     assert ok(TINY, "local", "dp=2,zero=1,grad_allreduce=1").plan.grad_allreduce
 
 
+def test_param_overlap_needs_zero1_or_2():
+    for zero in (0, 3):
+        refused(TINY, "local", f"dp=2,zero={zero},param_overlap=1", f"param_overlap=1 needs zero=1 or 2, got zero={zero}")
+    assert ok(TINY, "local", "dp=2,zero=2,param_overlap=1").plan.param_overlap
+
+
 def test_dp_shard_needs_zero():
     refused(TINY, "local", "dp=4,dp_shard=2", "dp_shard=2 (HSDP) needs zero >= 1")
 

@@ -253,6 +253,21 @@ def test_bounds_never_exceed_the_simulation_of_megatron_2021_knobs():
         assert b.refine(c) <= r.step_time_s, c.plan_string
 
 
+@pytest.mark.parametrize("fix", [{"zero": 1, "param_overlap": True}, {"zero": 2, "param_overlap": True},
+                                 {"zero": 1, "grad_allreduce": True, "grad_fp32": True, "grad_overlap": False}])
+def test_bounds_never_exceed_the_simulation_of_parameter_and_gradient_paths(fix):
+    """Parameters gathered in the next step's forward (Megatron's --overlap-param-gather) and ZeRO-1
+    all-reducing fp32 gradients (DeepSpeed's BF16_Optimizer): the bounds stay below the simulator."""
+    model, cl, cands = _candidates("gpt3-1.3b", "2xdgx-a100-80g", 32, 2048, dict(fix, dtype="bf16"))
+    b = Bounds(model, cl, 2048)
+    rng = random.Random(11)
+    for c in rng.sample(cands, 12):
+        r = simulate(model, cl, parse_plan(c.plan_string), 2048)
+        assert c.time_lb <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+        assert b.refine(c) <= r.step_time_s, c.plan_string
+
+
 def test_bounds_never_exceed_the_simulation_with_two_collective_threads():
     """A stream that runs two collectives at once (gloo) finishes ZeRO's work sooner: the bounds
     share it between the threads and replay ZeRO-3's gathers on both."""

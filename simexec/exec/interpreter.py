@@ -856,7 +856,13 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
     def final_params(self) -> dict[str, Tensor]:
         """This rank's tensor-/expert-parallel shard of every parameter it holds. ZeRO-3 shards are
         all-gathered once more (after the last step, outside the program) so that every plan returns
-        the same shapes."""
+        the same shapes, and so are ZeRO-1/2's under `param_overlap`, whose gathers the program
+        leaves to the next step's forward."""
+        if self.plan.param_overlap:
+            for ins in self.instrs:
+                if ins.kind == "collective" and ins.block.startswith("params"):
+                    self.params_gather(ins, self.group(ins))
+            self.wait_all()
         for key, fl in self.z3.items():
             ins = next(i for i in self.instrs if i.block == "gather" and (self._cls(i.axis), i.layer) == key)
             out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)

@@ -282,7 +282,7 @@ TIED = str(Path(__file__).resolve().parent / "data" / "gpt-tiny-tied.yaml")  # t
                                   "dp=4,dp_shard=2,zero=3,gbs=8", "dp=2,pp=2,gbs=8,grad_bucket_view=0",
                                   "pp=2,vpp=2,gbs=4,clip_grad=0.01", "dp=2,pp=2,zero=1,gbs=8,clip_grad=0.01",
                                   "dp=4,pp=2,zero=1,dp_shard=2,gbs=8", "dp=2,pp=2,vpp=2,zero=1,gbs=8,bucket_mb=0.05",
-                                  "dp=2,pp=2,zero=1,gbs=8,grad_overlap=0"])
+                                  "dp=2,pp=2,zero=1,gbs=8,grad_overlap=0", "dp=2,pp=2,zero=1,gbs=8,param_overlap=1"])
 def test_tied_embeddings_match_reference(plan):
     """The head multiplies by the (vocab-parallel) embedding, whose gradient sums both uses. Under
     ZeRO-3 the head gathers the embedding's unit as well and reduce-scatters its share of the

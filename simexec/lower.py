@@ -956,8 +956,11 @@ class _RankLowering:
         step's forward (Megatron-LM's --overlap-param-gather). In a step of the steady state they are
         issued as it starts, in the order the forward first needs their buckets, and each unit's first
         forward instruction waits for its bucket."""
-        gathers = [i for i in self.out if i.kind == "collective" and i.phase == "fwd" and i.block.startswith("params")]
-        rest = [i for i in self.out if not (i.kind == "collective" and i.phase == "fwd" and i.block.startswith("params"))]
+        def is_gather(ins: Instr) -> bool:
+            return ins.kind == "collective" and ins.phase == "fwd" and ins.block.startswith("params")
+
+        gathers = [i for i in self.out if is_gather(i)]
+        rest = [i for i in self.out if not is_gather(i)]
         first: dict[int, int] = {}  # unit -> index in `rest` of its first forward compute
         for j, ins in enumerate(rest):
             if ins.kind == "compute" and ins.phase == "fwd" and ins.layer not in first:

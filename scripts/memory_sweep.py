@@ -43,6 +43,9 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
     ("tests/data/gpt-tiny-tied.yaml", "dp=2,pp=2,zero=1,mbs=2" + _BF16),  # the tied sum before the reduce-scatter
     # main gradients: fp32 buckets, shards and buffers beside bf16 parameters
     *[("gpt-tiny", p + _BF16 + ",grad_fp32=1") for p in ("dp=2,mbs=4", "dp=2,zero=3,mbs=4", "dp=2,zero=3,zero_impl=yafsdp,mbs=4")],
+    # DeepSpeed's BF16_Optimizer path over a pipeline; parameters gathered in the next forward
+    ("gpt-tiny", "dp=2,pp=2,zero=1,mbs=2,grad_fp32=1,grad_allreduce=1,grad_overlap=0" + _BF16),
+    ("gpt-tiny", "dp=2,zero=2,mbs=4,param_overlap=1" + _BF16),
     # RMSNorm models: the CPU kernels' backward buffers, q/k norms, latent norms, windows under tp, sp, pp
     *[("tests/data/window-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "pp=2,mbs=4", "pp=2,mbs=4,schedule=zb-h1")],
     *[("tests/data/qk-norm-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "tp=2,sp=1,mbs=4", "pp=2,mbs=4")],

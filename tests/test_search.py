@@ -1,6 +1,7 @@
 """Plan search: the space against `resolve`, the bounds against the simulator, pruning against brute
 force (with the simulator and with a fast stand-in), parallel and repeated runs against serial, a
 published Megatron-LM configuration against the search, and the errors a user sees."""
+import functools
 import hashlib
 import importlib.util
 import json
@@ -315,17 +316,22 @@ def test_time_bound_is_at_least_the_flops_bound():
 # --- pruning against brute force ------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _refined_bounds(name, cluster, gbs, seq) -> tuple[dict, float]:
+    """Every candidate's bounds, refined, and the device's capacity (shared by the stand-ins)."""
+    model, cl, cands = _candidates(name, cluster, gbs, seq)
+    b = Bounds(model, cl, seq)
+    for c in cands:
+        b.refine(c)  # the search's tighter bound: the stand-in must stay above it too
+    return {c.plan_string: c for c in cands}, cl.device.memory_bytes
+
+
 class StandIn:
     """A fast deterministic simulator for pruning checks: the bounds times a per-plan factor
     (>= 1, from a hash of the plan), so that the search sees a rough landscape with OOMs."""
 
     def __init__(self, name, cluster, gbs, seq):
-        model, cl, cands = _candidates(name, cluster, gbs, seq)
-        b = Bounds(model, cl, seq)
-        for c in cands:
-            b.refine(c)  # the search's tighter bound: the stand-in must stay above it too
-        self.bounds = {c.plan_string: c for c in cands}
-        self.capacity = cl.device.memory_bytes
+        self.bounds, self.capacity = _refined_bounds(name, cluster, gbs, seq)
         self.calls = 0
 
     def __call__(self, model, cluster, plan, seq_len=None, *, profile=None):
@@ -340,6 +346,13 @@ class StandIn:
                 "peak_memory_bytes": peak, "fits": peak <= self.capacity,
                 "breakdown_s": {"compute": 0.8 * step, "comm.dp": 0.2 * step}, "memory_breakdown_bytes": {},
                 "memory_capacity_bytes": self.capacity}
+
+
+@functools.lru_cache(maxsize=None)
+def _brute(objective: str = "throughput") -> SearchResult:
+    """Every plan of SMALL, simulated by the stand-in (read, never changed, by the tests that use it)."""
+    sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
+    return search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False, objective=objective)
 
 
 def _same(a: SearchResult, b: SearchResult):
@@ -376,9 +389,8 @@ def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective)
     """`against`: the user's plan's rank among the fitting plans is brute force's wherever fewer than
     `top` beat it, the best plan and why it wins are given, and its figure bounds the search."""
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False, objective=objective)
+    brute = _brute(objective)
     mine = brute.plans[30]
-    sim.calls = 0
     got = search(*SMALL, top=50, progress=False, simulator=sim, against=mine["plan"], objective=objective)
     a = got.against
     assert (a["plan"], a["step_time_s"], a["rank"], a["better_plans"]) == (mine["plan"], mine["step_time_s"], 31, 30)
@@ -399,7 +411,7 @@ def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective)
 
 def test_against_is_not_ranked_when_the_search_is_interrupted():
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+    brute = _brute()
 
     def stops(*a, **kw):
         if sim.calls == 20:
@@ -425,7 +437,7 @@ def test_against_is_checked_as_simulate_checks_a_plan():
 
 def test_limit_keeps_every_plan_within_it_and_simulates_fewer():
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    brute = search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False)
+    brute = _brute()
     steps = sorted(p["step_time_s"] for p in brute.plans)
     limit = steps[len(steps) // 20]  # about the best 5%
     for top in (1, 5, 10**6):

@@ -108,3 +108,20 @@ def test_written_files_take_the_umask_like_open(tmp_path):
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o640
     assert (tmp_path / "a.json").read_bytes() == b"{}"
+
+
+def test_knob_cost_refuses_a_bad_knob_in_one_line_before_it_runs(capsys, monkeypatch):
+    """scripts/knob_cost.py checks its plans with the simulator before it starts any rank."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location("knob_cost", os.path.join(root, "scripts", "knob_cost.py"))
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "knob_cost", module)
+    spec.loader.exec_module(module)
+    assert module.main(["--knob", "param_overlap=1", "dp=2,zero=3,gbs=8"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "param_overlap=1 needs zero=1 or 2, got zero=3" in err
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--knob", "mbs=2"])  # no default plans for it
+    assert exc.value.code == 2 and "no default plans for --knob mbs=2" in capsys.readouterr().err

@@ -303,7 +303,7 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
 # recompute, Megatron's fused softmax (no FlashAttention), no sequence parallelism, DeepSpeed's
 # non-interleaved pipeline with blocking sends, gradients clipped at 1.0 (tr11-176B-ml.slurm:
 # `--clip-grad 1.0`, ds_config `"gradient_clipping": 1.0`). bf16 with ZeRO-1 under DeepSpeed's pipeline
-# engine is its BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py, written for BLOOM): each
+# engine is its BF16_Optimizer (deepspeed/runtime/bf16_optimizer.py): each
 # micro-batch's bf16 gradients are added into fp32 ones (`update_hp_grads` after every backward), which
 # are all-reduced whole after the last backward (`_exec_reduce_grads` -> `buffered_allreduce_fallback`,
 # buffers of MEMORY_OPT_ALLREDUCE_SIZE = 5e8 elements, 2000 MB of fp32) before each rank steps its shard

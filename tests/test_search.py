@@ -27,7 +27,9 @@ from simexec.search_space import SpaceStats, STATE_KEYS, _state_variants, _struc
 from simexec.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
-SMALL = ("gpt3-1.3b", "dgx-a100-80g", 16)  # model, cluster, gbs: 7,124 plans
+SMALL = ("gpt3-1.3b", "dgx-a100-80g", 16)  # model, cluster, gbs: 20,861 plans
+# The space the stand-in simulator searches, whole and pruned: 9,428 plans, OOMs and all.
+STAND_IN = {"cp": 1}
 # A small slice of it for searches against brute force with the real simulator.
 SLICE = {"mbs": 1, "recompute_layers": None}
 
@@ -222,7 +224,7 @@ def test_all_to_all_context_parallelism_is_searched_where_it_can_help(name, a2a_
     with 8 of 32 heads for K/V only from cp 4 (its output's second copy against 3 gathered K/V), with
     every head's K/V from cp 2 (one output against the gathered K/V)."""
     m = get_model(name)
-    _, _, cands = _candidates(name, "4xdgx-h100", 32, 65536)
+    _, _, cands = _candidates(name, "4xdgx-h100", 32, 65536, {"pp": 1})  # no pipeline: the same (tp, cp) pairs
     seen = {}
     for c in cands:
         p = parse_plan(c.plan_string)
@@ -319,7 +321,7 @@ def test_time_bound_is_at_least_the_flops_bound():
 @functools.lru_cache(maxsize=None)
 def _refined_bounds(name, cluster, gbs, seq) -> tuple[dict, float]:
     """Every candidate's bounds, refined, and the device's capacity (shared by the stand-ins)."""
-    model, cl, cands = _candidates(name, cluster, gbs, seq)
+    model, cl, cands = _candidates(name, cluster, gbs, seq, STAND_IN)
     b = Bounds(model, cl, seq)
     for c in cands:
         b.refine(c)  # the search's tighter bound: the stand-in must stay above it too
@@ -352,7 +354,7 @@ class StandIn:
 def _brute(objective: str = "throughput") -> SearchResult:
     """Every plan of SMALL, simulated by the stand-in (read, never changed, by the tests that use it)."""
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    return search(*SMALL, top=10**6, progress=False, simulator=sim, prune=False, objective=objective)
+    return search(*SMALL, fix=STAND_IN, top=10**6, progress=False, simulator=sim, prune=False, objective=objective)
 
 
 def _same(a: SearchResult, b: SearchResult):
@@ -365,7 +367,7 @@ def _same(a: SearchResult, b: SearchResult):
 @pytest.mark.parametrize("objective", ["throughput", "memory"])
 def test_pruned_search_equals_brute_force_stand_in(objective):
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
-    kw = dict(top=10, objective=objective, progress=False, simulator=sim, pareto_window=0.5)
+    kw = dict(fix=STAND_IN, top=10, objective=objective, progress=False, simulator=sim, pareto_window=0.5)
     pruned = search(*SMALL, **kw)
     calls = sim.calls
     brute = search(*SMALL, prune=False, **kw)
@@ -377,7 +379,7 @@ def test_pruned_search_equals_brute_force_stand_in(objective):
 
 
 def test_pruned_search_equals_brute_force_simulator():
-    fix = dict(SLICE, tp=2, sp=0, cp=1, offload="none")  # 192 plans
+    fix = dict(SLICE, tp=2, sp=0, cp=1, offload="none", recompute="none")  # 98 plans
     pruned = search(*SMALL, fix=fix, top=5, workers=1, progress=False)
     brute = search(*SMALL, fix=fix, top=5, workers=1, progress=False, prune=False)
     _same(pruned, brute)
@@ -391,7 +393,7 @@ def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective)
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
     brute = _brute(objective)
     mine = brute.plans[30]
-    got = search(*SMALL, top=50, progress=False, simulator=sim, against=mine["plan"], objective=objective)
+    got = search(*SMALL, fix=STAND_IN, top=50, progress=False, simulator=sim, against=mine["plan"], objective=objective)
     a = got.against
     assert (a["plan"], a["step_time_s"], a["rank"], a["better_plans"]) == (mine["plan"], mine["step_time_s"], 31, 30)
     assert a["explanation"]["best"] == brute.plans[0]["plan"]
@@ -402,9 +404,9 @@ def test_against_ranks_a_plan_as_brute_force_does_and_simulates_fewer(objective)
     if objective == "memory":
         return
     assert sim.calls < brute.evaluated / 5
-    few = search(*SMALL, top=10, progress=False, simulator=sim, against=mine["plan"]).against
+    few = search(*SMALL, fix=STAND_IN, top=10, progress=False, simulator=sim, against=mine["plan"]).against
     assert (few["rank"], few["better_plans"]) == (None, ">= 10")
-    best = search(*SMALL, top=3, progress=False, simulator=sim, against=brute.plans[0]["plan"]).against
+    best = search(*SMALL, fix=STAND_IN, top=3, progress=False, simulator=sim, against=brute.plans[0]["plan"]).against
     assert (best["rank"], best["text"]) == (1, "no plan of the space beats it")
     assert "against" in got.to_json() and "your plan: " + mine["plan"] in got.format()
 
@@ -419,7 +421,7 @@ def test_against_is_not_ranked_when_the_search_is_interrupted():
         return sim(*a, **kw)
 
     sim.calls = 0
-    got = search(*SMALL, top=50, progress=False, simulator=stops, against=brute.plans[30]["plan"])
+    got = search(*SMALL, fix=STAND_IN, top=50, progress=False, simulator=stops, against=brute.plans[30]["plan"])
     assert got.interrupted and got.against["rank"] is None and "unranked (interrupted)" in got.format()
     assert str(got.against["better_plans"]).startswith(">= ")  # a count of what was simulated, not of the space
 
@@ -427,9 +429,9 @@ def test_against_is_not_ranked_when_the_search_is_interrupted():
 def test_against_is_checked_as_simulate_checks_a_plan():
     sim = StandIn("gpt3-1.3b", "dgx-a100-80g", 16, 2048)
     with pytest.raises(PlanError, match="gbs=32, the search's global batch is 16"):
-        search(*SMALL, progress=False, simulator=sim, against="dp=8,gbs=32")
+        search(*SMALL, fix=STAND_IN, progress=False, simulator=sim, against="dp=8,gbs=32")
     with pytest.raises(PlanError, match="not divisible by tp"):
-        search(*SMALL, progress=False, simulator=sim, against="tp=3")
+        search(*SMALL, fix=STAND_IN, progress=False, simulator=sim, against="tp=3")
     real = search(*SMALL, top=2, workers=1, progress=False, fix=dict(SLICE, tp=2, sp=0, cp=1, offload="none"),
                   against="dp=4,tp=2,mbs=2")
     assert real.against["step_time_s"] == simulate("gpt3-1.3b", "dgx-a100-80g", parse_plan("dp=4,tp=2,mbs=2,gbs=16")).step_time_s
@@ -442,12 +444,12 @@ def test_limit_keeps_every_plan_within_it_and_simulates_fewer():
     limit = steps[len(steps) // 20]  # about the best 5%
     for top in (1, 5, 10**6):
         sim.calls = 0
-        got = search(*SMALL, top=top, progress=False, simulator=sim, limit=limit)
+        got = search(*SMALL, fix=STAND_IN, top=top, progress=False, simulator=sim, limit=limit)
         within = [p for p in brute.plans if p["step_time_s"] <= limit][:top]
         assert [p["plan"] for p in got.plans if p["step_time_s"] <= limit] == [p["plan"] for p in within]
         assert sim.calls < brute.evaluated / 5
     with pytest.raises(PlanError):
-        search(*SMALL, limit=0.0, progress=False, simulator=sim)
+        search(*SMALL, fix=STAND_IN, limit=0.0, progress=False, simulator=sim)
 
 
 def test_numbers_are_those_of_simulate():
@@ -597,8 +599,9 @@ _CTRL_C_SCRIPT = textwrap.dedent("""
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
     if __name__ == "__main__":
-        # a wide Pareto window keeps this search busy for minutes: long enough to interrupt
-        res = search("llama3-70b", "128xdgx-h100", 1024, seq_len=4096, workers=2, progress=True, pareto_window=0.5)
+        # a wide Pareto window keeps this search busy for most of a minute, its first plan simulated
+        # within seconds: long enough to interrupt, soon
+        res = search("llama3-8b", "2xdgx-h100", 32, seq_len=4096, workers=2, progress=True, pareto_window=0.5)
         print(json.dumps({"interrupted": res.interrupted, "plans": len(res.plans), "evaluated": res.evaluated}))
         print(res.format(), file=sys.stderr)
 """)

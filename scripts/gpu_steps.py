@@ -105,7 +105,8 @@ def calibrate(src: str, out: str) -> int:
     from simexec.calibrate_traces import calibrate_from_traces
 
     paths = [Path(src) / f"{name}.json.gz" for name in CALIBRATE]
-    prof = calibrate_from_traces(paths, CLUSTER, out, base_profile=PROFILE, name="h100-traces")
+    recorded = json.loads((Path(src) / "manifest.json").read_text())["machine"].get("measured_at")
+    prof = calibrate_from_traces(paths, CLUSTER, out, base_profile=PROFILE, name="h100-traces", measured_at=recorded)
     print(f"wrote {out}: " + ", ".join(f"{k} {v:.4g}" for k, v in prof["fit"]["params"].items()))
     return 0
 

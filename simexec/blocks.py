@@ -548,11 +548,12 @@ class Anatomy:
     @cached_property
     def embed(self) -> Block:
         """Lookup (read rows, write), + learned positions, + dropout; backward scatters into a dense
-        vocab x hidden gradient (zeroed, then accumulated) of this rank's vocab shard."""
+        vocab x hidden gradient of this rank's vocab shard (zeroed, then written), which is then added
+        into the sum the weight gradients accumulate in, as every weight gradient is."""
         m, T, h, dt = self.rp.model, self.tokens, self.h, self.dt
         n = T * h
         fwd = 2 * dt * n + (3 * dt * n if m.learned_pos else 0.0) + ((2 * dt + 1) * n if self.dropout else 0.0)
-        bwd = 2 * dt * n + 2 * self.grad_dt * self.embed_params()
+        bwd = 2 * dt * n + self.grad_dt * self.embed_params() + self._wgrad(self.embed_params())
         # the incoming (gathered) gradient and the dense vocab-shard weight gradient, which the
         # embedding's backward materialises before adding it to main_grad even in Megatron
         return Block("embedding", 0.0, fwd, 0.0, bwd, bwd_workspace=n * dt + self.embed_params() * dt)

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from simexec.calibrate import (
-    PARAMS, CalibrationError, Param, PathLike, _jsonable, host_cores, load_profile, make_profile, profiled_cluster,
-    save_profile, set_params,
+    PARAMS, CalibrationError, Param, PathLike, _jsonable, host_cores, load_profile, make_profile, now_iso,
+    profiled_cluster, save_profile, set_params,
 )
 from simexec.cluster import ClusterSpec, get_cluster
 from simexec.errors import SimexecError
@@ -280,11 +280,13 @@ def _from_x(p: Param, x: float) -> float:
 def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, ClusterSpec] = "local",
                           out_path: Optional[PathLike] = None, base_profile: Optional[Union[PathLike, dict]] = None,
                           *, name: Optional[str] = None, params: Optional[Sequence[str]] = None, max_nfev: int = 60,
-                          progress: Optional[Callable[[int, float], None]] = None) -> dict:
+                          progress: Optional[Callable[[int, float], None]] = None,
+                          measured_at: Optional[str] = None) -> dict:
     """Fit the cluster's cost parameters to measured step traces; write and return the profile.
 
     base_profile: where the fit starts (a micro-benchmark profile, typically); without one it starts
-    from the cluster's own numbers, with the host model of CPU ranks switched on for `local`."""
+    from the cluster's own numbers, with the host model of CPU ranks switched on for `local`.
+    measured_at: when the traces were recorded (default: now); the fit's own time is `fit.fitted_at`."""
     base = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
     cases = load_cases(trace_paths)
     if params is None:
@@ -307,7 +309,8 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
     start = {k: v for k, v in start.items() if k in ("costs", "device", "node", "network")}
     fitted, report = fit_traces(cases, base, start, params=params, max_nfev=max_nfev, progress=progress)
     prof = make_profile(name or f"{socket.gethostname()}-traces", "traces", fitted.get("costs", {}),
-                        fitted.get("device"), fitted.get("node"), machine=machine, fit=_jsonable(report))
+                        fitted.get("device"), fitted.get("node"), machine=machine,
+                        fit=_jsonable({**report, "fitted_at": now_iso()}), measured_at=measured_at)
     if out_path:
         save_profile(prof, out_path)
     return prof

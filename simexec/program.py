@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Iterator, Optional
 
 from simexec.errors import SimexecError
@@ -145,11 +145,13 @@ class Program:
         return hashlib.sha256(self.to_text().encode()).hexdigest()[:16]
 
     def executed_fingerprint(self) -> str:
-        """Hash of the instructions that run, without the memory markers: their bytes are the
-        simulator's estimate of what the program holds, which a better memory model changes while
-        the executor runs the same instructions. A recorded trace stays comparable across such a
-        change (`simexec.compare.check_pair`)."""
-        text = "\n".join(i.to_text() for i in self if i.kind != "memory")
+        """Hash of the instructions that run, without the simulator's prices: the memory markers hold
+        its estimate of what the program holds, and a compute instruction's `flops` and `bytes` its
+        estimate of the work, which a better cost model changes while the executor runs the same
+        instructions. A recorded trace stays comparable across such a change
+        (`simexec.compare.check_pair`); the messages' sizes, which the executor sends, stay in."""
+        text = "\n".join((replace(i, flops=0.0, bytes=0.0) if i.kind == "compute" else i).to_text()
+                         for i in self if i.kind != "memory")
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
     def counts(self) -> Counter:

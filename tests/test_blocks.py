@@ -139,3 +139,15 @@ def test_fp32_main_gradients_accumulate_each_micro_batch_at_ten_bytes_a_paramete
         a, b = plain.dense[name], fp32.dense[name]
         assert b.bwd_bytes - a.bwd_bytes == pytest.approx(4 * params, rel=1e-3), name
         assert (b.flops, b.bytes, b.saved, b.bwd_flops) == (a.flops, a.bytes, a.saved, a.bwd_flops)
+
+
+def test_the_embedding_gradient_is_accumulated_like_every_weight_gradient():
+    """The embedding's backward zeroes a dense gradient of its vocabulary shard, scatters the rows into
+    it, then adds it into the accumulated sum as every weight gradient is (`_wgrad`): 2 bytes per
+    parameter for the zeroing and 6 for the sum in bf16, 4 more when the sum is fp32 (`grad_fp32`)."""
+    params = MODEL.embedding_params() / 2
+    rows = 2 * 2 * (2 * S) * H  # read the incoming gradient of two sequences, write its rows
+    plain = Anatomy(resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=4,tp=2,mbs=2"))).embed
+    fp32 = Anatomy(resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=4,tp=2,mbs=2,grad_fp32=1"))).embed
+    assert plain.bwd_bytes == pytest.approx(rows + (2 + 6) * params, rel=1e-9)
+    assert fp32.bwd_bytes - plain.bwd_bytes == pytest.approx(4 * params, rel=1e-9)

@@ -169,7 +169,9 @@ def test_the_instructions_that_ran_decide_where_both_traces_name_them():
         compare(pred, make("measured"))  # an older recording: the whole program's hash differs
 
 
-def test_the_executed_fingerprint_leaves_out_memory_estimates_only():
+def test_the_executed_fingerprint_leaves_out_the_simulators_prices_only():
+    """Memory markers and a compute instruction's FLOPs and bytes are estimates: changing them keeps
+    the fingerprint. A message's size, an instruction's dependencies or its name change it."""
     from simexec.cluster import get_cluster
     from simexec.lower import lower
     from simexec.model import get_model
@@ -180,9 +182,17 @@ def test_the_executed_fingerprint_leaves_out_memory_estimates_only():
     mem = next(i for i in program.ranks[0] if i.kind == "memory")
     program.ranks[0][program.ranks[0].index(mem)] = replace(mem, bytes=mem.bytes * 2)
     assert program.fingerprint() != full and program.executed_fingerprint() == executed
-    comp = next(i for i in program.ranks[0] if i.kind == "compute" and i.flops > 0)
-    program.ranks[0][program.ranks[0].index(comp)] = replace(comp, flops=comp.flops * 2)
-    assert program.executed_fingerprint() != executed
+    rank0 = program.ranks[0]
+    comp = next(i for i in rank0 if i.kind == "compute" and i.flops > 0)
+    rank0[rank0.index(comp)] = replace(comp, flops=comp.flops * 2, bytes=comp.bytes * 2)
+    assert program.executed_fingerprint() == executed
+    coll = next(i for i in rank0 if i.kind == "collective")
+    for change in (dict(bytes=coll.bytes * 2), dict(deps=coll.deps[:-1]), dict(name=coll.name + "x")):
+        k = rank0.index(coll)
+        rank0[k] = replace(coll, **change)
+        assert program.executed_fingerprint() != executed, change
+        rank0[k] = coll
+    assert program.executed_fingerprint() == executed
 
 
 # --- critical path ----------------------------------------------------------------------------------

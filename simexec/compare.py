@@ -163,8 +163,13 @@ def step_time_s(trace: Trace) -> tuple[float, str]:
     return (max(e.end_us for e in timed) - min(e.start_us for e in timed)) / 1e6, "events"
 
 
-def peak_memory(trace: Trace) -> tuple[dict[int, float], str]:
-    """(rank -> peak bytes, source): the summary's `peak_memory_bytes_per_rank`, else the counters."""
+def peak_memory(trace: Trace, tensors: bool = False) -> tuple[dict[int, float], str]:
+    """(rank -> peak bytes, source): the summary's `peak_memory_bytes_per_rank`, else the counters.
+    tensors: a prediction's peak of the tensors alone where it has one (`peak_tensor_bytes_per_rank`:
+    without the allocator's waste and the runtime's memory outside it), what a run measures."""
+    s = trace.summary.get("peak_tensor_bytes_per_rank") if tensors else None
+    if isinstance(s, dict) and s:
+        return {int(k): float(v) for k, v in s.items() if v is not None}, "summary (tensors)"
     s = trace.summary.get("peak_memory_bytes_per_rank")
     if isinstance(s, dict) and s:
         return {int(k): float(v) for k, v in s.items() if v is not None}, "summary"
@@ -491,7 +496,7 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     }
 
     # peak memory
-    mp, src_mp = peak_memory(predicted)
+    mp, src_mp = peak_memory(predicted, tensors=True)  # the measured peak counts tensors only
     mm, src_mm = peak_memory(measured)
     per_rank = {}
     for r in sorted(mm):

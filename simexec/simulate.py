@@ -120,7 +120,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
 
     events, has_workspace = _memory_events(eng)
     mem = memory_report(events, cluster.costs, cluster.device.memory_bytes, keep_timeline=trace,
-                        fixed=not has_workspace)
+                        fixed=not has_workspace, runtime_outside_allocator=cluster.device.name != "cpu")
     peak_rank = max(mem.peak, key=lambda r: (mem.peak[r], -r))
     reps = program.represents or {}
     per_rank = {}
@@ -182,6 +182,8 @@ def _trace(eng, program: Program, result: SimResult, mem) -> Trace:
         "step_time_s": result.step_time_s, "tokens_per_s": result.tokens_per_s, "mfu": result.mfu,
         "peak_memory_bytes": result.peak_memory_bytes,
         "peak_memory_bytes_per_rank": {str(r): b for r, b in sorted(mem.peak.items())},
+        # what a measurement of the tensors sees (`simexec.sim.memory`), which `compare` holds against it
+        "peak_tensor_bytes_per_rank": {str(r): b for r, b in sorted(mem.tensor_peak.items())},
         "breakdown_s": result.breakdown_s, "fits": result.fits,
     }
     if getattr(eng, "cores", None) is not None:  # CPU ranks on shared cores: each one's CPU time in the step

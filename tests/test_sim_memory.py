@@ -75,6 +75,26 @@ def test_peak_includes_allocator_overhead_and_workspace():
     assert r.fits
 
 
+def test_a_measurement_is_held_against_the_tensors_alone():
+    """A run measures its tensors (`max_memory_allocated`; the live-tensor tracker on CPU ranks):
+    `compare` holds it against the prediction's peak without the runtime's workspace and the
+    allocator's waste. On CPU ranks, which have neither, the two peaks are one."""
+    from simexec.compare import compare
+    from simexec.trace import Trace
+
+    r = simulate("gpt3-125m", "dgx-a100-80g", "dp=8,gbs=8", trace=True)
+    b, summary = r.memory_breakdown_bytes, r.trace.meta["summary"]
+    tensors = summary["peak_tensor_bytes_per_rank"]["0"]
+    assert tensors == pytest.approx(r.peak_memory_bytes - 2 * GiB - b["allocator"], rel=1e-9)
+    measured = Trace(meta={**r.trace.meta, "kind": "measured",
+                           "summary": {"peak_memory_bytes_per_rank": {"0": tensors * 1.02}}},
+                     events=r.trace.events)
+    mem = compare(r.trace, measured).memory
+    assert mem["error"] == pytest.approx(1 / 1.02 - 1) and mem["predicted_source"] == "summary (tensors)"
+    cpu = simulate("gpt-tiny", "local", "dp=2,gbs=4", trace=True).trace.meta["summary"]
+    assert cpu["peak_tensor_bytes_per_rank"] == cpu["peak_memory_bytes_per_rank"]
+
+
 def test_torch_ddp_buckets_are_filled_before_and_emptied_after_their_all_reduce():
     """grad_bucket_view=0: each bucket's gradients are copied in (read and written) before its
     all-reduce, and all of them copied back once every bucket is reduced, before the step."""

@@ -375,6 +375,16 @@ class Anatomy:
             return float(self.seq)
         return keys_per_query(self.seq, window)
 
+    def _sdpa_mask(self, window: Optional[int]) -> float:
+        """Scores of the boolean mask PyTorch's CPU kernel is given, queries x keys of one sequence: a
+        sliding window's band, or the causal mask of local queries against gathered keys (cp_impl=
+        allgather). The kernel keeps its additive form, in the compute dtype, for the backward; fused
+        GPU kernels take the window or the offsets instead. 0 where no mask is passed."""
+        gathered = self.cp > 1 and self.rp.plan.cp_impl == "allgather"
+        if not self.eager_kernels or not (window is not None or (gathered and self.rp.model.causal)):
+            return 0.0
+        return (self.seq / self.cp if gathered else self.seq) * self.seq
+
     def _attention(self, window: Optional[int]) -> dict[str, Block]:
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         qk, v = m.qk_head_dim, m.value_head_dim
@@ -424,6 +434,7 @@ class Anatomy:
             # saves each query row's log-sum-exp (fp32) for its backward
             ctx = self._keys_per_query(window)
             saved_attn += T * m.heads / t * 4
+            saved_attn += self._sdpa_mask(window) * dt
             padded = m.is_mla and self.pads_value_heads and v != qk
             f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
             if padded:  # the padded V and the kernel's padded output, which the slice copies out of

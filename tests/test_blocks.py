@@ -99,8 +99,9 @@ def test_the_executor_refuses_expert_capacity_only_with_context_parallelism():
 def test_sliding_window_prices_the_band_on_gpus_and_every_score_on_cpus():
     """A causal window of w over s positions leaves s*w - w^2/2 query-key pairs: GPU kernels skip the
     tiles outside the band (FlashAttention's window_size), PyTorch's CPU kernel takes the band as a
-    mask and computes all s^2; the layer every `full_attention_every` keeps the causal s^2/2, and a
-    window as long as the sequence changes nothing."""
+    mask and computes all s^2, and keeps the mask's additive form (s x s, in the compute dtype) for
+    its backward; the layer every `full_attention_every` keeps the causal s^2/2, and a window as long
+    as the sequence changes nothing."""
     s, w = 4096, 1024
     base = get_model("llama3-8b", seq_len=s)
     windowed = base.model_copy(update=dict(sliding_window=w, full_attention_every=2))
@@ -108,7 +109,9 @@ def test_sliding_window_prices_the_band_on_gpus_and_every_score_on_cpus():
         an = Anatomy(resolve(windowed, get_cluster(cluster), parse_plan("gbs=8")))
         causal = an.layer(1)["attn"].flops  # layer 1 of every 2 attends fully
         assert an.layer(0)["attn"].flops == pytest.approx(causal * pairs / (s * s / 2))
-        assert an.layer(0)["qkv"] == an.layer(1)["qkv"] and an.layer(0)["attn"].saved == an.layer(1)["attn"].saved
+        assert an.layer(0)["qkv"] == an.layer(1)["qkv"]
+        mask = s * s * 2 if cluster == "local" else 0.0
+        assert an.layer(0)["attn"].saved == pytest.approx(an.layer(1)["attn"].saved + mask, rel=1e-12)
     long = base.model_copy(update=dict(sliding_window=s))
     assert Anatomy(resolve(long, get_cluster("local"), parse_plan("gbs=8"))).layer(0)["attn"].flops == causal
     unfused = Anatomy(resolve(windowed, get_cluster("dgx-h100"), parse_plan("gbs=8,flash_attention=0")))
@@ -151,3 +154,17 @@ def test_the_embedding_gradient_is_accumulated_like_every_weight_gradient():
     fp32 = Anatomy(resolve(MODEL, get_cluster("1xdgx-a100-80g"), parse_plan("dp=4,tp=2,mbs=2,grad_fp32=1"))).embed
     assert plain.bwd_bytes == pytest.approx(rows + (2 + 6) * params, rel=1e-9)
     assert fp32.bwd_bytes - plain.bwd_bytes == pytest.approx(4 * params, rel=1e-9)
+
+
+@pytest.mark.parametrize("impl,mask", [("allgather", 2048 * 4096 * 2), ("a2a", 0)])
+def test_cpu_ranks_keep_the_gathered_keys_causal_mask_for_the_backward(impl, mask):
+    """Context parallelism by all-gather hands PyTorch's CPU kernel its local queries' causal mask
+    against every key (s/cp x s), which it keeps in the compute dtype; the all-to-all attends over
+    the whole sequence causally, the ring masks each chunk itself, and GPU kernels take offsets."""
+    m = get_model("llama3-8b", seq_len=4096)
+    plan = parse_plan(f"cp=2,cp_impl={impl},gbs=8")
+    cpu = Anatomy(resolve(m, get_cluster("local"), plan)).layer(0)["attn"].saved
+    gpu = Anatomy(resolve(m, get_cluster("dgx-h100"), plan)).layer(0)["attn"].saved
+    assert cpu - gpu == pytest.approx(mask, rel=1e-12)
+    ring = Anatomy(resolve(m, get_cluster("local"), parse_plan("cp=2,cp_impl=ring,gbs=8")))
+    assert ring._sdpa_mask(None) == 0.0

@@ -332,7 +332,8 @@ class Comparison:
             lines.append("peak memory: not in both traces")
         else:
             w = mem["per_rank"][str(mem["worst_rank"])]
-            lines.append(f"peak memory: worst rank {mem['worst_rank']}: predicted {_bytes(w['predicted'])}, "
+            what = " (tensors alone)" if mem.get("predicted_source") == "summary (tensors)" else ""
+            lines.append(f"peak memory: worst rank {mem['worst_rank']}: predicted {_bytes(w['predicted'])}{what}, "
                          f"measured {_bytes(w['measured'])}, error {mem['error']:+.1%} "
                          f"({len(mem['per_rank'])} ranks)")
         o = self.overall

@@ -63,7 +63,7 @@ def main() -> int:
         })
         r = runs[-1]
         print(f"run {i + 1}: {args.model} on {args.cluster}, gbs {args.gbs}, seq {args.seq_len}: "
-              f"{r['wall_s']:.1f} s wall on {r['workers']} {r['backend']} worker(s) "
+              f"{r['wall_s']:.1f} s wall with {r['workers']} worker(s), backend {r['backend']} "
               f"({r['bound_s']:.1f} s enumerating and bounding, {r['simulate_s']:.1f} s simulating)")
         print(f"  {res.space:,} combinations, {res.candidates:,} valid plans: {res.oom_bound:,} cannot fit (bound), "
               f"{res.pruned:,} pruned (time bound), {res.evaluated:,} simulated")

@@ -35,6 +35,9 @@ class SimResult:
     mfu: float  # over the device's peak for the plan's dtype
     peak_memory_bytes: float  # the largest rank's
     peak_memory_bytes_per_rank: dict[int, float]  # every real rank (symmetric copies expanded)
+    # the peak rank's tensors alone, without the runtime's memory and the allocator's waste: what
+    # torch.cuda.max_memory_allocated reports for it (`simexec.sim.memory`)
+    peak_tensor_bytes: float
     memory_breakdown_bytes: dict[str, float]  # at the peak of the largest rank
     memory_capacity_bytes: float
     fits: bool
@@ -63,6 +66,8 @@ class SimResult:
         verdict = "fits" if self.fits else f"DOES NOT FIT: {_size(over)} over"
         lines.append(f"  peak memory     {_size(self.peak_memory_bytes)} of {_size(self.memory_capacity_bytes)}"
                      f" (rank {self.peak_rank}): {verdict}")
+        if self.peak_tensor_bytes < 0.995 * self.peak_memory_bytes:
+            lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
         parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
         lines.append("    " + ", ".join(parts))
         lines.append(f"  time on rank {self.slowest_rank}'s compute stream:")
@@ -139,6 +144,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         symmetric=program.symmetric, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0,
         tflops_per_gpu=tflops, mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
         peak_memory_bytes=mem.peak[peak_rank], peak_memory_bytes_per_rank=per_rank,
+        peak_tensor_bytes=mem.tensor_peak[peak_rank],
         memory_breakdown_bytes=mem.breakdown[peak_rank], memory_capacity_bytes=mem.capacity,
         fits=mem.fits(), breakdown_s=breakdown(eng, slow, step), slowest_rank=slow, peak_rank=peak_rank,
         instructions=len(eng.instrs), wall_s=0.0,

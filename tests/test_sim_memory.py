@@ -86,13 +86,16 @@ def test_a_measurement_is_held_against_the_tensors_alone():
     b, summary = r.memory_breakdown_bytes, r.trace.meta["summary"]
     tensors = summary["peak_tensor_bytes_per_rank"]["0"]
     assert tensors == pytest.approx(r.peak_memory_bytes - 2 * GiB - b["allocator"], rel=1e-9)
+    assert r.peak_tensor_bytes == tensors and "of which tensors" in r.format()
     measured = Trace(meta={**r.trace.meta, "kind": "measured",
                            "summary": {"peak_memory_bytes_per_rank": {"0": tensors * 1.02}}},
                      events=r.trace.events)
     mem = compare(r.trace, measured).memory
     assert mem["error"] == pytest.approx(1 / 1.02 - 1) and mem["predicted_source"] == "summary (tensors)"
-    cpu = simulate("gpt-tiny", "local", "dp=2,gbs=4", trace=True).trace.meta["summary"]
+    on_cpu = simulate("gpt-tiny", "local", "dp=2,gbs=4", trace=True)
+    cpu = on_cpu.trace.meta["summary"]
     assert cpu["peak_tensor_bytes_per_rank"] == cpu["peak_memory_bytes_per_rank"]
+    assert on_cpu.peak_tensor_bytes == on_cpu.peak_memory_bytes and "of which" not in on_cpu.format()
 
 
 def test_torch_ddp_buckets_are_filled_before_and_emptied_after_their_all_reduce():

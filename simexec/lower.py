@@ -810,12 +810,34 @@ class _RankLowering:
     def _zero2_buffer(self, axis: str, pool: list, unit: int, nbytes: float) -> None:
         """ZeRO-2's bucket buffer (DeepSpeed's reduce bucket): made with the bucket's first
         gradients, it takes every gradient of the bucket as it comes, so from then on it holds the
-        bucket's whole size; one allocation that grows as units join the bucket."""
+        bucket's whole size; one allocation that grows as units join the bucket. It is made as the
+        unit's first weight gradient lands: after that backward instruction, before what it read
+        (the head's saved activations and logits) is let go."""
         if not pool or axis not in self._z2_alloc:
             self.memory("alloc", "grads", nbytes, f"grads.{axis}.L{unit}.b{len(self.buckets)}")
-            self._z2_alloc[axis] = self.out[-1]
+            ins = self.out.pop()
+            self.out.insert(self._first_weight_gradient(unit), ins)
+            self._z2_alloc[axis] = ins
         else:
             self._z2_alloc[axis].bytes += nbytes
+
+    def _first_weight_gradient(self, unit: int) -> int:
+        """Where the unit's first weight gradient lands in the backward (or weight pass) just emitted:
+        right after the instruction that makes it and the release of its workspace (the loss and the
+        cross entropy make none); the end of the program where none is found."""
+        at, mb = len(self.out), None
+        for k in range(len(self.out) - 1, -1, -1):
+            ins = self.out[k]
+            if ins.kind != "compute":
+                continue
+            if ins.layer != unit or ins.phase not in ("bwd", "wgrad") or (mb is not None and ins.mb != mb):
+                break
+            mb = ins.mb
+            if ins.block not in ("loss", "xent"):
+                at = k + 1
+                if at < len(self.out) and self.out[at].name == f"mem.free.{ins.name}":
+                    at += 1
+        return at
 
     def flush_all(self, final: bool = True, hold_tied: bool = False) -> None:
         """Reduce every bucket not yet reduced: the full ones held back by `grad_overlap=0` (they

@@ -230,6 +230,23 @@ def test_zero2_reduce_scatters_every_micro_batch_and_zero1_only_the_last():
     assert [i.op for i in z1 if i.block.startswith("params")] == ["allgather@dp"] * len(rs1)
 
 
+def test_zero2_bucket_buffer_is_made_as_the_first_weight_gradient_lands():
+    """DeepSpeed's reduce bucket takes its first gradient inside the head's backward: after that
+    instruction's workspace, before the head's saved activations and logits are let go; with small
+    buckets, each later bucket with its first layer's first backward instruction."""
+    names = [i.name for i in _program("gpt-tiny", "dp=2,zero=2,gbs=8").ranks[0]]
+    for mb in range(4):
+        at = names.index(f"mem.alloc.grads.dp.L4.b{mb}")
+        assert names[at - 2:at + 2] == [f"bwd.head.L4.m{mb}", f"mem.free.bwd.head.L4.m{mb}",
+                                        f"mem.alloc.grads.dp.L4.b{mb}", f"mem.free.act.L4.m{mb}"]
+    small = [i.name for i in _program("gpt-tiny", "dp=2,zero=2,gbs=4,mbs=2,bucket_mb=0.05").ranks[0]]
+    for i, name in enumerate(small):
+        if name.startswith("mem.alloc.grads.dp.L") and not name.startswith("mem.alloc.grads.dp.L4"):
+            layer = name.split(".L")[1].split(".")[0]
+            made = next(n for n in reversed(small[:i]) if not n.startswith("mem."))
+            assert made.split(".")[0] == "bwd" and f".L{layer}." in made, (name, made)
+
+
 def test_zero1_grad_allreduce_all_reduces_the_same_buckets_and_gathers_the_same_parameters():
     """DeepSpeed's BF16_Optimizer: the buckets a reduce-scatter would shard are all-reduced whole,
     then the step and the parameter all-gathers are ZeRO-1's."""

@@ -212,6 +212,10 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
         self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
         self.flavour = p.zero3_flavour  # ZeRO-3: fsdp, yafsdp or deepspeed
+        # gradient shards held from the start, summed into and zeroed as each step starts (DeepSpeed's
+        # partitions: ZeRO-2's, and ZeRO-3's under zero_impl=deepspeed), where FSDP2 makes each at its
+        # first reduce-scatter and drops it after the step; ZeRO-1's is a slice of its gradient buffer
+        self.held_gshards = p.zero == 2 or (p.zero == 3 and p.zero3_flavour == "deepspeed")
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
         # Megatron-LM's main_grad: gradients accumulated and reduced in fp32 beside 16-bit parameters

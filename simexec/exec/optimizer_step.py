@@ -142,7 +142,7 @@ class OptimizerStep:
                 out.append(g)
             else:
                 out.append(self.reduced.pop(k) if k in self.reduced else self.local_grad(k))
-        if self.flavour != "deepspeed":  # (its partition stays, zeroed as the next step starts)
+        if not self.held_gshards:  # (a held partition stays, zeroed as the next step starts)
             self.gshard = {}
         self.reduced = {}
         return out

@@ -132,12 +132,15 @@ class Sharding:
                     names = self.unit_names(i.layer, key[0])
                     self.z3[key] = fl = self._flat(names, i.group)
                     self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
+        if self.held_gshards and not self.z3:  # ZeRO-2: DeepSpeed's gradient partition, held from the start
+            for key, fl in self.buckets.items():
+                self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.gdtype)
         if self.z3:
             empty = torch.empty(0, device=self.device, dtype=self.dtype)
             for (cls, unit), fl in self.z3.items():
                 for n in fl.names:
                     self.p[n].data = empty  # parameters live as shards until gathered
-            if self.flavour == "deepspeed":  # DeepSpeed stage 3's gradient partition, held from the start
+            if self.held_gshards:  # DeepSpeed stage 3's gradient partition, held from the start
                 for key, fl in self.z3.items():
                     self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.gdtype)
             if self.flavour == "yafsdp":
@@ -271,7 +274,7 @@ class Sharding:
 
     def _attach_grads(self, key: Optional[tuple] = None) -> None:
         """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
-        if key is None and self.flavour == "deepspeed":
+        if key is None and self.held_gshards:
             for shard in self.gshard.values():
                 shard.zero_()
         for k, buf in self.gbuf.items():
@@ -394,7 +397,7 @@ class Sharding:
             prev = self.gshard.get(key)
             if prev is None:
                 self.gshard[key] = out
-            elif self.flavour == "deepspeed":
+            elif self.held_gshards:
                 prev.add_(out)
             else:
                 self.gshard[key] = prev + out

@@ -157,8 +157,12 @@ class _RankLowering:
         self.deferred: dict[tuple[int, int], list[Instr]] = {}
 
     # --- emit ----------------------------------------------------------------------------------------
-    def _emit(self, ins: Instr) -> str:
-        self.out.append(ins)
+    def _emit(self, ins: Instr, at: Optional[int] = None) -> str:
+        """Append `ins` to the program, or insert it at index `at`."""
+        if at is None:
+            self.out.append(ins)
+        else:
+            self.out.insert(at, ins)
         return ins.name
 
     def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "") -> str:
@@ -202,14 +206,16 @@ class _RankLowering:
         return name
 
     def memory(self, op: str, category: str, nbytes: float, tag: str, stream: str = "compute",
-               deps: tuple[str, ...] = (), defer: bool = True) -> None:
+               deps: tuple[str, ...] = (), defer: bool = True, at: Optional[int] = None) -> Optional[Instr]:
+        """An alloc or free of `nbytes` (none for 0); `at`: where in the program, if not at its end."""
         if nbytes <= 0:
-            return
+            return None
         ins = Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes), category=category, deps=deps)
         if defer and self.defer_to is not None and op == "free" and category == "activations":
             self.deferred.setdefault(self.defer_to, []).append(ins)
         else:
-            self._emit(ins)
+            self._emit(ins, at)
+        return ins
 
     def last_compute(self) -> Optional[str]:
         for ins in reversed(self.out):
@@ -814,10 +820,8 @@ class _RankLowering:
         unit's first weight gradient lands: after that backward instruction, before what it read
         (the head's saved activations and logits) is let go."""
         if not pool or axis not in self._z2_alloc:
-            self.memory("alloc", "grads", nbytes, f"grads.{axis}.L{unit}.b{len(self.buckets)}")
-            ins = self.out.pop()
-            self.out.insert(self._first_weight_gradient(unit), ins)
-            self._z2_alloc[axis] = ins
+            self._z2_alloc[axis] = self.memory("alloc", "grads", nbytes, f"grads.{axis}.L{unit}.b{len(self.buckets)}",
+                                               at=self._first_weight_gradient(unit))
         else:
             self._z2_alloc[axis].bytes += nbytes
 

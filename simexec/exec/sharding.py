@@ -132,17 +132,14 @@ class Sharding:
                     names = self.unit_names(i.layer, key[0])
                     self.z3[key] = fl = self._flat(names, i.group)
                     self.shards[key] = fl.my_slice(fl.flatten([self.p[n].detach() for n in names])).clone()
-        if self.held_gshards and not self.z3:  # ZeRO-2: DeepSpeed's gradient partition, held from the start
-            for key, fl in self.buckets.items():
+        if self.held_gshards:  # DeepSpeed's gradient partition (stage 2: per bucket; stage 3: per unit)
+            for key, fl in {**self.buckets, **self.z3}.items():
                 self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.gdtype)
         if self.z3:
             empty = torch.empty(0, device=self.device, dtype=self.dtype)
             for (cls, unit), fl in self.z3.items():
                 for n in fl.names:
                     self.p[n].data = empty  # parameters live as shards until gathered
-            if self.held_gshards:  # DeepSpeed stage 3's gradient partition, held from the start
-                for key, fl in self.z3.items():
-                    self.gshard[key] = torch.zeros(fl.shard, device=self.device, dtype=self.gdtype)
             if self.flavour == "yafsdp":
                 for cls in {c for c, _ in self.z3}:
                     size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)

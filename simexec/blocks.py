@@ -626,6 +626,6 @@ class Anatomy:
     def head_params(self) -> float:
         m = self.rp.model
         own = m.lm_head_params() / self.tp + m.final_norm_params()
-        if m.tied_embeddings and self.rp.plan.pp > 1:
+        if self.rp.tied_copy:
             own += m.embedding_params() / self.tp
         return own

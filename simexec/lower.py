@@ -126,13 +126,14 @@ class _RankLowering:
             self.g_rep = mesh.span(rank, ("dp",), keep=lambda c: c["dp"] % p.dp_shard == me["dp"] % p.dp_shard)
         else:
             self.zero_axis, self.g_zero, self.g_rep = "dp", self.g_dp, ()
-        self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": p.pp - 1})}))
+        head = rp.head_pp_rank
+        self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": head})}))
         # tied embeddings over a pipeline: the two stages' gradients summed (`bwd.tied`) after the
         # data-parallel all-reduce (Megatron-LM), or under ZeRO-1 before the reduce-scatter, which
         # shards each stage's copy in its own layout (DeepSpeed's pipeline engine: ReduceTiedGrads,
         # then ReduceGrads); `tied_unit` is the unit that holds this stage's copy
         self.tied_unit: Optional[int] = None
-        if rp.model.tied_embeddings and p.pp > 1 and self.pp_rank in (0, p.pp - 1):
+        if rp.tied_copy and self.pp_rank in (0, head):
             self.tied_unit = -1 if self.pp_rank == 0 else self.L
         self.tied_first = self.tied_unit is not None and p.zero == 1
         self.tied: Optional[str] = None  # the emitted `bwd.tied` ("" where its group is one rank)
@@ -266,15 +267,24 @@ class _RankLowering:
         if act in self.received:
             return
         self.received.add(act)
-        vs = act.chunk * self.p.pp + self.pp_rank
-        if act.kind == "F" and vs > 0:
+        vs = self.stage(act.chunk)
+        if act.kind == "F" and vs > 0 and not self.holds(vs - 1):
             self.recv("act", vs - 1, act.mb)
-        elif act.kind == "B" and vs < self.rp.virtual_stages - 1:
+        elif act.kind == "B" and vs < self.rp.virtual_stages - 1 and not self.holds(vs + 1):
             self.recv("grad", vs + 1, act.mb)
+
+    def stage(self, chunk: int) -> int:
+        """The virtual stage of one of this rank's chunks."""
+        return self.rp.stage(self.pp_rank, chunk)
+
+    def holds(self, vs: int) -> bool:
+        """Whether this rank holds virtual stage vs: a V-shaped schedule's turn from the first chunk to
+        the second stays on the last rank, with no message."""
+        return self.rp.place(vs)[0] == self.pp_rank
 
     def units(self, chunk: int) -> list[int]:
         """Parameter units of a virtual stage in forward order: -1 embedding, layers, L the head."""
-        vs = chunk * self.p.pp + self.pp_rank
+        vs = self.stage(chunk)
         units = list(self.rp.stage_layers[vs])
         if vs == 0:
             units.insert(0, -1)
@@ -317,14 +327,13 @@ class _RankLowering:
     def is_recompute_layer(self, layer: int, chunk: int) -> bool:
         if self.p.recompute == "none":
             return False
-        vs = chunk * self.p.pp + self.pp_rank
-        pos = self.rp.stage_layers[vs].index(layer)
+        pos = self.rp.stage_layers[self.stage(chunk)].index(layer)
         return self.p.recompute_layers is None or pos < self.p.recompute_layers
 
     # --- forward -------------------------------------------------------------------------------------
     def forward(self, act: Action) -> None:
         c, mb = act.chunk, act.mb
-        vs = c * self.p.pp + self.pp_rank
+        vs = self.stage(c)
         self.receive_input(act)
         units = self.units(c)
         self.prefetch(units, "fwd", mb, c)
@@ -342,7 +351,7 @@ class _RankLowering:
                 self.memory("alloc", "activations", saved, f"act.L{unit}.m{mb}")
             self.release_gather(unit, "fwd", mb)
             self.prefetch_next(units, j, "fwd", mb, c)
-        if vs < self.rp.virtual_stages - 1:
+        if vs < self.rp.virtual_stages - 1 and not self.holds(vs + 1):
             self.send("act", vs, mb, self.an.hidden_bytes)
 
     def layer_forward(self, l: int, mb: int, c: int, phase: str) -> None:
@@ -445,7 +454,7 @@ class _RankLowering:
     # --- backward ------------------------------------------------------------------------------------
     def backward(self, act: Action) -> None:
         c, mb = act.chunk, act.mb
-        vs = c * self.p.pp + self.pp_rank
+        vs = self.stage(c)
         self.receive_input(act)
         units = list(reversed(self.units(c)))
         self.prefetch(units, "bwd", mb, c)
@@ -480,7 +489,7 @@ class _RankLowering:
             self.prefetch_next(units, j, "bwd", mb, c)
         if not self.split:  # else after the weight pass
             self.reduce_micro_batch(mb)
-        if vs > 0:
+        if vs > 0 and not self.holds(vs - 1):
             self.send("grad", vs, mb, self.an.hidden_bytes)
 
     def reduce_micro_batch(self, mb: int) -> None:
@@ -655,14 +664,14 @@ class _RankLowering:
 
     # --- pipeline ------------------------------------------------------------------------------------
     def _peer(self, vs: int) -> int:
-        return self.rp.mesh.rank(**{**self.coords, "pp": vs % self.p.pp})
+        return self.rp.mesh.rank(**{**self.coords, "pp": self.rp.place(vs)[0]})
 
     def send(self, what: str, vs: int, mb: int, nbytes: float) -> None:
         """Send the output of virtual stage vs (activations forward, gradients backward): this rank's
         1/`pipeline_slices` of it."""
         dest = vs + 1 if what == "act" else vs - 1
         name = self._emit(Instr(self.rank, f"p2p.{what}.v{vs}.m{mb}", "send", "p2p.send", "send",
-                                phase="fwd" if what == "act" else "bwd", block=what, mb=mb, chunk=vs // self.p.pp,
+                                phase="fwd" if what == "act" else "bwd", block=what, mb=mb, chunk=self.rp.place(vs)[1],
                                 bytes=nbytes / self.rp.pipeline_slices, deps=(self.last_compute(),),
                                 peer=self._peer(dest)))
         if not self.p.p2p_overlap:  # a blocking send: the next group of actions waits for it
@@ -673,7 +682,7 @@ class _RankLowering:
         over tp (`<recv>.gather`, block `act_gather` / `grad_gather`) before the stage computes."""
         name = f"p2p.{what}.v{src_vs}.m{mb}"
         dest = src_vs + 1 if what == "act" else src_vs - 1
-        phase, chunk, slices = "fwd" if what == "act" else "bwd", dest // self.p.pp, self.rp.pipeline_slices
+        phase, chunk, slices = "fwd" if what == "act" else "bwd", self.rp.place(dest)[1], self.rp.pipeline_slices
         self._emit(Instr(self.rank, name, "recv", "p2p.recv", "recv", phase=phase, block=what, mb=mb, chunk=chunk,
                          bytes=self.an.hidden_bytes / slices, peer=self._peer(src_vs)))
         if slices > 1:
@@ -687,9 +696,9 @@ class _RankLowering:
         return self.p.zero == 3 and (self.zero_size > 1 or (self.rp.model.moe is not None and len(self.g_edp) > 1))
 
     def _tied_head(self, unit: int) -> bool:
-        """ZeRO-3 without a pipeline: a tied LM head reads the embedding's unit, so the head gathers it
-        too, and reduce-scatters the head's share of its gradient after the head's backward."""
-        return unit == self.L and self.rp.model.tied_embeddings and self.p.pp == 1 and self._zero3()
+        """ZeRO-3 with the head on the embedding's rank (no pipeline, or a V): a tied LM head reads the
+        embedding's unit, so the head gathers it too, and reduce-scatters the head's share of its gradient after the head's backward."""
+        return unit == self.L and self.rp.model.tied_embeddings and not self.rp.tied_copy and self._zero3()
 
     def gather(self, unit: int, phase: str, mb: int, c: int, deps: tuple) -> None:
         names = self._gather_unit(unit, f"{phase}.gather.L{unit}.m{mb}", phase, mb, c, deps)

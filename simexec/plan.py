@@ -16,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from simexec.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
 from simexec.model import ModelSpec
-from simexec.schedules import INTERLEAVED, SPLIT_BACKWARD
+from simexec.schedules import INTERLEAVED, MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, place_of, stage_of
 
 AXES = ("tp", "cp", "dp", "pp")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -44,10 +44,11 @@ class Plan(BaseModel):
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
     gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
-    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb"]] = Field(
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v"]] = Field(
         None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
         " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble;"
-        " interleaved-zb: the same over vpp virtual stages"
+        " interleaved-zb: the same over vpp virtual stages; zb-v: zero-bubble over two chunks per rank placed in"
+        " a V (vpp=2; rank r holds stages r and 2pp-1-r)"
     )
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
@@ -285,9 +286,30 @@ class ResolvedPlan:
     def virtual_stages(self) -> int:
         return self.plan.pp * self.plan.vpp
 
+    def stage(self, pp_rank: int, chunk: int) -> int:
+        """The virtual stage of a pipeline rank's chunk (`simexec.schedules.stage_of`)."""
+        return stage_of(self.plan.schedule_name, self.plan.pp, pp_rank, chunk)
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(pipeline rank, chunk) of a virtual stage."""
+        return place_of(self.plan.schedule_name, self.plan.pp, stage)
+
     def stages_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
-        """Virtual stage indices held by pipeline rank `pp_rank` (Megatron's interleaved assignment)."""
-        return tuple(v * self.plan.pp + pp_rank for v in range(self.plan.vpp))
+        """Virtual stage indices held by pipeline rank `pp_rank`, by chunk (Megatron's interleaved
+        assignment, or a V)."""
+        return tuple(self.stage(pp_rank, c) for c in range(self.plan.vpp))
+
+    @property
+    def head_pp_rank(self) -> int:
+        """The pipeline rank of the last virtual stage (the head and the loss): the last rank, or the
+        first under a V-shaped schedule."""
+        return self.place(self.virtual_stages - 1)[0]
+
+    @property
+    def tied_copy(self) -> bool:
+        """Tied embeddings with the head on another pipeline rank than the embedding: that rank keeps
+        a copy of the embedding, summed with the first stage's gradient (Megatron-LM)."""
+        return self.model.tied_embeddings and self.head_pp_rank != 0
 
     def layers_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
         return tuple(l for s in self.stages_of_pp_rank(pp_rank) for l in self.stage_layers[s])
@@ -360,9 +382,9 @@ class ResolvedPlan:
                 dense += (m.layer_params(layer) - replicated) / p.tp + replicated
         if pp_rank == 0:
             dense += m.embedding_params() / p.tp
-        if pp_rank == p.pp - 1:
+        if pp_rank == self.head_pp_rank:
             dense += m.lm_head_params() / p.tp + m.final_norm_params()
-            if m.tied_embeddings and p.pp > 1:
+            if self.tied_copy:
                 dense += m.embedding_params() / p.tp  # a copy of the tied embedding on the last stage
         return {"dense": dense, "expert": expert, "total": dense + expert}
 
@@ -524,8 +546,14 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
     micro = gbs // (p.mbs * dp)
     sched = p.schedule_name
-    if p.vpp > 1 and sched not in INTERLEAVED:
-        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b or interleaved-zb, got {sched}")
+    if p.vpp > 1 and sched not in MULTI_CHUNK:
+        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, interleaved-zb or zb-v, got {sched}")
+    if sched in V_SHAPED:
+        if p.vpp != 2:
+            fail(f"schedule={sched} needs vpp=2 (two chunks per rank in a V), got vpp={p.vpp}")
+        if not p.p2p_overlap:
+            fail(f"schedule={sched} needs p2p_overlap=1 (its order pairs no forward with a backward, so"
+                 " blocking exchanges one action at a time wait on each other)")
     if sched in INTERLEAVED:
         if p.vpp < 2:
             fail(f"schedule={sched} needs vpp >= 2")

@@ -1,7 +1,9 @@
 """Pipeline schedules as per-rank action lists (torch.distributed.pipelining's `pipeline_order` idea).
 
-An action is (chunk, kind, micro-batch): chunk c of pipeline rank r is virtual stage c * pp + r
-(Megatron's interleaved assignment). Kind 'F' is a forward and 'B' a backward; zero-bubble schedules
+An action is (chunk, kind, micro-batch). Chunk c of pipeline rank r is virtual stage c * pp + r
+(Megatron's interleaved assignment, a loop over the ranks), except under a V-shaped schedule, where
+rank r holds stages r and 2 pp - 1 - r (`stage_of`): the first rank holds the embedding and the head,
+and the last rank hands its first chunk's output to its second without a message. Kind 'F' is a forward and 'B' a backward; zero-bubble schedules
 split the backward into 'B' (the input gradients, which the previous stage waits for) and 'W' (the
 weight gradients, which nothing downstream waits for). A schedule only orders the actions; lowering
 turns each into instructions.
@@ -115,6 +117,70 @@ def interleaved_zb(pp: int, rank: int, m: int, vpp: int) -> list[Action]:
     return out
 
 
+def zb_v(pp: int, rank: int, m: int) -> list[Action]:
+    """ZB-V (Qi et al. 2024, "Zero Bubble Pipeline Parallelism", §6; torch.distributed.pipelining's
+    ScheduleZBVZeroBubble): two chunks per rank in a V, rank r holding stages r and 2p-1-r. Warm-up:
+    2(p-r)-1 forwards of chunk 0, then r pairs of (chunk 1, chunk 0) forwards, then p-r rounds of a
+    chunk-1 forward, input-gradient and weight pass. Steady state: a chunk-0 forward (while any are
+    left), its input gradient and weight pass, then the same for chunk 1. Cool-down: r pairs of
+    input gradients (chunk 0, chunk 1), p-r chunk-0 input gradients each with a weight pass, then the
+    weight passes still owed, chunk 1's first. Every rank holds at most 2p micro-batch-chunks, 1F1B's
+    peak, with the bubble filled when F, B and W take the same time. The order is built for
+    max(m, 2p-1) micro-batches and the ones past m left out, as torch does."""
+    n = max(m, 2 * pp - 1)
+    out: list[Action] = []
+    f, b, w = [0, 0], [0, 0], [0, 0]
+
+    def do(chunk: int, kind: str) -> None:
+        count = {"F": f, "B": b, "W": w}[kind]
+        out.append(Action(chunk, kind, count[chunk]))
+        count[chunk] += 1
+
+    for _ in range(2 * (pp - rank) - 1):
+        do(0, "F")
+    for _ in range(rank):
+        do(1, "F")
+        do(0, "F")
+    for _ in range(pp - rank):
+        do(1, "F")
+        do(1, "B")
+        do(1, "W")
+    while f[1] < f[0] or f[0] < n:
+        if f[0] < n:
+            do(0, "F")
+        do(0, "B")
+        do(0, "W")
+        do(1, "F")
+        do(1, "B")
+        do(1, "W")
+    for _ in range(rank):
+        do(0, "B")
+        do(1, "B")
+    for _ in range(pp - rank):
+        do(0, "B")
+        do(0, "W")
+    while w[1] < b[1]:
+        do(1, "W")
+    while w[0] < b[0]:
+        do(0, "W")
+    return [a for a in out if a.mb < m]
+
+
+def stage_of(schedule: str, pp: int, rank: int, chunk: int) -> int:
+    """The virtual stage that chunk `chunk` of pipeline rank `rank` holds."""
+    if schedule in V_SHAPED:
+        return rank if chunk == 0 else 2 * pp - 1 - rank
+    return chunk * pp + rank
+
+
+def place_of(schedule: str, pp: int, stage: int) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding virtual stage `stage`: the inverse of `stage_of`."""
+    chunk, rank = divmod(stage, pp)
+    if schedule in V_SHAPED and chunk:
+        rank = pp - 1 - rank
+    return rank, chunk
+
+
 def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
     """Forward units before the first backward; with as many micro-batches as stages, every rank
     runs all its forwards first (Megatron-LM's `all_warmup_microbatches`)."""
@@ -149,6 +215,8 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
         return {r: interleaved_1f1b(pp, r, m, vpp) for r in range(pp)}
     if schedule == "zb-h1":
         return {r: zb_h1(pp, r, m) for r in range(pp)}
+    if schedule == "zb-v":
+        return {r: zb_v(pp, r, m) for r in range(pp)}
     if schedule == "interleaved-zb":
         if m % pp:
             raise PlanError(f"interleaved-zb needs micro-batches ({m}) divisible by pp={pp}")
@@ -156,9 +224,11 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
     raise PlanError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb")
-SPLIT_BACKWARD = ("zb-h1", "interleaved-zb")  # schedules whose backward is split into B and W
-INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules over vpp virtual stages
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v")
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zb-v")  # schedules whose backward is split into B and W
+INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules over vpp virtual stages in a loop
+V_SHAPED = ("zb-v",)  # two chunks per rank in a V (`stage_of`)
+MULTI_CHUNK = INTERLEAVED + V_SHAPED  # schedules with more than one chunk per rank
 
 
 def format_order(order: dict[int, list[Action]]) -> str:

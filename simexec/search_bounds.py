@@ -34,7 +34,7 @@ from simexec.cluster import ClusterSpec
 from simexec.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.model import ModelSpec
 from simexec.plan import ResolvedPlan
-from simexec.schedules import INTERLEAVED, SPLIT_BACKWARD
+from simexec.schedules import INTERLEAVED, SPLIT_BACKWARD, V_SHAPED
 from simexec.search_space import Structure
 
 
@@ -258,6 +258,10 @@ class _StructureBounds:
         self.an = an = Anatomy(rp)
         self.pp, self.vpp, self.m = p.pp, p.vpp, rp.micro_batches
         self.V = p.pp * p.vpp
+        # virtual stage of each (pipeline rank, chunk), and the pipeline rank of each virtual stage
+        self.stage = [[rp.stage(r, c) for c in range(p.vpp)] for r in range(p.pp)]
+        self.owner = [rp.place(vs)[0] for vs in range(self.V)]
+        self.v_shaped = p.schedule_name in V_SHAPED
         self.L = rp.model.layers
         self.sp = 1 if p.sp else 0
         self.dt, self.gdt = rp.dtype_bytes, rp.grad_bytes  # parameters, gradients
@@ -272,7 +276,7 @@ class _StructureBounds:
         self._k = 0.0
         dense: dict[int, tuple] = {}
         for vs in range(self.V):
-            r = ranks[vs % p.pp]
+            r = ranks[self.owner[vs]]
             layers = rp.stage_layers[vs]
             n = len(layers)
             n_rc = self._n_recomputed(n)
@@ -461,6 +465,15 @@ class _StructureBounds:
         sched = self.p.schedule_name
         if sched == "gpipe":
             return [m]
+        if sched in V_SHAPED:
+            from simexec.schedules import pipeline_order
+
+            counts = [0] * v
+            for a in pipeline_order(sched, pp, m, v)[r]:
+                if a.kind != "F":
+                    break
+                counts[a.chunk] += 1
+            return counts
         if sched not in INTERLEAVED:
             return [min(pp - r, m)]
         total = m * v
@@ -507,13 +520,16 @@ class _StructureBounds:
 
         def message(src: int, dst: int) -> float:
             """A pipeline message's seconds: its piece over the link, then the all-gather of the
-            pieces over the receiver's tp group where it is sliced."""
+            pieces over the receiver's tp group where it is sliced; none within a rank (a V's turn)."""
+            if src == dst:
+                return 0.0
             t = self.mesh.p2p(src, dst, hb / k)
             return t + (self.mesh.coll("allgather", ranks[dst], "tp", hb) if k > 1 else 0.0)
 
         # a pipeline message's seconds after each stage's forward (to the next) and backward (from it)
-        self.p2pF = p2pF = [message(vs % pp, (vs + 1) % pp) for vs in range(V - 1)]
-        self.p2pB = p2pB = [message((vs + 1) % pp, vs % pp) for vs in range(V - 1)]
+        own = self.owner
+        self.p2pF = p2pF = [message(own[vs], own[vs + 1]) for vs in range(V - 1)]
+        self.p2pB = p2pB = [message(own[vs + 1], own[vs]) for vs in range(V - 1)]
         # micro-batch 0 through every forward, then back through the later stages' backwards:
         # earliest start of the first compute of F(vs, mb 0) and of B(vs, mb 0)
         reach = [0.0] * V
@@ -523,23 +539,23 @@ class _StructureBounds:
         back[V - 1] = reach[V - 1] + F[V - 1] - Fh[V - 1] + Bh[V - 1]
         for vs in range(V - 2, -1, -1):
             back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
-        interleaved = self.p.schedule_name in INTERLEAVED
         end, self.act, self.w_after = [], [], []
         Fx, Bx, W = self.Fx, self.Bx, self.W
         for r in range(pp):
+            st = self.stage[r]
             counts = self._forwards_before_first_backward(r)
-            f_before = sum(n * F[c * pp + r] for c, n in enumerate(counts))
-            work = m * sum(Fx[c * pp + r] + Bx[c * pp + r] + W[c * pp + r] for c in range(self.vpp))
-            self.w_after.append(work - sum(n * Fx[c * pp + r] for c, n in enumerate(counts)))
+            f_before = sum(n * F[st[c]] for c, n in enumerate(counts))
+            work = m * sum(Fx[vs] + Bx[vs] + W[vs] for vs in st)
+            self.w_after.append(work - sum(n * Fx[st[c]] for c, n in enumerate(counts)))
             if self.split:  # every forward and input-gradient pass before the first weight pass
                 fwds, bwds = self._passes_before_first_weight_pass(r)
-                self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(fwds))
-                                + sum(n * self.kept[c * pp + r] for c, n in enumerate(bwds)))
+                self.act.append(sum(n * self.saved[st[c]] for c, n in enumerate(fwds))
+                                + sum(n * self.kept[st[c]] for c, n in enumerate(bwds)))
             else:
-                self.act.append(sum(n * self.saved[c * pp + r] for c, n in enumerate(counts)))
-            vs_first = (self.vpp - 1) * pp + r if interleaved else r
+                self.act.append(sum(n * self.saved[st[c]] for c, n in enumerate(counts)))
+            vs_first = max(st)  # a rank's first backward is of its last chunk, the deepest stage
             first_b = max(back[vs_first], reach[r] + f_before - Fh[r] + Bh[vs_first])
-            total = m * sum(F[c * pp + r] + B[c * pp + r] + W[c * pp + r] for c in range(self.vpp))
+            total = m * sum(F[vs] + B[vs] + W[vs] for vs in st)
             end.append(first_b + total - f_before - Bh[vs_first])
         # the last micro-batch's gradients still walk down to stage 0 (chunk 0 of every rank)
         last = [0.0] * pp
@@ -559,7 +575,7 @@ class _StructureBounds:
         """Per pipeline rank: parameters (dense, expert), the largest unit, the last unit's dense
         parameters and each chunk's units' dense parameters."""
         p = self.p
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages)
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped)
         out = self.b.params.get(key)
         if out is None:
             out = []
@@ -579,7 +595,7 @@ class _StructureBounds:
         backward (without lazily made ZeRO-3 gradient shards), YaFSDP's preallocated buffers, the
         optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
         p, rp = self.p, self.rp
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads,
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads,
                p.grad_bucket_view, state)
         out = self.b.memory.get(key)
         if out is not None:
@@ -613,7 +629,8 @@ class _StructureBounds:
         parameter gather) seconds, the busy time of the ZeRO axis' stream (fixed, per micro-batch)
         and the gradient traffic."""
         p, rp = self.p, self.rp
-        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, p.grad_fp32, p.master_grads, p.grad_overlap,
+        key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, self.v_shaped, p.grad_fp32, p.master_grads,
+               p.grad_overlap,
                p.grad_bucket_view, p.grad_allreduce, p.param_overlap, state)
         out = self.b.states.get(key)
         if out is not None:
@@ -669,7 +686,7 @@ class _StructureBounds:
         """Parameter units of pipeline rank r (or of one of its chunks): -1 embedding, L the head."""
         units = []
         for c in range(self.vpp) if chunk is None else (chunk,):
-            vs = c * self.pp + r
+            vs = self.stage[r][c]
             if vs == 0:
                 units.append(-1)
             units.extend(self.rp.stage_layers[vs])
@@ -717,7 +734,7 @@ class _StructureBounds:
         p, an = self.p, self.an
         rank = self.mesh.rank_of_stage[r]
         dt, gdt = self.dt, self.gdt
-        vs = chunk * self.pp + r
+        vs = self.stage[r][chunk]
         layers = self.rp.stage_layers[vs]
         n = len(layers)
         n_rc = self._n_recomputed(n)
@@ -766,7 +783,7 @@ class _StructureBounds:
 
         pp, V, m = self.pp, self.V, self.m
         F, B, Fh, Bh, Ft, Bt = self.F, self.B, self.Fh, self.Bh, self.Ft, self.Bt
-        p2pF, p2pB = self.p2pF, self.p2pB
+        p2pF, p2pB, stage = self.p2pF, self.p2pB, self.stage
         Fb = [F[v] - Fh[v] - Ft[v] for v in range(V)]
         Bb = [B[v] - Bh[v] - Bt[v] for v in range(V)]
         order = pipeline_order(self.p.schedule_name, pp, m, self.vpp)
@@ -795,7 +812,7 @@ class _StructureBounds:
                 te, tt, cf = t_end[r], t_tail[r], c_free[r]
                 while i < len(acts):
                     chunk, kind, mb = acts[i]
-                    vs = chunk * pp + r
+                    vs = stage[r][chunk]
                     ends, opening, body, closing, waits, half = kinds[kind]
                     arr = 0.0
                     if waits[vs] is not None:

@@ -205,8 +205,8 @@ def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STE
     ref = _reference(model, rp.plan.gbs, seq_len, steps, training_maths(rp.plan))
     loss_err = 0.0
     reporting = [r for r in results if r["losses"]]
-    last_stage = [r for r in range(rp.world) if rp.mesh.coords(r)["pp"] == rp.plan.pp - 1]
-    assert [r for r, res in enumerate(results) if res["losses"]] == last_stage, "losses from other ranks than the last stage"
+    last_stage = [r for r in range(rp.world) if rp.mesh.coords(r)["pp"] == rp.head_pp_rank]
+    assert [r for r, res in enumerate(results) if res["losses"]] == last_stage, "losses from other ranks than the last stage's"
     measures_memory = pool is None or pool.device == "cpu"  # the XLA CPU runtime reports no memory
     assert all(len(res["step_times_s"]) == steps and (res["peak_memory_bytes"] > 0 or not measures_memory)
                for res in results)

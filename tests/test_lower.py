@@ -632,3 +632,21 @@ def test_each_block_lets_its_saved_activations_go_after_its_own_backward(plan):
         free = next(i for i in instrs[at + 1:] if i.kind == "memory" and i.op == "free"
                     and i.name.startswith("mem.free.act.L0.m0"))
         assert free.name == f"mem.free.act.L0.m0.{block}" and free.bytes == b.saved, (block, free)
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+def test_zb_v_turns_on_the_last_rank_without_a_message_and_computes_the_loss_on_the_first(pp):
+    """Under ZB-V rank r holds stages r and 2pp-1-r: stage pp-1's output and the gradient back to it
+    stay on the last rank (no message names stage pp-1's activations or stage pp's gradient), every
+    other stage boundary is one message each way, and the first rank embeds and computes the loss."""
+    model = get_model("gpt-tiny").model_copy(update={"layers": 2 * pp})
+    rp = resolve(model, get_cluster("local"), parse_plan(f"pp={pp},vpp=2,gbs={2 * pp},schedule=zb-v"), 32)
+    prog = lower(rp, symmetric=False)
+    prog.validate()
+    messages = Counter(i.name.rsplit(".m", 1)[0] for ins in prog.ranks.values() for i in ins if i.kind == "send")
+    V = 2 * pp
+    assert set(messages) == ({f"p2p.act.v{vs}" for vs in range(V - 1) if vs != pp - 1}
+                             | {f"p2p.grad.v{vs}" for vs in range(1, V) if vs != pp})
+    assert set(messages.values()) == {2 * pp}  # one per micro-batch
+    heads = {r for r, ins in prog.ranks.items() for i in ins if i.kind == "compute" and i.block in ("embed", "loss")}
+    assert heads == {0}

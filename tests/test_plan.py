@@ -154,7 +154,7 @@ def test_cp_chunk_divisible_by_tp_with_sp():
 
 
 def test_vpp_needs_interleaved_schedule():
-    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b or interleaved-zb, got 1f1b")
+    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b, interleaved-zb or zb-v, got 1f1b")
 
 
 def test_interleaved_schedule_needs_vpp():
@@ -184,6 +184,21 @@ def test_zero_bubble_needs_a_pipeline_and_refuses_what_its_deferred_weight_passe
     refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=interleaved-zb,p2p_overlap=0", "needs p2p_overlap=1")
     refused(TINY, "local", "dp=2,pp=2,vpp=2,zero=3,gbs=8,schedule=interleaved-zb", "does not run with zero=3")
     assert ok(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=interleaved-zb").plan.schedule_name == "interleaved-zb"
+
+
+def test_zb_v_holds_two_chunks_per_rank_in_a_v_and_the_head_on_the_first_rank():
+    refused(TINY, "local", "pp=2,gbs=4,schedule=zb-v", "schedule=zb-v needs vpp=2")
+    refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-v,p2p_overlap=0", "needs p2p_overlap=1")
+    refused(TINY, "local", "dp=2,pp=2,vpp=2,zero=3,gbs=8,schedule=zb-v", "does not run with zero=3")
+    refused(TINY, "local", "tp=2,sp=1,pp=2,vpp=2,gbs=4,schedule=zb-v", "does not run with sp=1")
+    rp = ok(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-v")
+    assert [rp.stages_of_pp_rank(r) for r in range(2)] == [(0, 3), (1, 2)]
+    assert [rp.place(vs) for vs in range(4)] == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    assert rp.head_pp_rank == 0 and ok(TINY, "local", "pp=2,vpp=2,gbs=4").head_pp_rank == 1
+    # the first rank holds the embedding and the head, the last two middle stages
+    params = [rp.params_on_pp_rank(r)["dense"] for r in range(2)]
+    m = rp.model
+    assert params[0] - params[1] == pytest.approx(m.embedding_params() + m.lm_head_params() + m.final_norm_params())
 
 
 def test_zero_impl_needs_zero3():

@@ -2,7 +2,7 @@
 import pytest
 
 from simexec.errors import PlanError
-from simexec.schedules import Action, exchange_groups, format_order, pipeline_order
+from simexec.schedules import Action, exchange_groups, format_order, pipeline_order, place_of, stage_of
 
 
 @pytest.mark.parametrize("schedule,pp,m,vpp", [
@@ -135,3 +135,47 @@ def test_interleaved_zb_keeps_interleaved_order_with_a_shorter_warm_up(pp, m, vp
         assert [a for a in fb if a.kind == "B"] == [a for a in ref if a.kind == "B"]
         assert [(a.chunk, a.mb) for a in actions if a.kind == "W"] == [(a.chunk, a.mb) for a in fb if a.kind == "B"]
     assert pipeline_order("interleaved-zb", 2, 4, 1) == pipeline_order("zb-h1", 2, 4)
+
+
+def test_zb_v_is_torch_pipelinings_order_over_a_v():
+    """ZB-V as torch.distributed.pipelining's ScheduleZBVZeroBubble builds it (its `_calculate_single_rank_
+    operations`, run without a process group), rank r holding stages r and 2p-1-r; including fewer
+    micro-batches than the 2p-1 its warm-up is built for."""
+    import types
+
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    kinds = {torch_schedules._ComputationType.FORWARD: "F", torch_schedules._ComputationType.BACKWARD_INPUT: "B",
+             torch_schedules._ComputationType.BACKWARD_WEIGHT: "W"}
+    for pp in (1, 2, 3, 4, 6):
+        for m in range(1, 3 * pp + 2):
+            this = types.SimpleNamespace(pp_group_size=pp, num_stages=2 * pp, _n_microbatches=m)
+            for rank, actions in pipeline_order("zb-v", pp, m, 2).items():
+                theirs = [a for a in torch_schedules.ScheduleZBVZeroBubble._calculate_single_rank_operations(this, rank)
+                          if a is not None]
+                assert [(stage_of("zb-v", pp, rank, a.chunk), a.kind, a.mb) for a in actions] == \
+                       [(a.stage_index, kinds[a.computation_type], a.microbatch_index) for a in theirs]
+
+
+@pytest.mark.parametrize("pp", [1, 2, 4])
+def test_zb_v_places_two_chunks_per_rank_in_a_v(pp):
+    """Rank r holds stages r and 2p-1-r: the first rank the first and last stages, the last rank the two
+    middle ones, so the turn from the first chunk to the second stays on it."""
+    for rank in range(pp):
+        stages = [stage_of("zb-v", pp, rank, c) for c in (0, 1)]
+        assert stages == [rank, 2 * pp - 1 - rank]
+        assert [place_of("zb-v", pp, s) for s in stages] == [(rank, 0), (rank, 1)]
+    assert place_of("zb-v", pp, pp - 1)[0] == place_of("zb-v", pp, pp)[0] == pp - 1
+    assert [place_of("interleaved-1f1b", pp, s) for s in range(2 * pp)] == [(s % pp, s // pp) for s in range(2 * pp)]
+
+
+@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (4, 3), (4, 8)])
+def test_zb_v_runs_every_pass_once_input_gradient_before_weight_gradient(pp, m):
+    for actions in pipeline_order("zb-v", pp, m, 2).values():
+        assert sorted(actions) == sorted(Action(c, k, i) for c in range(2) for k in "FBW" for i in range(m))
+        pos = {a: n for n, a in enumerate(actions)}
+        for c in range(2):
+            for i in range(m):
+                assert pos[Action(c, "F", i)] < pos[Action(c, "B", i)] < pos[Action(c, "W", i)]
+        # a micro-batch's second chunk goes backward before its first
+        assert all(pos[Action(1, "B", i)] < pos[Action(0, "B", i)] for i in range(m))

@@ -75,6 +75,54 @@ def test_interleaved_zero_bubble_idles_a_vth_of_zb_h1(p, m, v):
     assert idle < bubble(f"pp={p},vpp={v},gbs={m}")[0] / 2
 
 
+def _list_schedule_idle(schedule: str, p: int, m: int, v: int, f: float, b: float, w: float) -> float:
+    """Idle seconds of the slowest rank when every action of `pipeline_order` starts as soon as its
+    rank is free and its input is there (a forward after the previous stage's, a backward after the
+    next stage's, a weight pass after its backward), messages free: the schedule alone."""
+    from simexec.schedules import pipeline_order, stage_of
+
+    order, V = pipeline_order(schedule, p, m, v), p * v
+    end, ptr, free = {}, [0] * p, [0.0] * p
+    while any(ptr[r] < len(order[r]) for r in range(p)):
+        for r in range(p):
+            while ptr[r] < len(order[r]):
+                c, kind, mb = order[r][ptr[r]]
+                vs = stage_of(schedule, p, r, c)
+                dep = {"F": ("F", vs - 1) if vs > 0 else None,
+                       "B": ("B", vs + 1) if vs < V - 1 else ("F", vs),
+                       "W": ("B", vs)}[kind]
+                if dep is not None and dep + (mb,) not in end:
+                    break
+                start = max(free[r], end[dep + (mb,)] if dep else 0.0)
+                free[r] = end[(kind, vs, mb)] = start + {"F": f, "B": b, "W": w}[kind]
+                ptr[r] += 1
+    return max(free) - m * v * (f + b + w)
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16)])
+def test_zb_v_runs_its_order_without_a_turn_message_and_idles_least(p, m):
+    """ZB-V (two chunks per rank in a V): the simulated bubble is the schedule's own, replayed with the
+    chunks' pass times and free messages (the turn on the last rank sends nothing anyway), and it is
+    smaller than interleaved zero bubble's over the same two chunks and half ZB-H1's."""
+    plan = f"pp={p},vpp=2,gbs={m},schedule=zb-v"
+    f, b, w = pass_times(plan, m)  # both chunks of the first rank: each chunk is half
+    idle = bubble(plan)[0]
+    assert idle == pytest.approx(_list_schedule_idle("zb-v", p, m, 2, f / 2, b / 2, w / 2), rel=0.02)
+    assert idle < bubble(f"pp={p},vpp=2,gbs={m},schedule=interleaved-zb")[0]
+    assert idle < bubble(f"pp={p},gbs={m},schedule=zb-h1")[0] / 2
+
+
+def test_zb_v_balances_peak_memory_over_the_ranks():
+    """Every rank of a V holds the same number of layers' activations at its peak (Qi et al. 2024, §6),
+    where 1F1B's first rank holds p micro-batches and its last one: about 1F1B's largest peak, on
+    every rank."""
+    peaks = {s: list(simulate(UNIFORM, FREE, f"pp=4,{s},gbs=8").peak_memory_bytes_per_rank.values())
+             for s in ("schedule=1f1b", "schedule=zb-h1", "vpp=2,schedule=zb-v")}
+    spread = {s: max(v) / min(v) - 1 for s, v in peaks.items()}
+    assert spread["vpp=2,schedule=zb-v"] < 0.03 < spread["schedule=zb-h1"] < spread["schedule=1f1b"]
+    assert max(peaks["vpp=2,schedule=zb-v"]) == pytest.approx(max(peaks["schedule=1f1b"]), rel=0.05)
+
+
 def test_breakdown_adds_up_to_the_step_time():
     r = simulate("gpt3-125m", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16")
     assert sum(r.breakdown_s.values()) == pytest.approx(r.step_time_s, rel=1e-9)

@@ -126,7 +126,7 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.tied_embeddings and p.pp > 1 and p.zero >= 2:
+    if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
                        "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does)")
@@ -377,18 +377,18 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                 continue
             vs = int(ins.name.split(".")[2][1:])
             dest = vs + 1 if ins.block == "act" else vs - 1
-            peer = dest % p.pp
+            peer, chunk = rp.place(dest)
             acts = order[peer]
-            want = ("F" if ins.block == "act" else "B", dest // p.pp, ins.mb)
+            want = ("F" if ins.block == "act" else "B", chunk, ins.mb)
             i = next((k for k, a in enumerate(acts) if (a.kind, a.chunk, a.mb) == want), None)
             if i is None:
                 continue
             for a in acts[i:]:
-                pvs = a.chunk * p.pp + peer
-                if a.kind == "F" and pvs < V - 1 and (pvs + 1) % p.pp == me:
+                pvs = rp.stage(peer, a.chunk)
+                if a.kind == "F" and pvs < V - 1 and rp.place(pvs + 1)[0] == me:
                     out.setdefault(f"p2p.act.v{pvs}.m{a.mb}", []).append(ins.name)
                     break
-                if a.kind == "B" and pvs > 0 and (pvs - 1) % p.pp == me:
+                if a.kind == "B" and pvs > 0 and rp.place(pvs - 1)[0] == me:
                     out.setdefault(f"p2p.grad.v{pvs}.m{a.mb}", []).append(ins.name)
                     break
         return out

@@ -192,7 +192,7 @@ def stage_units(rp, pp_rank: int) -> set[int]:
     units = set(rp.layers_of_pp_rank(pp_rank))
     if pp_rank == 0:
         units.add(-1)
-    if pp_rank == rp.plan.pp - 1:
+    if pp_rank == rp.head_pp_rank:
         units.add(rp.model.layers)
     return units
 
@@ -205,7 +205,7 @@ def stage_specs(rp, pp_rank: int) -> list[ParamSpec]:
     m = rp.model
     units = stage_units(rp, pp_rank)
     out = [s for s in param_specs(m) if s.unit in units]
-    if m.tied_embeddings and rp.plan.pp > 1 and pp_rank == rp.plan.pp - 1:
+    if rp.tied_copy and pp_rank == rp.head_pp_rank:
         wte = next(s for s in param_specs(m) if s.name == "embed.wte")
         out.append(replace(wte, unit=m.layers))
     return out

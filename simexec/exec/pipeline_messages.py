@@ -26,7 +26,7 @@ class PipelineMessages:
     def _boundary(self, ins: Instr) -> int:
         """The layer whose input crosses this send/recv (or the gather after it): a virtual stage's
         first layer, or the one after its last (L = the head's input)."""
-        stage = ins.chunk * self.plan.pp + self.coords["pp"]
+        stage = self.rp.stage(self.coords["pp"], ins.chunk)
         layers = self.rp.stage_layers[stage]
         what = ins.block.removesuffix("_gather")
         outgoing = (ins.kind == "send") == (what == "act")  # act sent / grad received: stage output

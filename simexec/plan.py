@@ -44,11 +44,12 @@ class Plan(BaseModel):
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
     gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
-    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v"]] = Field(
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev"]] = Field(
         None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
         " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble;"
         " interleaved-zb: the same over vpp virtual stages; zb-v: zero-bubble over two chunks per rank placed in"
-        " a V (vpp=2; rank r holds stages r and 2pp-1-r)"
+        " a V (vpp=2; rank r holds stages r and 2pp-1-r); dualpipev: DualPipeV over the same V, pairs of one"
+        " chunk's forward and the other's whole backward (run one after the other, as torch's runtime does)"
     )
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
@@ -547,13 +548,16 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     micro = gbs // (p.mbs * dp)
     sched = p.schedule_name
     if p.vpp > 1 and sched not in MULTI_CHUNK:
-        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, interleaved-zb or zb-v, got {sched}")
+        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, interleaved-zb, zb-v or dualpipev, got {sched}")
     if sched in V_SHAPED:
         if p.vpp != 2:
             fail(f"schedule={sched} needs vpp=2 (two chunks per rank in a V), got vpp={p.vpp}")
         if not p.p2p_overlap:
-            fail(f"schedule={sched} needs p2p_overlap=1 (its order pairs no forward with a backward, so"
-                 " blocking exchanges one action at a time wait on each other)")
+            fail(f"schedule={sched} needs p2p_overlap=1 (with blocking exchanges one action at a time, the"
+                 " two ends of a V each wait for the other's send)")
+        if sched == "dualpipev" and micro < 2 * p.pp:
+            fail(f"dualpipev needs at least 2*pp = {2 * p.pp} micro-batches, got {micro}"
+                 f" (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
     if sched in INTERLEAVED:
         if p.vpp < 2:
             fail(f"schedule={sched} needs vpp >= 2")

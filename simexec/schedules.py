@@ -3,10 +3,11 @@
 An action is (chunk, kind, micro-batch). Chunk c of pipeline rank r is virtual stage c * pp + r
 (Megatron's interleaved assignment, a loop over the ranks), except under a V-shaped schedule, where
 rank r holds stages r and 2 pp - 1 - r (`stage_of`): the first rank holds the embedding and the head,
-and the last rank hands its first chunk's output to its second without a message. Kind 'F' is a forward and 'B' a backward; zero-bubble schedules
-split the backward into 'B' (the input gradients, which the previous stage waits for) and 'W' (the
-weight gradients, which nothing downstream waits for). A schedule only orders the actions; lowering
-turns each into instructions.
+and the last rank hands its first chunk's output to its second without a message. Kind 'F' is a
+forward and 'B' a backward; zero-bubble schedules split the backward into 'B' (the input gradients,
+which the previous stage waits for) and 'W' (the weight gradients, which nothing downstream waits
+for), and a whole backward among split ones is its 'B' followed at once by its 'W'. A schedule only
+orders the actions; lowering turns each into instructions.
 """
 from __future__ import annotations
 
@@ -166,6 +167,72 @@ def zb_v(pp: int, rank: int, m: int) -> list[Action]:
     return [a for a in out if a.mb < m]
 
 
+def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half over a V, Qi et al.'s "Pipeline Parallelism with
+    Controllable Memory"; torch.distributed.pipelining's ScheduleDualPipeV): rank r holds stages r and
+    2p-1-r, as ZB-V. Warm-up: 2(p-r-1) chunk-0 forwards, r+1 pairs (chunk 0, chunk 1), p-r-1 rounds of
+    a chunk-1 input gradient, the oldest weight pass owed and a chunk-1 forward. Main phase: pairs of a
+    forward of one chunk and the whole backward of the other (DualPipe overlaps the two with its own
+    kernels; torch's runtime, without them, runs one after the other, as here). Then whole backwards,
+    the second half of the cool-down split into input and weight passes. A whole backward is its input
+    gradient followed at once by its weight pass. Needs at least 2p micro-batches."""
+    out: list[Action] = []
+    f, b, w = [0, 0], [0, 0], [0, 0]
+    owed: list[tuple[int, int]] = []  # (chunk, micro-batch) whose weight pass is still to run
+
+    def forward(chunk: int) -> None:
+        out.append(Action(chunk, "F", f[chunk]))
+        f[chunk] += 1
+
+    def backward(chunk: int, whole: bool = True) -> None:
+        out.append(Action(chunk, "B", b[chunk]))
+        if whole:
+            out.append(Action(chunk, "W", b[chunk]))
+            w[chunk] += 1
+        else:
+            owed.append((chunk, b[chunk]))
+        b[chunk] += 1
+
+    def weight() -> None:
+        if owed:
+            chunk, mb = owed.pop(0)
+            out.append(Action(chunk, "W", mb))
+            w[chunk] += 1
+
+    for _ in range(2 * (pp - rank - 1)):
+        forward(0)
+    for _ in range(rank + 1):
+        forward(0)
+        forward(1)
+    for _ in range(pp - rank - 1):
+        backward(1, whole=False)
+        weight()
+        forward(1)
+    for _ in range(m - 2 * pp + rank + 1):
+        forward(0)
+        backward(1)
+        forward(1)
+        backward(0)
+    for _ in range(pp - rank - 1):
+        backward(1)
+        forward(1)
+        backward(0)
+    split = False
+    for i in range(rank + 1):
+        if i == (rank + 1) // 2 and rank % 2 == 1:
+            split = True
+        backward(1, whole=not split)
+        if i == (rank + 1) // 2 and rank % 2 == 0:
+            split = True
+        backward(0, whole=not split)
+    for _ in range(pp - rank - 1):
+        weight()
+        backward(0, whole=not split)
+    for _ in range(rank + 1):
+        weight()
+    return out
+
+
 def stage_of(schedule: str, pp: int, rank: int, chunk: int) -> int:
     """The virtual stage that chunk `chunk` of pipeline rank `rank` holds."""
     if schedule in V_SHAPED:
@@ -217,6 +284,10 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
         return {r: zb_h1(pp, r, m) for r in range(pp)}
     if schedule == "zb-v":
         return {r: zb_v(pp, r, m) for r in range(pp)}
+    if schedule == "dualpipev":
+        if m < 2 * pp:
+            raise PlanError(f"dualpipev needs at least 2*pp = {2 * pp} micro-batches, got {m}")
+        return {r: dualpipe_v(pp, r, m) for r in range(pp)}
     if schedule == "interleaved-zb":
         if m % pp:
             raise PlanError(f"interleaved-zb needs micro-batches ({m}) divisible by pp={pp}")
@@ -224,10 +295,10 @@ def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, li
     raise PlanError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v")
-SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zb-v")  # schedules whose backward is split into B and W
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev")
+SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zb-v", "dualpipev")  # schedules whose backward is split into B and W
 INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules over vpp virtual stages in a loop
-V_SHAPED = ("zb-v",)  # two chunks per rank in a V (`stage_of`)
+V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V (`stage_of`)
 MULTI_CHUNK = INTERLEAVED + V_SHAPED  # schedules with more than one chunk per rank
 
 

@@ -24,7 +24,7 @@ stages             the even split when pp*vpp divides the layers, and the balanc
                    without it a pp that does not divide the layers (BLOOM-176B: 70 layers, pp 12)
                    has no plan, and with it the end stages stop being the pipeline's slowest
 schedule           pp = 1: none; vpp = 1: 1f1b, gpipe, zb-h1; vpp > 1: interleaved-1f1b, interleaved-zb;
-                   vpp = 2: zb-v too (two chunks per rank in a V)
+                   vpp = 2: zb-v and dualpipev too (two chunks per rank in a V)
 dp                 what is left: world / (tp*cp*pp)
 ep                 MoE only: powers of two dividing the experts and dp
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
@@ -235,7 +235,7 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
         elif vpp == 1:
             scheds = [None, "gpipe", "zb-h1"]  # None: 1f1b, the default
         else:
-            scheds = [None, "interleaved-zb"] + (["zb-v"] if vpp == 2 else [])  # None: interleaved-1f1b
+            scheds = [None, "interleaved-zb"] + (["zb-v", "dualpipev"] if vpp == 2 else [])  # None: interleaved-1f1b
         for stages in _stage_splits(model, fix, pp, vpp):
             per_stage = min(stages) if stages else model.layers // (pp * vpp)
             yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),

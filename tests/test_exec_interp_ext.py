@@ -334,6 +334,7 @@ def test_dynamically_scaled_plan_matches_reference(plan):
     ("gpt-tiny", "dp=2,tp=2,pp=2,vpp=2,gbs=8,schedule=zb-v"),  # the V: loss on the first rank, a turn on the last
     ("tied", "pp=2,vpp=2,gbs=4,schedule=zb-v"),  # the head reads the embedding on the first rank: no copy
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,zero=1,schedule=zb-v,recompute=full,clip_grad=0.01"),
+    ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,schedule=dualpipev"),  # whole backwards beside split ones
 ])
 def test_zero_bubble_matches_reference(model, plan):
     """ZB-H1: each block's backward split into its input gradients (B) and, later, its weight gradients

@@ -154,7 +154,7 @@ def test_cp_chunk_divisible_by_tp_with_sp():
 
 
 def test_vpp_needs_interleaved_schedule():
-    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b, interleaved-zb or zb-v, got 1f1b")
+    refused(TINY, "local", "pp=2,vpp=2,schedule=1f1b", "vpp=2 needs schedule=interleaved-1f1b, interleaved-zb, zb-v or dualpipev, got 1f1b")
 
 
 def test_interleaved_schedule_needs_vpp():
@@ -199,6 +199,13 @@ def test_zb_v_holds_two_chunks_per_rank_in_a_v_and_the_head_on_the_first_rank():
     params = [rp.params_on_pp_rank(r)["dense"] for r in range(2)]
     m = rp.model
     assert params[0] - params[1] == pytest.approx(m.embedding_params() + m.lm_head_params() + m.final_norm_params())
+
+
+def test_dualpipev_takes_the_v_and_at_least_two_micro_batches_per_stage():
+    refused(TINY, "local", "pp=2,vpp=2,gbs=3,schedule=dualpipev", "dualpipev needs at least 2*pp = 4 micro-batches, got 3")
+    refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=dualpipev,p2p_overlap=0", "needs p2p_overlap=1")
+    refused(TINY, "local", "pp=2,gbs=8,schedule=dualpipev", "schedule=dualpipev needs vpp=2")
+    assert ok(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=dualpipev").head_pp_rank == 0
 
 
 def test_zero_impl_needs_zero3():

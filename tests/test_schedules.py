@@ -157,6 +157,35 @@ def test_zb_v_is_torch_pipelinings_order_over_a_v():
                        [(a.stage_index, kinds[a.computation_type], a.microbatch_index) for a in theirs]
 
 
+def test_dualpipev_is_torch_pipelinings_order_with_its_pairs_run_in_turn():
+    """DualPipeV as torch.distributed.pipelining's ScheduleDualPipeV builds it, over the same V as ZB-V: an
+    overlapped pair is its forward then its whole backward, as torch's runtime runs it without DualPipe's
+    kernels, and a whole backward is the input-gradient pass followed at once by the weight pass."""
+    import types
+
+    from torch.distributed.pipelining import schedules as ts
+
+    kinds = {ts._ComputationType.FORWARD: "F", ts._ComputationType.BACKWARD_INPUT: "B",
+             ts._ComputationType.BACKWARD_WEIGHT: "W"}
+
+    def flat(a):
+        if a.computation_type == ts._ComputationType.OVERLAP_F_B:
+            return [x for s in a.sub_actions for x in flat(s)]
+        if a.computation_type == ts._ComputationType.FULL_BACKWARD:
+            return [(a.stage_index, "B", a.microbatch_index), (a.stage_index, "W", a.microbatch_index)]
+        return [(a.stage_index, kinds[a.computation_type], a.microbatch_index)]
+
+    for pp in (1, 2, 3, 4, 6):
+        for m in range(2 * pp, 4 * pp + 2):
+            this = types.SimpleNamespace(pp_group_size=pp, num_stages=2 * pp, _n_microbatches=m)
+            for rank, actions in pipeline_order("dualpipev", pp, m, 2).items():
+                theirs = [x for a in ts.ScheduleDualPipeV._calculate_single_rank_operations(this, rank) if a is not None
+                          for x in flat(a)]
+                assert [(stage_of("dualpipev", pp, rank, a.chunk), a.kind, a.mb) for a in actions] == theirs
+    with pytest.raises(PlanError, match="at least 2\\*pp = 8 micro-batches, got 7"):
+        pipeline_order("dualpipev", 4, 7, 2)
+
+
 @pytest.mark.parametrize("pp", [1, 2, 4])
 def test_zb_v_places_two_chunks_per_rank_in_a_v(pp):
     """Rank r holds stages r and 2p-1-r: the first rank the first and last stages, the last rank the two
@@ -169,9 +198,10 @@ def test_zb_v_places_two_chunks_per_rank_in_a_v(pp):
     assert [place_of("interleaved-1f1b", pp, s) for s in range(2 * pp)] == [(s % pp, s // pp) for s in range(2 * pp)]
 
 
-@pytest.mark.parametrize("pp,m", [(2, 1), (2, 4), (4, 3), (4, 8)])
-def test_zb_v_runs_every_pass_once_input_gradient_before_weight_gradient(pp, m):
-    for actions in pipeline_order("zb-v", pp, m, 2).values():
+@pytest.mark.parametrize("schedule,pp,m", [("zb-v", 2, 1), ("zb-v", 2, 4), ("zb-v", 4, 3), ("zb-v", 4, 8),
+                                           ("dualpipev", 2, 4), ("dualpipev", 4, 8), ("dualpipev", 4, 13)])
+def test_v_schedules_run_every_pass_once_input_gradient_before_weight_gradient(schedule, pp, m):
+    for actions in pipeline_order(schedule, pp, m, 2).values():
         assert sorted(actions) == sorted(Action(c, k, i) for c in range(2) for k in "FBW" for i in range(m))
         pos = {a: n for n, a in enumerate(actions)}
         for c in range(2):

@@ -115,8 +115,8 @@ def test_space_covers_every_knob():
     seen = {k: {getattr(p, k) for p in ps} for k in Plan.model_fields}
     assert seen["tp"] == {1, 2, 4, 8} and seen["sp"] == {False, True} and seen["cp"] == {1, 2, 4}
     assert seen["pp"] == {1, 2, 4, 8, 16} and seen["vpp"] >= {1, 2, 4, 8}
-    assert seen["schedule"] == {None, "gpipe", "zb-h1", "interleaved-zb", "zb-v"} and seen["ep"] >= {1, 2, 4, 8}
-    assert {p.vpp for p in ps if p.schedule == "zb-v"} == {2}
+    assert seen["schedule"] == {None, "gpipe", "zb-h1", "interleaved-zb", "zb-v", "dualpipev"} and seen["ep"] >= {1, 2, 4, 8}
+    assert {p.vpp for p in ps if p.schedule in ("zb-v", "dualpipev")} == {2}
     assert seen["zero"] == {0, 1, 2, 3} and seen["zero_impl"] == {None, "yafsdp"}
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
     assert seen["mbs"] == {1, 2, 4, 8} and seen["recompute"] == {"none", "selective", "full"}
@@ -194,7 +194,8 @@ def test_bounds_never_exceed_the_simulation_of_zero3_flavours(name, cluster, gbs
                                                            ("mixtral-8x7b", "2xdgx-h100", 32, 4096, "zb-h1"),
                                                            ("gpt3-1.3b", "dgx-a100-80g", 16, 2048, "interleaved-zb"),
                                                            ("gpt3-1.3b", "dgx-a100-80g", 16, 2048, "zb-v"),
-                                                           ("mixtral-8x7b", "2xdgx-h100", 32, 4096, "zb-v")])
+                                                           ("mixtral-8x7b", "2xdgx-h100", 32, 4096, "zb-v"),
+                                                           ("llama3-8b", "2xdgx-h100", 64, 4096, "dualpipev")])
 def test_bounds_never_exceed_the_simulation_of_zero_bubble(name, cluster, gbs, seq, schedule):
     """Zero bubble: a rank's last compute is a weight pass, after its last backward's closing
     collective; split passes cost more than the whole backward where the GEMMs get smaller; the
@@ -306,8 +307,8 @@ def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
     assert all(p.grad_overlap and p.p2p_overlap and not p.grad_fp32 and not p.master_grads for p in free)
     fixed = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048,
                        parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1,p2p_overlap=0")))
-    # interleaved zero bubble and ZB-V need p2p_overlap=1 (`simexec.plan`)
-    assert len(fixed) == len([p for p in free if p.schedule not in ("interleaved-zb", "zb-v")])
+    # interleaved zero bubble and the V schedules need p2p_overlap=1 (`simexec.plan`)
+    assert len(fixed) == len([p for p in free if p.schedule not in ("interleaved-zb", "zb-v", "dualpipev")])
     assert all(not p.grad_overlap and p.grad_fp32 and p.master_grads and not p.p2p_overlap for p in fixed)
 
 

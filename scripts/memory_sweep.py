@@ -33,13 +33,15 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
     *[("gpt-tiny", p + _BF16) for p in (
         "dp=2,mbs=4", "dp=2,zero=1,mbs=4", "dp=2,zero=2,mbs=4", "dp=2,zero=3,mbs=4",
         "dp=2,zero=3,zero_impl=yafsdp,mbs=4", "dp=2,zero=3,zero_impl=deepspeed,mbs=4", "tp=2,mbs=4", "pp=2,mbs=4,schedule=gpipe", "pp=2,mbs=4,schedule=zb-h1",
-        "pp=2,vpp=2,mbs=2", "pp=2,vpp=2,schedule=interleaved-zb,mbs=2", "dp=2,recompute=full,mbs=4",
+        "pp=2,vpp=2,mbs=2", "pp=2,vpp=2,schedule=interleaved-zb,mbs=2", "pp=2,vpp=2,schedule=zb-v,mbs=2",
+        "pp=2,vpp=2,schedule=dualpipev,mbs=2", "dp=2,recompute=full,mbs=4",
         "dp=2,recompute=selective,mbs=4", "dp=2,offload=optimizer,mbs=4", "cp=2,mbs=4", "cp=2,cp_impl=ring,mbs=4",
         "cp=2,cp_impl=a2a,mbs=4")],
     ("moe-tiny", "dp=2,ep=2,mbs=4" + _BF16), ("moe-tiny", "tp=2,mbs=4" + _BF16),
     ("tests/data/moe-cap-tiny.yaml", "dp=2,ep=2,mbs=4" + _BF16),  # experts cut and padded to capacity
     ("tests/data/mla-tiny.yaml", "tp=2,mbs=4" + _BF16), ("tests/data/window-tiny.yaml", "dp=1,mbs=4" + _BF16),
     ("tests/data/gpt-tiny-tied.yaml", "pp=2,mbs=4" + _BF16), ("gpt-tiny", "dp=1,gbs=16,mbs=16,dtype=bf16"),
+    ("tests/data/gpt-tiny-tied.yaml", "pp=2,vpp=2,schedule=zb-v,mbs=2" + _BF16),  # the V: one embedding for the head
     ("tests/data/gpt-tiny-tied.yaml", "dp=2,pp=2,zero=1,mbs=2" + _BF16),  # the tied sum before the reduce-scatter
     # main gradients: fp32 buckets, shards and buffers beside bf16 parameters
     *[("gpt-tiny", p + _BF16 + ",grad_fp32=1") for p in ("dp=2,mbs=4", "dp=2,zero=3,mbs=4", "dp=2,zero=3,zero_impl=yafsdp,mbs=4")],

@@ -144,7 +144,7 @@ class Bounds:
         self.states: dict[tuple, tuple] = {}
         self.memory: dict[tuple, tuple] = {}
         self.params: dict[tuple, list[dict]] = {}
-        self.live: dict[tuple, list] = {}  # zero bubble: passes before the first weight pass
+        self.live: dict[tuple, list] = {}  # passes before the first weight pass, or before the first backward
         self._rebuilt: dict[int, _StructureBounds] = {}
         self.workspace = cluster.costs.workspace_bytes
         self.dyn = 1.0 + cluster.costs.allocator_overhead
@@ -465,15 +465,22 @@ class _StructureBounds:
         sched = self.p.schedule_name
         if sched == "gpipe":
             return [m]
-        if sched in V_SHAPED:
-            from simexec.schedules import pipeline_order
+        if sched in V_SHAPED:  # counted on the schedule, once per shape
+            key = ("F", sched, pp, m, v)
+            per_rank = self.b.live.get(key)
+            if per_rank is None:
+                from simexec.schedules import pipeline_order
 
-            counts = [0] * v
-            for a in pipeline_order(sched, pp, m, v)[r]:
-                if a.kind != "F":
-                    break
-                counts[a.chunk] += 1
-            return counts
+                per_rank = []
+                for acts in pipeline_order(sched, pp, m, v).values():
+                    counts = [0] * v
+                    for a in acts:
+                        if a.kind != "F":
+                            break
+                        counts[a.chunk] += 1
+                    per_rank.append(counts)
+                self.b.live[key] = per_rank
+            return per_rank[r]
         if sched not in INTERLEAVED:
             return [min(pp - r, m)]
         total = m * v

@@ -697,7 +697,8 @@ class _RankLowering:
 
     def _tied_head(self, unit: int) -> bool:
         """ZeRO-3 with the head on the embedding's rank (no pipeline, or a V): a tied LM head reads the
-        embedding's unit, so the head gathers it too, and reduce-scatters the head's share of its gradient after the head's backward."""
+        embedding's unit, so the head gathers it too, and reduce-scatters the head's share of its
+        gradient after the head's backward."""
         return unit == self.L and self.rp.model.tied_embeddings and not self.rp.tied_copy and self._zero3()
 
     def gather(self, unit: int, phase: str, mb: int, c: int, deps: tuple) -> None:

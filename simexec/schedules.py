@@ -168,16 +168,16 @@ def zb_v(pp: int, rank: int, m: int) -> list[Action]:
 
 
 def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
-    """DualPipeV (DeepSeek-V3's DualPipe cut in half over a V, Qi et al.'s "Pipeline Parallelism with
-    Controllable Memory"; torch.distributed.pipelining's ScheduleDualPipeV): rank r holds stages r and
-    2p-1-r, as ZB-V. Warm-up: 2(p-r-1) chunk-0 forwards, r+1 pairs (chunk 0, chunk 1), p-r-1 rounds of
+    """DualPipeV (DeepSeek-V3's bidirectional DualPipe folded into one V, the DualPipe repository's
+    DualPipeV; torch.distributed.pipelining's ScheduleDualPipeV): rank r holds stages r and 2p-1-r, as
+    ZB-V. Warm-up: 2(p-r-1) chunk-0 forwards, r+1 pairs (chunk 0, chunk 1), p-r-1 rounds of
     a chunk-1 input gradient, the oldest weight pass owed and a chunk-1 forward. Main phase: pairs of a
     forward of one chunk and the whole backward of the other (DualPipe overlaps the two with its own
     kernels; torch's runtime, without them, runs one after the other, as here). Then whole backwards,
     the second half of the cool-down split into input and weight passes. A whole backward is its input
     gradient followed at once by its weight pass. Needs at least 2p micro-batches."""
     out: list[Action] = []
-    f, b, w = [0, 0], [0, 0], [0, 0]
+    f, b = [0, 0], [0, 0]
     owed: list[tuple[int, int]] = []  # (chunk, micro-batch) whose weight pass is still to run
 
     def forward(chunk: int) -> None:
@@ -188,7 +188,6 @@ def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
         out.append(Action(chunk, "B", b[chunk]))
         if whole:
             out.append(Action(chunk, "W", b[chunk]))
-            w[chunk] += 1
         else:
             owed.append((chunk, b[chunk]))
         b[chunk] += 1
@@ -197,7 +196,6 @@ def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
         if owed:
             chunk, mb = owed.pop(0)
             out.append(Action(chunk, "W", mb))
-            w[chunk] += 1
 
     for _ in range(2 * (pp - rank - 1)):
         forward(0)

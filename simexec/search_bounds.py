@@ -602,8 +602,8 @@ class _StructureBounds:
         backward (without lazily made ZeRO-3 gradient shards), YaFSDP's preallocated buffers, the
         optimizer's shard of parameters and the fp32 main-gradient copy of the optimizer step."""
         p, rp = self.p, self.rp
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32, p.master_grads,
-               p.grad_bucket_view, state)
+        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32,
+               p.master_grads, p.grad_bucket_view, state)
         out = self.b.memory.get(key)
         if out is not None:
             return out
@@ -637,8 +637,7 @@ class _StructureBounds:
         and the gradient traffic."""
         p, rp = self.p, self.rp
         key = (self.mesh_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, self.v_shaped, p.grad_fp32, p.master_grads,
-               p.grad_overlap,
-               p.grad_bucket_view, p.grad_allreduce, p.param_overlap, state)
+               p.grad_overlap, p.grad_bucket_view, p.grad_allreduce, p.param_overlap, state)
         out = self.b.states.get(key)
         if out is not None:
             return out

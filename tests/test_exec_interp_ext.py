@@ -332,7 +332,8 @@ def test_dynamically_scaled_plan_matches_reference(plan):
     ("gpt-tiny", "dp=2,tp=2,pp=2,vpp=2,gbs=8,schedule=interleaved-zb"),
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,zero=1,schedule=interleaved-zb,recompute=selective"),
     ("gpt-tiny", "dp=2,tp=2,pp=2,vpp=2,gbs=8,schedule=zb-v"),  # the V: loss on the first rank, a turn on the last
-    ("tied", "pp=2,vpp=2,gbs=4,schedule=zb-v"),  # the head reads the embedding on the first rank: no copy
+    # the head reads the embedding on the first rank: no copy, so ZeRO-2 runs too (refused with a loop's copy)
+    ("tied", "dp=2,pp=2,vpp=2,gbs=8,zero=2,schedule=zb-v"),
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,zero=1,schedule=zb-v,recompute=full,clip_grad=0.01"),
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,schedule=dualpipev"),  # whole backwards beside split ones
 ])

@@ -129,7 +129,8 @@ def unsupported(rp) -> Optional[str]:
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
-                       "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does)")
+                       "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does, or under"
+                       " schedule=zb-v or dualpipev, whose first rank holds the head beside the embedding)")
     if m.tied_embeddings and p.zero == 3 and p.zero3_flavour == "yafsdp":
         missing.append(f"tied embeddings with zero_impl=yafsdp ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")

@@ -132,38 +132,32 @@ def zb_v(pp: int, rank: int, m: int) -> list[Action]:
     out: list[Action] = []
     f, b, w = [0, 0], [0, 0], [0, 0]
 
-    def do(chunk: int, kind: str) -> None:
-        count = {"F": f, "B": b, "W": w}[kind]
-        out.append(Action(chunk, kind, count[chunk]))
-        count[chunk] += 1
+    def do(*steps: str) -> None:
+        """Append each step's next action: '1B' is chunk 1's next input-gradient pass."""
+        for step in steps:
+            chunk, kind = int(step[0]), step[1]
+            count = {"F": f, "B": b, "W": w}[kind]
+            out.append(Action(chunk, kind, count[chunk]))
+            count[chunk] += 1
 
     for _ in range(2 * (pp - rank) - 1):
-        do(0, "F")
+        do("0F")
     for _ in range(rank):
-        do(1, "F")
-        do(0, "F")
+        do("1F", "0F")
     for _ in range(pp - rank):
-        do(1, "F")
-        do(1, "B")
-        do(1, "W")
+        do("1F", "1B", "1W")
     while f[1] < f[0] or f[0] < n:
         if f[0] < n:
-            do(0, "F")
-        do(0, "B")
-        do(0, "W")
-        do(1, "F")
-        do(1, "B")
-        do(1, "W")
+            do("0F")
+        do("0B", "0W", "1F", "1B", "1W")
     for _ in range(rank):
-        do(0, "B")
-        do(1, "B")
+        do("0B", "1B")
     for _ in range(pp - rank):
-        do(0, "B")
-        do(0, "W")
+        do("0B", "0W")
     while w[1] < b[1]:
-        do(1, "W")
+        do("1W")
     while w[0] < b[0]:
-        do(0, "W")
+        do("0W")
     return [a for a in out if a.mb < m]
 
 

@@ -38,6 +38,7 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
         "dp=2,recompute=selective,mbs=4", "dp=2,offload=optimizer,mbs=4", "cp=2,mbs=4", "cp=2,cp_impl=ring,mbs=4",
         "cp=2,cp_impl=a2a,mbs=4")],
     ("moe-tiny", "dp=2,ep=2,mbs=4" + _BF16), ("moe-tiny", "tp=2,mbs=4" + _BF16),
+    ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,mbs=2,gbs=16,dtype=bf16,schedule=dualpipev,dualpipe_overlap=1"),
     ("tests/data/moe-cap-tiny.yaml", "dp=2,ep=2,mbs=4" + _BF16),  # experts cut and padded to capacity
     ("tests/data/mla-tiny.yaml", "tp=2,mbs=4" + _BF16), ("tests/data/window-tiny.yaml", "dp=1,mbs=4" + _BF16),
     ("tests/data/gpt-tiny-tied.yaml", "pp=2,mbs=4" + _BF16), ("gpt-tiny", "dp=1,gbs=16,mbs=16,dtype=bf16"),

@@ -24,7 +24,7 @@ from typing import Optional
 from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
 from simexec.program import Instr, Program
-from simexec.schedules import SPLIT_BACKWARD, Action, exchange_groups, pipeline_order
+from simexec.schedules import SPLIT_BACKWARD, Action, dualpipe_pairs, exchange_groups, pipeline_order
 from simexec.sim.host import ADAM_FLOPS_PER_PARAM, dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
@@ -89,6 +89,48 @@ def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
     if windowed:
         meta["windowed_layers"] = windowed
     return Program(meta=meta, ranks=ranks, represents=reps)
+
+
+def _segments(instrs: list[Instr]) -> list[list[Instr]]:
+    """A pass cut before each compute instruction (and the workspace allocated for it): each piece
+    is one compute and what follows it up to the next (its frees, the collectives and sends it
+    issues); what comes before the first compute leads the first piece."""
+    pieces: list[list[Instr]] = [[]]
+    for k, ins in enumerate(instrs):
+        starts = ins.kind == "compute" or (
+            ins.kind == "memory" and ins.op == "alloc" and k + 1 < len(instrs)
+            and instrs[k + 1].kind == "compute" and ins.name == f"mem.alloc.{instrs[k + 1].name}")
+        if starts and any(i.kind == "compute" for i in pieces[-1]):
+            pieces.append([])
+        pieces[-1].append(ins)
+    return [p for p in pieces if p]
+
+
+def _interleave(a: list[list[Instr]], b: list[list[Instr]]) -> list[Instr]:
+    """The pieces of two passes merged: a pass goes on until its next compute would wait for a
+    collective it issued in the piece just placed, with nothing to run under it; the other pass's
+    next piece runs there instead (DualPipe's pairing of one pass's compute with the other's
+    communication)."""
+    passes, at = (a, b), [0, 0]
+    fresh: list[set[str]] = [set(), set()]  # collectives a pass issued with nothing placed after them yet
+    out: list[Instr] = []
+    cur = 0
+    while at[0] < len(a) or at[1] < len(b):
+        other = 1 - cur
+        if at[cur] == len(passes[cur]):
+            cur = other
+            continue
+        piece = passes[cur][at[cur]]
+        waits = next((set(i.deps) for i in piece if i.kind == "compute"), set())
+        if waits & fresh[cur] and at[other] < len(passes[other]):
+            fresh[cur].clear()
+            cur = other
+            continue
+        out.extend(piece)
+        at[cur] += 1
+        fresh[other].clear()
+        fresh[cur] = {i.name for i in piece if i.kind in ("collective", "recv")}
+    return out
 
 
 class _RankLowering:
@@ -235,7 +277,16 @@ class _RankLowering:
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
         self.setup()
-        for group in self.comm_groups():
+        pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.m) if self.p.dualpipe_overlap else frozenset()
+        skip = 0
+        for i, group in enumerate(self.comm_groups()):
+            if skip:
+                skip -= 1
+                continue
+            if i in pairs:  # a forward, then the other chunk's whole backward (B, W), overlapped
+                self.overlapped(self.actions[i], self.actions[i + 1:i + 3])
+                skip = 2
+                continue
             if not self.p.p2p_overlap:
                 # Megatron-LM's blocking exchange between groups: it posts the group's receives with
                 # the previous group's sends and waits for all of them before the group computes
@@ -244,14 +295,32 @@ class _RankLowering:
                 for act in group:
                     self.receive_input(act)
             for act in group:
-                if act.kind == "F":
-                    self.forward(act)
-                elif act.kind == "B":
-                    self.backward(act)
-                else:
-                    self.weight_pass(act)
+                self.action(act)
         self.finish()
         return self.out
+
+    def action(self, act: Action) -> None:
+        if act.kind == "F":
+            self.forward(act)
+        elif act.kind == "B":
+            self.backward(act)
+        else:
+            self.weight_pass(act)
+
+    def overlapped(self, fwd: Action, bwd: list[Action]) -> None:
+        """DualPipe's overlapped pair: the forward and the backward lowered apart (neither waits on
+        the other's collectives), then merged kernel by kernel, each compute instruction followed by
+        what it issues, so that while one pass's collectives are in flight the other computes."""
+        out, pending = self.out, self.wait
+        self.out, self.wait = [], pending
+        self.action(fwd)
+        f_out, f_wait = self.out, self.wait
+        self.out, self.wait = [], []
+        for act in bwd:
+            self.action(act)
+        b_out, b_wait = self.out, self.wait
+        out.extend(_interleave(_segments(f_out), _segments(b_out)))
+        self.out, self.wait = out, f_wait + b_wait
 
     def comm_groups(self) -> list[list[Action]]:
         """The actions between two blocking pipeline exchanges (`simexec.schedules.exchange_groups`);

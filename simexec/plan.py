@@ -51,6 +51,10 @@ class Plan(BaseModel):
         " a V (vpp=2; rank r holds stages r and 2pp-1-r); dualpipev: DualPipeV over the same V, pairs of one"
         " chunk's forward and the other's whole backward (run one after the other, as torch's runtime does)"
     )
+    dualpipe_overlap: bool = Field(
+        False, description="dualpipev: each pair's forward and whole backward interleaved kernel by kernel, so that"
+        " one's communication (expert all-to-alls, tp collectives) runs under the other's compute (DeepSeek-V3's"
+        " DualPipe); False: one after the other, as torch.distributed.pipelining's runtime runs a pair")
     recompute: Literal["none", "selective", "full"] = "none"
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
@@ -558,6 +562,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         if sched == "dualpipev" and micro < 2 * p.pp:
             fail(f"dualpipev needs at least 2*pp = {2 * p.pp} micro-batches, got {micro}"
                  f" (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
+    if p.dualpipe_overlap and sched != "dualpipev":
+        fail(f"dualpipe_overlap=1 needs schedule=dualpipev, got {sched}")
     if sched in INTERLEAVED:
         if p.vpp < 2:
             fail(f"schedule={sched} needs vpp >= 2")

@@ -162,6 +162,16 @@ def zb_v(pp: int, rank: int, m: int) -> list[Action]:
 
 
 def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
+    return _dualpipe_v(pp, rank, m)[0]
+
+
+def dualpipe_pairs(pp: int, rank: int, m: int) -> frozenset[int]:
+    """Where DualPipeV's overlapped pairs start in `dualpipe_v`'s order: the position of a pair's
+    forward, followed by the other chunk's input-gradient and weight passes (its whole backward)."""
+    return _dualpipe_v(pp, rank, m)[1]
+
+
+def _dualpipe_v(pp: int, rank: int, m: int) -> tuple[list[Action], frozenset[int]]:
     """DualPipeV (DeepSeek-V3's bidirectional DualPipe folded into one V, the DualPipe repository's
     DualPipeV; torch.distributed.pipelining's ScheduleDualPipeV): rank r holds stages r and 2p-1-r, as
     ZB-V. Warm-up: 2(p-r-1) chunk-0 forwards, r+1 pairs (chunk 0, chunk 1), p-r-1 rounds of
@@ -169,8 +179,10 @@ def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
     forward of one chunk and the whole backward of the other (DualPipe overlaps the two with its own
     kernels; torch's runtime, without them, runs one after the other, as here). Then whole backwards,
     the second half of the cool-down split into input and weight passes. A whole backward is its input
-    gradient followed at once by its weight pass. Needs at least 2p micro-batches."""
+    gradient followed at once by its weight pass. Needs at least 2p micro-batches. Returns the order and
+    where its overlapped pairs start."""
     out: list[Action] = []
+    pairs: set[int] = set()
     f, b = [0, 0], [0, 0]
     owed: list[tuple[int, int]] = []  # (chunk, micro-batch) whose weight pass is still to run
 
@@ -200,15 +212,21 @@ def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
         backward(1, whole=False)
         weight()
         forward(1)
-    for _ in range(m - 2 * pp + rank + 1):
-        forward(0)
-        backward(1)
-        forward(1)
-        backward(0)
+    def pair(fwd: int) -> None:
+        pairs.add(len(out))
+        forward(fwd)
+        backward(1 - fwd)
+
+    for i in range(m - 2 * pp + rank + 1):
+        if i == 0 and rank == pp - 1:  # not overlapped, to shorten the bubble (as DualPipe)
+            forward(0)
+            backward(1)
+        else:
+            pair(0)
+        pair(1)
     for _ in range(pp - rank - 1):
         backward(1)
-        forward(1)
-        backward(0)
+        pair(1)
     split = False
     for i in range(rank + 1):
         if i == (rank + 1) // 2 and rank % 2 == 1:
@@ -222,7 +240,7 @@ def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
         backward(0, whole=not split)
     for _ in range(rank + 1):
         weight()
-    return out
+    return out, frozenset(pairs)
 
 
 def stage_of(schedule: str, pp: int, rank: int, chunk: int) -> int:

@@ -513,6 +513,25 @@ class _StructureBounds:
             self.b.live[key] = per_rank
         return per_rank[r]
 
+    def _pairs(self, r: int) -> frozenset[int]:
+        """Under DualPipe's overlapped pairs, where rank r's pairs start in its order (none otherwise)."""
+        if not self.p.dualpipe_overlap:
+            return frozenset()
+        key = ("pairs", self.pp, self.m)
+        per_rank = self.b.live.get(key)
+        if per_rank is None:
+            from simexec.schedules import dualpipe_pairs
+
+            per_rank = self.b.live[key] = [dualpipe_pairs(self.pp, q, self.m) for q in range(self.pp)]
+        return per_rank[r]
+
+    def _pair_seconds(self, vf: int, vb: int) -> float:
+        """At least how long an overlapped pair of stage vf's forward and stage vb's whole backward
+        takes: all their compute, and no less than either pass's own chain of compute and collectives
+        (the other pass fills its waits, it cannot shorten them)."""
+        Fx, Bx, W = self.Fx, self.Bx, self.W
+        return max(Fx[vf] + Bx[vb] + W[vb], self.F[vf], self.B[vb] + W[vb])
+
     def _pipeline(self) -> None:
         """Per pipeline rank: the end of its last compute (a compute-only replay of the schedule) and
         the activations live before its first backward.
@@ -563,6 +582,10 @@ class _StructureBounds:
             vs_first = max(st)  # a rank's first backward is of its last chunk, the deepest stage
             first_b = max(back[vs_first], reach[r] + f_before - Fh[r] + Bh[vs_first])
             total = m * sum(F[vs] + B[vs] + W[vs] for vs in st)
+            acts = self._order()[r]
+            for i in self._pairs(r):  # a pair's passes overlap: at least `_pair_seconds`
+                vf, vb = st[acts[i].chunk], st[acts[i + 1].chunk]
+                total -= F[vf] + B[vb] + W[vb] - self._pair_seconds(vf, vb)
             end.append(first_b + total - f_before - Bh[vs_first])
         # the last micro-batch's gradients still walk down to stage 0 (chunk 0 of every rank)
         last = [0.0] * pp
@@ -785,14 +808,13 @@ class _StructureBounds:
         unit. Each pass gathers its first two units' parameters up front and unit j+2's once unit j
         has computed; a unit computes once its gather is done; a backward unit's gradients are
         reduce-scattered after it; the gathers and reduce-scatters take turns on their stream's threads."""
-        from simexec.schedules import pipeline_order
-
         pp, V, m = self.pp, self.V, self.m
         F, B, Fh, Bh, Ft, Bt = self.F, self.B, self.Fh, self.Bh, self.Ft, self.Bt
         p2pF, p2pB, stage = self.p2pF, self.p2pB, self.stage
         Fb = [F[v] - Fh[v] - Ft[v] for v in range(V)]
         Bb = [B[v] - Bh[v] - Bt[v] for v in range(V)]
-        order = pipeline_order(self.p.schedule_name, pp, m, self.vpp)
+        order = self._order()
+        pairs = [self._pairs(r) for r in range(pp)]
         fend = [[-1.0] * m for _ in range(V)]
         bend = [[-1.0] * m for _ in range(V)]
         wend = [[-1.0] * m for _ in range(V)]
@@ -819,6 +841,15 @@ class _StructureBounds:
                 while i < len(acts):
                     chunk, kind, mb = acts[i]
                     vs = stage[r][chunk]
+                    if i in pairs[r]:  # a forward and the other chunk's whole backward, overlapped
+                        done = self._replay_pair(acts[i], acts[i + 1], stage[r], te + tt, fend, bend, wend)
+                        if done is None:
+                            break
+                        te, tt = done, 0.0
+                        i += 3
+                        left -= 3
+                        moved = True
+                        continue
                     ends, opening, body, closing, waits, half = kinds[kind]
                     arr = 0.0
                     if waits[vs] is not None:
@@ -841,6 +872,37 @@ class _StructureBounds:
             if not moved:  # cannot happen for the schedules simexec builds; keep the first bound
                 return [(0.0, 0.0, 0.0)] * pp
         return list(zip(t_end, t_tail, [max(cf) for cf in c_free]))
+
+    def _order(self) -> dict:
+        from simexec.schedules import pipeline_order
+
+        key = ("order", self.p.schedule_name, self.pp, self.m, self.vpp)
+        order = self.b.live.get(key)
+        if order is None:
+            order = self.b.live[key] = pipeline_order(self.p.schedule_name, self.pp, self.m, self.vpp)
+        return order
+
+    def _replay_pair(self, fwd, bwd, stages: list[int], free: float, fend, bend, wend) -> Optional[float]:
+        """`_replay` of an overlapped pair once both inputs have arrived (None before): it starts when
+        the rank is free and the forward's input is there (the forward's first kernel leads); each pass
+        ends no sooner than its own chain allows, the pair no sooner than `_pair_seconds`. Its
+        collectives may hide under the other pass, so none is counted before or after it."""
+        vf, vb = stages[fwd.chunk], stages[bwd.chunk]
+        arr_f = arr_b = 0.0
+        if vf > 0:
+            if fend[vf - 1][fwd.mb] < 0.0:
+                return None
+            arr_f = fend[vf - 1][fwd.mb] + self.p2pF[vf - 1]
+        if vb < self.V - 1:
+            if bend[vb + 1][bwd.mb] < 0.0:
+                return None
+            arr_b = bend[vb + 1][bwd.mb] + self.p2pB[vb]
+        start = max(free, arr_f)
+        fend[vf][fwd.mb] = start + self.F[vf] - self.Fh[vf] - self.Ft[vf]
+        bend[vb][bwd.mb] = max(start, arr_b) + self.B[vb] - self.Bh[vb] - self.Bt[vb]
+        done = max(start + self._pair_seconds(vf, vb), fend[vf][fwd.mb], bend[vb][bwd.mb] + self.W[vb])
+        wend[vb][bwd.mb] = done
+        return done
 
     def bounds(self, state: tuple) -> tuple[float, float, float]:
         """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""

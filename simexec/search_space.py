@@ -25,6 +25,8 @@ stages             the even split when pp*vpp divides the layers, and the balanc
                    has no plan, and with it the end stages stop being the pipeline's slowest
 schedule           pp = 1: none; vpp = 1: 1f1b, gpipe, zb-h1; vpp > 1: interleaved-1f1b, interleaved-zb;
                    vpp = 2: zb-v and dualpipev too (two chunks per rank in a V)
+dualpipe_overlap   dualpipev only: off (torch's runtime: a pair's passes one after the other), on
+                   (DeepSeek's: merged kernel by kernel, one's communication under the other's compute)
 dp                 what is left: world / (tp*cp*pp)
 ep                 MoE only: powers of two dividing the experts and dp
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
@@ -85,7 +87,7 @@ STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
-    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages",
+    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap",
 }
 
 
@@ -247,7 +249,8 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
     for schedule in _choices(fix, "schedule", scheds):
         # a zero-bubble schedule refuses sp (`simexec.plan`): not enumerated, rather than refused
         sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
-        for sp in _choices(fix, "sp", sps):
+        overlaps = [False, True] if schedule == "dualpipev" else [False]
+        for sp, overlap in ((sp, o) for sp in _choices(fix, "sp", sps) for o in _choices(fix, "dualpipe_overlap", overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
@@ -261,7 +264,8 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
                             for rl in rls:
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
-                                           gbs=gbs, recompute=recompute, recompute_layers=rl)
+                                           gbs=gbs, recompute=recompute, recompute_layers=rl,
+                                           dualpipe_overlap=overlap)
 
 
 def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:

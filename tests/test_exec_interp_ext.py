@@ -336,6 +336,8 @@ def test_dynamically_scaled_plan_matches_reference(plan):
     ("tied", "dp=2,pp=2,vpp=2,gbs=8,zero=2,schedule=zb-v"),
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,zero=1,schedule=zb-v,recompute=full,clip_grad=0.01"),
     ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,schedule=dualpipev"),  # whole backwards beside split ones
+    # DualPipe's pairs merged kernel by kernel: one pass's collectives in flight while the other computes
+    ("moe-tiny", "dp=2,ep=2,tp=2,pp=2,vpp=2,gbs=8,zero=1,schedule=dualpipev,dualpipe_overlap=1"),
 ])
 def test_zero_bubble_matches_reference(model, plan):
     """ZB-H1: each block's backward split into its input gradients (B) and, later, its weight gradients

@@ -650,3 +650,40 @@ def test_zb_v_turns_on_the_last_rank_without_a_message_and_computes_the_loss_on_
     assert set(messages.values()) == {2 * pp}  # one per micro-batch
     heads = {r for r, ins in prog.ranks.items() for i in ins if i.kind == "compute" and i.block in ("embed", "loss")}
     assert heads == {0}
+
+
+def test_dualpipe_overlap_merges_each_pair_without_a_dependency_between_its_passes():
+    """An overlapped pair is its forward and its whole backward lowered apart and merged: the same
+    instructions as one after the other, every dependency on an earlier instruction, none between the
+    pair's two passes, and a forward's collective followed by the backward's compute before the
+    forward computes again."""
+    from simexec.schedules import dualpipe_pairs, pipeline_order
+
+    rp = resolve(get_model("moe-tiny"), get_cluster("local"),
+                 parse_plan("dp=2,ep=2,tp=2,pp=2,vpp=2,gbs=8,schedule=dualpipev,dualpipe_overlap=1"), 32)
+    merged = lower(rp, symmetric=False)
+    merged.validate()
+    apart = lower(resolve(rp.model, rp.cluster, rp.plan.model_copy(update={"dualpipe_overlap": False}), 32),
+                  symmetric=False)
+    order = pipeline_order("dualpipev", 2, rp.micro_batches, 2)
+    for r, ins in merged.ranks.items():
+        assert Counter(i.name for i in ins) == Counter(i.name for i in apart.ranks[r])
+        seen: set[str] = set()
+        for i in ins:
+            assert set(i.deps) <= seen, i.name
+            seen.add(i.name)
+        pp_rank = rp.mesh.coords(r)["pp"]
+        acts = order[pp_rank]
+        for k in dualpipe_pairs(2, pp_rank, rp.micro_batches):
+            f, b = acts[k], acts[k + 1]
+            f_names = {i.name for i in ins if i.phase == "fwd" and (i.chunk, i.mb) == (f.chunk, f.mb)}
+            b_names = {i.name for i in ins if i.phase in ("bwd", "wgrad") and (i.chunk, i.mb) == (b.chunk, b.mb)}
+            assert f_names and b_names
+            for i in ins:
+                if i.name in f_names:
+                    assert not set(i.deps) & b_names, i.name
+                if i.name in b_names:
+                    assert not set(i.deps) & f_names, i.name
+    kinds = [(i.phase, i.kind) for i in merged.ranks[0]]
+    turns = sum(1 for a, b in zip(kinds, kinds[1:]) if a == ("fwd", "collective") and b == ("bwd", "compute"))
+    assert turns > 0

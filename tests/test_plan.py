@@ -206,6 +206,7 @@ def test_dualpipev_takes_the_v_and_at_least_two_micro_batches_per_stage():
     refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=dualpipev,p2p_overlap=0", "needs p2p_overlap=1")
     refused(TINY, "local", "pp=2,gbs=8,schedule=dualpipev", "schedule=dualpipev needs vpp=2")
     assert ok(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=dualpipev").head_pp_rank == 0
+    refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-v,dualpipe_overlap=1", "dualpipe_overlap=1 needs schedule=dualpipev, got zb-v")
 
 
 def test_zero_impl_needs_zero3():

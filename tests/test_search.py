@@ -209,6 +209,18 @@ def test_bounds_never_exceed_the_simulation_of_zero_bubble(name, cluster, gbs, s
         assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
 
 
+def test_bounds_never_exceed_the_simulation_of_dualpipe_overlap():
+    """DualPipe's merged pairs hide collectives under the other pass: a pair is bounded by its compute
+    and by each pass's own chain, not by both passes' collectives end to end."""
+    model, cl, cands = _candidates("mixtral-8x7b", "2xdgx-h100", 32, 4096,
+                                   {"schedule": "dualpipev", "dualpipe_overlap": True, "rank_order": "pp-tp-cp-dp"})
+    b = Bounds(model, cl, 4096)
+    for c in random.Random(11).sample(cands, 12):
+        r = simulate(model, cl, parse_plan(c.plan_string), 4096)
+        assert c.time_lb <= r.step_time_s and b.refine(c) <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+
+
 @pytest.mark.parametrize("name,cluster,gbs,seq", [("llama3-8b", "2xdgx-h100", 64, 8192),
                                                    ("mistral-7b", "1xdgx-h100", 16, 8192)])  # sliding window
 def test_bounds_never_exceed_the_simulation_of_all_to_all_context_parallelism(name, cluster, gbs, seq):

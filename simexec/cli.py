@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(plan_subs, "check", "validate a plan and print its derived numbers", key="plan check")
     _spec_args(p)
     p.add_argument("--json", action="store_true", help="print JSON")
+    p.add_argument("--order", action="store_true",
+                   help="print each pipeline rank's actions in schedule order (0F3: chunk 0, forward, micro-batch 3)")
     p.set_defaults(func=cmd_plan_check)
 
     p = _sub(subs, "simulate", "predict step time, memory and a timeline of one training step")
@@ -191,11 +193,18 @@ def cmd_plan_check(args) -> int:
     for pp_rank in range(p.pp):
         states = rp.model_state_bytes(pp_rank)
         params = rp.params_on_pp_rank(pp_rank)
-        rows.append({"pp_rank": pp_rank, "layers": len(rp.layers_of_pp_rank(pp_rank)), "params": params["total"],
+        rows.append({"pp_rank": pp_rank, "stages": list(rp.stages_of_pp_rank(pp_rank)),
+                     "layers": len(rp.layers_of_pp_rank(pp_rank)), "params": params["total"],
                      "model_state_bytes": sum(states.values()), **{f"{k}_bytes": v for k, v in states.items()}})
     out = {"plan": p.to_string(), "world_size": rp.world, "dp": rp.dp, "micro_batches": rp.micro_batches,
            "tokens_per_step": rp.tokens_per_step, "seq_len": rp.seq_len, "schedule": p.schedule_name,
            "per_stage": rows}
+    order = None
+    if args.order:
+        from simexec.schedules import pipeline_order
+
+        order = pipeline_order(p.schedule_name, p.pp, rp.micro_batches, p.vpp)
+        out["order"] = {str(r): [str(a) for a in acts] for r, acts in order.items()}
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
@@ -203,10 +212,16 @@ def cmd_plan_check(args) -> int:
     print(f"world size {rp.world} = dp {rp.dp} x tp {p.tp} x cp {p.cp} x pp {p.pp};  schedule {p.schedule_name}")
     print(f"global batch {p.gbs} x seq {rp.seq_len} = {rp.tokens_per_step:,} tokens; "
           f"{rp.micro_batches} micro-batches of {p.mbs} per data-parallel rank")
-    print(f"{'stage':>5} {'layers':>6} {'params/rank':>12} {'weights':>10} {'grads':>10} {'optimizer':>10} {'states':>10}")
+    print(f"{'stage':>5} {'holds':>8} {'layers':>6} {'params/rank':>12} {'weights':>10} {'grads':>10} {'optimizer':>10}"
+          f" {'states':>10}")
     for r in rows:
-        print(f"{r['pp_rank']:>5} {r['layers']:>6} {r['params'] / 1e9:>11.3f}B {_gb(r['params_bytes']):>10} "
+        holds = ",".join(map(str, r["stages"]))
+        print(f"{r['pp_rank']:>5} {holds:>8} {r['layers']:>6} {r['params'] / 1e9:>11.3f}B {_gb(r['params_bytes']):>10} "
               f"{_gb(r['grads_bytes']):>10} {_gb(r['optimizer_bytes']):>10} {_gb(r['model_state_bytes']):>10}")
+    if order is not None:
+        from simexec.schedules import format_order
+
+        print(format_order(order))
     return 0
 
 

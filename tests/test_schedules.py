@@ -209,3 +209,19 @@ def test_v_schedules_run_every_pass_once_input_gradient_before_weight_gradient(s
                 assert pos[Action(c, "F", i)] < pos[Action(c, "B", i)] < pos[Action(c, "W", i)]
         # a micro-batch's second chunk goes backward before its first
         assert all(pos[Action(1, "B", i)] < pos[Action(0, "B", i)] for i in range(m))
+
+
+def test_plan_check_prints_the_stages_each_rank_holds_and_its_order(capsys):
+    """`simexec plan check --order`: the V's stages per rank, and the order every rank runs."""
+    import json
+
+    from simexec.cli import main
+
+    assert main(["plan", "check", "--model", "gpt-tiny", "--cluster", "local", "--plan",
+                 "pp=2,vpp=2,gbs=4,schedule=zb-v", "--order", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert [r["stages"] for r in out["per_stage"]] == [[0, 3], [1, 2]]
+    assert out["order"] == {str(r): [str(a) for a in acts] for r, acts in pipeline_order("zb-v", 2, 4, 2).items()}
+    assert main(["plan", "check", "--model", "gpt-tiny", "--cluster", "local", "--plan", "pp=2,vpp=2,gbs=4", "--order"]) == 0
+    text = capsys.readouterr().out
+    assert "0,2" in text and "rank 1: 0F0 " in text

@@ -277,6 +277,8 @@ class _RankLowering:
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
         self.setup()
+        # DualPipe's pairs, by position in `self.actions` (dualpipev needs p2p_overlap=1: one action
+        # per group, so a group's index is its action's)
         pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.m) if self.p.dualpipe_overlap else frozenset()
         skip = 0
         for i, group in enumerate(self.comm_groups()):

@@ -67,6 +67,7 @@ host core unless `fix` pins dp, tp, cp and pp.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import product
 from typing import Iterator, Optional
 
 from simexec.cluster import ClusterSpec
@@ -250,7 +251,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
         # a zero-bubble schedule refuses sp (`simexec.plan`): not enumerated, rather than refused
         sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
         overlaps = [False, True] if schedule == "dualpipev" else [False]
-        for sp, overlap in ((sp, o) for sp in _choices(fix, "sp", sps) for o in _choices(fix, "dualpipe_overlap", overlaps)):
+        for sp, overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):

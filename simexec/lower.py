@@ -123,8 +123,7 @@ def _interleave(a: list[list[Instr]], b: list[list[Instr]]) -> list[Instr]:
         piece = passes[cur][at[cur]]
         waits = next((set(i.deps) for i in piece if i.kind == "compute"), set())
         if waits & fresh[cur] and at[other] < len(passes[other]):
-            fresh[cur].clear()
-            cur = other
+            cur = other  # whose piece, placed next, covers those collectives
             continue
         out.extend(piece)
         at[cur] += 1
@@ -280,15 +279,14 @@ class _RankLowering:
         # DualPipe's pairs, by position in `self.actions` (dualpipev needs p2p_overlap=1: one action
         # per group, so a group's index is its action's)
         pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.m) if self.p.dualpipe_overlap else frozenset()
-        skip = 0
-        for i, group in enumerate(self.comm_groups()):
-            if skip:
-                skip -= 1
-                continue
+        groups, i = self.comm_groups(), 0
+        while i < len(groups):
             if i in pairs:  # a forward, then the other chunk's whole backward (B, W), overlapped
                 self.overlapped(self.actions[i], self.actions[i + 1:i + 3])
-                skip = 2
+                i += 3
                 continue
+            group = groups[i]
+            i += 1
             if not self.p.p2p_overlap:
                 # Megatron-LM's blocking exchange between groups: it posts the group's receives with
                 # the previous group's sends and waits for all of them before the group computes
@@ -313,8 +311,7 @@ class _RankLowering:
         """DualPipe's overlapped pair: the forward and the backward lowered apart (neither waits on
         the other's collectives), then merged kernel by kernel, each compute instruction followed by
         what it issues, so that while one pass's collectives are in flight the other computes."""
-        out, pending = self.out, self.wait
-        self.out, self.wait = [], pending
+        out, self.out = self.out, []  # the waits pending before the pair go to the forward's first compute
         self.action(fwd)
         f_out, f_wait = self.out, self.wait
         self.out, self.wait = [], []

@@ -162,6 +162,7 @@ def zb_v(pp: int, rank: int, m: int) -> list[Action]:
 
 
 def dualpipe_v(pp: int, rank: int, m: int) -> list[Action]:
+    """DualPipeV's order for one rank (`_dualpipe_v`)."""
     return _dualpipe_v(pp, rank, m)[0]
 
 
@@ -203,6 +204,11 @@ def _dualpipe_v(pp: int, rank: int, m: int) -> tuple[list[Action], frozenset[int
             chunk, mb = owed.pop(0)
             out.append(Action(chunk, "W", mb))
 
+    def pair(fwd: int) -> None:
+        pairs.add(len(out))
+        forward(fwd)
+        backward(1 - fwd)
+
     for _ in range(2 * (pp - rank - 1)):
         forward(0)
     for _ in range(rank + 1):
@@ -212,11 +218,6 @@ def _dualpipe_v(pp: int, rank: int, m: int) -> tuple[list[Action], frozenset[int
         backward(1, whole=False)
         weight()
         forward(1)
-    def pair(fwd: int) -> None:
-        pairs.add(len(out))
-        forward(fwd)
-        backward(1 - fwd)
-
     for i in range(m - 2 * pp + rank + 1):
         if i == 0 and rank == pp - 1:  # not overlapped, to shorten the bubble (as DualPipe)
             forward(0)

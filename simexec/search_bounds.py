@@ -469,10 +469,8 @@ class _StructureBounds:
             key = ("F", sched, pp, m, v)
             per_rank = self.b.live.get(key)
             if per_rank is None:
-                from simexec.schedules import pipeline_order
-
                 per_rank = []
-                for acts in pipeline_order(sched, pp, m, v).values():
+                for acts in self._order().values():
                     counts = [0] * v
                     for a in acts:
                         if a.kind != "F":
@@ -500,10 +498,8 @@ class _StructureBounds:
         key = (self.p.schedule_name, self.pp, self.m, self.vpp)
         per_rank = self.b.live.get(key)
         if per_rank is None:
-            from simexec.schedules import pipeline_order
-
             per_rank = []
-            for acts in pipeline_order(self.p.schedule_name, self.pp, self.m, self.vpp).values():
+            for acts in self._order().values():
                 counts = {"F": [0] * self.vpp, "B": [0] * self.vpp}
                 for a in acts:
                     if a.kind == "W":
@@ -874,6 +870,7 @@ class _StructureBounds:
         return list(zip(t_end, t_tail, [max(cf) for cf in c_free]))
 
     def _order(self) -> dict:
+        """`simexec.schedules.pipeline_order` of this structure's schedule, made once per shape."""
         from simexec.schedules import pipeline_order
 
         key = ("order", self.p.schedule_name, self.pp, self.m, self.vpp)
@@ -886,7 +883,7 @@ class _StructureBounds:
         """`_replay` of an overlapped pair once both inputs have arrived (None before): it starts when
         the rank is free and the forward's input is there (the forward's first kernel leads); each pass
         ends no sooner than its own chain allows, the pair no sooner than `_pair_seconds`. Its
-        collectives may hide under the other pass, so none is counted before or after it."""
+        collectives may hide under the other pass, so no opening or closing one is counted."""
         vf, vb = stages[fwd.chunk], stages[bwd.chunk]
         arr_f = arr_b = 0.0
         if vf > 0:

@@ -8,8 +8,8 @@ fragment: `grad_fp32=1`, main gradients under bf16, by default; `param_overlap=1
 plans), the two interleaved for `--rounds` rounds, and prints the median step time of each, the
 measured ratio and the simulator's ratio under the calibrated profile (default
 traces/profiles/local-traces.json). The ratios are what to read: a shared host moves absolute step
-times by tens of percent between rounds. Plans default to three bf16 ones for `grad_fp32` and three
-ZeRO-1/2 ones for `param_overlap` (docs/executor.md quotes both).
+times by tens of percent between rounds. Plans default to three bf16 ones for `grad_fp32`, three
+ZeRO-1/2 ones for `param_overlap` and three tp ones for `tp_overlap` (docs/executor.md quotes them).
 """
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ sys.path.insert(0, str(ROOT))
 DEFAULT_PLANS = {
     "grad_fp32=1": ("dp=2,gbs=8,dtype=bf16", "dp=4,zero=2,gbs=8,dtype=bf16", "dp=4,zero=3,gbs=8,dtype=bf16"),
     "param_overlap=1": ("dp=2,zero=1,gbs=8", "dp=4,zero=1,gbs=8", "dp=4,zero=2,gbs=8"),
+    "tp_overlap=1": ("tp=2,gbs=8", "dp=2,tp=2,gbs=8", "tp=2,sp=1,gbs=8"),
 }
 
 ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

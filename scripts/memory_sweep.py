@@ -49,6 +49,9 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
     # DeepSpeed's BF16_Optimizer path over a pipeline; parameters gathered in the next forward
     ("gpt-tiny", "dp=2,pp=2,zero=1,mbs=2,grad_fp32=1,grad_allreduce=1,grad_overlap=0" + _BF16),
     ("gpt-tiny", "dp=2,zero=2,mbs=4,param_overlap=1" + _BF16),
+    # weight gradients under the input gradients' tp collectives: what they read lives until they run
+    ("gpt-tiny", "tp=2,mbs=4,tp_overlap=1" + _BF16), ("gpt-tiny", "tp=2,sp=1,mbs=4,tp_overlap=1" + _BF16),
+    ("moe-tiny", "dp=2,ep=2,tp=2,mbs=2,tp_overlap=1" + _BF16),
     # RMSNorm models: the CPU kernels' backward buffers, q/k norms, latent norms, windows under tp, sp, pp
     *[("tests/data/window-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "pp=2,mbs=4", "pp=2,mbs=4,schedule=zb-h1")],
     *[("tests/data/qk-norm-tiny.yaml", p + _BF16) for p in ("tp=2,mbs=4", "tp=2,sp=1,mbs=4", "pp=2,mbs=4")],

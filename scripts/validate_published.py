@@ -307,11 +307,13 @@ def jean_zay(nodes: int = 48) -> ClusterSpec:
 # micro-batch's bf16 gradients are added into fp32 ones (`update_hp_grads` after every backward), which
 # are all-reduced whole after the last backward (`_exec_reduce_grads` -> `buffered_allreduce_fallback`,
 # buffers of MEMORY_OPT_ALLREDUCE_SIZE = 5e8 elements, 2000 MB of fp32) before each rank steps its shard
-# and the bf16 parameters are all-gathered.
+# and the bf16 parameters are all-gathered. Its tensor-parallel layers have no asynchronous input-gradient
+# all-reduce (no `--async-tensor-model-parallel-allreduce` in BigScience's fork): tp_overlap=0.
 DEEPSPEED_ALLREDUCE_MB = 5e8 * 4 / 1e6
 BLOOM_2022 = dict(vpp=1, sp=False, cp=1, zero=1, zero_impl=None, dp_shard=None, offload="none", recompute="full",
                   recompute_layers=None, flash_attention=False, dtype="bf16", grad_fp32=True, grad_allreduce=True,
-                  grad_overlap=False, bucket_mb=DEEPSPEED_ALLREDUCE_MB, p2p_overlap=False, clip_grad=1.0)
+                  grad_overlap=False, bucket_mb=DEEPSPEED_ALLREDUCE_MB, p2p_overlap=False, tp_overlap=False,
+                  clip_grad=1.0)
 
 
 def bloom_recipe(model: ModelSpec, tp: int, pp: int) -> dict:

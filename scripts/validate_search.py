@@ -57,10 +57,13 @@ BLOOM_KERNELS = {"dtype": "bf16", "flash_attention": False, "clip_grad": 1.0}
 # its fp16 optimizer copies them to fp32 main gradients for the step (`main_param.grad =
 # main_grad.float()`): 20 bytes per parameter (Megatron-LM docs, "Distributed Optimizer"). Its
 # pipeline messages block: `_communicate` waits on every request of `batch_isend_irecv`.
-# Megatron-LM 2021 splits the layers evenly over the stages (`num_layers % pipeline size == 0`).
+# Megatron-LM 2021 splits the layers evenly over the stages (`num_layers % pipeline size == 0`). Its
+# column-parallel GEMMs all-reduce their input gradient after the whole backward: the asynchronous
+# all-reduce under the weight-gradient GEMM (`--async-tensor-model-parallel-allreduce`,
+# `ColumnParallelLinearWithAsyncAllreduce`) came with commit 16c9044 of 2021-09-02, after the paper's.
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
                  "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False,
-                 "stages": None}
+                 "tp_overlap": False, "stages": None}
 BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
 
 

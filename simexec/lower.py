@@ -4,7 +4,8 @@
 layer's sub-blocks with the communication each plan dimension adds, in this order of concerns:
 
 1. pipeline: recv the input of a virtual stage, send its output (activations fwd, gradients bwd);
-2. tensor/sequence parallel: Megatron's f/g collectives at sub-block boundaries;
+2. tensor/sequence parallel: Megatron's f/g collectives at sub-block boundaries (`tp_overlap`: a
+   column-parallel block's weight gradients after its input gradients' collective, under it);
 3. context parallel: K/V all-gather around attention, their gradients reduce-scattered back;
 4. expert parallel: all-to-all dispatch and combine around the experts;
 5. recompute: forward blocks re-run before their backward (selective: attention core; full: layer);
@@ -19,7 +20,7 @@ Memory markers (alloc/free) track model states, activations and gathered buffers
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Optional
+from typing import Callable, Optional
 
 from simexec.blocks import Anatomy, Block
 from simexec.plan import ResolvedPlan
@@ -195,6 +196,10 @@ class _RankLowering:
         # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
         # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
         self.split = p.schedule_name in SPLIT_BACKWARD
+        # tp_overlap: a column-parallel block's backward is its input-gradient pass, then the tp collective
+        # of that gradient, then the block's weight-gradient pass under it (`column_backward`)
+        self.inline_w = bool(p.tp_overlap)
+        self.pending_w: Optional[tuple] = None  # (wgrad args, what to free after it)
         self.defer_to: Optional[tuple[int, int]] = None
         self.deferred: dict[tuple[int, int], list[Instr]] = {}
 
@@ -207,16 +212,18 @@ class _RankLowering:
             self.out.insert(at, ins)
         return ins.name
 
-    def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "") -> str:
+    def compute(self, phase: str, block: str, layer: int, mb: int, chunk: int, b: Block, suffix: str = "",
+                input_only: bool = False) -> str:
         """A compute instruction; a backward one holds its block's gradient buffers (`bwd_workspace`:
         incoming, input and intermediate gradients) while it runs. Under a zero-bubble schedule the
         backward (`bwd`) computes the input gradients and leaves the output gradients the weight
-        gradients need (`grad_out`) to the weight-gradient pass (`wgrad`), which frees them."""
+        gradients need (`grad_out`) to the weight-gradient pass (`wgrad`), which frees them; so does a
+        backward with `input_only` (tp_overlap's column-parallel blocks)."""
         name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
         deps, self.wait = tuple(dict.fromkeys(self.wait)), []
         if phase == "wgrad":
             flops, nbytes, ws = b.wgrad_flops, b.wgrad_bytes, b.wgrad_tmp
-        elif phase == "bwd" and self.split:
+        elif phase == "bwd" and (self.split or input_only):
             flops, nbytes, ws = b.bwd_flops - b.wgrad_flops, b.bwd_bytes - b.wgrad_bytes, b.bwd_workspace - b.wgrad_tmp
         elif phase == "bwd":
             flops, nbytes, ws = b.bwd_flops, b.bwd_bytes, b.bwd_workspace
@@ -228,7 +235,7 @@ class _RankLowering:
             chunk=chunk, flops=flops, bytes=nbytes, deps=deps,
         ))
         self.memory("free", "activations", ws, name, deps=(name,), defer=False)
-        if self.split and phase in ("bwd", "wgrad"):
+        if phase == "wgrad" or (phase == "bwd" and (self.split or input_only)):
             self.memory("alloc" if phase == "bwd" else "free", "activations", b.grad_out,
                         f"grad_out.{block}.L{layer}.m{mb}{suffix}", deps=(name,), defer=False)
         return out
@@ -269,9 +276,39 @@ class _RankLowering:
         """One of Megatron's f/g collectives (or nothing where that side is the identity)."""
         fwd_op, bwd_op = _TP_OPS[block][1 if self.p.sp else 0]
         verb = bwd_op if phase == "bwd" else fwd_op
+        under, self.pending_w = self.pending_w, None
+        name = None
         if verb:
-            self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, (self.last_compute(),),
-                      phase=phase, block=block, layer=layer, mb=mb, chunk=chunk)
+            name = self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.g_tp, nbytes, (self.last_compute(),),
+                             phase=phase, block=block, layer=layer, mb=mb, chunk=chunk, wait=under is None)
+        if under is not None:  # tp_overlap: the weight-gradient pass runs while the collective is in flight
+            args, after = under
+            self.compute("wgrad", *args)
+            after()
+            if name:
+                self.wait.append(name)
+
+    def column_backward(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
+                        after: Callable[[], None], wait: bool = True, release: bool = True) -> None:
+        """The backward of a column-parallel block whose input gradient the next tp collective sums,
+        then `after` (the frees of what the block saved). Under tp_overlap the input gradients alone:
+        the weight gradients wait for that collective to be issued (`tp`), as Megatron-LM's
+        LinearWithGradAccumulationAndAsyncCommunication issues its all-reduce or reduce-scatter before
+        the weight-gradient GEMM, and what that GEMM reads is freed after it."""
+        if not (self.inline_w and b.wgrad_flops):
+            self.compute_regathered(block, layer, mb, chunk, b, again, wait, release)
+            after()
+            return
+        if again and wait:
+            self.wait.append(again)
+        self.compute("bwd", block, layer, mb, chunk, b, input_only=True)
+
+        def weights_done() -> None:
+            if again and release:
+                self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(self.last_compute(),))
+            after()
+
+        self.pending_w = ((block, layer, mb, chunk, b), weights_done)
 
     # --- the program ---------------------------------------------------------------------------------
     def build(self) -> list[Instr]:
@@ -535,9 +572,9 @@ class _RankLowering:
                 again = self.regather("head", unit, mb, c)
                 self.compute("bwd", "loss", unit, mb, c, head["loss"])
                 self.compute("bwd", "xent", unit, mb, c, head["xent"])
-                self.compute_regathered("head", unit, mb, c, head["head"], again)
                 released = self.an.logits_released
-                self.memory("free", "activations", head["head"].saved - released, f"act.L{unit}.m{mb}")
+                self.column_backward("head", unit, mb, c, head["head"], again, lambda: self.memory(
+                    "free", "activations", head["head"].saved - released, f"act.L{unit}.m{mb}"))
                 self.memory("free", "activations", released, f"act.logits.L{unit}.m{mb}", defer=False)
                 self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
                 if self.p.sp:
@@ -552,6 +589,8 @@ class _RankLowering:
                 self.layer_backward(unit, mb, c)
             self.defer_to = None
             if not self.split:
+                if self.inline_w:  # the partial gradients the weight passes made after the tp collectives
+                    self.tp_partial_grads(unit, mb, c)
                 self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
             self.prefetch_next(units, j, "bwd", mb, c)
@@ -624,8 +663,8 @@ class _RankLowering:
         if "fc1" in blocks:
             self.compute("bwd", "fc2", l, mb, c, blocks["fc2"])
             self.release_saved(l, mb, "fc2", blocks["fc2"])
-            self.compute_regathered("fc1", l, mb, c, blocks["fc1"], again)
-            self.release_saved(l, mb, "fc1", blocks["fc1"])
+            self.column_backward("fc1", l, mb, c, blocks["fc1"], again,
+                                 lambda: self.release_saved(l, mb, "fc1", blocks["fc1"]))
         else:
             # the shared experts' GEMMs read the gathered input too: the first block waits for it
             self.compute_regathered("moe_out", l, mb, c, blocks["moe_out"], again, release=False)
@@ -634,8 +673,8 @@ class _RankLowering:
             self.compute("bwd", "experts", l, mb, c, blocks["experts"])
             self.release_saved(l, mb, "experts", blocks["experts"])
             self.a2a("dispatch", "bwd", l, mb, c)
-            self.compute_regathered("router", l, mb, c, blocks["router"], again, wait=False)
-            self.release_saved(l, mb, "router", blocks["router"])
+            self.column_backward("router", l, mb, c, blocks["router"], again,
+                                 lambda: self.release_saved(l, mb, "router", blocks["router"]), wait=False)
         self.tp("mlp_in", "bwd", l, mb, c, an.full_hidden_bytes)
         if self.p.sp:
             self.compute("bwd", "norm2", l, mb, c, blocks["norm2"])
@@ -663,8 +702,7 @@ class _RankLowering:
         elif self.p.cp > 1 and not ring:
             self.coll(f"bwd.kv.L{l}.m{mb}", "reducescatter", "cp", self.g_cp, an.kv_bytes, (self.last_compute(),),
                       phase="bwd", block="kv", layer=l, mb=mb, chunk=c)
-        self.compute_regathered("qkv", l, mb, c, blocks["qkv"], again)
-        self.release_saved(l, mb, "qkv", blocks["qkv"])
+        self.column_backward("qkv", l, mb, c, blocks["qkv"], again, lambda: self.release_saved(l, mb, "qkv", blocks["qkv"]))
         if self.split:
             # the input-gradient pass keeps the layer's graph for the weight pass: what only it read
             # goes at the layer's end, the rest with the weight pass
@@ -678,7 +716,7 @@ class _RankLowering:
         # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
         # would carry it in every slot)
         latent = self.rp.model.latent_params()
-        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split else latent * self.grad_dt))
+        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split or self.inline_w else latent * self.grad_dt))
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
             self.release_saved(l, mb, "norm1", blocks["norm1"])

@@ -66,6 +66,11 @@ class Plan(BaseModel):
     p2p_overlap: bool = Field(
         True, description="pipeline sends overlap the compute after them (isend, torch pipelining); False:"
         " blocking exchanges between groups of actions (Megatron-LM's batch_isend_irecv, waited)")
+    tp_overlap: bool = Field(
+        False, description="tp > 1: a column-parallel GEMM's backward issues its input gradient's tp all-reduce"
+        " (reduce-scatter under sp) before its weight-gradient GEMM, which runs under it (Megatron-LM's"
+        " LinearWithGradAccumulationAndAsyncCommunication, on by default since Megatron-Core); False: the"
+        " collective after the whole backward (torch's DTensor, torchtitan, Megatron-LM before September 2021)")
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
@@ -576,6 +581,12 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if sched == "interleaved-zb" and not p.p2p_overlap:
         fail("schedule=interleaved-zb needs p2p_overlap=1 (its order pairs no forward with a backward, so"
              " blocking exchanges one action at a time wait on each other)")
+    if p.tp_overlap:
+        if p.tp < 2:
+            fail(f"tp_overlap=1 needs tp > 1, got tp={p.tp}")
+        if sched in SPLIT_BACKWARD:
+            fail(f"tp_overlap=1 does not run with schedule={sched}, whose weight-gradient GEMMs wait for their own"
+                 " W actions; use tp_overlap=0")
     if sched in SPLIT_BACKWARD:
         if p.pp < 2:
             fail(f"schedule={sched} needs pp >= 2")

@@ -367,6 +367,24 @@ class _StructureBounds:
             return 0.0
         return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
 
+    def _column_bwd(self, blk, block: str, rank: int) -> float:
+        """A column-parallel block's backward and the tp collective of its input gradient after it.
+        Under tp_overlap the block's weight-gradient pass runs while that collective is in flight: the
+        pair takes at least the input-gradient pass and the longer of the two."""
+        c = self._tp(block, 1, rank)
+        if not (self.p.tp_overlap and blk.wgrad_flops):
+            return self._bwd(blk) + c
+        w = self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
+        self._k -= min(c, w)  # the collective's seconds under the weight pass are not waited for
+        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes) + max(w, c)
+
+    def _closing(self, blk, block: str, rank: int) -> float:
+        """What of the tp collective after a column-parallel block's backward outlasts its compute."""
+        c = self._tp(block, 1, rank)
+        if not (self.p.tp_overlap and blk.wgrad_flops):
+            return c
+        return max(0.0, c - self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes))
+
     def _tp(self, block: str, bwd: int, rank: int) -> float:
         verb = _TP_OPS[block][self.sp][bwd]
         return self._coll(verb, rank, "tp", self.an.full_hidden_bytes)
@@ -413,7 +431,7 @@ class _StructureBounds:
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.mesh_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
-               moe, window, rank, self.split)
+               moe, window, rank, self.split, p.tp_overlap)
         out = self.b.layers.get(key)
         if out is not None:
             return out
@@ -426,21 +444,22 @@ class _StructureBounds:
         b = f if full else 0.0
         self._k = kf if full else 0.0
         b += self._tp("mlp_out", 1, rank)
+        column = blocks["fc1"] if "fc1" in blocks else blocks["router"]  # before the mlp_in collective
         if "fc1" in blocks:
-            b += self._bwd(blocks["fc2"]) + self._bwd(blocks["fc1"])
+            b += self._bwd(blocks["fc2"])
         else:
             a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
             self._k += a2a
-            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a + self._bwd(blocks["router"])
-        b += self._tp("mlp_in", 1, rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
+            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a
+        b += self._column_bwd(column, "mlp_in", rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
         if rc and p.recompute == "selective":
             b += self._attention(blocks["attn"], rank, 0) if p.cp_impl == "ring" else self._fwd(blocks["attn"])
         b += self._attention(blocks["attn"], rank, 1)
-        b += self._bwd(blocks["qkv"]) + self._tp("attn_in", 1, rank)
+        b += self._column_bwd(blocks["qkv"], "attn_in", rank)
         saved = an.hidden_bytes if full else sum(x.saved for x in blocks.values())
         kb = self._k
         w = sum(self._wgrad(x) for x in blocks.values())
-        out = (f, b, saved, self._tp("mlp_out", 0, rank), self._tp("attn_in", 1, rank), kf, kb, w)
+        out = (f, b, saved, self._tp("mlp_out", 0, rank), self._closing(blocks["qkv"], "attn_in", rank), kf, kb, w)
         self.b.layers[key] = out
         return out
 
@@ -455,7 +474,7 @@ class _StructureBounds:
         f += self._coll("allreduce", rank, "tp", ce) + self._fwd(h["xent"])
         f += self._coll("allreduce", rank, "tp", 2 * ce) + self._fwd(h["loss"])
         kf, self._k = self._k, 0.0
-        b = self._bwd(h["loss"]) + self._bwd(h["xent"]) + self._bwd(h["head"]) + self._tp("head_in", 1, rank)
+        b = self._bwd(h["loss"]) + self._bwd(h["xent"]) + self._column_bwd(h["head"], "head_in", rank)
         return f, b, h["head"].saved, kf, self._k
 
     # --- the schedule --------------------------------------------------------------------------
@@ -776,7 +795,7 @@ class _StructureBounds:
             elif u == self.L:
                 hf, hb, _, _, _ = self._head(rank)
                 fo = self._tp("head_in", 0, rank)
-                bc = self._tp("head_in", 1, rank)
+                bc = self._closing(an.head["head"], "head_in", rank)
                 fwd.append((fo, hf - fo, 0.0, g, 0.0))
                 bwd.append((0.0, hb - bc, bc, g, rs))
             else:

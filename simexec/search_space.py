@@ -27,6 +27,9 @@ schedule           pp = 1: none; vpp = 1: 1f1b, gpipe, zb-h1; vpp > 1: interleav
                    vpp = 2: zb-v and dualpipev too (two chunks per rank in a V)
 dualpipe_overlap   dualpipev only: off (torch's runtime: a pair's passes one after the other), on
                    (DeepSeek's: merged kernel by kernel, one's communication under the other's compute)
+tp_overlap         tp > 1 and a schedule that does not split the backward: off (torch's DTensor,
+                   torchtitan), on (Megatron-LM: a column-parallel GEMM's input-gradient collective
+                   under its weight-gradient GEMM)
 dp                 what is left: world / (tp*cp*pp)
 ep                 MoE only: powers of two dividing the experts and dp
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
@@ -88,7 +91,7 @@ STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
-    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap",
+    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
 }
 
 
@@ -251,7 +254,9 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
         # a zero-bubble schedule refuses sp (`simexec.plan`): not enumerated, rather than refused
         sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
         overlaps = [False, True] if schedule == "dualpipev" else [False]
-        for sp, overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps)):
+        tp_overlaps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
+        for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
+                                               _choices(fix, "tp_overlap", tp_overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
@@ -266,7 +271,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                             for rl in rls:
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
-                                           dualpipe_overlap=overlap)
+                                           dualpipe_overlap=overlap, tp_overlap=tp_overlap)
 
 
 def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:

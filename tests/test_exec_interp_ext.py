@@ -347,6 +347,27 @@ def test_zero_bubble_matches_reference(model, plan):
     check_plan({"tied": TIED, "mla": MLA}.get(model, model), plan)
 
 
+@pytest.mark.parametrize("model,plan", [
+    ("gpt-tiny", "tp=2,tp_overlap=1"),
+    ("gpt-tiny", "dp=2,tp=2,sp=1,tp_overlap=1"),  # the weight gradients re-read the re-gathered inputs
+    ("moe-tiny", "dp=2,ep=2,tp=2,tp_overlap=1"),  # the router's weight gradient under the mlp_in all-reduce
+    ("moe-tiny", "dp=2,ep=2,tp=2,sp=1,tp_overlap=1"),
+    ("gpt-tiny", "dp=2,tp=2,zero=3,tp_overlap=1"),
+    ("gpt-tiny", "dp=2,tp=2,zero=2,tp_overlap=1,recompute=selective"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,zero=1,recompute=full,tp_overlap=1,clip_grad=0.01"),
+    ("mla", "tp=2,pp=2,gbs=4,tp_overlap=1"),  # latent projections' partial gradients
+    ("mla", "tp=2,sp=1,gbs=4,tp_overlap=1"),
+    ("tied", "tp=2,pp=2,gbs=4,tp_overlap=1"),
+])
+def test_tp_overlap_matches_reference(model, plan):
+    """Megatron-LM's asynchronous tp gradient communication: each column-parallel block's weight
+    gradients computed while the all-reduce (reduce-scatter under sp) of its input gradient is in
+    flight, the partial gradients of tp-replicated parameters summed after them."""
+    from test_exec_interp import MLA, TIED
+
+    check_plan({"tied": TIED, "mla": MLA}.get(model, model), plan)
+
+
 def test_zero_bubble_peak_memory_follows_the_simulator():
     """Under ZB-H1 a micro-batch's activations and the output gradients its W reads live until W, so
     the last stage holds pp micro-batches, not 1F1B's one: every rank within 4% of its prediction, and

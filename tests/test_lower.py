@@ -38,6 +38,8 @@ PLANS = [
     ("gpt-tiny", "dp=2,zero=3,offload=optimizer,gbs=4,clip_grad=1"),
     ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,schedule=zb-h1,recompute=full"),
     ("moe-tiny", "dp=2,ep=2,tp=2,pp=2,gbs=8,zero=2,schedule=zb-h1"),
+    ("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8,tp_overlap=1,recompute=full"),
+    ("moe-tiny", "dp=2,ep=2,tp=2,sp=1,gbs=4,zero=3,tp_overlap=1"),
 ]
 
 
@@ -609,6 +611,39 @@ def test_zero_bubble_splits_the_backward_without_changing_the_work(model, plan):
                 assert names.index(i.name) > last_w
     tp_sums = [i for i in zb.ranks[0] if i.block == "norm_grads"]
     assert bool(tp_sums) == ("tp=2" in plan) and all(i.phase == "wgrad" and i.collective == "allreduce" for i in tp_sums)
+
+
+@pytest.mark.parametrize("model,plan", [("gpt-tiny", "dp=2,tp=2,pp=2,gbs=8"), ("gpt-tiny", "tp=2,sp=1,gbs=2"),
+                                        ("moe-tiny", "dp=2,ep=2,tp=2,gbs=4")])
+def test_tp_overlap_runs_each_column_gemms_weight_gradient_under_its_input_gradient_collective(model, plan):
+    """tp_overlap (Megatron-LM's asynchronous tp gradient communication): a column-parallel block's
+    backward is its input gradients, the tp collective that sums them, then its weight gradients,
+    which do not wait for that collective; the next compute does. The work is the same."""
+    one = _program(model, plan)
+    ov = _program(model, plan + ",tp_overlap=1")
+    sp = "sp=1" in plan
+    for rank, instrs in ov.ranks.items():
+        for kind in ("flops", "bytes"):
+            total = [sum(getattr(i, kind) for i in p.ranks[rank] if i.kind == "compute") for p in (one, ov)]
+            assert total[1] == pytest.approx(total[0], rel=1e-9)
+        names = [i.name for i in instrs]
+        wgrads = [(n, i) for n, i in enumerate(instrs) if i.phase == "wgrad" and i.kind == "compute"]
+        blocks = {i.block for _, i in wgrads}
+        assert blocks <= {"qkv", "fc1", "router", "head"} and "qkv" in blocks
+        assert ("head" in blocks) == any(i.block == "head" for i in instrs)
+        for n, w in wgrads:
+            under = {"qkv": "attn_in", "fc1": "mlp_in", "router": "mlp_in", "head": "head_in"}[w.block]
+            coll = f"bwd.{under}.L{w.layer}.m{w.mb}"
+            at = names.index(coll)
+            assert instrs[at].collective == ("reducescatter" if sp else "allreduce")
+            assert names.index(f"bwd.{w.block}.L{w.layer}.m{w.mb}") < at < n  # input pass, collective, weights
+            assert coll not in w.deps
+            nxt = next(i for i in instrs[n + 1:] if i.kind == "compute")
+            assert coll in nxt.deps  # the next compute waits for the sum
+    plain = Counter(i.block for i in one.ranks[0] if i.kind == "collective" and i.axis == "tp")
+    over = Counter(i.block for i in ov.ranks[0] if i.kind == "collective" and i.axis == "tp")
+    # the tp-replicated parameters' partial gradients the weight passes make: one sum per unit
+    assert over - plain == Counter({"norm_grads": over["norm_grads"] - plain["norm_grads"]})
 
 
 def test_zero_bubble_keeps_activations_until_the_weight_pass():

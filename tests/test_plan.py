@@ -209,6 +209,13 @@ def test_dualpipev_takes_the_v_and_at_least_two_micro_batches_per_stage():
     refused(TINY, "local", "pp=2,vpp=2,gbs=4,schedule=zb-v,dualpipe_overlap=1", "dualpipe_overlap=1 needs schedule=dualpipev, got zb-v")
 
 
+def test_tp_overlap_needs_tp_and_a_whole_backward():
+    refused(TINY, "local", "dp=2,tp_overlap=1", "tp_overlap=1 needs tp > 1, got tp=1")
+    refused(TINY, "local", "tp=2,pp=2,gbs=4,schedule=zb-h1,tp_overlap=1",
+            "tp_overlap=1 does not run with schedule=zb-h1")
+    assert ok(TINY, "local", "tp=2,sp=1,pp=2,gbs=4,tp_overlap=1").plan.tp_overlap
+
+
 def test_zero_impl_needs_zero3():
     refused(TINY, "local", "dp=2,zero=2,zero_impl=yafsdp", "zero_impl=yafsdp needs zero=3, got zero=2")
     assert ok(TINY, "local", "dp=2,zero=3,zero_impl=yafsdp").plan.zero3_flavour == "yafsdp"

@@ -221,6 +221,19 @@ def test_bounds_never_exceed_the_simulation_of_dualpipe_overlap():
         assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
 
 
+@pytest.mark.parametrize("name,cluster,gbs,seq", [("gpt3-1.3b", "dgx-a100-80g", 16, 2048),
+                                                   ("mixtral-8x7b", "2xdgx-h100", 32, 4096)])
+def test_bounds_never_exceed_the_simulation_of_tp_overlap(name, cluster, gbs, seq):
+    """Under tp_overlap a column-parallel block's weight gradients run beside the collective after
+    it: the pair is bounded by the input-gradient pass and the longer of the two."""
+    model, cl, cands = _candidates(name, cluster, gbs, seq, {"tp_overlap": True})
+    b = Bounds(model, cl, seq)
+    for c in random.Random(13).sample(cands, 12):
+        r = simulate(model, cl, parse_plan(c.plan_string), seq)
+        assert c.time_lb <= r.step_time_s and b.refine(c) <= r.step_time_s, c.plan_string
+        assert c.mem_lb <= r.peak_memory_bytes, c.plan_string
+
+
 @pytest.mark.parametrize("name,cluster,gbs,seq", [("llama3-8b", "2xdgx-h100", 64, 8192),
                                                    ("mistral-7b", "1xdgx-h100", 16, 8192)])  # sliding window
 def test_bounds_never_exceed_the_simulation_of_all_to_all_context_parallelism(name, cluster, gbs, seq):

@@ -137,6 +137,23 @@ def test_dualpipe_overlap_hides_expert_all_to_alls_under_the_other_pass():
     assert merged.step_time_s < 0.97 * apart.step_time_s
 
 
+@pytest.mark.parametrize("plan", ["tp=8,gbs=8", "tp=8,sp=1,gbs=8", "tp=8,gbs=8,recompute=full"])
+def test_tp_overlap_hides_input_gradient_collectives_under_weight_gradients(plan):
+    """Megatron-LM's asynchronous tp gradient communication: the all-reduce (reduce-scatter under sp)
+    after each column-parallel GEMM's input gradients runs under its weight gradients. The step
+    saves about what the rank no longer waits for, at most those collectives' time, and none of it
+    where nothing runs under them."""
+    apart = simulate("llama3-8b", "dgx-h100", plan)
+    under = simulate("llama3-8b", "dgx-h100", plan + ",tp_overlap=1", trace=True)
+    hidden = ("attn_in", "mlp_in", "head_in")
+    coll_s = sum(e.dur_us for e in under.trace.events if e.rank == 0 and e.kind == "collective" and e.phase == "bwd"
+                 and e.name.split(".")[1] in hidden) / 1e6
+    saved = apart.breakdown_s["comm.tp"] - under.breakdown_s["comm.tp"]
+    assert 0.1 * coll_s < saved < coll_s
+    assert apart.step_time_s - under.step_time_s == pytest.approx(saved, rel=0.25)
+    assert under.peak_memory_bytes == pytest.approx(apart.peak_memory_bytes, rel=0.01)
+
+
 def test_zb_v_balances_peak_memory_over_the_ranks():
     """Every rank of a V holds the same number of layers' activations at its peak (Qi et al. 2024, §6),
     where 1F1B's first rank holds p micro-batches and its last one: about 1F1B's largest peak, on

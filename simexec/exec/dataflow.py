@@ -69,6 +69,8 @@ _REGATHERS = {b.replace("_in", "_regather"): names for b, names in _SP_GATHERS.i
 _COLLS_SP = {**_COLLS, **_SP_GATHERS, **_REGATHERS}
 # sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
 _GATHERED_LAST = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
+# sp: the re-gathered input each column-parallel GEMM's weight gradient reads (`*_regather`)
+_REGATHERED_INPUT = {"qkv": "xa", "fc1": "xma", "router": "xma", "head": "xh"}
 _TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
 # sp: which backward collective sums a replicated parameter's partial gradient (ParamSpec.tp_partial
 # names the one without sp): a norm's backward now follows the f-conjugate's reduce-scatter, so the

@@ -47,7 +47,7 @@ from torch import Tensor
 from simexec.exec import data
 from simexec.exec.collectives import SendWaiter, TorchComm, _Inflight
 from simexec.exec.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
-                                   _PERMUTED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
+                                   _PERMUTED_INPUT, _REGATHERED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
                                    _coll_keys, _downstream, _upstream)
 from simexec.exec.heads_exchange import HeadsExchange
 from simexec.exec.live_memory import _TRACKER, _LiveBytes
@@ -232,9 +232,12 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
         self.split = p.schedule_name in SPLIT_BACKWARD
+        # tp_overlap: the column-parallel blocks' backwards split alike, their `wgrad` right after the
+        # input gradient's tp collective is issued
+        self.split_blocks = {(i.block, i.layer, i.mb) for i in instrs if i.phase == "wgrad"} if p.tp_overlap else set()
         self.deferred: dict[tuple, DeferredWeights] = {}
         self.split_analyses: dict[tuple, object] = {}  # (block, layer) -> where its parameters join
-        if self.split:
+        if self.split or p.tp_overlap:
             self.partial_by = {n: "norm_grads" for n in self.partial_by}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
@@ -605,6 +608,8 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         if deferred is None:
             return self.backward(ins, split=False)
         deferred.run()
+        if self.plan.sp:  # tp_overlap: the input the weight-gradient GEMM re-read, kept past B for it
+            self.env.pop((_REGATHERED_INPUT.get(ins.block, ""), ins.layer, ins.mb), None)
 
     def backward(self, ins: Instr, split: Optional[bool] = None) -> None:
         l, mb = ins.layer, ins.mb
@@ -619,12 +624,16 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
-        if ts and (self.split if split is None else split):
+        if split is None:
+            split = self.split or (ins.block, l, mb) in self.split_blocks
+        kept = ""  # under sp, a deferred weight-gradient GEMM's re-gathered input, which it reads
+        if ts and split:
             inputs = [v for v in vals if isinstance(v, Tensor) and v.requires_grad]
             deferred = backward_inputs(tuple(ts), tuple(gs), inputs, _run_backward_to, _run_backward,
                                        self.split_analyses, (ins.block, l))
             if deferred is not None:
                 self.deferred[(ins.block, l, mb)] = deferred
+                kept = _REGATHERED_INPUT.get(ins.block, "") if self.plan.sp else ""
         elif ts:
             _run_backward(tuple(ts), tuple(gs))
         for n, v in zip(ins_names, vals):
@@ -632,7 +641,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                 self.add_grad((n, l, mb), v.grad)
                 v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if n == "xma" and ins.block == "moe_out" and self.plan.sp:
+            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept:
                 continue  # the router's backward reads the re-gathered input after this one
             k = self.resolve((n, l, mb))
             if k is not None:

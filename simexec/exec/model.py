@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from simexec.exec.weight_grads import SplitPass
 from simexec.model import ModelSpec
 
 
@@ -330,9 +331,10 @@ class _GatheredLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, gy: Tensor):
         (w,) = ctx.saved_tensors
-        gx = gy @ w.t() if ctx.needs_input_grad[0] else None
+        # a split backward's input pass computes no weight gradient, its weight pass no input gradient
+        gx = gy @ w.t() if ctx.needs_input_grad[0] and SplitPass.now != "weight" else None
         gw = None
-        if ctx.needs_input_grad[1]:
+        if ctx.needs_input_grad[1] and SplitPass.now != "input":
             x = ctx.fetch()
             gw = x.reshape(-1, x.shape[-1]).t() @ gy.reshape(-1, gy.shape[-1])
         return gx, gw, None

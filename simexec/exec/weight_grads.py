@@ -53,6 +53,15 @@ except AttributeError:  # pragma: no cover - a torch without the engine handle
     _backward, _grads = _python_backward, _python_grads
 
 
+class SplitPass:
+    """The pass of a split backward autograd is running: "input" (B), "weight" (W), or None (a whole
+    backward). The engine skips a built-in node's unneeded gradients, but a Python autograd
+    function's `needs_input_grad` is fixed at its forward: one that computes both gradients reads
+    this to compute only the pass's own (`simexec.exec.model._GatheredLinear`)."""
+
+    now: Optional[str] = None
+
+
 class DeferredWeights:
     """What W needs: batches of parameters with their join nodes, and the gradients B kept for them."""
 
@@ -61,6 +70,13 @@ class DeferredWeights:
         self.batches, self.kept, self.from_outputs = batches, kept, from_outputs
 
     def run(self) -> None:
+        SplitPass.now = "weight"
+        try:
+            self._run()
+        finally:
+            SplitPass.now = None
+
+    def _run(self) -> None:
         # a later batch may run through nodes an earlier one ran (a join downstream of another): the
         # graph is kept until the last
         last = len(self.batches) - 1
@@ -208,6 +224,19 @@ def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs:
         run_whole(outs, grads)
         return None
     kept: dict[Node, tuple] = {}
+    SplitPass.now = "input"
+    try:
+        _input_pass(an, joins, outs, grads, inputs, run, kept)
+    finally:
+        SplitPass.now = None
+    batches = [(ps, [joins[p] for p in places], clamp) for ps, places, clamp in an.batches]
+    from_outputs = (an.from_outputs, [get_gradient_edge(o) for o in outs], list(grads)) if an.from_outputs else None
+    return DeferredWeights(batches, kept, from_outputs)
+
+
+def _input_pass(an: _Analysis, joins: dict, outs: tuple, grads: tuple, inputs: list, run: Callable,
+                kept: dict) -> None:
+    """B's engine call: the inputs' gradients accumulated, the joins' incoming gradients kept."""
     if an.arity is not None and inputs:
         # the gradients of the inputs and of the joins' outputs from one engine call, no hooks
         places = list(joins)
@@ -230,6 +259,3 @@ def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs:
                 h.remove()
         if inputs and all(node in kept for node in joins.values()):
             an.arity = {p: len(kept[node]) for p, node in joins.items()}
-    batches = [(ps, [joins[p] for p in places], clamp) for ps, places, clamp in an.batches]
-    from_outputs = (an.from_outputs, [get_gradient_edge(o) for o in outs], list(grads)) if an.from_outputs else None
-    return DeferredWeights(batches, kept, from_outputs)

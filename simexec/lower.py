@@ -589,7 +589,9 @@ class _RankLowering:
                 self.layer_backward(unit, mb, c)
             self.defer_to = None
             if not self.split:
-                if self.inline_w:  # the partial gradients the weight passes made after the tp collectives
+                if self.inline_w and not self.p.sp:
+                    # the partial gradients the weight passes made after the tp collectives (under sp
+                    # the unit's last norm's all-reduce, after them, carries them)
                     self.tp_partial_grads(unit, mb, c)
                 self.grads_ready(unit, mb, c)
             self.release_gather(unit, "bwd", mb)
@@ -634,19 +636,22 @@ class _RankLowering:
             self.grads_ready(unit, mb, c)
         self.reduce_micro_batch(mb)
 
-    def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:
-        """Under a zero-bubble schedule, the gradients of a unit's parameters that tp replicates but
-        each rank computes a part of (norms, a router, MLA's latent projections) are made after the
-        input-gradient collectives that would have carried them: one all-reduce sums them."""
+    def partial_params(self, unit: int) -> float:
+        """Parameters of a unit that tp replicates but each rank computes a part of the gradient of
+        (norms, a router, MLA's latent projections)."""
         m = self.rp.model
+        if unit == self.L:
+            return m.final_norm_params()
+        params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
+        return params + (m.hidden * m.moe.experts if m.is_moe_layer(unit) else 0)
+
+    def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:
+        """Under a zero-bubble schedule (and tp_overlap without sp), the partial gradients of a unit's
+        tp-replicated parameters (`partial_params`) are made after the input-gradient collectives that
+        would have carried them: one all-reduce sums them."""
         if unit == -1:
             return
-        if unit == self.L:
-            params = m.final_norm_params()
-        else:
-            params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
-            if m.is_moe_layer(unit):
-                params += m.hidden * m.moe.experts
+        params = self.partial_params(unit)
         self.coll(f"wgrad.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.g_tp, params * self.grad_dt,
                   (self.last_compute(),), phase="wgrad", block="norm_grads", layer=unit, mb=mb, chunk=c, wait=False)
 
@@ -722,7 +727,8 @@ class _RankLowering:
             self.release_saved(l, mb, "norm1", blocks["norm1"])
             if self.split:
                 self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
-            self.norm_grads(l, mb, c, self.rp.model.pre_norm_params() + latent)
+            # under tp_overlap the weight passes before it made every partial gradient of the layer
+            self.norm_grads(l, mb, c, self.partial_params(l) if self.inline_w else self.rp.model.pre_norm_params() + latent)
 
     # --- sequence parallelism ------------------------------------------------------------------------
     def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:

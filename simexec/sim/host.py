@@ -357,6 +357,8 @@ SPLIT_OPS = {
     "rmsnorm-swiglu-rope": {"proj": (4, 3), "fc1": (30, 17), "fc2": (4, 3)},
 }
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
+# tp_overlap splits only the column-parallel blocks' backwards (`simexec.lower`, `column_backward`)
+COLUMN_BLOCKS = ("qkv", "fc1", "router", "head")
 
 
 def weight_pass_calls(block: str, model, sp: bool) -> int:
@@ -380,19 +382,20 @@ def weight_pass_calls(block: str, model, sp: bool) -> int:
     return 1 + int(bias)
 
 
-def split_backward_table(table: dict[str, int], key: str) -> dict[str, int]:
-    """`table` (for dispatch key `key`) with each weight-bearing block's backward split into `bwd`
-    (input gradients) and `wgrad`; the embedding's backward is all weight pass."""
+def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...] = WEIGHT_BLOCKS) -> dict[str, int]:
+    """`table` (for dispatch key `key`) with each of `blocks`' backward split into `bwd` (input
+    gradients) and `wgrad`; under a zero-bubble schedule (every weight-bearing block) the
+    embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
     counted = {b: n for b, n in SPLIT_OPS.get(family, {}).items() if not (adders and b == "qkv")}
-    for block in WEIGHT_BLOCKS:
+    for block in blocks:
         whole = table.get(f"bwd.{block}")
         if whole is None:
             continue
         w = min(table.get(f"fwd.{block}", whole), whole)
         out[f"bwd.{block}"], out[f"wgrad.{block}"] = counted.get(block, (whole - w, w))
-    if "bwd.embed" in table:
+    if "bwd.embed" in table and blocks is WEIGHT_BLOCKS:
         out["wgrad.embed"] = table["bwd.embed"]
     return out
 
@@ -521,12 +524,16 @@ class HostCosts:
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
-        if plan is not None and plan.schedule_name in SPLIT_BACKWARD:
+        split = plan is not None and plan.schedule_name in SPLIT_BACKWARD
+        if split:
             self.table = split_backward_table(self.table, key.split("/")[0])
+        elif plan is not None and plan.tp_overlap:
+            self.table = split_backward_table(self.table, key.split("/")[0], COLUMN_BLOCKS)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         # main gradients: which phase makes the weight gradients, and each block's count of them
         self.main_grads = plan is not None and bool(plan.grad_fp32) and dtype != "fp32"
-        self.grads_phase = "wgrad" if plan is not None and plan.schedule_name in SPLIT_BACKWARD else "bwd"
+        self.grads_phase = "wgrad" if split else "bwd"
+        self.wgrad_blocks = COLUMN_BLOCKS if plan is not None and plan.tp_overlap else ()
         self._grad_tensors: dict[str, int] = {}
         self._grad_args = (bool(plan.sp), plan.tp, max(1, plan.ep)) if plan is not None else (False, 1, 1)
         # layers whose attention masks a sliding window's band (`simexec.lower.windowed_layers`)
@@ -594,7 +601,7 @@ class HostCosts:
         n = ops_of(ins, self.table)
         if ins.block == "attn" and ins.phase != "bwd" and ins.layer in self.windowed:
             n += self.window_ops
-        if self.main_grads and ins.phase == self.grads_phase:
+        if self.main_grads and ins.phase == ("wgrad" if ins.block in self.wgrad_blocks else self.grads_phase):
             k = self._grad_tensors.get(ins.block)
             if k is None:
                 k = self._grad_tensors[ins.block] = grad_tensors(ins.block, self.model, *self._grad_args)

@@ -51,6 +51,33 @@ def test_input_pass_then_weight_pass_equals_the_whole_backward():
     assert fired == ["w"]
 
 
+def test_the_sequence_parallel_linear_computes_each_gradient_in_its_own_pass():
+    """The sp linear (`_GatheredLinear`) is a Python autograd function, whose `needs_input_grad` the
+    engine cannot narrow: the input pass must not read the re-gathered input for the weight gradient,
+    nor the weight pass compute the input gradient again; the gradients are the whole backward's."""
+    from simexec.exec.model import _GatheredLinear
+
+    torch.manual_seed(0)
+    x0, w, dy = torch.randn(4, 8), torch.randn(8, 16, requires_grad=True), torch.randn(4, 16)
+    fetched = []
+
+    def fetch():
+        fetched.append(1)
+        return x0
+
+    x1 = x0.clone().requires_grad_()
+    _GatheredLinear.apply(x1, w, fetch).backward(dy)
+    want_x, want_w = x1.grad, w.grad.clone()
+    w.grad, fetched[:] = None, []
+    x2 = x0.clone().requires_grad_()
+    y = _GatheredLinear.apply(x2 * 1.0, w, fetch)  # its input a node, as a block's is behind its norm
+    deferred = backward_inputs((y,), (dy,), [x2], _run_to, _run_whole)
+    assert torch.allclose(x2.grad, want_x) and w.grad is None and not fetched
+    x2.grad = None
+    deferred.run()
+    assert torch.allclose(w.grad, want_w) and len(fetched) == 1 and x2.grad is None
+
+
 def test_a_block_without_inputs_needing_gradients_leaves_everything_to_the_weight_pass():
     table = torch.randn(10, 4, requires_grad=True)
     ids = torch.tensor([1, 3, 3, 7])

@@ -358,6 +358,8 @@ def test_zero_bubble_matches_reference(model, plan):
     ("mla", "tp=2,pp=2,gbs=4,tp_overlap=1"),  # latent projections' partial gradients
     ("mla", "tp=2,sp=1,gbs=4,tp_overlap=1"),
     ("tied", "tp=2,pp=2,gbs=4,tp_overlap=1"),
+    ("gpt-tiny", "cp=2,tp=2,cp_impl=ring,tp_overlap=1"),
+    ("gpt-tiny", "tp=2,sp=1,pp=2,gbs=4,p2p_overlap=0,tp_overlap=1"),  # blocking exchanges around the weight passes
 ])
 def test_tp_overlap_matches_reference(model, plan):
     """Megatron-LM's asynchronous tp gradient communication: each column-parallel block's weight

@@ -258,7 +258,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         model=model.name, cluster=cluster.name, gbs=gbs, seq_len=seq, world=search_world(cluster, fix),
         objective=objective, top=top, fix=fix, plans=entries, pareto=front_rows,
         pareto_limit=None if limit is None or math.isinf(limit) else limit, space=stats.combinations,
-        invalid=stats.invalid, candidates=len(cands), evaluated=len(results), pruned=pruned,
+        invalid=stats.invalid, refusals=stats.most_often(), candidates=len(cands), evaluated=len(results), pruned=pruned,
         oom=oom_bound + oom_sim, oom_bound=oom_bound, errors=errors, interrupted=interrupted,
         explanation=explanation, capacity_bytes=capacity, closest=closest, wall_s=time.perf_counter() - t0,
         bound_s=bound_s, backend=runner.name, workers=runner.workers,

@@ -172,6 +172,7 @@ class SearchResult:
     backend: str = ""
     workers: int = 1
     against: Optional[dict] = None  # the user's plan against the best (`against_report`)
+    refusals: list = field(default_factory=list)  # the rules of `resolve` that refused the most (`SpaceStats`)
 
     def to_json(self) -> dict:
         """JSON-ready; the same for the same inputs, whatever the backend (wall time left out)."""
@@ -182,6 +183,7 @@ class SearchResult:
             "plans": self.plans, "evaluated": self.evaluated, "pruned": self.pruned, "oom": self.oom,
             "oom_by_bound": self.oom_bound, "invalid": self.invalid, "space": self.space,
             "candidates": self.candidates, "errors": self.errors, "interrupted": self.interrupted,
+            "refusals": self.refusals,
             "pareto": [{k: r[k] for k in ("plan", "step_time_s", "tokens_per_s", "peak_memory_bytes", "fits")}
                        for r in self.pareto],
             "pareto_limit": self.pareto_limit,
@@ -206,6 +208,8 @@ class SearchResult:
         if not self.candidates and not self.interrupted:
             lines.append(f"  no valid plan: every split of the {self.world} ranks breaks a rule of `resolve` (dp*tp*cp*pp"
                          f" = {self.world}, gbs {self.gbs} divisible by mbs*dp, heads by tp, ...); try another --gbs or --fix")
+            for r in self.refusals:
+                lines.append(f"    {r['combinations']:,} of {self.invalid:,}: {r['refusal']}")
             return "\n".join(lines)
         if not self.plans:
             lines.append(f"  no plan fits in {self.capacity_bytes / GiB:.1f} GiB")

@@ -69,6 +69,8 @@ host core unless `fix` pins dp, tp, cp and pp.
 """
 from __future__ import annotations
 
+import re
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import product
 from typing import Iterator, Optional
@@ -97,10 +99,30 @@ ENUMERATED = {
 
 @dataclass
 class SpaceStats:
-    """How many combinations the space held and how many `resolve` refused."""
+    """How many combinations the space held, how many `resolve` refused, and by which rule: its
+    message with the numbers taken out, so that one rule broken with different values counts once."""
 
     combinations: int = 0
     invalid: int = 0
+    refusals: Counter = field(default_factory=Counter)  # rule -> combinations it refused
+    examples: dict = field(default_factory=dict)  # rule -> the first message that broke it
+
+    def rule(self, e: Exception) -> str:
+        message = " ".join(str(e).split())
+        rule = _NUMBERS.sub("#", message)
+        self.examples.setdefault(rule, message)
+        return rule
+
+    def refuse(self, rule: str) -> None:
+        self.invalid += 1
+        self.refusals[rule] += 1
+
+    def most_often(self, k: int = 3) -> list[dict]:
+        """The k rules that refused the most combinations: an example message of each, and its count."""
+        return [{"refusal": self.examples[r], "combinations": n} for r, n in self.refusals.most_common(k)]
+
+
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
 
 
 @dataclass
@@ -156,7 +178,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
     world = search_world(cluster, fix)
     gpn = cluster.node.gpus_per_node or world
     extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
-    state_ok: dict[tuple, bool] = {}
+    state_ok: dict[tuple, str] = {}  # (dp, ep, split, *state) -> the rule it breaks, "" if none
     pair = -1
     for tp in _choices(fix, "tp", _pow2_upto(gpn)):
         cps = [c for c in _pow2_upto(MAX_CP) if c == 1 or seq_len // c >= MIN_CP_CHUNK]
@@ -192,29 +214,31 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -
             rp = resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
             first = i
             break
-        except (PlanError, ValueError):
-            failed.append(state)
+        except (PlanError, ValueError) as e:
+            failed.append((state, stats.rule(e)))
+    for _, rule in failed:
+        stats.refuse(rule)
     if rp is None:
-        stats.invalid += len(states)
         return None
     key0 = (fields["dp"], fields["ep"], fields["schedule"] in SPLIT_BACKWARD)
-    for state in failed:
-        state_ok[key0 + state] = False
-    state_ok[key0 + states[first]] = True
+    for state, rule in failed:
+        state_ok[key0 + state] = rule
+    state_ok[key0 + states[first]] = ""
     good = []
     for state in states[first:]:
         key = key0 + state
-        ok = state_ok.get(key)
-        if ok is None:
+        rule = state_ok.get(key)  # "": valid
+        if rule is None:
             try:
                 resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
-                ok = True
-            except (PlanError, ValueError):
-                ok = False
-            state_ok[key] = ok
-        if ok:
+                rule = ""
+            except (PlanError, ValueError) as e:
+                rule = stats.rule(e)
+            state_ok[key] = rule
+        if rule:
+            stats.refuse(rule)
+        else:
             good.append(state)
-    stats.invalid += len(states) - len(good)
     return Structure(fields, good, rp, extra)
 
 

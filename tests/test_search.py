@@ -559,6 +559,18 @@ def test_no_valid_plan_says_so_rather_than_that_nothing_fits(capsys):
     assert "no valid plan" in capsys.readouterr().out
 
 
+def test_no_valid_plan_names_the_rules_that_refused_the_most():
+    """One rule broken with different values counts as one: the fix that rules out every plan comes
+    first, with how many combinations it refused."""
+    res = search(*SMALL[:2], 16, seq_len=2048, fix={"tp": 1, "tp_overlap": True}, workers=1, progress=False)
+    assert res.candidates == 0 and res.refusals
+    top = res.refusals[0]
+    assert top["refusal"] == "tp_overlap=1 needs tp > 1, got tp=1"
+    assert sum(r["combinations"] for r in res.refusals) <= res.invalid == res.space
+    assert top["combinations"] > res.invalid / 2 and f"{top['combinations']:,} of {res.invalid:,}: {top['refusal']}" in res.format()
+    assert res.to_json()["refusals"] == res.refusals
+
+
 # --- parallel, repeat, Ray, Ctrl-C ----------------------------------------------------------------
 
 

@@ -196,10 +196,9 @@ class _RankLowering:
         # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
         # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
         self.split = p.schedule_name in SPLIT_BACKWARD
-        # tp_overlap: a column-parallel block's backward is its input-gradient pass, then the tp collective
-        # of that gradient, then the block's weight-gradient pass under it (`column_backward`)
-        self.inline_w = bool(p.tp_overlap)
-        self.pending_w: Optional[tuple] = None  # (wgrad args, what to free after it)
+        # tp_overlap: a column-parallel block's weight-gradient pass, held until the tp collective of its
+        # input gradients is issued (`column_backward`, `tp`): (its `compute` arguments, what to free after it)
+        self.pending_w: Optional[tuple] = None
         self.defer_to: Optional[tuple[int, int]] = None
         self.deferred: dict[tuple[int, int], list[Instr]] = {}
 
@@ -220,6 +219,7 @@ class _RankLowering:
         gradients need (`grad_out`) to the weight-gradient pass (`wgrad`), which frees them; so does a
         backward with `input_only` (tp_overlap's column-parallel blocks)."""
         name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
+        assert self.pending_w is None or phase == "wgrad", f"{name} before the pending weight pass {self.pending_w[0][:3]}"
         deps, self.wait = tuple(dict.fromkeys(self.wait)), []
         if phase == "wgrad":
             flops, nbytes, ws = b.wgrad_flops, b.wgrad_bytes, b.wgrad_tmp
@@ -295,13 +295,11 @@ class _RankLowering:
         the weight gradients wait for that collective to be issued (`tp`), as Megatron-LM's
         LinearWithGradAccumulationAndAsyncCommunication issues its all-reduce or reduce-scatter before
         the weight-gradient GEMM, and what that GEMM reads is freed after it."""
-        if not (self.inline_w and b.wgrad_flops):
+        if not (self.p.tp_overlap and b.wgrad_flops):
             self.compute_regathered(block, layer, mb, chunk, b, again, wait, release)
             after()
             return
-        if again and wait:
-            self.wait.append(again)
-        self.compute("bwd", block, layer, mb, chunk, b, input_only=True)
+        self.compute_regathered(block, layer, mb, chunk, b, again, wait, release=False, input_only=True)
 
         def weights_done() -> None:
             if again and release:
@@ -589,7 +587,7 @@ class _RankLowering:
                 self.layer_backward(unit, mb, c)
             self.defer_to = None
             if not self.split:
-                if self.inline_w and not self.p.sp:
+                if self.p.tp_overlap and not self.p.sp:
                     # the partial gradients the weight passes made after the tp collectives (under sp
                     # the unit's last norm's all-reduce, after them, carries them)
                     self.tp_partial_grads(unit, mb, c)
@@ -721,14 +719,14 @@ class _RankLowering:
         # rides the input gradient's all-reduce, or under sp the first norm's all-reduce (a reduce-scatter
         # would carry it in every slot)
         latent = self.rp.model.latent_params()
-        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split or self.inline_w else latent * self.grad_dt))
+        self.tp("attn_in", "bwd", l, mb, c, an.full_hidden_bytes + (0 if self.p.sp or self.split or self.p.tp_overlap else latent * self.grad_dt))
         if self.p.sp:
             self.compute("bwd", "norm1", l, mb, c, blocks["norm1"])
             self.release_saved(l, mb, "norm1", blocks["norm1"])
             if self.split:
                 self.memory("free", "activations", kept, f"act.input.L{l}.m{mb}")
             # under tp_overlap the weight passes before it made every partial gradient of the layer
-            self.norm_grads(l, mb, c, self.partial_params(l) if self.inline_w else self.rp.model.pre_norm_params() + latent)
+            self.norm_grads(l, mb, c, self.partial_params(l) if self.p.tp_overlap else self.rp.model.pre_norm_params() + latent)
 
     # --- sequence parallelism ------------------------------------------------------------------------
     def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:
@@ -755,12 +753,12 @@ class _RankLowering:
             self.memory("free", "activations", b.saved, f"act.L{l}.m{mb}.{name}")
 
     def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
-                           wait: bool = True, release: bool = True) -> None:
+                           wait: bool = True, release: bool = True, input_only: bool = False) -> None:
         """A backward block that reads a re-gathered input (`regather`): it waits for the gather,
         and the last reader frees its buffer."""
         if again and wait:
             self.wait.append(again)
-        name = self.compute("bwd", block, layer, mb, chunk, b)
+        name = self.compute("bwd", block, layer, mb, chunk, b, input_only=input_only)
         if again and release:
             self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(name,))
 

@@ -358,14 +358,22 @@ class _StructureBounds:
 
     def _bwd(self, blk) -> float:
         if self.split:
-            return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes)
+            return self._input_pass(blk)
         return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes)
+
+    def _input_pass(self, blk) -> float:
+        """A block's backward without its weight gradients (`bwd` of a split backward)."""
+        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes)
+
+    def _weight_pass(self, blk) -> float:
+        """A block's weight gradients alone (`wgrad` of a split backward)."""
+        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
 
     def _wgrad(self, blk) -> float:
         """A block's weight-gradient pass (zero-bubble schedules only)."""
         if not (self.split and blk.wgrad_flops):
             return 0.0
-        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
+        return self._weight_pass(blk)
 
     def _column_bwd(self, blk, block: str, rank: int) -> float:
         """A column-parallel block's backward and the tp collective of its input gradient after it.
@@ -374,16 +382,16 @@ class _StructureBounds:
         c = self._tp(block, 1, rank)
         if not (self.p.tp_overlap and blk.wgrad_flops):
             return self._bwd(blk) + c
-        w = self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
+        w = self._weight_pass(blk)
         self._k -= min(c, w)  # the collective's seconds under the weight pass are not waited for
-        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes) + max(w, c)
+        return self._input_pass(blk) + max(w, c)
 
     def _closing(self, blk, block: str, rank: int) -> float:
         """What of the tp collective after a column-parallel block's backward outlasts its compute."""
         c = self._tp(block, 1, rank)
         if not (self.p.tp_overlap and blk.wgrad_flops):
             return c
-        return max(0.0, c - self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes))
+        return max(0.0, c - self._weight_pass(blk))
 
     def _tp(self, block: str, bwd: int, rank: int) -> float:
         verb = _TP_OPS[block][self.sp][bwd]

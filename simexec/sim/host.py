@@ -382,10 +382,11 @@ def weight_pass_calls(block: str, model, sp: bool) -> int:
     return 1 + int(bias)
 
 
-def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...] = WEIGHT_BLOCKS) -> dict[str, int]:
+def split_backward_table(table: dict[str, int], key: str,
+                         blocks: tuple[str, ...] = WEIGHT_BLOCKS + ("embed",)) -> dict[str, int]:
     """`table` (for dispatch key `key`) with each of `blocks`' backward split into `bwd` (input
-    gradients) and `wgrad`; under a zero-bubble schedule (every weight-bearing block) the
-    embedding's backward is all weight pass."""
+    gradients) and `wgrad` (by default every weight-bearing block, a zero-bubble schedule's split);
+    the embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
     counted = {b: n for b, n in SPLIT_OPS.get(family, {}).items() if not (adders and b == "qkv")}
@@ -395,7 +396,7 @@ def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...
             continue
         w = min(table.get(f"fwd.{block}", whole), whole)
         out[f"bwd.{block}"], out[f"wgrad.{block}"] = counted.get(block, (whole - w, w))
-    if "bwd.embed" in table and blocks is WEIGHT_BLOCKS:
+    if "bwd.embed" in table and "embed" in blocks:
         out["wgrad.embed"] = table["bwd.embed"]
     return out
 

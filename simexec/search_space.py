@@ -38,7 +38,7 @@ dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP
                    node, replicate across), when that is a proper divisor of dp
 offload            none; optimizer (zero >= 1, ZeRO-Offload builds on ZeRO); optimizer+params
                    (zero = 3)
-mbs                1, 2, 4, 8 (dividing gbs/dp)
+mbs                1, 2, 4, 8, 16 (dividing gbs/dp; Megatron-LM ran its smaller Table 1 models at 16)
 recompute          none, selective, full
 recompute_layers   all layers, or half of the layers of a virtual stage (recompute only as much
                    as memory needs, as YaFSDP advises; the lowering counts them per stage)
@@ -81,7 +81,7 @@ from simexec.model import ModelSpec
 from simexec.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
 from simexec.schedules import SPLIT_BACKWARD
 
-MBS = (1, 2, 4, 8)
+MBS = (1, 2, 4, 8, 16)
 MIN_CP_CHUNK = 1024
 MAX_CP = 32
 MAX_VPP = 8

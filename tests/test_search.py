@@ -119,7 +119,7 @@ def test_space_covers_every_knob():
     assert {p.vpp for p in ps if p.schedule in ("zb-v", "dualpipev")} == {2}
     assert seen["zero"] == {0, 1, 2, 3} and seen["zero_impl"] == {None, "yafsdp"}
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
-    assert seen["mbs"] == {1, 2, 4, 8} and seen["recompute"] == {"none", "selective", "full"}
+    assert seen["mbs"] == {1, 2, 4, 8, 16} and seen["recompute"] == {"none", "selective", "full"}
     assert seen["recompute_layers"] - {None}
     assert None in seen["stages"] and seen["stages"] - {None}  # the even split and the balanced one
 

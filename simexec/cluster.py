@@ -197,6 +197,8 @@ class ClusterSpec(_Spec):
 #   (nccl-tests all_reduce_perf, 8 GPUs, 1 GiB messages) -> ~0.78-0.82.
 # - InfiniBand: ~90% of line rate (nccl-tests busbw across nodes, ~23 GB/s per HDR 200 Gb/s NIC).
 # - PCIe pinned copies ~80% of link rate (cudaMemcpy bandwidthTest).
+# - Compute beside communication (`overlap_slowdown` 1.05): not from a measurement; NCCL's share of
+#   the SMs suggests 1.14-1.22 (docs/validation.md, finding 9).
 _A100_COSTS = CostParams(
     gemm_eff=0.75, gemm_half_flops=1.0e9, attention_eff=0.62, attention_half_flops=1.0e9,
     memory_eff=0.85, intra_bw_eff=0.78, inter_bw_eff=0.90, host_link_eff=0.80,

@@ -99,7 +99,7 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences)")
         p.add_argument("--top", type=int, default=10, help="how many plans to print")
         p.add_argument("--objective", choices=("throughput", "memory"), default="throughput")
-        p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4")
+        p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4; a|b leaves a choice, e.g. \"tp=4|8,zero=0|1\"")
         p.add_argument("--against", default=None, metavar="PLAN",
                        help="a plan of yours (e.g. the one you run): where it ranks and why the best beats it")
         p.add_argument("--profile", default=None, help="hardware profile JSON")

@@ -41,7 +41,7 @@ from simexec.search_bounds import Bounds, Candidate
 from simexec.search_report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
                                    sort_key)
 from simexec.search_runners import Context, evaluate, make_runner
-from simexec.search_space import SpaceStats, search_world, structures
+from simexec.search_space import ALTERNATIVE_KEYS, AnyOf, SpaceStats, search_world, structures
 
 WAVE = 16  # plans simulated between two pruning decisions (fixed: results must not depend on workers)
 PARETO_WINDOW = 0.0  # the Pareto front is exact over plans as fast as the K-th best (widen: pareto_window)
@@ -74,9 +74,13 @@ def normalize_fix(fix: Optional[dict], where: str = "fix") -> dict:
     if not fix:
         return {}
     fields: dict[str, Any] = {}
+    choices: dict[str, AnyOf] = {}
     for key, val in fix.items():
         if key not in Plan.model_fields:
             raise PlanError(f"{where}: unknown key {key!r}; keys: {', '.join(Plan.model_fields)}")
+        if isinstance(val, AnyOf) or (isinstance(val, str) and "|" in val):
+            choices[key] = _alternatives(key, val, where)
+            continue
         if isinstance(val, str) and val.strip().lower() in ("none", "null", "") and key in _OPTIONAL:
             fields[key] = None
             continue
@@ -88,7 +92,29 @@ def normalize_fix(fix: Optional[dict], where: str = "fix") -> dict:
         fields[key] = val
     typed = {k: v for k, v in fields.items() if v is not None}
     plan = _validate_fields(dict(typed), where)  # types and ranges, one-line PlanError
-    return {k: (getattr(plan, k) if fields[k] is not None else None) for k in fields}
+    out = {k: (getattr(plan, k) if fields[k] is not None else None) for k in fields}
+    for key, alts in choices.items():  # one distinct value is a plain pin
+        out[key] = alts if len(alts) > 1 else alts[0]
+    return {k: out[k] for k in fix}
+
+
+def _alternatives(key: str, val: Any, where: str) -> AnyOf:
+    """`4|8` (or an AnyOf) for `key`: each value typed and checked as a pin of its own, repeats dropped."""
+    if key not in ALTERNATIVE_KEYS:
+        raise PlanError(f"{where}: {key} takes one value; alternatives (a|b) are for the knobs the search "
+                        f"enumerates: {', '.join(sorted(ALTERNATIVE_KEYS))}")
+    items = [v.strip() for v in val.split("|")] if isinstance(val, str) else list(val)
+    if not items or any(v == "" for v in items):
+        raise PlanError(f"{where}: {key}={val!r} has an empty alternative")
+    typed = []
+    for v in items:
+        if v is None or (isinstance(v, str) and v.lower() in ("none", "null")):
+            if key not in _OPTIONAL:
+                raise PlanError(f"{where}: {key} cannot be none")
+            typed.append(None)
+        else:
+            typed.append(getattr(_validate_fields({key: v}, f"{where}, alternative {v!r}"), key))
+    return AnyOf(dict.fromkeys(typed))
 
 
 

@@ -7,6 +7,7 @@ from typing import Optional
 
 from simexec.cluster import GiB
 from simexec.plan import Plan, parse_plan
+from simexec.search_space import AnyOf
 
 
 def objective_attr(objective: str) -> str:
@@ -251,7 +252,12 @@ class SearchResult:
 
 
 def _fix_str(fix: dict) -> str:
-    return ",".join(f"{k}={_fmt_val(v) if not isinstance(v, tuple) else ','.join(map(str, v))}" for k, v in fix.items())
+    """As --fix takes it: stages as a list, alternatives joined by |."""
+    def val(v) -> str:
+        if isinstance(v, AnyOf):
+            return "|".join(_fmt_val(x) for x in v)
+        return ",".join(map(str, v)) if isinstance(v, tuple) else _fmt_val(v)
+    return ",".join(f"{k}={val(v)}" for k, v in fix.items())
 
 
 def _table(rows: list[dict], rank: bool = True) -> str:

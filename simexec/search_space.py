@@ -52,7 +52,8 @@ grad_fp32 and master_grads (Megatron-LM's gradient layout: more bytes per parame
 traffic), grad_allreduce (DeepSpeed's bf16 ZeRO-1: twice the gradient traffic); and param_overlap
 (Megatron-LM's parameter all-gathers in the next forward), which, like grad_overlap, stays as the plan
 has it unless `fix` sets it. `fix` pins any field of `Plan` to one value, inside or
-outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...).
+outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...), and leaves an enumerated knob
+but gbs and stages a choice of its own values instead (`AnyOf`: `tp=4|8`, `zero=0|1`, `recompute_layers=none|8`).
 
 The space factors into *structures* (everything that shapes the compute and the activations: tp,
 sp, cp, pp, vpp, schedule, ep, mbs, recompute) times *state variants* (how model states are kept:
@@ -154,18 +155,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+class AnyOf(tuple):
+    """A `fix` value that leaves the search a choice among several (`--fix "tp=4|8"`): the space
+    enumerates these values of the knob instead of its own list."""
+
+
+# the enumerated knobs a fix may give alternatives for (gbs is the search's, stages a value of its own)
+ALTERNATIVE_KEYS = ENUMERATED - {"gbs", "stages"}
+
+
 def search_world(cluster: ClusterSpec, fix: dict) -> int:
     """World size the search fills: the cluster's, or for a cluster sized to the plan, what `fix` pins
     (dp*tp*cp*pp) or one rank per host core."""
     if not cluster.sized_to_plan:
         return cluster.world_size
-    if all(fix.get(k) is not None for k in ("dp", "tp", "cp", "pp")):
+    if all(fix.get(k) is not None and not isinstance(fix[k], AnyOf) for k in ("dp", "tp", "cp", "pp")):
         return fix["dp"] * fix["tp"] * fix["cp"] * fix["pp"]
     return cluster.node.cpu_cores
 
 
 def _choices(fix: dict, key: str, default: list) -> list:
-    return [fix[key]] if key in fix else default
+    """The values of a knob to enumerate: what `fix` pins or allows, else the space's own."""
+    if key not in fix:
+        return default
+    val = fix[key]
+    return list(val) if isinstance(val, AnyOf) else [val]
 
 
 def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
@@ -194,7 +208,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
                 if pp <= 0 or rest % pp:
                     continue
                 dp = rest // pp
-                if fix.get("dp") is not None and fix["dp"] != dp:
+                if fix.get("dp") is not None and dp not in _choices(fix, "dp", [dp]):
                     continue
                 for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
                     states = _state_variants(fix, dp, tp, cp, gpn)
@@ -286,7 +300,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
                         for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
                             if "recompute_layers" in fix:
-                                rls = [fix["recompute_layers"]]
+                                rls = _choices(fix, "recompute_layers", [])
                             elif recompute == "none":
                                 rls = [None]
                             else:
@@ -320,20 +334,20 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
 
 def _state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
     if "zero" in fix:
-        zeros = [(fix["zero"], fix.get("zero_impl"))]
+        zeros = [(z, impl) for z in _choices(fix, "zero", []) for impl in _choices(fix, "zero_impl", [None])]
     elif "zero_impl" in fix:
-        zeros = [(3, fix["zero_impl"])]
+        zeros = [(3, impl) for impl in _choices(fix, "zero_impl", [])]
     else:
         zeros = [zv for zv in ZERO_VARIANTS if zv[0] == 0 or dp > 1]
     node_shard = gpn // (tp * cp) if gpn % (tp * cp) == 0 else 0
     out = []
     for zero, zero_impl in zeros:
         if "dp_shard" in fix:
-            shards = [fix["dp_shard"]]
+            shards = _choices(fix, "dp_shard", [])
         else:
             shards = [None] + ([node_shard] if zero == 3 and 1 < node_shard < dp and dp % node_shard == 0 else [])
         if "offload" in fix:
-            offloads = [fix["offload"]]
+            offloads = _choices(fix, "offload", [])
         else:
             offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
         for dp_shard in shards:

@@ -289,15 +289,20 @@ class _RMSNorm(torch.autograd.Function):
     def backward(ctx, g: Tensor):
         # in place where it can be, with the operators of the plain formula (the dispatch tables,
         # simexec.sim.host, count them): at most three input-sized buffers beside g, as near as
-        # eager operators come to a fused kernel's none
+        # eager operators come to a fused kernel's none; a split backward's input pass computes no
+        # weight gradient, its weight pass no input gradient
         x, rstd, w = ctx.saved_tensors
+        want_x = ctx.needs_input_grad[0] and SplitPass.now != "weight"
+        want_w = ctx.needs_input_grad[1] and SplitPass.now != "input"
         xhat = _opmath(x) * rstd
-        gx = _opmath(g) * xhat
-        gw = gx.reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
-        torch.mul(_opmath(g), _opmath(w), out=gx)
-        dot = (gx * xhat).mean(-1, keepdim=True)
-        dx = gx.sub_(xhat.mul_(dot)).mul_(rstd)
-        return dx.to(x.dtype), gw, None
+        gw = dx = None
+        if want_w:
+            gw = (_opmath(g) * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
+        if want_x:
+            gx = torch.mul(_opmath(g), _opmath(w))
+            dot = (gx * xhat).mean(-1, keepdim=True)
+            dx = gx.sub_(xhat.mul_(dot)).mul_(rstd).to(x.dtype)
+        return dx, gw, None
 
 
 def _opmath(t: Tensor) -> Tensor:

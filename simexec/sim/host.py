@@ -354,7 +354,7 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
 # the whole backward's for the input-gradient pass.
 SPLIT_OPS = {
     "layernorm-mlp-pos-bias": {"qkv": (26, 21), "proj": (4, 6), "fc1": (7, 9), "fc2": (4, 6)},
-    "rmsnorm-swiglu-rope": {"proj": (4, 3), "fc1": (30, 17), "fc2": (4, 3)},
+    "rmsnorm-swiglu-rope": {"proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3)},
 }
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
 # tp_overlap splits only the column-parallel blocks' backwards (`simexec.lower`, `column_backward`)

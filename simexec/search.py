@@ -59,7 +59,8 @@ def parse_fix(text: str) -> dict:
     """`tp=8,pp=4,recompute=full` -> {"tp": 8, "pp": 4, "recompute": "full"}, typed as `Plan` types them.
 
     Any `Plan` field may be pinned; `none` unsets an optional one (`recompute_layers=none`);
-    `stages=` takes every following bare integer, as in plan strings. Raises PlanError on bad input.
+    `stages=` takes every following bare integer, as in plan strings. A knob the space enumerates
+    may take alternatives, `tp=4|8` -> {"tp": AnyOf((4, 8))}. Raises PlanError on bad input.
     """
     if not isinstance(text, str):
         raise PlanError(f"--fix takes key=value pairs, got {text!r}")
@@ -131,7 +132,8 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
     top: plans to return; objective: "throughput" (shortest step) or "memory" (smallest peak);
-    fix: plan fields pinned to one value (see `parse_fix`); profile: a calibrated profile, as for
+    fix: plan fields pinned to one value, or knobs the space enumerates to a choice (`AnyOf`; see
+    `parse_fix`); profile: a calibrated profile, as for
     `simulate`; ray_address: run the simulations as Ray tasks on that cluster ("auto", an address,
     or "local" to start a Ray instance here) instead of local processes; workers: local processes
     (default: the CPU count; 1 = in this process); progress: a progress bar on stderr.

@@ -1119,7 +1119,7 @@ def test_zero_bubble_split_counts_match_the_executor(model):
     got = count_dispatch_plan(model, "pp=2,gbs=4,dtype=fp32,schedule=zb-h1")
     key = dispatch_key(get_model(model))
     table = split_backward_table(dispatch_table(key), key)
-    blocks = ("qkv", "proj", "fc1", "fc2") if "gqa" not in key else ("proj", "fc1", "fc2")
+    blocks = ("qkv", "proj", "fc1", "fc2")
     for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")] + ["wgrad.embed"]:
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
     assert "bwd.embed" not in got

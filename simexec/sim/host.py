@@ -346,15 +346,15 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
 
 # A zero-bubble schedule's split backward (`simexec.exec.weight_grads`): operators of a block's
 # (input-gradient pass, weight pass), counted in fp32 as DISPATCH is, with count_dispatch_plan on
-# gpt-tiny and on tests/data/window-tiny.yaml (its qkv left out: grouped heads add operators), pp=2,
-# schedule=zb-h1
+# gpt-tiny and on tests/data/window-tiny.yaml (grouped heads; its qkv counts the same with kv_heads =
+# heads), pp=2, schedule=zb-h1
 # (tests/test_calibrate.py holds them to the executor). A weight pass dispatches about three
 # operators per parameter tensor (the weight-gradient GEMM or reduction, its transpose, its
 # accumulation). Blocks not counted take their forward's count for the weight pass and the rest of
 # the whole backward's for the input-gradient pass.
 SPLIT_OPS = {
     "layernorm-mlp-pos-bias": {"qkv": (26, 21), "proj": (4, 6), "fc1": (7, 9), "fc2": (4, 6)},
-    "rmsnorm-swiglu-rope": {"proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3)},
+    "rmsnorm-swiglu-rope": {"qkv": (47, 14), "proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3)},
 }
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
 # tp_overlap splits only the column-parallel blocks' backwards (`simexec.lower`, `column_backward`)
@@ -389,7 +389,8 @@ def split_backward_table(table: dict[str, int], key: str,
     the embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
-    counted = {b: n for b, n in SPLIT_OPS.get(family, {}).items() if not (adders and b == "qkv")}
+    # q/k norms and MLA add operators (and parameters) to qkv; grouped heads add none there
+    counted = {b: n for b, n in SPLIT_OPS.get(family, {}).items() if not (adders - {"gqa"} and b == "qkv")}
     for block in blocks:
         whole = table.get(f"bwd.{block}")
         if whole is None:

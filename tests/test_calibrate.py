@@ -1123,3 +1123,29 @@ def test_zero_bubble_split_counts_match_the_executor(model):
     for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")] + ["wgrad.embed"]:
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
     assert "bwd.embed" not in got
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml"])
+@pytest.mark.parametrize("plan", ["tp=2,gbs=4,dtype=fp32,tp_overlap=1", "tp=2,sp=1,gbs=4,dtype=fp32,tp_overlap=1",
+                                  "pp=2,vpp=2,gbs=4,dtype=fp32,schedule=zb-v"])
+def test_split_counts_of_column_blocks_and_head_match_the_executor(model, plan, tmp_path):
+    """tp_overlap splits the column-parallel blocks (`SPLIT_OPS`, under sp `SPLIT_OPS_SP`); a V's first
+    rank holds the head, whose zero-bubble split rank 0 then counts. Within two operators: qkv's input
+    pass counts two fewer at tp 2 than at tp 1."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.model import get_model
+    from simexec.plan import parse_plan
+    from simexec.sim.host import COLUMN_BLOCKS, dispatch_key, dispatch_table, split_backward_table
+
+    if model.endswith(".yaml"):  # four layers, for the V's two chunks per rank
+        text = (ROOT / model).read_text().replace("layers: 2", "layers: 4")
+        model = str(tmp_path / "window4.yaml")
+        Path(model).write_text(text)
+    p = parse_plan(plan)
+    got = count_dispatch_plan(model, plan)
+    key = dispatch_key(get_model(model))
+    table = dispatch_table(key, sp=p.sp)
+    table = split_backward_table(table, key, COLUMN_BLOCKS, sp=p.sp) if p.tp_overlap else split_backward_table(table, key)
+    blocks = ("qkv", "fc1", "head") if p.tp_overlap else ("head",)
+    for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")]:
+        assert abs(table[k] - got[k]) <= 2, (k, table[k], got[k])

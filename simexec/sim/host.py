@@ -353,8 +353,15 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
 # accumulation). Blocks not counted take their forward's count for the weight pass and the rest of
 # the whole backward's for the input-gradient pass.
 SPLIT_OPS = {
-    "layernorm-mlp-pos-bias": {"qkv": (26, 21), "proj": (4, 6), "fc1": (7, 9), "fc2": (4, 6)},
-    "rmsnorm-swiglu-rope": {"qkv": (47, 14), "proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3)},
+    "layernorm-mlp-pos-bias": {"qkv": (26, 21), "proj": (4, 6), "fc1": (7, 9), "fc2": (4, 6), "head": (5, 6)},
+    "rmsnorm-swiglu-rope": {"qkv": (47, 14), "proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3), "head": (11, 8)},
+}
+# The head's counted with schedule=zb-v (its first rank holds the head), tp_overlap's at tp 2 alike.
+# Under sequence parallelism (only tp_overlap splits then) the norms are blocks of their own and the
+# column-parallel GEMMs' autograd function is sp's: counted at tp=2,sp=1,tp_overlap=1.
+SPLIT_OPS_SP = {
+    "layernorm-mlp-pos-bias": {"qkv": (24, 24), "fc1": (5, 8), "head": (5, 5)},
+    "rmsnorm-swiglu-rope": {"qkv": (37, 15), "fc1": (19, 10), "head": (5, 5)},
 }
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
 # tp_overlap splits only the column-parallel blocks' backwards (`simexec.lower`, `column_backward`)
@@ -383,14 +390,15 @@ def weight_pass_calls(block: str, model, sp: bool) -> int:
 
 
 def split_backward_table(table: dict[str, int], key: str,
-                         blocks: tuple[str, ...] = WEIGHT_BLOCKS + ("embed",)) -> dict[str, int]:
+                         blocks: tuple[str, ...] = WEIGHT_BLOCKS + ("embed",), sp: bool = False) -> dict[str, int]:
     """`table` (for dispatch key `key`) with each of `blocks`' backward split into `bwd` (input
-    gradients) and `wgrad` (by default every weight-bearing block, a zero-bubble schedule's split);
-    the embedding's backward is all weight pass."""
+    gradients) and `wgrad` (by default every weight-bearing block, a zero-bubble schedule's split;
+    `sp`: the blocks of sequence parallelism); the embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
     # q/k norms and MLA add operators (and parameters) to qkv; grouped heads add none there
-    counted = {b: n for b, n in SPLIT_OPS.get(family, {}).items() if not (adders - {"gqa"} and b == "qkv")}
+    counted = {b: n for b, n in (SPLIT_OPS_SP if sp else SPLIT_OPS).get(family, {}).items()
+               if not (adders - {"gqa"} and b == "qkv")}
     for block in blocks:
         whole = table.get(f"bwd.{block}")
         if whole is None:
@@ -530,7 +538,7 @@ class HostCosts:
         if split:
             self.table = split_backward_table(self.table, key.split("/")[0])
         elif plan is not None and plan.tp_overlap:
-            self.table = split_backward_table(self.table, key.split("/")[0], COLUMN_BLOCKS)
+            self.table = split_backward_table(self.table, key.split("/")[0], COLUMN_BLOCKS, sp=plan.sp)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         # main gradients: which phase makes the weight gradients, and each block's count of them
         self.main_grads = plan is not None and bool(plan.grad_fp32) and dtype != "fp32"

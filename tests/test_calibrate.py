@@ -436,8 +436,8 @@ def test_sequence_parallel_block_counts_match_the_executor(model):
     from simexec.model import get_model
     from simexec.sim.host import dispatch_key, dispatch_table
 
-    got = count_dispatch_plan(model, "tp=2,sp=1,gbs=2")
-    table = dispatch_table(dispatch_key(get_model(model)), sp=True)
+    got = count_dispatch_plan(model, "tp=2,sp=1,gbs=2")  # bf16, the plans' default
+    table = dispatch_table(dispatch_key(get_model(model)), sp=True, dtype="bf16")
     blocks = ("norm1", "norm2", "norm", "qkv", "head") + (("router", "moe_out") if model == "moe-tiny" else ("fc1",))
     diff = {k: (table[k], got[k]) for b in blocks for k in (f"fwd.{b}", f"bwd.{b}") if abs(table[k] - got[k]) > 1}
     assert not diff, diff
@@ -1123,6 +1123,25 @@ def test_zero_bubble_split_counts_match_the_executor(model):
     for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")] + ["wgrad.embed"]:
         assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
     assert "bwd.embed" not in got
+
+
+@pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml"])
+@pytest.mark.parametrize("plan", ["tp=2,sp=1,gbs=4,dtype=fp32", "gbs=2,dtype=bf16", "gbs=2,dtype=fp32"])
+def test_counts_in_both_types_match_the_executor(model, plan):
+    """The tables count fp32; under 16-bit types RMSNorm's fp32 casts and the logits' add operators
+    (`HALF_NORM_CAST_OPS`, `HALF_HEAD_CAST_OPS`), with sp or without."""
+    from simexec.exec.microbench import count_dispatch_plan
+    from simexec.model import get_model
+    from simexec.plan import parse_plan
+    from simexec.sim.host import dispatch_key, dispatch_table
+
+    model = str(ROOT / model) if model.endswith(".yaml") else model
+    p = parse_plan(plan)
+    got = count_dispatch_plan(model, plan)
+    table = dispatch_table(dispatch_key(get_model(model)), sp=p.sp, dtype=p.dtype)
+    blocks = ("norm1", "norm2", "norm", "qkv", "fc1", "head") if p.sp else ("qkv", "fc1", "head")
+    for k in [f"{phase}.{b}" for b in blocks for phase in ("fwd", "bwd")]:
+        assert abs(table[k] - got[k]) <= 1, (k, table[k], got[k])
 
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml"])

@@ -160,18 +160,25 @@ CP_ATTN_OPS = {
 # head) and gives the column-parallel GEMMs a custom autograd function that saves the weight, not the
 # gathered input (re-gathered for the backward): counted on gpt-tiny, moe-tiny, moe-tiny with 0 and 2
 # shared experts and a shrunk llama3-8b at tp 2 (`count_dispatch_plan`), the same at micro-batch 1
-# and 2. MoE's shared experts then cost (fixed, per shared expert) as MOE_LOOP_OPS.
+# and 2, in fp32 (16-bit types: HALF_NORM_CAST_OPS). MoE's shared experts then cost (fixed, per
+# shared expert) as MOE_LOOP_OPS.
 SP_OPS: dict[str, dict[str, int]] = {
     "layernorm-mlp-pos-bias": {
         "fwd.norm1": 3, "fwd.norm2": 3, "fwd.norm": 3, "bwd.norm1": 5, "bwd.norm2": 5, "bwd.norm": 4,
-        "fwd.qkv": 23, "bwd.qkv": 49, "fwd.fc1": 8, "bwd.fc1": 14, "fwd.head": 9, "bwd.head": 11,
+        "fwd.qkv": 23, "bwd.qkv": 49, "fwd.fc1": 8, "bwd.fc1": 14, "fwd.head": 8, "bwd.head": 10,
     },
     "rmsnorm-swiglu-rope": {
-        "fwd.norm1": 10, "fwd.norm2": 10, "fwd.norm": 10, "bwd.norm1": 19, "bwd.norm2": 19, "bwd.norm": 18,
-        "fwd.qkv": 34, "bwd.qkv": 53, "fwd.fc1": 11, "bwd.fc1": 29, "fwd.head": 9, "bwd.head": 11,
+        "fwd.norm1": 8, "fwd.norm2": 8, "fwd.norm": 8, "bwd.norm1": 13, "bwd.norm2": 13, "bwd.norm": 12,
+        "fwd.qkv": 34, "bwd.qkv": 53, "fwd.fc1": 11, "bwd.fc1": 29, "fwd.head": 8, "bwd.head": 10,
         "fwd.router": 18, "bwd.router": 28,
     },
 }
+# Every table counts fp32. Under 16-bit types the executor's RMSNorm (`simexec.exec.model._RMSNorm`)
+# normalises in fp32, whose casts add operators to each block that holds one (the norms of their own
+# under sp, else the blocks they open: qkv, fc1 or the router, the head), and the head casts its
+# logits: counted on tests/data/window-tiny.yaml, moe-tiny and gpt-tiny in bf16 against fp32.
+HALF_NORM_CAST_OPS = {"fwd": 2, "bwd": 6}
+HALF_HEAD_CAST_OPS = {"fwd": 1, "bwd": 1}
 SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 # a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
@@ -273,6 +280,14 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
     for ops in extra:
         for block, n in ops.items():
             table[block] += n
+    if dtype in ("bf16", "fp16"):
+        norms = ("norm1", "norm2", "norm") if sp else ("qkv", "fc1", "router", "head")
+        for block in norms if key.startswith("rmsnorm") else ():
+            for phase, n in HALF_NORM_CAST_OPS.items():
+                if f"{phase}.{block}" in table:
+                    table[f"{phase}.{block}"] += n
+        for phase, n in HALF_HEAD_CAST_OPS.items():
+            table[f"{phase}.head"] += n
     return table
 
 

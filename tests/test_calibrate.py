@@ -1146,7 +1146,8 @@ def test_counts_in_both_types_match_the_executor(model, plan):
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml"])
 @pytest.mark.parametrize("plan", ["tp=2,gbs=4,dtype=fp32,tp_overlap=1", "tp=2,sp=1,gbs=4,dtype=fp32,tp_overlap=1",
-                                  "pp=2,vpp=2,gbs=4,dtype=fp32,schedule=zb-v"])
+                                  "pp=2,vpp=2,gbs=4,dtype=fp32,schedule=zb-v", "tp=2,gbs=4,dtype=bf16,tp_overlap=1",
+                                  "pp=2,vpp=2,gbs=4,dtype=bf16,schedule=zb-v"])
 def test_split_counts_of_column_blocks_and_head_match_the_executor(model, plan, tmp_path):
     """tp_overlap splits the column-parallel blocks (`SPLIT_OPS`, under sp `SPLIT_OPS_SP`); a V's first
     rank holds the head, whose zero-bubble split rank 0 then counts. Within two operators: qkv's input
@@ -1163,8 +1164,9 @@ def test_split_counts_of_column_blocks_and_head_match_the_executor(model, plan, 
     p = parse_plan(plan)
     got = count_dispatch_plan(model, plan)
     key = dispatch_key(get_model(model))
-    table = dispatch_table(key, sp=p.sp)
-    table = split_backward_table(table, key, COLUMN_BLOCKS, sp=p.sp) if p.tp_overlap else split_backward_table(table, key)
+    table = dispatch_table(key, sp=p.sp, dtype=p.dtype)
+    table = (split_backward_table(table, key, COLUMN_BLOCKS, sp=p.sp, dtype=p.dtype) if p.tp_overlap
+             else split_backward_table(table, key, dtype=p.dtype))
     blocks = ("qkv", "fc1", "head") if p.tp_overlap else ("head",)
     for k in [f"{phase}.{b}" for b in blocks for phase in ("bwd", "wgrad")]:
         assert abs(table[k] - got[k]) <= 2, (k, table[k], got[k])

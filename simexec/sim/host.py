@@ -179,6 +179,9 @@ SP_OPS: dict[str, dict[str, int]] = {
 # logits: counted on tests/data/window-tiny.yaml, moe-tiny and gpt-tiny in bf16 against fp32.
 HALF_NORM_CAST_OPS = {"fwd": 2, "bwd": 6}
 HALF_HEAD_CAST_OPS = {"fwd": 1, "bwd": 1}
+# ... and in a split backward (counted as SPLIT_OPS, in bf16): the norm's input pass 4, its weight
+# pass 3 (both read the input in fp32); the logits' cast in the head's input pass
+HALF_NORM_SPLIT_CAST_OPS = {"bwd": 4, "wgrad": 3}
 SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 # a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
@@ -404,22 +407,29 @@ def weight_pass_calls(block: str, model, sp: bool) -> int:
     return 1 + int(bias)
 
 
-def split_backward_table(table: dict[str, int], key: str,
-                         blocks: tuple[str, ...] = WEIGHT_BLOCKS + ("embed",), sp: bool = False) -> dict[str, int]:
-    """`table` (for dispatch key `key`) with each of `blocks`' backward split into `bwd` (input
-    gradients) and `wgrad` (by default every weight-bearing block, a zero-bubble schedule's split;
-    `sp`: the blocks of sequence parallelism); the embedding's backward is all weight pass."""
+def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...] = WEIGHT_BLOCKS + ("embed",),
+                         sp: bool = False, dtype: str = "fp32") -> dict[str, int]:
+    """`table` (for dispatch key `key`, in `dtype`) with each of `blocks`' backward split into `bwd`
+    (input gradients) and `wgrad` (by default every weight-bearing block, a zero-bubble schedule's
+    split; `sp`: the blocks of sequence parallelism); the embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
     # q/k norms and MLA add operators (and parameters) to qkv; grouped heads add none there
     counted = {b: n for b, n in (SPLIT_OPS_SP if sp else SPLIT_OPS).get(family, {}).items()
                if not (adders - {"gqa"} and b == "qkv")}
+    half = dtype in ("bf16", "fp16")
     for block in blocks:
         whole = table.get(f"bwd.{block}")
         if whole is None:
             continue
         w = min(table.get(f"fwd.{block}", whole), whole)
-        out[f"bwd.{block}"], out[f"wgrad.{block}"] = counted.get(block, (whole - w, w))
+        b_ops, w_ops = counted.get(block, (whole - w, w))
+        if half and block in counted:  # the counts are fp32's: add the casts of the norm the block holds
+            if not sp and family.startswith("rmsnorm") and block in ("qkv", "fc1", "router", "head"):
+                b_ops, w_ops = b_ops + HALF_NORM_SPLIT_CAST_OPS["bwd"], w_ops + HALF_NORM_SPLIT_CAST_OPS["wgrad"]
+            if block == "head":
+                b_ops += HALF_HEAD_CAST_OPS["bwd"]
+        out[f"bwd.{block}"], out[f"wgrad.{block}"] = b_ops, w_ops
     if "bwd.embed" in table and "embed" in blocks:
         out["wgrad.embed"] = table["bwd.embed"]
     return out
@@ -551,9 +561,9 @@ class HostCosts:
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
         split = plan is not None and plan.schedule_name in SPLIT_BACKWARD
         if split:
-            self.table = split_backward_table(self.table, key.split("/")[0])
+            self.table = split_backward_table(self.table, key.split("/")[0], dtype=dtype)
         elif plan is not None and plan.tp_overlap:
-            self.table = split_backward_table(self.table, key.split("/")[0], COLUMN_BLOCKS, sp=plan.sp)
+            self.table = split_backward_table(self.table, key.split("/")[0], COLUMN_BLOCKS, sp=plan.sp, dtype=dtype)
         self.master_grads = bool(plan.master_grads) if plan is not None else False
         # main gradients: which phase makes the weight gradients, and each block's count of them
         self.main_grads = plan is not None and bool(plan.grad_fp32) and dtype != "fp32"

@@ -372,8 +372,15 @@ def dispatch_clock(machine, program: Program) -> Optional[tuple[list[float], lis
 # the whole backward's for the input-gradient pass.
 SPLIT_OPS = {
     "layernorm-mlp-pos-bias": {"qkv": (26, 21), "proj": (4, 6), "fc1": (7, 9), "fc2": (4, 6), "head": (5, 6)},
-    "rmsnorm-swiglu-rope": {"qkv": (47, 14), "proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3), "head": (11, 8)},
+    "rmsnorm-swiglu-rope": {"qkv": (47, 14), "proj": (4, 3), "fc1": (27, 11), "fc2": (4, 3), "head": (11, 8),
+                            "router": (27, 8)},
 }
+# q/k norms add to qkv's passes (tests/data/qk-norm-tiny.yaml); MoE models take their dense family's
+# counts, the router's counted on moe-tiny
+QKNORM_SPLIT_OPS = (14, 11)
+# the MoE output block's split, (fixed, per shared expert) of each pass: counted on moe-tiny with 0, 1
+# and 2 shared experts (input pass 14, 26, 43; weight pass 0, 9, 18)
+MOE_OUT_SPLIT_OPS = {"bwd": (14, 14), "wgrad": (0, 9)}
 # The head's counted with schedule=zb-v (its first rank holds the head), tp_overlap's at tp 2 alike.
 # Under sequence parallelism (only tp_overlap splits then) the norms are blocks of their own and the
 # column-parallel GEMMs' autograd function is sp's: counted at tp=2,sp=1,tp_overlap=1.
@@ -414,9 +421,17 @@ def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...
     split; `sp`: the blocks of sequence parallelism); the embedding's backward is all weight pass."""
     out = dict(table)
     family, adders = _strip_adders(key)
-    # q/k norms and MLA add operators (and parameters) to qkv; grouped heads add none there
+    family = family.partition("-moe")[0]
+    # grouped heads add no operators to qkv, q/k norms a count of their own (without sp), MLA unknown ones
+    known = {"gqa"} if sp else {"gqa", "qknorm"}
     counted = {b: n for b, n in (SPLIT_OPS_SP if sp else SPLIT_OPS).get(family, {}).items()
-               if not (adders - {"gqa"} and b == "qkv")}
+               if not (adders - known and b == "qkv")}
+    if "qknorm" in adders and "qkv" in counted:
+        counted["qkv"] = (counted["qkv"][0] + QKNORM_SPLIT_OPS[0], counted["qkv"][1] + QKNORM_SPLIT_OPS[1])
+    moe = key.partition("-moe")[2]
+    if moe and not sp:
+        shared = int(moe.split("+")[1])
+        counted["moe_out"] = tuple(fixed + per * shared for fixed, per in MOE_OUT_SPLIT_OPS.values())
     half = dtype in ("bf16", "fp16")
     for block in blocks:
         whole = table.get(f"bwd.{block}")

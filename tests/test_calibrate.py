@@ -1107,7 +1107,8 @@ def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_l
     assert noise_guard(None) is None
 
 
-@pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml", "moe-tiny", "tests/data/qk-norm-tiny.yaml"])
+@pytest.mark.parametrize("model", ["gpt-tiny", "tests/data/window-tiny.yaml", "moe-tiny", "tests/data/qk-norm-tiny.yaml",
+                                   "tests/data/mla-tiny.yaml"])
 def test_zero_bubble_split_counts_match_the_executor(model):
     """Under a zero-bubble schedule each weight-bearing block dispatches its input-gradient pass and
     its weight pass apart (`simexec.sim.host.SPLIT_OPS`); the embedding's backward is all weight pass."""

@@ -378,6 +378,8 @@ SPLIT_OPS = {
 # q/k norms add to qkv's passes (tests/data/qk-norm-tiny.yaml); MoE models take their dense family's
 # counts, the router's counted on moe-tiny
 QKNORM_SPLIT_OPS = (14, 11)
+# MLA's qkv split, whole (tests/data/mla-tiny.yaml, with its q latent and without)
+MLA_SPLIT_OPS = {"mla-qlora": (77, 27), "mla": (66, 19)}
 # the MoE output block's split, (fixed, per shared expert) of each pass: counted on moe-tiny with 0, 1
 # and 2 shared experts (input pass 14, 26, 43; weight pass 0, 9, 18)
 MOE_OUT_SPLIT_OPS = {"bwd": (14, 14), "wgrad": (0, 9)}
@@ -422,12 +424,15 @@ def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...
     out = dict(table)
     family, adders = _strip_adders(key)
     family = family.partition("-moe")[0]
-    # grouped heads add no operators to qkv, q/k norms a count of their own (without sp), MLA unknown ones
+    # grouped heads add no operators to qkv; q/k norms and MLA counts of their own (without sp)
     known = {"gqa"} if sp else {"gqa", "qknorm"}
     counted = {b: n for b, n in (SPLIT_OPS_SP if sp else SPLIT_OPS).get(family, {}).items()
                if not (adders - known and b == "qkv")}
     if "qknorm" in adders and "qkv" in counted:
         counted["qkv"] = (counted["qkv"][0] + QKNORM_SPLIT_OPS[0], counted["qkv"][1] + QKNORM_SPLIT_OPS[1])
+    mla = next((a for a in ("mla-qlora", "mla") if a in adders), None)
+    if mla and not sp and family in SPLIT_OPS:
+        counted["qkv"] = MLA_SPLIT_OPS[mla]
     moe = key.partition("-moe")[2]
     if moe and not sp:
         shared = int(moe.split("+")[1])

@@ -182,6 +182,8 @@ HALF_HEAD_CAST_OPS = {"fwd": 1, "bwd": 1}
 # ... and in a split backward (counted as SPLIT_OPS, in bf16): the norm's input pass 4, its weight
 # pass 3 (both read the input in fp32); the logits' cast in the head's input pass
 HALF_NORM_SPLIT_CAST_OPS = {"bwd": 4, "wgrad": 3}
+NORM_OPENED_BLOCKS = ("qkv", "fc1", "router", "head")  # without sp, the blocks a norm opens
+SP_NORM_BLOCKS = ("norm1", "norm2", "norm")  # under sp, the norms' own blocks
 SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 # a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
@@ -260,7 +262,7 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
     if sp:
         table.update(SP_OPS.get(dense, SP_OPS[DEFAULT_TABLE]))
     if moe:
-        experts, shared = int(moe.split("x")[0]), int(moe.split("+")[1])
+        experts, shared = _moe_counts(moe)
         local = math.ceil(experts / max(1, ep))
         for block, n in (("experts", local), ("moe_out", shared)):
             for phase in ("fwd", "bwd"):
@@ -284,14 +286,19 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
         for block, n in ops.items():
             table[block] += n
     if dtype in ("bf16", "fp16"):
-        norms = ("norm1", "norm2", "norm") if sp else ("qkv", "fc1", "router", "head")
-        for block in norms if key.startswith("rmsnorm") else ():
-            for phase, n in HALF_NORM_CAST_OPS.items():
-                if f"{phase}.{block}" in table:
-                    table[f"{phase}.{block}"] += n
+        if key.startswith("rmsnorm"):
+            for block in SP_NORM_BLOCKS if sp else NORM_OPENED_BLOCKS:
+                for phase, n in HALF_NORM_CAST_OPS.items():
+                    if f"{phase}.{block}" in table:
+                        table[f"{phase}.{block}"] += n
         for phase, n in HALF_HEAD_CAST_OPS.items():
             table[f"{phase}.head"] += n
     return table
+
+
+def _moe_counts(moe: str) -> tuple[int, int]:
+    """(routed experts, shared experts) of a dispatch key's MoE part (`4x2+1`: 4 experts, top 2, 1 shared)."""
+    return int(moe.split("x")[0]), int(moe.split("+")[1])
 
 
 def _strip_adders(key: str) -> tuple[str, set[str]]:
@@ -435,7 +442,7 @@ def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...
         counted["qkv"] = MLA_SPLIT_OPS[mla]
     moe = key.partition("-moe")[2]
     if moe and not sp:
-        shared = int(moe.split("+")[1])
+        shared = _moe_counts(moe)[1]
         counted["moe_out"] = tuple(fixed + per * shared for fixed, per in MOE_OUT_SPLIT_OPS.values())
     half = dtype in ("bf16", "fp16")
     for block in blocks:
@@ -445,7 +452,7 @@ def split_backward_table(table: dict[str, int], key: str, blocks: tuple[str, ...
         w = min(table.get(f"fwd.{block}", whole), whole)
         b_ops, w_ops = counted.get(block, (whole - w, w))
         if half and block in counted:  # the counts are fp32's: add the casts of the norm the block holds
-            if not sp and family.startswith("rmsnorm") and block in ("qkv", "fc1", "router", "head"):
+            if not sp and family.startswith("rmsnorm") and block in NORM_OPENED_BLOCKS:
                 b_ops, w_ops = b_ops + HALF_NORM_SPLIT_CAST_OPS["bwd"], w_ops + HALF_NORM_SPLIT_CAST_OPS["wgrad"]
             if block == "head":
                 b_ops += HALF_HEAD_CAST_OPS["bwd"]
@@ -475,7 +482,7 @@ def grad_tensors(block: str, model, sp: bool, tp: int = 1, ep: int = 1) -> int:
     whole = tp == 1  # tensors replicated over tp with partial gradients are hooked only without tp
     own_norm = norm if whole and not sp else 0
     up = ffn - 1 - bias  # the up (and gate) projections; the down one is fc2's
-    if block in ("norm1", "norm2", "norm"):
+    if block in SP_NORM_BLOCKS:
         return norm if whole else 0
     if block == "embed":
         return embed

@@ -1,11 +1,11 @@
-"""Does the plan search find published plans (Megatron-LM SC'21 Table 1, BLOOM-176B), and do at least as well?
+"""Does the plan search find published plans (Megatron-LM SC'21 Tables 1 and 2, BLOOM-176B), and do at least as well?
 
     python scripts/validate_search.py                                 # every row, a table on stdout
     python scripts/validate_search.py --rows 1.7b,3.6b,7.5b           # a few rows
     python scripts/validate_search.py --json out.json --markdown docs/validation.md
 
-For each row of tests/data/published/megatron_sc21_table1.csv (its model, gpus/8 DGX A100-80GB nodes,
-its global batch, sequence 2048):
+For each row of tests/data/published/megatron_sc21_table1.csv and each PTD-P row of Table 2 (its model,
+gpus/8 DGX A100-80GB nodes, its global batch, sequence 2048):
 
 (a) Under the 2021 software's knobs (`MEGATRON_2021`: no sequence or context parallelism, no ZeRO,
     no offload, full recompute, fp16, unfused attention) with tp, pp, vpp, schedule, micro-batch
@@ -44,8 +44,8 @@ from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.search import search  # noqa: E402
 from simexec.search_report import explain  # noqa: E402
 from simexec.search_space import structures  # noqa: E402
-from validate_published import (BLOOM_2022, TABLE1_CSV, bloom_model, bloom_recipe, jean_zay,  # noqa: E402
-                                megatron_name, read_megatron_csv)
+from validate_published import (BLOOM_2022, TABLE1_CSV, TABLE2, bloom_model, bloom_recipe, jean_zay,  # noqa: E402
+                                megatron_model, megatron_name, read_megatron_csv, t2_suffix)
 
 SEQ = 2048
 TOLERANCE = 0.05
@@ -67,7 +67,9 @@ BLOOM_KERNELS = {"dtype": "bf16", "flash_attention": False, "clip_grad": 1.0}
 MEGATRON_2021 = {**KERNELS, "sp": False, "cp": 1, "zero": 0, "offload": "none", "recompute": "full",
                  "recompute_layers": None, "grad_overlap": False, "master_grads": True, "p2p_overlap": False,
                  "tp_overlap": False, "stages": None}
-BEGIN, END = "<!-- search-validation:begin -->", "<!-- search-validation:end -->"
+# each group of rows has its own generated block in the docs: a run of some groups leaves the others' as they were
+MARKERS = {"table1": ("<!-- search-validation:begin -->", "<!-- search-validation:end -->"),
+           "table2": ("<!-- search-validation-table2:begin -->", "<!-- search-validation-table2:end -->")}
 
 
 def table1() -> list[dict]:
@@ -75,7 +77,20 @@ def table1() -> list[dict]:
     rows = []
     for size, _heads, _hidden, _layers, tp, pp, gpus, gbs, _tflops in read_megatron_csv(TABLE1_CSV):
         rows.append({"name": megatron_name(size), "cluster": f"{gpus // 8}xdgx-a100-80g", "gpus": gpus,
-                     "gbs": gbs, "tp": tp, "pp": pp, "recipe": "megatron-2021"})
+                     "gbs": gbs, "tp": tp, "pp": pp, "recipe": "megatron-2021", "group": "table1"})
+    return rows
+
+
+def table2() -> list[dict]:
+    """The PTD-P rows of Table 2 (GPT-3 175B at tp 8 x pp 12, 530B at tp 8 x pp 35, each at three GPU
+    counts and one global batch): the same model parallelism with data parallelism growing, so fewer
+    micro-batches per pipeline. Their models are not presets (validate_published.py builds them)."""
+    rows = []
+    for r in TABLE2:
+        _size, heads, hidden, layers, tp, pp, gpus, gbs, _tflops = r
+        rows.append({"name": megatron_name(r[0]) + t2_suffix(r), "cluster": f"{gpus // 8}xdgx-a100-80g",
+                     "gpus": gpus, "gbs": gbs, "tp": tp, "pp": pp, "recipe": "megatron-2021",
+                     "shape": (heads, hidden, layers), "group": "table2"})
     return rows
 
 
@@ -84,11 +99,11 @@ def bloom() -> dict:
     published tp 4, pp 12 (validate_published.py's BLOOM row); 70 layers, so pp 12 needs the uneven
     split DeepSpeed made."""
     return {"name": "bloom-176b", "cluster": "48xjean-zay-a100-80g", "gpus": 384, "gbs": 2048, "tp": 4, "pp": 12,
-            "recipe": "bloom-2022"}
+            "recipe": "bloom-2022", "group": "table1"}
 
 
 def rows_all() -> list[dict]:
-    return table1() + [bloom()]
+    return table1() + table2() + [bloom()]
 
 
 def row_setup(row: dict):
@@ -96,7 +111,8 @@ def row_setup(row: dict):
     if row["recipe"] == "bloom-2022":
         model = bloom_model()
         return model, jean_zay(48), lambda tp, pp: bloom_recipe(model, tp, pp), BLOOM_2022, BLOOM_KERNELS
-    return get_model(row["name"], seq_len=SEQ), get_cluster(row["cluster"]), knobs, MEGATRON_2021, KERNELS
+    model = megatron_model(*row["shape"], name=row["name"]) if "shape" in row else get_model(row["name"], seq_len=SEQ)
+    return model, get_cluster(row["cluster"]), knobs, MEGATRON_2021, KERNELS
 
 
 def knobs(tp: int, pp: int) -> dict:
@@ -181,8 +197,9 @@ def _short(plan: str) -> str:
     return ",".join(p for p in plan.split(",") if not p.startswith(drop))
 
 
-def to_markdown(results: list[dict], command: str) -> str:
-    lines = [BEGIN, "", f"Generated by `{command}`.", "",
+def to_markdown(results: list[dict], command: str, group: str = "table1") -> str:
+    begin, end = MARKERS[group]
+    lines = [begin, "", f"Generated by `{command}`.", "",
              "| row | GPUs | published tp x pp | fits | rank of (tp, pp) | rank of its best plan | published pair's best (s) "
              "| best plan, recipe pinned | best (s) | gap | within 5% | best, all knobs free (s) | at least as fast |",
              "| --- | ---: | --- | --- | --- | ---: | ---: | --- | ---: | ---: | --- | ---: | --- |"]
@@ -206,13 +223,13 @@ def to_markdown(results: list[dict], command: str) -> str:
         lines += ["", "What the best plan (recipe pinned) changes from the published pair's best, and what it saves "
                       "(simulated breakdown, best - published):", ""]
         lines += [f"- {r['name']}: {gain(r['best_2021'], r['published_plan'])}" for r in misses]
-    lines += ["", END]
+    lines += ["", end]
     return "\n".join(lines)
 
 
-def update_markdown(path: Path, block: str) -> None:
-    """Replace the generated block of `path` (between the markers), or append it."""
-    replace_block(path, block, BEGIN, END, new_doc="")
+def update_markdown(path: Path, block: str, group: str = "table1") -> None:
+    """Replace the group's generated block of `path` (between its markers), or append it."""
+    replace_block(path, block, *MARKERS[group], new_doc="")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -248,7 +265,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.markdown:
         cmd = "python scripts/validate_search.py" + (f" --rows {args.rows}" if args.rows else "") \
             + f" --markdown {args.markdown}"
-        update_markdown(Path(args.markdown), to_markdown(results, cmd))
+        for group in MARKERS:
+            ran = [r for r in results if r["group"] == group]
+            if ran:
+                update_markdown(Path(args.markdown), to_markdown(ran, cmd, group), group)
     return 0 if all(r["pass"] for r in results) else 1
 
 

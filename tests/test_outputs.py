@@ -81,6 +81,7 @@ def test_commands_refuse_a_bad_output_before_they_run(tmp_path, capsys, monkeypa
     ("validate_search", ["--json", "{tmp}"]),
     ("validate_published", ["--markdown", "{tmp}/f/table.md"]),
     ("validate_sweeps", ["--markdown", "{tmp}"]),
+    ("validate_topologies", ["--json", "{tmp}"]),
     ("validate_calibration", ["--out", "{tmp}/f"]),
     ("bench_exec", ["--json", "{tmp}"]),
     ("record_traces", ["--from", "{tmp}", "--out", "{tmp}/f"]),

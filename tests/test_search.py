@@ -767,6 +767,31 @@ def test_sc21_sweeps_order_as_published(figure, gbs):
     assert r["holds"], [(x["degree"], round(x["tflops"], 1)) for x in r["rows"]]
 
 
+# --- published rankings: BigScience's BLOOM topology benchmarks (scripts/validate_topologies.py) ----
+_topo_spec = importlib.util.spec_from_file_location("validate_topologies", ROOT / "scripts" / "validate_topologies.py")
+vt = sys.modules["validate_topologies"] = importlib.util.module_from_spec(_topo_spec)
+_topo_spec.loader.exec_module(vt)
+
+
+def test_bigscience_runs_read_as_the_models_they_name():
+    """20 runs, 3 of them out of memory; the shapes are the sizes the benchmark names them by."""
+    runs = vt.read_runs()
+    assert len(runs) == 20 and sum(r["oom"] for r in runs) == 3
+    assert all((r["sec_per_it"] is None) == r["oom"] for r in runs)
+    assert sorted({round(vt.model_of(r).params / 1e9) for r in runs}) == [176, 178, 184, 195, 203, 206]
+    assert all(r["dp"] * r["tp"] * r["pp"] == 384 for r in runs)
+
+
+def test_bigscience_176b_runs_faster_at_tp4_than_tp8_as_measured():
+    """The 176B shape at micro-batch 2: dp 8 x tp 4 measured 16% faster than dp 4 x tp 8 (same pp 12)."""
+    runs = [r for r in vt.read_runs() if (r["layers"], r["heads"], r["mbs"]) == (70, 64, 2)]
+    results = [vt.simulate_run(r) for r in runs]
+    assert all(r["fits"] for r in results)
+    (check,) = vt.order_checks(results)
+    assert check["faster"].startswith("dp 8 x tp 4") and check["measured_ratio"] > 1.15
+    assert check["holds"], check
+
+
 def test_bounds_never_exceed_the_simulation_of_sliding_windows():
     """Layers differ when every other one attends through a window: the bounds price each."""
     model = get_model("llama3-8b", seq_len=4096).model_copy(update=dict(sliding_window=512, full_attention_every=2))

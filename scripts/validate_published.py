@@ -57,13 +57,17 @@ ZERO_SRC = "Rajbhandari et al., SC'20, 'ZeRO: Memory Optimizations Toward Traini
 BLOOM_SRC = ("Le Scao et al. 2022, 'BLOOM' (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and model card "
              "('training throughput: about 150 TFLOPs')")
 
-def read_megatron_csv(path) -> list[tuple]:
-    """Rows in the format of megatron_sc21_table1.csv (comment lines start with #): params (B), heads,
-    hidden, layers, tp, pp, GPUs, global batch, achieved TFLOP/s per GPU."""
+def read_published_csv(path) -> list[dict]:
+    """The rows of a published table under tests/data/published: a CSV whose comment lines (#) give its source."""
     with open(path) as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
+        return list(csv.DictReader(line for line in f if line.strip() and not line.startswith("#")))
+
+
+def read_megatron_csv(path) -> list[tuple]:
+    """Rows in the format of megatron_sc21_table1.csv: params (B), heads, hidden, layers, tp, pp, GPUs,
+    global batch, achieved TFLOP/s per GPU."""
     return [(float(d["params_b"]), int(d["heads"]), int(d["hidden"]), int(d["layers"]), int(d["tp"]), int(d["pp"]),
-             int(d["gpus"]), int(d["global_batch"]), float(d["tflops_per_gpu"])) for d in csv.DictReader(lines)]
+             int(d["gpus"]), int(d["global_batch"]), float(d["tflops_per_gpu"])) for d in read_published_csv(path)]
 
 
 TABLE1_CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "megatron_sc21_table1.csv"

@@ -24,7 +24,6 @@ fast); only the runs' order and fit are the simulator's claim here.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import sys
 import time
@@ -39,7 +38,7 @@ from simexec.markdown import replace_block  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 from simexec.plan import Plan  # noqa: E402
 from simexec.simulate import simulate  # noqa: E402
-from validate_published import SEQ, bloom_model, bloom_recipe, jean_zay  # noqa: E402
+from validate_published import SEQ, bloom_model, bloom_recipe, jean_zay, read_published_csv  # noqa: E402
 
 CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "bigscience_tr11_topologies.csv"
 NODES = 48
@@ -49,10 +48,8 @@ BEGIN, END = "<!-- topologies:begin -->", "<!-- topologies:end -->"
 
 def read_runs(path: Path = CSV) -> list[dict]:
     """The measured runs: shape (layers, hidden, heads), split (dp, tp, pp, mbs), gbs, memory, time, OOM."""
-    with open(path) as f:
-        lines = [line for line in f if line.strip() and not line.startswith("#")]
     runs = []
-    for d in csv.DictReader(lines):
+    for d in read_published_csv(path):
         runs.append({**{k: int(d[k]) for k in ("layers", "hidden", "heads", "dp", "tp", "pp", "mbs", "gbs")},
                      "mem_gb": float(d["mem_gb"]) if d["mem_gb"] else None,
                      "sec_per_it": float(d["sec_per_it"]) if d["sec_per_it"] else None,
@@ -67,16 +64,18 @@ def model_of(run: dict):
                                             "hidden": h, "heads": a, "kv_heads": a, "head_dim": h // a, "ffn": 4 * h})
 
 
-def plan_of(run: dict) -> str:
-    model = model_of(run)
+def plan_of(run: dict, model) -> str:
+    """The BLOOM recipe at the run's split, with DeepSpeed's partition of `model`'s layers."""
     return Plan(**bloom_recipe(model, run["tp"], run["pp"]), dp=run["dp"], mbs=run["mbs"], gbs=run["gbs"]).to_string()
 
 
 def simulate_run(run: dict) -> dict:
     """One run's prediction: step time, peak memory, fits."""
     t0 = time.perf_counter()
-    res = simulate(model_of(run), jean_zay(NODES), plan_of(run), SEQ)
-    out = {**run, "plan": plan_of(run), "predicted_s": res.step_time_s, "peak_gib": res.peak_memory_bytes / 2**30,
+    model = model_of(run)
+    plan = plan_of(run, model)
+    res = simulate(model, jean_zay(NODES), plan, SEQ)
+    out = {**run, "model": model.name, "plan": plan, "predicted_s": res.step_time_s, "peak_gib": res.peak_memory_bytes / 2**30,
            "fits": res.fits, "wall_s": time.perf_counter() - t0}
     out["fit_agrees"] = out["fits"] == (not run["oom"])
     if run["sec_per_it"] is not None:
@@ -93,7 +92,7 @@ def order_checks(results: list[dict]) -> list[dict]:
         fast, slow = (a, b) if a["sec_per_it"] < b["sec_per_it"] else (b, a)
         if slow["sec_per_it"] / fast["sec_per_it"] - 1.0 <= TIE:
             continue
-        checks.append({"model": model_of(fast).name, "faster": split(fast), "slower": split(slow),
+        checks.append({"model": fast["model"], "faster": split(fast), "slower": split(slow),
                        "measured_ratio": slow["sec_per_it"] / fast["sec_per_it"],
                        "predicted_ratio": slow["predicted_s"] / fast["predicted_s"],
                        "holds": slow["predicted_s"] > fast["predicted_s"]})
@@ -140,7 +139,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = simulate_run(run)
         results.append(r)
         measured = "OOM" if run["oom"] else f"{run['sec_per_it']:.2f} s"
-        print(f"{model_of(run).name:22s} {split(run):28s} measured {measured:>9s}  predicted {r['predicted_s']:7.2f} s"
+        print(f"{r['model']:22s} {split(run):28s} measured {measured:>9s}  predicted {r['predicted_s']:7.2f} s"
               f"  peak {r['peak_gib']:5.1f} GiB {'fits' if r['fits'] else 'OOM '}"
               f"{'' if r['fit_agrees'] else '  (fit disagrees)'}  ({r['wall_s']:.0f} s)", flush=True)
     checks = order_checks(results)

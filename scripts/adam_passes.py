@@ -3,7 +3,7 @@
 
     python scripts/adam_passes.py [--elements 16384,65536,270000,1048576] [--tensors 1,4,16,53,128]
 
-Times one fp32 Adam step (`torch.optim.adam.adam(..., fused=True)`, as `simexec.exec.optim.Adam`
+Times one fp32 Adam step (`torch.optim.adam.adam(..., fused=True)`, as `simexec.exec.nn.optim.Adam`
 runs it) over T tensors holding E elements in all, one intra-op thread, the median of 50 steps after
 10 discarded; then, for a calibrated `local` profile, what the host model charges the same step
 (`HostCosts.cpu_seconds`: two operators, a kernel pass per tensor at `launch_overhead_s`, the bytes
@@ -55,12 +55,12 @@ def pricer(profile: str):
     """The host model's CPU-seconds for the same step, as a function of (tensors, elements):
     `HostCosts.cpu_seconds` of the optimizer instruction the lowering emits for that many fp32
     parameters, held in that many tensors."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import adam_bytes_per_param
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
-    from simexec.program import Instr, Program
-    from simexec.sim.host import ADAM_FLOPS_PER_PARAM, HostCosts
+    from simexec.specs.cluster import get_cluster
+    from simexec.program.lower import adam_bytes_per_param
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.program.instructions import Instr, Program
+    from simexec.sim.host.model import ADAM_FLOPS_PER_PARAM, HostCosts
     from simexec.sim.profile import apply_profile
 
     cluster = apply_profile(get_cluster("local"), profile)

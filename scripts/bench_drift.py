@@ -3,7 +3,7 @@
 
     python scripts/bench_drift.py [--rounds 3]
 
-In one Ray session, each round runs the micro-benchmarks' one-rank step (`simexec.exec.microbench`:
+In one Ray session, each round runs the micro-benchmarks' one-rank step (`simexec.calibrate.microbench`:
 gpt-tiny at micro-batch 1, two micro-batches and the optimizer step, every instruction timed; the
 other benchmarks cut to a token size) and then the `dp=1` plan (global batch 8: eight
 micro-batches), and prints the benchmark's step (the median over its timed steps of the summed
@@ -27,7 +27,7 @@ PLAN = "dp=1,gbs=8,dtype=fp32"
 
 
 def _bench_step(extra: dict) -> float:
-    from simexec.calibrate_micro import merge_results
+    from simexec.calibrate.micro import merge_results
 
     recs = merge_results({str(k): v for k, v in extra.items()})["blocks"][0]["records"]
     return statistics.median(sum(r["t"][i] for r in recs) for i in range(len(recs[0]["t"])))
@@ -35,7 +35,7 @@ def _bench_step(extra: dict) -> float:
 
 def _plan_equivalent(result) -> float:
     """The plan's steady step as two micro-batches and one optimizer step (from its trace)."""
-    from simexec.calibrate_traces import steady_step
+    from simexec.calibrate.traces import steady_step
 
     step = steady_step(result.step_times_s, result.step_time_s)
     events = result.trace.events
@@ -50,8 +50,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    from simexec.calibrate_runs import Session
-    from simexec.exec.microbench import BenchConfig, run_microbench
+    from simexec.calibrate.runs import Session
+    from simexec.calibrate.microbench import BenchConfig, run_microbench
 
     cfg = BenchConfig(gemm=(), attention=(), elementwise=(), copy_bytes=(), collective_bytes=(256,),
                       verbs=("allreduce",), p2p_bytes=(256,), block_models=(), block_mbs=(1,),

@@ -5,9 +5,9 @@ Everything runs in the same Ray actors, one per rank, so the comparison shares p
 and process groups: each actor trains three variants side by side, step by step in rotating order
 (`lockstep`): the executor with tracing (the interpreter with a `Tracer`), the executor without
 (the interpreter's null tracer), and the torch baseline on the same model maths
-(`simexec.exec.model.GPT` blocks wrapped in `nn.Module`s), data (`simexec.exec.data`),
+(`simexec.exec.nn.gpt.GPT` blocks wrapped in `nn.Module`s), data (`simexec.exec.nn.data`),
 micro-batching (DDP `no_sync` / FSDP2 `set_requires_gradient_sync` for all but the last micro-batch)
-and Adam (`simexec.exec.optim`). A step's time is the slowest rank's. The headline ratios are
+and Adam (`simexec.exec.nn.optim`). A step's time is the slowest rank's. The headline ratios are
 paired: the median over steps of the ratio of two variants' times in that step (they ran within a
 second of each other, so the load of a shared machine, which moves step times by tens of percent,
 cancels); the medians and minima (least disturbed step) of each variant are given too.
@@ -40,7 +40,7 @@ VARIANTS = ("traced", "untraced", "torch")
 
 def bench_model(seq_len: int):
     """The default benchmark model: GPT-2 shaped, big enough for compute to dominate on a CPU core."""
-    from simexec.model import ModelSpec
+    from simexec.specs.model import ModelSpec
 
     return ModelSpec(name="bench", layers=4, hidden=256, heads=8, kv_heads=8, head_dim=32, ffn=1024, gated=False,
                      vocab=4096, seq_len=seq_len, norm="layernorm", bias=True, learned_pos=True,
@@ -48,17 +48,17 @@ def bench_model(seq_len: int):
 
 
 def get_bench_model(name: str, seq_len: int):
-    from simexec.model import get_model
+    from simexec.specs.model import get_model
 
     return bench_model(seq_len) if name == "bench" else get_model(name)
 
 
 def torch_model(m, seed: int):
     """The full model as nn.Modules (embedding, one module per layer, head) calling the very blocks
-    of `simexec.exec.model.GPT`, so DDP and FSDP2 see the executor's maths with a module per unit."""
+    of `simexec.exec.nn.gpt.GPT`, so DDP and FSDP2 see the executor's maths with a module per unit."""
     import torch.nn as nn
 
-    from simexec.exec.model import GPT, Layout, init_full, param_specs
+    from simexec.exec.nn.gpt import GPT, Layout, init_full, param_specs
 
     if m.moe is not None:
         raise SystemExit("the torch baselines cover dense models only")
@@ -116,7 +116,7 @@ class TorchTrainer:
     def __init__(self, rp, *, seed: int, kind: str):
         import torch.distributed as dist
 
-        from simexec.exec.optim import Adam
+        from simexec.exec.nn.optim import Adam
 
         self.rp, self.seed, self.kind = rp, seed, kind
         self.rank = dist.get_rank() if kind != "plain" else 0
@@ -143,7 +143,7 @@ class TorchTrainer:
         """One training step; returns this rank's loss tensor (mean over its micro-batches)."""
         import torch
 
-        from simexec.exec import data
+        from simexec.exec.nn import data
 
         micro, kind, model = self.rp.micro_batches, self.kind, self.model
         total = torch.zeros(())
@@ -180,7 +180,7 @@ class ExecTrainer:
     times: `run_step`)."""
 
     def __init__(self, rp, instrs, *, groups, tracer, device, seed: int):
-        from simexec.exec.interpreter import _Rank
+        from simexec.exec.rank.interpreter import _Rank
 
         self.r = _Rank(rp, instrs, groups, tracer, device, seed)
 
@@ -235,9 +235,9 @@ def overhead(m, seq_len: int, gbs: int, mbs: int, steps: int) -> dict:
     autograd graph per micro-batch with the same Adam (lockstep); the difference per instruction."""
     import torch
 
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
-    from simexec.plan import parse_plan, resolve
+    from simexec.specs.cluster import get_cluster
+    from simexec.program.lower import lower
+    from simexec.specs.plan import parse_plan, resolve
 
     torch.set_num_threads(1)
     rp = resolve(m, get_cluster("local"), parse_plan(f"dp=1,gbs={gbs},mbs={mbs},dtype=fp32"), seq_len)
@@ -286,7 +286,7 @@ def main(argv=None) -> int:
         return 2
 
     from simexec.exec.api import execute
-    from simexec.exec.launcher import start_ray, stop_ray
+    from simexec.exec.runtime.launcher import start_ray, stop_ray
 
     m = get_bench_model(args.model, args.seq_len)
     report: dict = {"model": m.name, "params": m.params, "seq_len": args.seq_len, "dp": args.dp, "gbs": args.gbs,

@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.search import parse_fix, search  # noqa: E402
+from simexec.search.driver import parse_fix, search  # noqa: E402
 
 
 def main() -> int:

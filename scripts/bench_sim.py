@@ -19,12 +19,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.cluster import get_cluster  # noqa: E402
-from simexec.lower import lower  # noqa: E402
-from simexec.model import get_model  # noqa: E402
+from simexec.specs.cluster import get_cluster  # noqa: E402
+from simexec.program.lower import lower  # noqa: E402
+from simexec.specs.model import get_model  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.plan import load_plan, resolve  # noqa: E402
-from simexec.simulate import simulate_program  # noqa: E402
+from simexec.specs.plan import load_plan, resolve  # noqa: E402
+from simexec.sim.simulate import simulate_program  # noqa: E402
 
 # Llama 3.1 405B has 126 layers: 16 stages of 8, less one layer on the first and the last stage
 # (they hold the embedding and the head), as the Llama 3 paper balances its pipeline.

@@ -129,7 +129,7 @@ def report(args) -> int:
         sys.exit(f"block_profile: no instruction named *.{args.block}* in {src / 'profile.json.gz'}")
     spans = {}
     if (src / "trace.json.gz").exists():  # the measured trace: one step of the second half (pick_step)
-        from simexec.trace import Trace
+        from simexec.trace.schema import Trace
 
         spans = {e.id.split(":", 1)[-1]: e.dur_us for e in Trace.load(src / "trace.json.gz").events}
     by_phase: dict[str, list[dict]] = defaultdict(list)

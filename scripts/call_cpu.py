@@ -5,7 +5,7 @@
 
 Two gloo ranks on 127.0.0.1 (one intra-op thread, gloo's event loops at idle priority, as the
 executor runs them) call an asynchronous 8 KB all-reduce together after a barrier, `--reps` times
-(`simexec.exec.microbench._Bench.issue`); rank 0 prints the median CPU its thread spent in the call
+(`simexec.calibrate.microbench._Bench.issue`); rank 0 prints the median CPU its thread spent in the call
 (`time.thread_time`: torch.distributed's Python, gloo's work set up and queued), which a
 micro-benchmark profile keeps as `costs.collective_issue_s`, beside an 8 KB add for scale.
 """
@@ -22,7 +22,7 @@ def _rank(rank: int, world: int, port: int, reps: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.microbench import BenchConfig, _Bench
+    from simexec.calibrate.microbench import BenchConfig, _Bench
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if args.reps < 1:
         print(f"call_cpu: error: --reps must be at least 1, got {args.reps}", file=sys.stderr)
         return 2
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     got = spawn_ranks(_rank, 2, (args.reps,), 120.0)
     print(f"an asynchronous 8 KB all-reduce's call over 2 ranks: {statistics.median(got['call']) * 1e6:.1f} µs of its "

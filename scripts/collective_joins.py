@@ -27,7 +27,7 @@ def joins(events: list, stream: str, kinds: tuple[str, ...],
           groups: Optional[dict] = None) -> list[tuple[str, str, int, int, float]]:
     """(name, verb, members, bytes, ms from the last member's issue to the members' median end) per
     collective of `stream` whose name starts with one of `kinds`; `groups`
-    (`simexec.late_waits.collective_groups`) tells apart the groups that call it under one name."""
+    (`simexec.trace.late_waits.collective_groups`) tells apart the groups that call it under one name."""
     by_call: dict[tuple, list] = collections.defaultdict(list)
     for e in events:
         if e.stream == stream and e.name.startswith(kinds):
@@ -43,8 +43,8 @@ def joins(events: list, stream: str, kinds: tuple[str, ...],
 def bench_alone(recording: Path, verb: str, ranks: int, nbytes: int) -> tuple[float, float, int] | None:
     """(median ms, mean ms, bytes) of the micro-benchmark's `verb` over `ranks` ranks after a barrier,
     at the benchmarked size nearest `nbytes` (in ratio); None without one."""
-    from simexec.calibrate_micro import merge_results
-    from simexec.trace import load_json
+    from simexec.calibrate.micro import merge_results
+    from simexec.trace.schema import load_json
 
     path = recording / "microbench.json.gz"
     if not path.exists():
@@ -64,8 +64,8 @@ def main(argv=None) -> int:
     ap.add_argument("--kinds", default="bwd.grads", help="comma-separated name prefixes of the collectives")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
-    from simexec.late_waits import collective_groups
-    from simexec.trace import Trace, load_json
+    from simexec.trace.late_waits import collective_groups
+    from simexec.trace.schema import Trace, load_json
 
     root = Path(args.recording)
     kinds = tuple(k for k in args.kinds.split(",") if k)

@@ -7,7 +7,7 @@ Runs one step of the plan as spawned gloo processes on 127.0.0.1 with a TorchDis
 operators on rank 0: those of the interpreter's call (`_Rank.collective`, the tensors prepared) and
 of the collective's `finish` (the result put in place once waited), without the c10d operator of
 the collective itself. Prints, per kind of activation collective (block, phase, micro-batch), what
-was counted beside what `simexec.sim.issue.activation_ops` charges for it. Exit 1 where any differs.
+was counted beside what `simexec.sim.host.issue.activation_ops` charges for it. Exit 1 where any differs.
 """
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
     """One rank's step with each collective's operators counted: {instruction name: (before, finish)}."""
     import torch
 
-    from simexec.exec import collectives, interpreter
-    from simexec.exec.microbench import _CountTracer, plan_rank
+    from simexec.exec.rank import collectives, interpreter
+    from simexec.calibrate.microbench import _CountTracer, plan_rank
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -65,12 +65,12 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
 
 def compare(model: str, plan: str, timeout_s: float = 120.0) -> list[dict]:
     """One row per kind of activation collective on rank 0: counted and modelled operators."""
-    from simexec.cluster import get_cluster
-    from simexec.exec.spawn import spawn_ranks
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import parse_plan, resolve
-    from simexec.sim.issue import activation_ops, is_activation_collective, partial_gradients
+    from simexec.specs.cluster import get_cluster
+    from simexec.exec.runtime.spawn import spawn_ranks
+    from simexec.program.lower import lower
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan, resolve
+    from simexec.sim.host.issue import activation_ops, is_activation_collective, partial_gradients
 
     rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
     counted = spawn_ranks(_counted_rank, rp.world, (model, plan), timeout_s)

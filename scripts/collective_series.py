@@ -12,7 +12,7 @@ is the last member's time from its call to the end, the collective's own time. P
 sample in order, then the median, the mean and the share of samples over `--slow-ms`.
 
 `--gloo-loops` sets how gloo's event-loop threads are scheduled: `idle` as the executor runs them
-(`simexec.exec.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
+(`simexec.exec.runtime.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
 bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
 tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait
 (docs/calibration_findings.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
@@ -35,7 +35,7 @@ def _worker(rank: int, world: int, port: int, nbytes: int, reps: int, compute_ms
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.gloo_loops import idle_gloo_loops
+    from simexec.exec.runtime.gloo_loops import idle_gloo_loops
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -62,16 +62,16 @@ def _worker(rank: int, world: int, port: int, nbytes: int, reps: int, compute_ms
 
 
 def measure(ranks: int, nbytes: int, reps: int, compute_ms: float = 0.0, loops: str = "idle") -> list[float]:
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     return spawn_ranks(_worker, ranks, (nbytes, reps, compute_ms, loops),
                        timeout_s=60.0 + (0.1 + compute_ms / 1e3) * reps)
 
 
 def recorded(recording: Path, ranks: int, nbytes: int) -> list[float]:
-    from simexec.calibrate_micro import merge_results
+    from simexec.calibrate.micro import merge_results
     from simexec.errors import SimexecError
-    from simexec.trace import load_json
+    from simexec.trace.schema import load_json
 
     raw = load_json(recording / "microbench.json.gz", "micro-benchmark timings")
     recs = merge_results(raw.get("extras") or {}).get("collectives", [])

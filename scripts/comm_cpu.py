@@ -11,7 +11,7 @@ process spent (user and system, every thread: `resource.getrusage`) and its cont
 on bare metal a hand-off costs microseconds, on this virtual machine a large part of a
 millisecond of system time. The host model charges it per step of a collective to every member's
 core: `costs.comm_cpu_s` (docs/calibration.md, "Communication over loopback"), which the
-micro-benchmarks measure the same way (`simexec.calibrate_comm.fit_comm_cpu`).
+micro-benchmarks measure the same way (`simexec.calibrate.comm.fit_comm_cpu`).
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@
     python scripts/core_use.py [--profile traces/profiles/local-traces.json] PLAN [PLAN ...]
 
 Simulates gpt-tiny's plans on the `local` cluster under a calibrated profile and follows the host
-model's cores (`simexec.sim.cores.Cores`) through the step: the CPU-seconds the main threads and the
+model's cores (`simexec.sim.host.cores.Cores`) through the step: the CPU-seconds the main threads and the
 communication threads ask for (every rank, before any slowdown), the core-seconds handed out (the
 busy cores over time: the asked CPU times the slowdowns of busy and alternating cores), how long no
 thread ran and how long every core was taken, and the waits of woken threads. A step longer than its
@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 
 def counting_cores(stats: collections.Counter):
     """`Cores` that add up, into `stats`, what they hand out."""
-    from simexec.sim.cores import Cores
+    from simexec.sim.host.cores import Cores
 
     class CountingCores(Cores):
         def _advance(self) -> None:
@@ -52,8 +52,8 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-tiny")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
-    from simexec.sim import host
-    from simexec.simulate import simulate
+    from simexec.sim.host.model import model as host
+    from simexec.sim.simulate import simulate
 
     stats: collections.Counter = collections.Counter()
     host.Cores = counting_cores(stats)  # the engine builds its cores through this name (HostCosts.cores_for)

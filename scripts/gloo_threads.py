@@ -39,7 +39,7 @@ def _worker(rank: int, world: int, port: int, numel: int, reps: int) -> None:
     def red():
         return rs(rs_out, rs_in, async_op=True)
 
-    def ar():  # the whole tensor: how the executor reduce-scatters on gloo (simexec.exec.collectives)
+    def ar():  # the whole tensor: how the executor reduce-scatters on gloo (simexec.exec.rank.collectives)
         return dist.all_reduce(rs_in, async_op=True)
 
     cases = [("1 all-gather", lambda: [ag()]), ("1 reduce-scatter", lambda: [red()]),

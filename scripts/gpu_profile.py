@@ -228,9 +228,9 @@ def fit(raw_path: str, cluster_name: str, out: str, report: str | None) -> None:
     import numpy as np
     from scipy.optimize import least_squares
 
-    from simexec.cluster import get_cluster
+    from simexec.specs.cluster import get_cluster
     from simexec.sim.profile import apply_profile
-    from simexec.trace import save_json
+    from simexec.trace.schema import save_json
 
     raw = json.loads(Path(raw_path).read_text())
     rows = raw["rows"]

@@ -13,7 +13,7 @@ recorded ones). `calibrate` fits the trace profile to the plans marked
 "calibrate", starting from the kernel-fitted profile `traces/profiles/h100.json`
 (scripts/gpu_profile.py). `report` simulates every plan with the datasheet preset, the kernel profile
 and the trace profile, compares each prediction with the measured trace event by event
-(`simexec.compare`) and writes the table: step time, peak memory, the op classes that carry the
+(`simexec.trace.compare`) and writes the table: step time, peak memory, the op classes that carry the
 error, and the held-out plans' error apart.
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run(out: str, only: list[str], backend: str, in_process: bool = False) -> in
         owned, stop = False, lambda owned: None
         machine["backend"] = "in process"
     else:
-        from simexec.exec.launcher import start_ray, stop_ray
+        from simexec.exec.runtime.launcher import start_ray, stop_ray
 
         owned, stop = start_ray(), stop_ray
     try:
@@ -102,7 +102,7 @@ def run(out: str, only: list[str], backend: str, in_process: bool = False) -> in
 
 
 def calibrate(src: str, out: str) -> int:
-    from simexec.calibrate_traces import calibrate_from_traces
+    from simexec.calibrate.traces import calibrate_from_traces
 
     paths = [Path(src) / f"{name}.json.gz" for name in CALIBRATE]
     recorded = json.loads((Path(src) / "manifest.json").read_text())["machine"].get("measured_at")
@@ -120,10 +120,10 @@ PROFILES = (("datasheet", None), ("kernels", PROFILE), ("traces", TRACE_PROFILE)
 
 
 def report(src: str, markdown: str | None, json_out: str | None) -> int:
-    from simexec.compare import compare
-    from simexec.markdown import replace_block
-    from simexec.simulate import simulate
-    from simexec.trace import Trace
+    from simexec.trace.compare import compare
+    from simexec.validation.markdown import replace_block
+    from simexec.sim.simulate import simulate
+    from simexec.trace.schema import Trace
 
     manifest = json.loads((Path(src) / "manifest.json").read_text())
     rows, details = [], []

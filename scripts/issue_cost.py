@@ -35,12 +35,12 @@ def kind_of(block: str) -> str:
 
 
 def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
-    """`simexec.exec.interpreter.run_rank`, with every collective's own Python timed."""
+    """`simexec.exec.rank.interpreter.run_rank`, with every collective's own Python timed."""
     import torch
     import torch.distributed as dist
 
-    from simexec.exec import collectives
-    from simexec.exec import interpreter as interp
+    from simexec.exec.rank import collectives
+    from simexec.exec.rank import interpreter as interp
 
     marks: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     calls: list[tuple[float, float]] = []
@@ -102,11 +102,11 @@ def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
 def rank0_costs(model: str, plan: str, profile: str):
     """`HostCosts` under `profile` on the `local` cluster, and the lowest rank's instructions: what the
     simulator charges that rank's thread (shared with scripts/thread_cpu.py)."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
-    from simexec.sim.host import HostCosts
+    from simexec.specs.cluster import get_cluster
+    from simexec.program.lower import lower
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.host.model import HostCosts
     from simexec.sim.profile import apply_profile
 
     cluster = apply_profile(get_cluster("local"), profile)
@@ -143,7 +143,7 @@ def run_plan(script: str, args, runner, model_side, timeout_s: float):
         print(f"{script}: error: --steps must be at least 5 (the first four are warm-up), got {args.steps}",
               file=sys.stderr)
         return None
-    from simexec.calibrate_runs import Session
+    from simexec.calibrate.runs import Session
     from simexec.errors import SimexecError
 
     try:

@@ -43,10 +43,10 @@ def main(argv=None) -> int:
     plans = args.plans or DEFAULT_PLANS.get(args.knob)
     if not plans:
         ap.error(f"no default plans for --knob {args.knob}; give plans ({', '.join(DEFAULT_PLANS)} have defaults)")
-    from simexec.calibrate_runs import Session
+    from simexec.calibrate.runs import Session
     from simexec.errors import SimexecError
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
 
     knob = "," + args.knob.strip(",")
     model = get_model("gpt-tiny")

@@ -8,7 +8,7 @@ Runs one step of PLAN on local Ray CPU ranks with a runner that wraps the execut
 the aten operator that made it. Prints the rank's measured and predicted peak, then the storages
 alive at the end of the instruction where the peak fell, grouped by the instruction that made them
 (layer 0 in full, the other layers summed), and the predicted activations the program saves per
-block of a layer (`simexec.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's
+block of a layer (`simexec.program.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's
 `dp=4,ep=2` gap to the norms, the rotary tables and the combine's tokens.
 """
 from __future__ import annotations
@@ -31,8 +31,8 @@ def tagging_runner(out_dir: str):
     def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
         import torch
 
-        from simexec.exec import interpreter as interp
-        from simexec.exec import live_memory
+        from simexec.exec.rank import interpreter as interp
+        from simexec.exec.measure import live_memory
 
         torch.set_num_threads(1)
         now, op = ["start"], ["?"]
@@ -91,13 +91,13 @@ def main(argv=None) -> int:
     ap.add_argument("--rank", type=int, default=None, help="the rank to show (default: the largest measured peak)")
     ap.add_argument("--seq-len", type=int, default=None, help="sequence length (default: the model's)")
     args = ap.parse_args(argv)
-    from simexec.blocks import Anatomy
-    from simexec.cluster import get_cluster
+    from simexec.program.blocks import Anatomy
+    from simexec.specs.cluster import get_cluster
     from simexec.errors import SimexecError
     from simexec.exec.api import execute
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.simulate import simulate
 
     try:
         rp = resolve(get_model(args.model), get_cluster("local"), load_plan(args.plan), args.seq_len)

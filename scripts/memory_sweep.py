@@ -6,7 +6,7 @@
     python scripts/memory_sweep.py --json sweep.json
 
 Runs two steps of every plan on local Ray CPU ranks (one actor pool for the whole sweep) and
-compares the executor's per-rank peak (every live tensor storage, `simexec.exec.live_memory`) with
+compares the executor's per-rank peak (every live tensor storage, `simexec.exec.measure.live_memory`) with
 `simexec simulate` on the same plan string, dtype included. The default sweep covers every memory
 feature the executor runs: ZeRO stages and flavours, tp, the pipeline schedules, recompute,
 offload, the three context-parallel implementations, experts, latent attention, a sliding window,
@@ -61,7 +61,7 @@ DEFAULT_SWEEP: list[tuple[str, str]] = [
 
 
 def _model(name: str):
-    from simexec.model import get_model
+    from simexec.specs.model import get_model
 
     path = ROOT / name
     return get_model(str(path) if path.suffix in (".yaml", ".yml") and path.exists() else name)
@@ -69,8 +69,8 @@ def _model(name: str):
 
 def sweep(cases: list[tuple[str, str]], seq_len: int, ray_address=None) -> list[dict]:
     """One row per plan: measured and predicted peak bytes per rank and the signed errors."""
-    from simexec.calibrate_runs import Session
-    from simexec.simulate import simulate
+    from simexec.calibrate.runs import Session
+    from simexec.sim.simulate import simulate
 
     rows = []
     with Session(ray_address=ray_address, measure_load=False) as session:

@@ -7,7 +7,7 @@ Runs each plan (gpt-tiny, local Ray CPU ranks, one warm-up run first) and reads 
 user + system time from /proc/<pid>/stat before and after: CPU-seconds per step and the cores busy
 on average. Every thread of a rank counts: its main thread's compute and gloo's communication
 threads. The simulator's counterpart is the core time the host model hands out in a step
-(compute instructions plus every collective step's burst, `simexec.sim.cores.Cores.run`).
+(compute instructions plus every collective step's burst, `simexec.sim.host.cores.Cores.run`).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.steps < 2 or args.rounds < 1:
         ap.error(f"need --steps >= 2 and --rounds >= 1; got {args.steps} and {args.rounds}")
-    from simexec.calibrate_runs import Session
+    from simexec.calibrate.runs import Session
     from simexec.errors import SimexecError
 
     try:

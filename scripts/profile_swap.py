@@ -55,7 +55,7 @@ def plans(recording: Path) -> list[tuple[str, str, str, str, float]]:
 
 
 def evaluate(rows, profile: dict) -> dict[str, float]:
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     errors: dict[str, float] = {}
     for name, model, plan, _, measured in rows:

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simexec.calibrate_eval import MATRIX, load_outcome, run_validation, summary_table, table  # noqa: E402
+from simexec.calibrate.evaluate import MATRIX, load_outcome, run_validation, summary_table, table  # noqa: E402
 from simexec.outputs import outputs_refused  # noqa: E402
 
 

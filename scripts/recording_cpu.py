@@ -6,8 +6,8 @@
 For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it; the first
 round of each) whose traces timed their ranks' CPU: the rank's main thread's CPU a step, every
 thread's (main and gloo's), the cores' worth busy and the step time, predicted (every rank
-simulated under the profile, in the run's conditions: `simexec.calibrate_traces.predict_case`)
-against measured (`simexec.compare.cpu_of`). The profile defaults to the recording's trace profile,
+simulated under the profile, in the run's conditions: `simexec.calibrate.traces.predict_case`)
+against measured (`simexec.trace.compare.cpu_of`). The profile defaults to the recording's trace profile,
 `traces/profiles/<recording>-traces.json`.
 """
 from __future__ import annotations
@@ -22,10 +22,10 @@ sys.path.insert(0, str(ROOT))
 
 def rows(recording: Path, profile: dict, plans: tuple[str, ...] = ()) -> list[dict]:
     """One row per plan (first round): predicted and measured `cpu_of`, and step times (seconds)."""
-    from simexec.calibrate_traces import load_cases, predict_case
-    from simexec.cluster import get_cluster
-    from simexec.compare import cpu_of
-    from simexec.trace import Trace, load_json
+    from simexec.calibrate.traces import load_cases, predict_case
+    from simexec.specs.cluster import get_cluster
+    from simexec.trace.compare import cpu_of
+    from simexec.trace.schema import Trace, load_json
 
     runs = load_json(recording / "manifest.json", "recording manifest").get("runs", [])
     out, seen = [], set()
@@ -56,7 +56,7 @@ def main(argv=None) -> int:
         print(f"recording_cpu: {recording} holds no manifest.json (a directory scripts/record_traces.py wrote)",
               file=sys.stderr)
         return 2
-    from simexec.calibrate import load_profile
+    from simexec.calibrate.profiles import load_profile
     from simexec.errors import SimexecError
 
     plans = tuple(p for p in args.plans.split(",") if p)

@@ -5,7 +5,7 @@
 
 In one Ray session, alternating, each round measures
 - the sharing benchmark's own workload: the one-rank gpt-tiny program on one rank, then on two
-  ranks at once (`simexec.exec.microbench`, steps 8-15 of 16), and
+  ranks at once (`simexec.calibrate.microbench`, steps 8-15 of 16), and
 - the plans: `dp=1` and `dp=2` at global batch 8, their compute instructions summed over the
   traced step (every rank),
 and prints each pair's ratio. `compute_contention` comes from the first; the trace fit sees the
@@ -29,8 +29,8 @@ def _one_rank_steps(rp, instrs, *, steps, groups, tracer, device, seed=0, active
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.interpreter import run_rank
-    from simexec.exec.microbench import _one_rank_program, _StepClock, _sync
+    from simexec.exec.rank.interpreter import run_rank
+    from simexec.calibrate.microbench import _one_rank_program, _StepClock, _sync
 
     rp1, instrs1 = _one_rank_program("gpt-tiny")
     times = []
@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.rounds < 1:
         ap.error(f"--rounds must be at least 1, got {args.rounds}")
-    from simexec.calibrate_runs import Session
+    from simexec.calibrate.runs import Session
 
     with Session() as s:
         for _ in range(args.rounds):

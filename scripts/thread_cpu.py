@@ -27,9 +27,9 @@ from issue_cost import VERBS, kind_of as _kind, plan_parser, rank0_costs, run_pl
 
 
 def runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
-    """`simexec.exec.interpreter.run_rank`, with the thread's CPU split by part."""
-    from simexec.exec import collectives
-    from simexec.exec import interpreter as interp
+    """`simexec.exec.rank.interpreter.run_rank`, with the thread's CPU split by part."""
+    from simexec.exec.rank import collectives
+    from simexec.exec.rank import interpreter as interp
 
     acc: dict[str, float] = collections.defaultdict(float)
     per_step: list[dict[str, float]] = []

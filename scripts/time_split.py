@@ -33,7 +33,7 @@ from simexec.errors import SimexecError  # noqa: E402
 
 def _runs(directory: Path) -> list[tuple[str, str, float, Path]]:
     """(plan name, role, step time, trace path) of every run a recording or a validation run holds."""
-    from simexec.trace import load_json
+    from simexec.trace.schema import load_json
 
     if (directory / "validation.json").is_file():
         data = load_json(directory / "validation.json", "validation")
@@ -67,7 +67,7 @@ def split(trace, predicted) -> dict[str, tuple[float, float]]:
 
 def instruction_times(traces) -> dict[str, list[float]]:
     """Compute events' durations (µs) by instruction kind (`bwd.fc1`, ...), over the given traces."""
-    from simexec.calibrate_traces import _event_kind
+    from simexec.calibrate.traces import _event_kind
 
     out: dict[str, list[float]] = {}
     for t in traces:
@@ -87,11 +87,11 @@ def versus(mine: dict[str, list[float]], ref: dict[str, list[float]]) -> tuple[f
 
 def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Optional[str] = None) -> list[str]:
     """The table's lines; raises SimexecError for a directory, profile or trace that cannot be read."""
-    from simexec.calibrate import load_profile
-    from simexec.calibrate_traces import _case, predict_case
-    from simexec.calibrate_eval import _sections
-    from simexec.cluster import get_cluster
-    from simexec.trace import Trace
+    from simexec.calibrate.profiles import load_profile
+    from simexec.calibrate.traces import _case, predict_case
+    from simexec.calibrate.evaluate import _sections
+    from simexec.specs.cluster import get_cluster
+    from simexec.trace.schema import Trace
 
     runs = _runs(directory)
     profile_path = profile_path or _default_profile(directory)

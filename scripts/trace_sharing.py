@@ -20,7 +20,7 @@ all do, so the simulator's compute alone should come near the host's compute and
 recorded before 2026-11-27 do not carry CPU times: nan).
 
 With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
-simulates every trace's plan with it, every rank (`simexec.calibrate_traces.predict_case`, with the
+simulates every trace's plan with it, every rank (`simexec.calibrate.traces.predict_case`, with the
 background load measured beside the run), and prints the prediction's compute per micro-batch,
 ranks computing, collective members' ends and waits for the last member beside the measured ones:
 where the simulator has the ranks compute together and the host did not, their compute is priced as
@@ -39,17 +39,17 @@ from typing import Optional
 
 
 def measured_case(trace: dict, where: str):
-    """The measured trace, parsed once, as the case the simulator re-runs (`simexec.calibrate_traces`)."""
-    from simexec.calibrate_traces import _case
-    from simexec.trace import Trace
+    """The measured trace, parsed once, as the case the simulator re-runs (`simexec.calibrate.traces`)."""
+    from simexec.calibrate.traces import _case
+    from simexec.trace.schema import Trace
 
     return _case(Trace.from_chrome(trace, where), where)
 
 
 def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dict:
     """`plan_sharing` of the simulator's prediction of a measured case (every rank)."""
-    from simexec.calibrate_traces import predict_case
-    from simexec.cluster import get_cluster
+    from simexec.calibrate.traces import predict_case
+    from simexec.specs.cluster import get_cluster
 
     return plan_sharing(predict_case(case, get_cluster("local"), profile).trace.to_chrome(), groups)
 
@@ -57,8 +57,8 @@ def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dic
 def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
     """Span, compute per (rank, micro-batch), mean ranks computing, and how far apart the members
     of a collective end (the median over the collectives with more than one member; `groups`, from
-    `simexec.late_waits.collective_groups`, tells the groups that share an instruction's name apart)
-    and how long they wait for the last to call it (`simexec.late_waits`), of one trace."""
+    `simexec.trace.late_waits.collective_groups`, tells the groups that share an instruction's name apart)
+    and how long they wait for the last to call it (`simexec.trace.late_waits`), of one trace."""
     ev = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     comp = [e for e in ev if e["args"].get("kind") == "compute" and e["args"].get("phase") in ("fwd", "bwd")]
     if not comp:
@@ -71,8 +71,8 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
         level, last = level + step, x
     busy = sum(t for k, t in time_at.items() if k > 0)
     units = len({(e["pid"], e["args"]["mb"]) for e in comp})
-    from simexec.late_waits import late_waits
-    from simexec.trace import Trace
+    from simexec.trace.late_waits import late_waits
+    from simexec.trace.schema import Trace
 
     ends = collections.defaultdict(list)
     for e in ev:
@@ -91,10 +91,10 @@ def plan_sharing(trace: dict, groups: Optional[dict] = None) -> dict:
 
 
 def cores_busy(trace: dict) -> float:
-    """The cores' worth the ranks kept busy over a step (`simexec.compare.cpu_of`); NaN where the
+    """The cores' worth the ranks kept busy over a step (`simexec.trace.compare.cpu_of`); NaN where the
     trace carries no CPU times (recordings before 2026-11-27)."""
-    from simexec.compare import cpu_of
-    from simexec.trace import Trace
+    from simexec.trace.compare import cpu_of
+    from simexec.trace.schema import Trace
 
     cpu = cpu_of(Trace.from_chrome(trace))
     return cpu["cores_busy"] if cpu else float("nan")
@@ -107,10 +107,10 @@ def main(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
     ap.add_argument("--profile", default=None, help="also predict each trace with this profile and compare")
     args = ap.parse_args(argv)
-    from simexec.calibrate import load_profile
+    from simexec.calibrate.profiles import load_profile
     from simexec.errors import SimexecError
-    from simexec.late_waits import collective_groups
-    from simexec.trace import Trace, load_json
+    from simexec.trace.late_waits import collective_groups
+    from simexec.trace.schema import Trace, load_json
 
     root = Path(args.recording)
     try:

@@ -5,7 +5,7 @@
     python scripts/validate_calibration.py --refit DIR [--markdown docs/calibration.md]
 
 One Ray session runs everything: the micro-benchmarks, then every plan of
-`simexec.calibrate_eval.MATRIX` the executor supports, `--rounds` times, with the micro-benchmarks
+`simexec.calibrate.evaluate.MATRIX` the executor supports, `--rounds` times, with the micro-benchmarks
 again between rounds (all their runs pooled -> a micro-benchmark profile); the trace fit
 (`scipy.optimize.least_squares`) on the calibration plans' traces (-> a trace profile). Every plan
 is then predicted with the `local` preset (before), the micro-benchmark profile and the trace
@@ -18,7 +18,7 @@ timings and traces in DIR and predicts its runs again (after a change of the cos
 DIR's profiles and validation.json. DIR can also be a recording of `scripts/record_traces.py`
 (`traces/local`, the measurements behind docs/calibration.md): it is copied to --out first.
 
---trace-params NAMES chooses what the trace fit moves (`simexec.calibrate.PARAMS` names), e.g. to see
+--trace-params NAMES chooses what the trace fit moves (`simexec.calibrate.profiles.PARAMS` names), e.g. to see
 how the held-out error moves when a parameter the micro-benchmarks measured is held.
 
 --max-noise PCT stops the measurement after any round whose noise floor so far (one plan's rounds
@@ -29,7 +29,7 @@ in all, --retry-after SECONDS after each stop, for a shared host whose other use
 --cost NAME=VALUE sets a number of the `local` preset's `costs` (e.g. `idle_poll_s=4.3e-3`) for a
 what-if: with --refit, how the same measurements move under another value.
 
---cpu-scheduler slices models the host's cores as time slices (`simexec.sim.cores.SlicedCores`)
+--cpu-scheduler slices models the host's cores as time slices (`simexec.sim.host.cores.SlicedCores`)
 instead of processor sharing, in both fits and every prediction.
 """
 from __future__ import annotations
@@ -43,14 +43,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from simexec.calibrate import PARAMS  # noqa: E402
-from simexec.calibrate_eval import (  # noqa: E402
+from simexec.calibrate.profiles import PARAMS  # noqa: E402
+from simexec.calibrate.evaluate import (  # noqa: E402
     MATRIX, UnsteadyHostError, from_recording, refit, run_validation, save_outcome, summary_table, table,
 )
-from simexec.calibrate_traces import TRACE_PARAMS  # noqa: E402
-from simexec.cluster import get_cluster  # noqa: E402
+from simexec.calibrate.traces import TRACE_PARAMS  # noqa: E402
+from simexec.specs.cluster import get_cluster  # noqa: E402
 from simexec.errors import SimexecError  # noqa: E402
-from simexec.markdown import replace_block  # noqa: E402
+from simexec.validation.markdown import replace_block  # noqa: E402
 from simexec.outputs import outputs_refused  # noqa: E402
 
 BEGIN, END = "<!-- validation:begin -->", "<!-- validation:end -->"
@@ -121,7 +121,7 @@ def main(argv=None) -> int:
     ap.add_argument("--name", default="local", help="profile name prefix")
     ap.add_argument("--refit", default=None, metavar="DIR", help="fit and predict an earlier run's products again")
     ap.add_argument("--trace-params", default=None, metavar="NAMES",
-                    help="comma-separated parameters the trace fit moves (simexec.calibrate.PARAMS; default: "
+                    help="comma-separated parameters the trace fit moves (simexec.calibrate.profiles.PARAMS; default: "
                          + ",".join(TRACE_PARAMS) + ")")
     ap.add_argument("--cpu-scheduler", choices=("sharing", "slices"), default="sharing",
                     help="how the model shares the host's cores (costs.cpu_scheduler; docs/calibration.md)")

@@ -6,7 +6,7 @@
     python scripts/validate_published.py --megatron-csv table.csv         # other GPT runs, same rule
 
 Nothing here is fitted to these rows: every prediction uses the cluster presets (datasheets and
-published micro-benchmarks, simexec/cluster.py) and one rule for what a paper leaves out.
+published micro-benchmarks, simexec/specs/cluster.py) and one rule for what a paper leaves out.
 
 Rows (docs/validation.md has the findings):
 - Megatron-LM, Narayanan et al. SC'21, Table 1: GPT 1.7B-1T on 32-3,072 A100-80GB (DGX A100,
@@ -37,12 +37,12 @@ from typing import Callable, Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.cluster import ClusterSpec, get_cluster  # noqa: E402
-from simexec.markdown import replace_block  # noqa: E402
-from simexec.model import ModelSpec, get_model  # noqa: E402
+from simexec.specs.cluster import ClusterSpec, get_cluster  # noqa: E402
+from simexec.validation.markdown import replace_block  # noqa: E402
+from simexec.specs.model import ModelSpec, get_model  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.plan import Plan, balanced_stages, load_plan  # noqa: E402
-from simexec.simulate import SimResult, simulate  # noqa: E402
+from simexec.specs.plan import Plan, balanced_stages, load_plan  # noqa: E402
+from simexec.sim.simulate import SimResult, simulate  # noqa: E402
 
 SEQ = 2048
 MEGATRON_VOCAB = 51200  # GPT-2 BPE padded to a multiple of 1024 (SC'21 §5.1)

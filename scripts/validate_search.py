@@ -37,13 +37,13 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
-from simexec.cluster import get_cluster  # noqa: E402
-from simexec.markdown import replace_block  # noqa: E402
-from simexec.model import get_model  # noqa: E402
+from simexec.specs.cluster import get_cluster  # noqa: E402
+from simexec.validation.markdown import replace_block  # noqa: E402
+from simexec.specs.model import get_model  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.search import search  # noqa: E402
-from simexec.search_report import explain  # noqa: E402
-from simexec.search_space import structures  # noqa: E402
+from simexec.search.driver import search  # noqa: E402
+from simexec.search.report import explain  # noqa: E402
+from simexec.search.space import structures  # noqa: E402
 from validate_published import (BLOOM_2022, TABLE1_CSV, TABLE2, bloom_model, bloom_recipe, jean_zay,  # noqa: E402
                                 megatron_model, megatron_name, read_megatron_csv, t2_suffix)
 

@@ -32,9 +32,9 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
-from simexec.markdown import replace_block  # noqa: E402
+from simexec.validation.markdown import replace_block  # noqa: E402
 from simexec.outputs import outputs_refused  # noqa: E402
-from simexec.simulate import simulate  # noqa: E402
+from simexec.sim.simulate import simulate  # noqa: E402
 from validate_published import eq3_flops, megatron_model  # noqa: E402
 
 SEQ = 2048

@@ -34,10 +34,10 @@ from typing import Optional
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # validate_published, beside this script
 
-from simexec.markdown import replace_block  # noqa: E402
+from simexec.validation.markdown import replace_block  # noqa: E402
 from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.plan import Plan  # noqa: E402
-from simexec.simulate import simulate  # noqa: E402
+from simexec.specs.plan import Plan  # noqa: E402
+from simexec.sim.simulate import simulate  # noqa: E402
 from validate_published import SEQ, bloom_model, bloom_recipe, jean_zay, read_published_csv  # noqa: E402
 
 CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "published" / "bigscience_tr11_topologies.csv"

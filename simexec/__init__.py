@@ -10,7 +10,7 @@ __all__ = ["PlanError", "SimexecError", "SpecError", "simulate", "__version__"]
 
 
 def simulate(*args, **kwargs):
-    """Predict one training step; see `simexec.simulate.simulate`."""
-    from simexec.simulate import simulate as _simulate
+    """Predict one training step; see `simexec.sim.simulate.simulate`."""
+    from simexec.sim.simulate import simulate as _simulate
 
     return _simulate(*args, **kwargs)

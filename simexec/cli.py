@@ -93,7 +93,7 @@ def _add_optional_commands(subs) -> None:
     """Commands whose modules exist in this build (each registers itself when present)."""
     import importlib.util
 
-    if importlib.util.find_spec("simexec.search") is not None:
+    if importlib.util.find_spec("simexec.search.driver") is not None:
         p = _sub(subs, "search", "find the fastest plan that fits")
         _spec_args(p, plan=False)
         p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences)")
@@ -122,7 +122,7 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--in-process", action="store_true",
                        help="a one-rank plan in this process, without Ray (a GPU machine without it, a debugger)")
         p.set_defaults(func=cmd_execute)
-    if importlib.util.find_spec("simexec.calibrate") is not None:
+    if importlib.util.find_spec("simexec.calibrate.profiles") is not None:
         p = _sub(subs, "calibrate", "fit the cluster's cost parameters to this machine (micro-benchmarks) or to traces")
         p.add_argument("method", choices=("microbench", "traces"), help="how to calibrate")
         p.add_argument("traces", nargs="*", help="measured traces (method traces)")
@@ -144,7 +144,7 @@ def _gb(x: float) -> str:
 
 
 def cmd_models(args) -> int:
-    from simexec.model import list_models
+    from simexec.specs.model import list_models
 
     models = list_models()
     if args.json:
@@ -159,7 +159,7 @@ def cmd_models(args) -> int:
 
 
 def cmd_clusters(args) -> int:
-    from simexec.cluster import list_clusters
+    from simexec.specs.cluster import list_clusters
 
     clusters = list_clusters()
     if args.json:
@@ -176,9 +176,9 @@ def cmd_clusters(args) -> int:
 
 
 def _resolve(args):
-    from simexec.cluster import get_cluster
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
 
     model = get_model(args.model)
     cluster = get_cluster(args.cluster)
@@ -201,7 +201,7 @@ def cmd_plan_check(args) -> int:
            "per_stage": rows}
     order = None
     if args.order:
-        from simexec.schedules import pipeline_order
+        from simexec.program.schedules import pipeline_order
 
         order = pipeline_order(p.schedule_name, p.pp, rp.micro_batches, p.vpp)
         out["order"] = {str(r): [str(a) for a in acts] for r, acts in order.items()}
@@ -219,18 +219,18 @@ def cmd_plan_check(args) -> int:
         print(f"{r['pp_rank']:>5} {holds:>8} {r['layers']:>6} {r['params'] / 1e9:>11.3f}B {_gb(r['params_bytes']):>10} "
               f"{_gb(r['grads_bytes']):>10} {_gb(r['optimizer_bytes']):>10} {_gb(r['model_state_bytes']):>10}")
     if order is not None:
-        from simexec.schedules import format_order
+        from simexec.program.schedules import format_order
 
         print(format_order(order))
     return 0
 
 
 def cmd_simulate(args) -> int:
-    from simexec.cluster import get_cluster
-    from simexec.model import get_model
-    from simexec.plan import load_plan
-    from simexec.simulate import simulate
-    from simexec.trace import save_json
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan
+    from simexec.sim.simulate import simulate
+    from simexec.trace.schema import save_json
 
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
@@ -244,22 +244,22 @@ def cmd_simulate(args) -> int:
 
 
 def cmd_compare(args) -> int:
-    from simexec.compare import compare_files
-    from simexec.trace import save_json
+    from simexec.trace.compare import compare_files
+    from simexec.trace.schema import save_json
 
     result = compare_files(args.predicted, args.measured)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)
     if args.plot_path:
-        from simexec.plot import plot_traces
+        from simexec.trace.plot import plot_traces
 
         plot_traces([args.predicted, args.measured], args.plot_path)
     return 0
 
 
 def cmd_plot(args) -> int:
-    from simexec.plot import plot_traces
+    from simexec.trace.plot import plot_traces
 
     plot_traces(args.traces, args.out)
     print(f"wrote {args.out}")
@@ -267,8 +267,8 @@ def cmd_plot(args) -> int:
 
 
 def cmd_search(args) -> int:
-    from simexec.search import parse_fix, search
-    from simexec.trace import save_json
+    from simexec.search.driver import parse_fix, search
+    from simexec.trace.schema import save_json
 
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
@@ -299,8 +299,8 @@ def cmd_execute(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from simexec.calibrate_micro import calibrate_from_microbench
-    from simexec.calibrate_traces import calibrate_from_traces
+    from simexec.calibrate.micro import calibrate_from_microbench
+    from simexec.calibrate.traces import calibrate_from_traces
     from simexec.errors import SimexecError as _Err
 
     if args.method == "traces":
@@ -333,7 +333,7 @@ _OUT_FLAG = {cmd_plot: ("-o", False), cmd_calibrate: ("--out", False), cmd_demo:
 
 def _check_outputs(args) -> None:
     from simexec.outputs import check_output
-    from simexec.plot import check_image_name
+    from simexec.trace.plot import check_image_name
 
     for attr, flag, folder in _OUTPUTS:
         if getattr(args, attr, None):

@@ -56,14 +56,14 @@ class _Progress:
 def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, session=None,
          specs=None, steps: int = STEPS, rounds: int = ROUNDS, max_nfev: int = 25) -> dict:
     """Run the demo; returns the summary (also written to out_dir/summary.json)."""
-    from simexec.calibrate import CalibrationError, _jsonable, make_profile, save_profile
-    from simexec.calibrate_traces import fit_traces
-    from simexec.calibrate_eval import (
+    from simexec.calibrate.profiles import CalibrationError, _jsonable, make_profile, save_profile
+    from simexec.calibrate.traces import fit_traces
+    from simexec.calibrate.evaluate import (
         DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, repeatability, runnable, typical_runs,
         world_of,
     )
-    from simexec.calibrate_runs import Session
-    from simexec.cluster import get_cluster
+    from simexec.calibrate.runs import Session
+    from simexec.specs.cluster import get_cluster
 
     if rounds < 1:
         raise SimexecError(f"demo: rounds (--rounds) must be at least 1, got {rounds}")
@@ -85,7 +85,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
     timings = {}
     try:
         # 1. predictions with the preset, before anything is measured
-        from simexec.simulate import simulate
+        from simexec.sim.simulate import simulate
 
         before_traces = {}
         for s in specs:
@@ -103,7 +103,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
             bar.note("starting Ray")
             sess.__enter__()
         try:
-            from simexec.calibrate_micro import calibrate_from_microbench
+            from simexec.calibrate.micro import calibrate_from_microbench
 
             bar.note("micro-benchmarks")
             prof_mb = calibrate_from_microbench(cluster, 4, None, name="demo-microbench", quick=True, session=sess)
@@ -135,7 +135,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         t3 = time.perf_counter()
         rows = evaluate(runs, cluster, {"before": None, "microbench": _sections(prof_mb), "traces": _sections(prof_tr)})
         after_traces = {}
-        from simexec.calibrate_traces import predict_case
+        from simexec.calibrate.traces import predict_case
 
         for r in typical:
             res = predict_case(case_of(r), cluster, _sections(prof_tr), trace=True)
@@ -172,8 +172,8 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
 
 
 def _plots(out: Path, runs, rows, before: dict, after: dict) -> None:
-    from simexec import plot
-    from simexec.trace import Trace
+    from simexec.trace.schema import plot
+    from simexec.trace.schema import Trace
 
     pdir = out / "plots"
     pdir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ import pytest
 @pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")
-    from simexec.exec.launcher import start_ray, stop_ray
+    from simexec.exec.runtime.launcher import start_ray, stop_ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     owned = start_ray()

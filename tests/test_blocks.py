@@ -2,10 +2,10 @@
 the small buffers the paper leaves out."""
 import pytest
 
-from simexec.blocks import Anatomy
-from simexec.cluster import get_cluster
-from simexec.model import get_model
-from simexec.plan import parse_plan, resolve
+from simexec.program.blocks import Anatomy
+from simexec.specs.cluster import get_cluster
+from simexec.specs.model import get_model
+from simexec.specs.plan import parse_plan, resolve
 
 MODEL = get_model("gpt3-1.3b")  # GPT: MHA, GeLU MLP of 4h, dropout after attention and MLP
 S, B, H, A = MODEL.seq_len, 2, MODEL.hidden, MODEL.heads
@@ -70,7 +70,7 @@ def test_backward_workspace_drops_weight_gradients_with_fused_wgrad():
 def test_expert_capacity_scales_what_the_experts_compute_and_receive(factor):
     """MoESpec.capacity_factor: the experts' buffers hold factor x the balanced load (cut or padded),
     so their GEMMs, saved activations and the all-to-alls scale by it; the router does not."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     base = get_model("mixtral-8x7b")
     capped = base.model_copy(update={"moe": base.moe.model_copy(update={"capacity_factor": factor})})
@@ -87,7 +87,7 @@ def test_expert_capacity_scales_what_the_experts_compute_and_receive(factor):
 
 def test_the_executor_refuses_expert_capacity_only_with_context_parallelism():
     pytest.importorskip("torch")
-    from simexec.exec.interpreter import unsupported
+    from simexec.exec.rank.interpreter import unsupported
 
     m = get_model("moe-tiny")
     capped = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": 1.25})})
@@ -120,7 +120,7 @@ def test_sliding_window_prices_the_band_on_gpus_and_every_score_on_cpus():
 
 def test_sliding_window_refuses_the_ring_and_the_search_leaves_it_out():
     from simexec.errors import PlanError
-    from simexec.search_space import plans
+    from simexec.search.space import plans
 
     m = get_model("llama3-8b", seq_len=8192).model_copy(update=dict(sliding_window=4096))
     with pytest.raises(PlanError, match="cp_impl=ring does not run sliding-window attention"):

@@ -6,19 +6,19 @@ from pathlib import Path
 
 import pytest
 
-from simexec.calibrate import PARAMS, CalibrationError, make_profile, profiled_cluster, save_profile, set_params
-from simexec.calibrate_traces import _case, calibrate_from_traces, fit_traces, load_cases, predict_case
-from simexec.cluster import get_cluster
+from simexec.calibrate.profiles import PARAMS, CalibrationError, make_profile, profiled_cluster, save_profile, set_params
+from simexec.calibrate.traces import _case, calibrate_from_traces, fit_traces, load_cases, predict_case
+from simexec.specs.cluster import get_cluster
 from simexec.errors import SimexecError
-from simexec.model import get_model
+from simexec.specs.model import get_model
 from simexec.sim.profile import apply_profile
-from simexec.simulate import simulate
-from simexec.trace import Trace
+from simexec.sim.simulate import simulate
+from simexec.trace.schema import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
 LOCAL = get_cluster("local")
-# A host-model profile of the order this machine measures (simexec.sim.host).
+# A host-model profile of the order this machine measures (simexec.sim.host.model).
 TRUTH = {
     "costs": {"cores_shared": True, "gemm_eff": 1.0, "gemm_half_flops": 2e5, "attention_eff": 0.2,
               "memory_eff": 1.0, "intra_bw_eff": 1.0, "collective_latency_s": 60e-6, "overlap_slowdown": 1.0,
@@ -70,8 +70,8 @@ def test_cores_are_shared_by_cpu_ranks():
 
 
 def _engine(plan: str):
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
+    from simexec.program.lower import lower
+    from simexec.specs.plan import load_plan, resolve
     from simexec.sim.engine import Engine
     from simexec.sim.machine import Machine
 
@@ -85,7 +85,7 @@ def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
     """An all-reduced bucket: the interpreter's Python and a pass over its tensors before the call
     (2 operators a parameter tensor) join the compute instruction before it; the Python once waited
     and the pass that views the results out join the compute after it (the optimizer)."""
-    from simexec.exec.model import param_specs
+    from simexec.exec.nn.gpt import param_specs
 
     eng, instrs = _engine("dp=2,gbs=4,dtype=fp32")
     k = next(i for i, ins in enumerate(instrs) if ins.block == "grads0")
@@ -114,8 +114,8 @@ def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
     ("dp=4,zero=3,dp_shard=2,gbs=4,dtype=fp32", "grads_rep", "bwd", (0, 0)),  # a flat shard all-reduced
 ])
 def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, block, phase, passes):
-    from simexec.plan import load_plan
-    from simexec.sim.host import tensor_passes, unit_tensor_count
+    from simexec.specs.plan import load_plan
+    from simexec.sim.host.model import tensor_passes, unit_tensor_count
 
     eng, instrs = _engine(plan)
     ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase)
@@ -193,7 +193,7 @@ def test_call_cpu_times_a_collectives_call_on_its_thread():
     import call_cpu
 
     assert call_cpu.main(["--reps", "0"]) == 2
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     got = spawn_ranks(call_cpu._rank, 2, (30,), 120.0)
     assert len(got["call"]) == 30
@@ -283,7 +283,7 @@ def test_calibration_refuses_bad_inputs(tmp_path):
         calibrate_from_traces([tmp_path / "pred.json.gz"], "local")
     with pytest.raises(SimexecError, match="not found"):
         load_cases([tmp_path / "missing.json"])
-    from simexec.calibrate_micro import calibrate_from_microbench
+    from simexec.calibrate.micro import calibrate_from_microbench
 
     with pytest.raises(CalibrationError, match="ranks"):
         calibrate_from_microbench("local", 1)
@@ -304,16 +304,16 @@ def test_host_model_leaves_gpu_clusters_alone():
 def test_dispatch_table_matches_the_executor(model):
     """The simulator's per-block operator counts are what the executor's blocks dispatch (a large
     model is counted on a shrunk copy with the same features)."""
-    from simexec.exec.microbench import count_dispatch
-    from simexec.model import get_model
-    from simexec.sim.host import dispatch_key, dispatch_table
+    from simexec.calibrate.microbench import count_dispatch
+    from simexec.specs.model import get_model
+    from simexec.sim.host.model import dispatch_key, dispatch_table
 
     spec = get_model(str(ROOT / model) if model.endswith((".json", ".yaml")) else model)
     got = count_dispatch(spec)
     key = dispatch_key(spec)
     table = dispatch_table(key)
     diff = {k: (table.get(k), v) for k, v in got.items() if abs(table.get(k, -99) - v) > 1}
-    assert not diff, f"refresh simexec.sim.host.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
+    assert not diff, f"refresh simexec.sim.host.model.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
 
 
 GROUPED = "tests/data/qk-norm-tiny.yaml"  # 4 query heads in 2 groups
@@ -331,10 +331,10 @@ GROUPED = "tests/data/qk-norm-tiny.yaml"  # 4 query heads in 2 groups
 def test_context_parallel_attention_counts_match_the_executor(model, plan):
     """Under cp the executor runs another attention block, and without a fused kernel another
     attention; the simulator counts their operators, with query heads in groups or not."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.model import get_model
-    from simexec.plan import parse_plan
-    from simexec.sim.host import dispatch_key, dispatch_table
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan
+    from simexec.sim.host.model import dispatch_key, dispatch_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     got = count_dispatch_plan(model, plan)
@@ -353,9 +353,9 @@ def test_main_gradient_hooks_are_counted_per_block(model, plan):
     schedule's weight pass) makes costs its hook's `add_`: the executor's count of operators per
     block grows by `grad_tensors` there and nowhere else (tp-replicated norms, the router and MLA's
     latents excepted under tp; experts per ep rank; the tied head's share of the embedding)."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.plan import parse_plan
-    from simexec.sim.host import grad_tensors
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.plan import parse_plan
+    from simexec.sim.host.model import grad_tensors
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     without = count_dispatch_plan(model, plan + ",dtype=bf16")
@@ -374,10 +374,10 @@ def test_sliding_window_attention_counts_match_the_executor(tmp_path, plan):
     """A windowed layer's attention masks its band: the simulator counts the operators that adds (or
     saves) against the same model without the window, fused, unfused and under context
     parallelism's all-gather."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.lower import lower
-    from simexec.plan import parse_plan, resolve
-    from simexec.sim.host import HostCosts
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.program.lower import lower
+    from simexec.specs.plan import parse_plan, resolve
+    from simexec.sim.host.model import HostCosts
 
     local = get_cluster("local")
     text = (ROOT / "tests/data/window-tiny.yaml").read_text()
@@ -400,10 +400,10 @@ def test_latent_attention_counts_match_the_executor(tmp_path, plan, q_latent):
     """Multi-head latent attention's qkv (latent projections and norms, the shared rotary key, the
     concatenations) and attention (V padded for the fused kernel, K and V taken apart otherwise): the
     operators the simulator adds to a model without MLA are those the executor adds."""
-    from simexec.exec.microbench import count_dispatch, count_dispatch_plan
-    from simexec.lower import lower
-    from simexec.plan import parse_plan, resolve
-    from simexec.sim.host import HostCosts
+    from simexec.calibrate.microbench import count_dispatch, count_dispatch_plan
+    from simexec.program.lower import lower
+    from simexec.specs.plan import parse_plan, resolve
+    from simexec.sim.host.model import HostCosts
 
     local = get_cluster("local")
     text = (ROOT / "tests/data/mla-tiny.yaml").read_text()
@@ -432,9 +432,9 @@ def test_latent_attention_counts_match_the_executor(tmp_path, plan, q_latent):
 def test_sequence_parallel_block_counts_match_the_executor(model):
     """Under sp the norms are blocks of their own and the column-parallel GEMMs save the weight, not
     the gathered input: the simulator counts the operators of those blocks as the executor runs them."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.model import get_model
-    from simexec.sim.host import dispatch_key, dispatch_table
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.model import get_model
+    from simexec.sim.host.model import dispatch_key, dispatch_table
 
     got = count_dispatch_plan(model, "tp=2,sp=1,gbs=2")  # bf16, the plans' default
     table = dispatch_table(dispatch_key(get_model(model)), sp=True, dtype="bf16")
@@ -445,7 +445,7 @@ def test_sequence_parallel_block_counts_match_the_executor(model):
 
 def test_moe_loops_count_the_local_experts():
     """Expert parallelism leaves each rank a share of the routed experts: its loop is shorter."""
-    from simexec.sim.host import MOE_LOOP_OPS, dispatch_table
+    from simexec.sim.host.model import MOE_LOOP_OPS, dispatch_table
 
     one, two = dispatch_table("rmsnorm-swiglu-rope-moe8x2+0"), dispatch_table("rmsnorm-swiglu-rope-moe8x2+0", ep=2)
     for phase in ("fwd", "bwd"):
@@ -457,10 +457,10 @@ def test_moe_loops_count_the_local_experts():
 def test_block_fit_recovers_per_byte_element_wise_costs():
     """One-rank steps at two micro-batch sizes, timed by the host model with known costs (GELU and
     the loss several times an add per byte, Adam twice): the block fit finds the costs again."""
-    from simexec.calibrate_micro import _one_rank_tensors, fit_blocks
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
-    from simexec.sim.host import HostCosts
+    from simexec.calibrate.micro import _one_rank_tensors, fit_blocks
+    from simexec.program.lower import lower
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.host.model import HostCosts
 
     truth = json.loads(json.dumps(TRUTH))
     factors = {"fwd.fc1": 9.0, "bwd.fc1": 12.0, "fwd.xent": 6.0, "bwd.xent": 4.0, "optim.optim": 2.0}
@@ -492,7 +492,7 @@ def test_block_fit_recovers_per_byte_element_wise_costs():
 def test_compute_then_all_reduce_loop_on_the_host_model():
     """Two ranks on two idle cores: an iteration is its compute and then the all-reduce alone; four
     ranks on two cores pay for sharing them: more than twice the compute, and waits for a core."""
-    from simexec.calibrate_comm import host_comm_time, host_loop_time
+    from simexec.calibrate.comm import host_comm_time, host_loop_time
 
     c = profiled_cluster(LOCAL, TRUTH)
     alone = host_comm_time(c, "allreduce", 2, 16384)
@@ -511,7 +511,7 @@ def test_a_woken_thread_queues_behind_threads_within_their_slice_and_preempts_on
     thread takes a core at once: a ping-pong beside two computing ranks runs as fast as beside none."""
     import simpy
 
-    from simexec.sim.cores import Cores
+    from simexec.sim.host.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=4e-3, background=0.0, weights={})
@@ -536,8 +536,8 @@ def test_a_core_that_alternates_between_threads_runs_slower_and_the_sharing_fit_
     The sharing benchmark's slowdowns give both factors back."""
     import simpy
 
-    from simexec.calibrate_micro import fit_sharing
-    from simexec.sim.cores import Cores
+    from simexec.calibrate.micro import fit_sharing
+    from simexec.sim.host.cores import Cores
 
     def finish(n: int) -> float:
         env = simpy.Environment()
@@ -566,7 +566,7 @@ def test_a_communication_burst_runs_at_its_share_of_the_cores_without_their_slow
     each, the bursts at that and the main threads at 1/(2 x 1.2 x 1.3)."""
     import simpy
 
-    from simexec.sim.cores import Cores
+    from simexec.sim.host.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, contention=1.2, timeslicing=1.3)
@@ -617,7 +617,7 @@ def test_micro_benchmark_runs_pool_into_one_set_of_timings():
     """Runs of the micro-benchmarks spread over a session pool: each benchmark's timings (and CPU
     times) from every run together, the one-rank step's instructions by name, each run's sharing
     rounds apart; the pooled set fits like one run."""
-    from simexec.calibrate_micro import merge_results, pool_microbench
+    from simexec.calibrate.micro import merge_results, pool_microbench
 
     def raw(t: float, bg: float) -> dict:
         return {"background": bg, "extras": {
@@ -642,7 +642,7 @@ def _sliced_run(jobs: dict, cores: int = 2, slice_s: float = 1.5e-3, **kw) -> di
     """Each key runs its list of CPU times one after another on `SlicedCores`: (first ran, ended) per job."""
     import simpy
 
-    from simexec.sim.cores import SlicedCores
+    from simexec.sim.host.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, cores, slice_s, 0.0, **kw)
@@ -683,7 +683,7 @@ def test_sliced_cores_let_a_communication_thread_preempt_a_thread_past_its_slice
     thread it displaced resumes first."""
     import simpy
 
-    from simexec.sim.cores import SlicedCores
+    from simexec.sim.host.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, 2, 2e-3, 0.0, contention=1.5)
@@ -710,7 +710,7 @@ def test_sliced_cores_give_a_waking_core_to_a_burst_that_queued_meanwhile():
     arrives meanwhile (no main thread running to preempt) queues, and takes the core once awake."""
     import simpy
 
-    from simexec.sim.cores import SlicedCores
+    from simexec.sim.host.cores import SlicedCores
 
     env = simpy.Environment()
     host = SlicedCores(env, 1, 1.5e-3, 0.0, idle_wake_s=1e-3, idle_poll_s=1e-6)
@@ -725,7 +725,7 @@ def test_sliced_cores_give_a_waking_core_to_a_burst_that_queued_meanwhile():
 def test_the_cluster_chooses_the_scheduler_model_and_copies_of_a_rank_stay_mean_field():
     import simpy
 
-    from simexec.sim.cores import Cores, SlicedCores
+    from simexec.sim.host.cores import Cores, SlicedCores
 
     c = profiled_cluster(LOCAL, TRUTH)
     sliced = c.model_copy(update={"costs": c.costs.model_copy(update={"cpu_scheduler": "slices"})})
@@ -740,8 +740,8 @@ def test_a_thread_woken_onto_an_idle_core_waits_for_it_the_longer_it_has_idled()
     nothing while every core is busy. So a ping-pong beside busy ranks beats one on an idle host."""
     import simpy
 
-    from simexec.calibrate_comm import host_pingpong_time
-    from simexec.sim.cores import Cores
+    from simexec.calibrate.comm import host_pingpong_time
+    from simexec.sim.host.cores import Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={}, idle_wake_s=1e-3, idle_poll_s=200e-6)
@@ -767,10 +767,10 @@ def test_block_fit_gives_another_model_family_costs_of_its_own():
     """gpt-tiny's and moe-tiny's one-rank steps, timed by the host model with different costs for
     the same block names (layer norm against RMSNorm before qkv) and for the MoE blocks: the fit finds both, under
     moe-tiny's family keys, and the simulator prices each model with its own."""
-    from simexec.calibrate_micro import fit_blocks
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
-    from simexec.sim.host import HostCosts, cost_family
+    from simexec.calibrate.micro import fit_blocks
+    from simexec.program.lower import lower
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.host.model import HostCosts, cost_family
 
     family = cost_family(get_model("moe-tiny"))
     factors = {"fwd.qkv": 9.0, "bwd.fc1": 12.0, f"{family}/fwd.qkv": 3.0, f"{family}/fwd.experts": 5.0,
@@ -809,7 +809,7 @@ def test_comm_cpu_fit_recovers_per_step_cpu_and_copy_bandwidth():
     fit gets both back; records that measured no CPU are left out."""
     import random
 
-    from simexec.calibrate_comm import fit_comm_cpu
+    from simexec.calibrate.comm import fit_comm_cpu
 
     rng = random.Random(0)
     per_step, bw = 150e-6, 2e9
@@ -848,7 +848,7 @@ def test_each_step_of_a_collective_costs_its_members_comm_cpu_of_a_core():
     """With `comm_cpu_s` a ring step occupies every member's core that long: on two idle cores four
     ranks' all-reduce takes at least its steps x 2 ranks per core x the per-step CPU; computing ranks
     beside it are slowed by it, which a free-latency message would not do."""
-    from simexec.calibrate_comm import host_comm_time
+    from simexec.calibrate.comm import host_comm_time
 
     base = {**TRUTH, "node": {**TRUTH["node"], "intra_latency_s": 1e-6}}
     cheap = profiled_cluster(LOCAL, base)
@@ -868,7 +868,7 @@ def test_trace_fit_matches_summed_instruction_times_not_the_typical_event():
     """A step adds its instructions up. Residuals per kind of instruction compare sums: events whose
     times scatter around the prediction leave no residual when their sum matches, and one long stall
     counts at its full length (a per-event log ratio with a robust loss would all but drop it)."""
-    from simexec.calibrate_traces import _event_groups, _event_kind, _group_residuals
+    from simexec.calibrate.traces import _event_groups, _event_kind, _group_residuals
 
     assert _event_kind("3:bwd.fc1.L2.m5") == "bwd.fc1"
     assert _event_kind("0:p2p.act.v1.m0") == "p2p.act"
@@ -889,8 +889,8 @@ def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
     of (n-1)/n of the tensor per member. Its broadcast is a binomial tree whose root returns once its
     sends are written: the micro-benchmark, timing the root, sees the call and the root's sends,
     not the hops to the last member."""
-    from simexec.calibrate_comm import _bench_instr, host_comm_time
-    from simexec.sim.host import HostCosts
+    from simexec.calibrate.comm import _bench_instr, host_comm_time
+    from simexec.sim.host.model import HostCosts
 
     assert HostCosts.comm_steps(_bench_instr("alltoall", 4, 4096)) == (1, 3072.0)
     assert HostCosts.comm_steps(_bench_instr("allgather", 4, 4096)) == (3, 1024.0)
@@ -907,7 +907,7 @@ def test_a_collective_keeps_two_steps_on_the_wire_as_gloo_does():
     `gloo/allgather.cc`): a step's latency overlaps the next step's CPU. A 4-rank all-gather (3
     steps) with a core per member, each step 0.1 ms of CPU and 0.2 ms on the wire: the call, two
     bursts back to back, the third once the first step's data is through, then its own wire."""
-    from simexec.calibrate_comm import host_comm_time
+    from simexec.calibrate.comm import host_comm_time
 
     call, burst, wire = 60e-6, 100e-6, 200e-6
     costs = {**TRUTH["costs"], "comm_cpu_s": burst, "collective_latency_s": call, "sched_slice_s": 0.0,
@@ -925,7 +925,7 @@ def test_an_event_loop_at_idle_priority_gets_the_cores_the_other_threads_leave()
     fair share (weight 3 against 1024 each), and the rest once a core frees, without slowing them."""
     import simpy
 
-    from simexec.sim.cores import IDLE_WEIGHT, Cores
+    from simexec.sim.host.cores import IDLE_WEIGHT, Cores
 
     env = simpy.Environment()
     cores = Cores(env, 2, slice_s=0.0, background=0.0, weights={})
@@ -954,14 +954,14 @@ def test_a_collective_beside_busy_cores_waits_for_its_loops_copy_where_the_loops
     long."""
     import simpy
 
-    from simexec.program import Instr
-    from simexec.sim.host import HostCosts
+    from simexec.program.instructions import Instr
+    from simexec.sim.host.model import HostCosts
 
     costs = {**TRUTH["costs"], "comm_cpu_s": 50e-6, "collective_latency_s": 0.0, "sched_slice_s": 0.0,
              "idle_wake_s": 0.0, "compute_contention": 1.0, "timeslice_contention": 1.0}
     node = {**TRUTH["node"], "cpu_cores": 2, "intra_latency_s": 0.0, "intra_bw": 1e9}
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
+    from simexec.program.lower import lower
+    from simexec.specs.plan import load_plan, resolve
 
     ins = Instr(rank=0, name="g", kind="collective", stream="comm.dp", op="allreduce@dp", group=(0, 1), bytes=2e6)
     prog = lower(resolve(get_model("gpt-tiny"), LOCAL, load_plan("dp=2,gbs=4,dtype=fp32"), None), symmetric=False)
@@ -1003,8 +1003,8 @@ def test_the_trace_fit_matches_the_main_threads_cpu_where_a_run_timed_it():
     """A run that timed its ranks' CPU gives the fit one more residual: its main threads' CPU a step
     against the simulated one's. A trace without the series (or a simulation that times no CPU)
     gives none."""
-    from simexec.calibrate_traces import _main_thread_cpu, _n_resid
-    from simexec.compare import cpu_of
+    from simexec.calibrate.traces import _main_thread_cpu, _n_resid
+    from simexec.trace.compare import cpu_of
 
     prof = set_params(TRUTH, {"coll_latency": 1e-7}, LOCAL)
     t = synthetic("dp=2,gbs=4,dtype=fp32", prof)
@@ -1018,7 +1018,7 @@ def test_the_trace_fit_matches_the_main_threads_cpu_where_a_run_timed_it():
 
 
 def test_the_median_round_stands_for_a_plan():
-    from simexec.calibrate_eval import PlanSpec, Run, typical_runs
+    from simexec.calibrate.evaluate import PlanSpec, Run, typical_runs
 
     a, b = PlanSpec("a", "gpt-tiny", "dp=1", "calibrate"), PlanSpec("b", "gpt-tiny", "dp=2", "heldout")
     runs = [Run(a, 0, "a0", 0.30, [], {}, None), Run(b, 0, "b0", 0.10, [], {}, None),
@@ -1031,10 +1031,10 @@ def test_a_recomputed_layers_first_forward_costs_the_no_grad_ratio_and_the_fit_m
     """Full recompute: the forwards that `recompute.*` repeats run without autograd; the host model
     prices them at `nograd_fwd_ratio`, and `nograd_forward_ratio` reads that ratio back from the
     one-rank step timed with and without recompute."""
-    from simexec.calibrate_micro import nograd_forward_ratio
-    from simexec.lower import lower
-    from simexec.plan import load_plan, resolve
-    from simexec.sim.host import HostCosts
+    from simexec.calibrate.micro import nograd_forward_ratio
+    from simexec.program.lower import lower
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.host.model import HostCosts
 
     truth = json.loads(json.dumps(TRUTH))
     truth["costs"]["nograd_fwd_ratio"] = 0.7
@@ -1060,7 +1060,7 @@ def test_a_recomputed_layers_first_forward_costs_the_no_grad_ratio_and_the_fit_m
 
 
 def test_a_stall_does_not_become_the_kernels_cost():
-    from simexec.calibrate_micro import kernel_mean
+    from simexec.calibrate.micro import kernel_mean
 
     ts = [5e-6] * 199 + [4e-3]  # one 4 ms stall among 200 one-operator adds
     assert kernel_mean(ts) == pytest.approx(5e-6)
@@ -1069,7 +1069,7 @@ def test_a_stall_does_not_become_the_kernels_cost():
 
 # --- measuring on an unsteady host -----------------------------------------------------------------
 class _StepsSession:
-    """Stands in for `simexec.calibrate_runs.Session`: each plan's runs take the given steady step
+    """Stands in for `simexec.calibrate.runs.Session`: each plan's runs take the given steady step
     times in turn (a measurement's bookkeeping, not the executor)."""
 
     def __init__(self, times: dict[str, list[float]]):
@@ -1086,7 +1086,7 @@ class _StepsSession:
 
 
 def test_spread_is_the_mean_distance_of_each_run_from_its_plans_median():
-    from simexec.calibrate_eval import spread
+    from simexec.calibrate.evaluate import spread
 
     assert spread([[1.0, 1.0, 1.0]]) == 0.0
     assert spread([[0.9, 1.0, 1.2], [5.0]]) == pytest.approx((0.1 + 0.0 + 0.2) / 3)
@@ -1094,7 +1094,7 @@ def test_spread_is_the_mean_distance_of_each_run_from_its_plans_median():
 
 
 def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_limit(tmp_path):
-    from simexec.calibrate_eval import PlanSpec, measure, noise_guard
+    from simexec.calibrate.evaluate import PlanSpec, measure, noise_guard
 
     specs = [PlanSpec("a", "gpt-tiny", "dp=1", "calibrate"), PlanSpec("b", "gpt-tiny", "dp=2", "heldout")]
     times = {"dp=1": [1.0, 1.3, 1.0], "dp=2": [2.0, 2.0, 2.0]}  # `a` ran 30% slower in the second round
@@ -1111,10 +1111,10 @@ def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_l
                                    "tests/data/mla-tiny.yaml"])
 def test_zero_bubble_split_counts_match_the_executor(model):
     """Under a zero-bubble schedule each weight-bearing block dispatches its input-gradient pass and
-    its weight pass apart (`simexec.sim.host.SPLIT_OPS`); the embedding's backward is all weight pass."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.model import get_model
-    from simexec.sim.host import dispatch_key, dispatch_table, split_backward_table
+    its weight pass apart (`simexec.sim.host.model.SPLIT_OPS`); the embedding's backward is all weight pass."""
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.model import get_model
+    from simexec.sim.host.model import dispatch_key, dispatch_table, split_backward_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     got = count_dispatch_plan(model, "pp=2,gbs=4,dtype=fp32,schedule=zb-h1")
@@ -1131,10 +1131,10 @@ def test_zero_bubble_split_counts_match_the_executor(model):
 def test_counts_in_both_types_match_the_executor(model, plan):
     """The tables count fp32; under 16-bit types RMSNorm's fp32 casts and the logits' add operators
     (`HALF_NORM_CAST_OPS`, `HALF_HEAD_CAST_OPS`), with sp or without."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.model import get_model
-    from simexec.plan import parse_plan
-    from simexec.sim.host import dispatch_key, dispatch_table
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan
+    from simexec.sim.host.model import dispatch_key, dispatch_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     p = parse_plan(plan)
@@ -1153,10 +1153,10 @@ def test_split_counts_of_column_blocks_and_head_match_the_executor(model, plan, 
     """tp_overlap splits the column-parallel blocks (`SPLIT_OPS`, under sp `SPLIT_OPS_SP`); a V's first
     rank holds the head, whose zero-bubble split rank 0 then counts. Within two operators: qkv's input
     pass counts two fewer at tp 2 than at tp 1."""
-    from simexec.exec.microbench import count_dispatch_plan
-    from simexec.model import get_model
-    from simexec.plan import parse_plan
-    from simexec.sim.host import COLUMN_BLOCKS, dispatch_key, dispatch_table, split_backward_table
+    from simexec.calibrate.microbench import count_dispatch_plan
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan
+    from simexec.sim.host.model import COLUMN_BLOCKS, dispatch_key, dispatch_table, split_backward_table
 
     if model.endswith(".yaml"):  # four layers, for the V's two chunks per rank
         text = (ROOT / model).read_text().replace("layers: 2", "layers: 4")

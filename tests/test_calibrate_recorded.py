@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from simexec.calibrate import load_profile
-from simexec.calibrate_micro import fit_microbench
-from simexec.calibrate_traces import load_cases, predict_case
-from simexec.cluster import get_cluster
+from simexec.calibrate.profiles import load_profile
+from simexec.calibrate.micro import fit_microbench
+from simexec.calibrate.traces import load_cases, predict_case
+from simexec.specs.cluster import get_cluster
 from simexec.sim.profile import apply_profile
-from simexec.trace import load_json
+from simexec.trace.schema import load_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "traces" / "local"
@@ -103,7 +103,7 @@ def test_benchmarks_that_ran_gloos_loops_idle_are_fitted_so(monkeypatch):
     """The collectives' fit simulates the benchmarks with the event loops as they ran, and the profile
     says so; every rank must have idled its loops. Benchmarks that timed a collective's call alone
     (`issue`) give the profile its CPU on the calling thread."""
-    import simexec.calibrate_micro as cm
+    import simexec.calibrate.micro as cm
 
     raw = load_json(DIR / "microbench.json.gz", "micro-benchmarks")
     seen = []
@@ -122,7 +122,7 @@ def test_benchmarks_that_ran_gloos_loops_idle_are_fitted_so(monkeypatch):
 def test_a_recording_becomes_a_validation_directory_to_refit(tmp_path):
     """`validate_calibration.py --refit traces/local` starts from the recording: every run, its trace
     copied beside it, the raw micro-benchmarks and their profile."""
-    from simexec.calibrate_eval import from_recording, load_outcome
+    from simexec.calibrate.evaluate import from_recording, load_outcome
 
     out = from_recording(DIR, tmp_path / "v")
     outcome = load_outcome(out)
@@ -140,8 +140,8 @@ def test_a_recording_becomes_a_validation_directory_to_refit(tmp_path):
      "nope.json.gz is not in"),
 ])
 def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, message):
-    from simexec.calibrate import CalibrationError
-    from simexec.calibrate_eval import from_recording
+    from simexec.calibrate.profiles import CalibrationError
+    from simexec.calibrate.evaluate import from_recording
 
     (tmp_path / "rec").mkdir()
     (tmp_path / "rec" / "manifest.json").write_text(manifest_text)
@@ -184,8 +184,8 @@ def test_validate_calibration_refuses_a_bad_cost_in_one_line(capsys, cost, messa
 def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch, capsys):
     """`--attempts N` measures again, `--retry-after` seconds after each stop of `--max-noise`, up to N
     measurements; the last stop is the one error line. Other errors are not tried again."""
-    from simexec.calibrate import CalibrationError
-    from simexec.calibrate_eval import UnsteadyHostError
+    from simexec.calibrate.profiles import CalibrationError
+    from simexec.calibrate.evaluate import UnsteadyHostError
 
     script = _validate_calibration_script()
     calls, slept = [], []
@@ -268,9 +268,9 @@ def test_every_recorded_gpu_step_compares_with_the_current_simulator():
     (`scripts/gpu_steps.py run`)."""
     import sys
 
-    from simexec.compare import compare
-    from simexec.simulate import simulate
-    from simexec.trace import Trace
+    from simexec.trace.compare import compare
+    from simexec.sim.simulate import simulate
+    from simexec.trace.schema import Trace
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import gpu_steps
@@ -300,7 +300,7 @@ def test_time_split_sums_compute_and_communication_of_matching_events():
     within the recorded profile's accuracy; a data-parallel plan's collectives are summed apart."""
     import sys
 
-    from simexec.trace import Trace
+    from simexec.trace.schema import Trace
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import time_split
@@ -355,8 +355,8 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
         computing = trace_sharing.plan_sharing(trace)["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
         cases[name] = trace_sharing.measured_case(trace, name)
-    from simexec.late_waits import collective_groups
-    from simexec.trace import Trace
+    from simexec.trace.late_waits import collective_groups
+    from simexec.trace.schema import Trace
 
     assert set(collective_groups(Trace.load(DIR / "dp4.r1.json.gz")).values()) == {(0, 1, 2, 3)}
     # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
@@ -394,7 +394,7 @@ def test_collective_joins_times_a_collective_from_its_last_member_on():
     names its micro-benchmark."""
     import sys
 
-    from simexec.trace import Event, Trace
+    from simexec.trace.schema import Event, Trace
 
     sys.path.insert(0, str(ROOT / "scripts"))
     import collective_joins

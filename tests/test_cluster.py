@@ -6,12 +6,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from simexec.cluster import (
+from simexec.specs.cluster import (
     PRESETS, ClusterSpec, CostParams, DeviceSpec, NetworkSpec, NodeSpec, get_cluster, list_clusters, load_cluster_file,
 )
 from simexec.errors import SpecError
-from simexec.model import MODELS
-from simexec.plan import parse_plan, resolve
+from simexec.specs.model import MODELS
+from simexec.specs.plan import parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "docs" / "examples"

@@ -7,9 +7,9 @@ import sys
 
 import pytest
 
-from simexec.compare import compare, compare_files, critical_path
+from simexec.trace.compare import compare, compare_files, critical_path
 from simexec.errors import TraceError
-from simexec.trace import Counter, Event, Trace
+from simexec.trace.schema import Counter, Event, Trace
 
 OPS = [("qkv", "compute", "compute", "gemm", 40.0), ("attn", "compute", "compute", "attention", 20.0),
        ("attn_out", "collective", "comm.tp", "allreduce@tp", 10.0), ("fc", "compute", "compute", "gemm", 60.0),
@@ -172,10 +172,10 @@ def test_the_instructions_that_ran_decide_where_both_traces_name_them():
 def test_the_executed_fingerprint_leaves_out_the_simulators_prices_only():
     """Memory markers and a compute instruction's FLOPs and bytes are estimates: changing them keeps
     the fingerprint. A message's size, an instruction's dependencies or its name change it."""
-    from simexec.cluster import get_cluster
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.plan import load_plan, resolve
+    from simexec.specs.cluster import get_cluster
+    from simexec.program.lower import lower
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
 
     program = lower(resolve(get_model("gpt-tiny"), get_cluster("local"), load_plan("dp=2,gbs=4")), symmetric=False)
     full, executed = program.fingerprint(), program.executed_fingerprint()
@@ -286,7 +286,7 @@ def test_json_holds_the_documented_keys_and_format_reads():
 
 
 def test_import_stays_light():
-    code = ("import sys, simexec.compare, simexec.plot; "
+    code = ("import sys, simexec.trace.compare, simexec.trace.plot; "
             "print(sorted(m for m in ('torch', 'ray', 'matplotlib') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
@@ -294,7 +294,7 @@ def test_import_stays_light():
 
 # --- a real program: the simulator's prediction against perturbed copies of itself -------------------
 def _simulated(plan: str, symmetric: bool = False) -> Trace:
-    simulate = pytest.importorskip("simexec.simulate").simulate
+    simulate = pytest.importorskip("simexec.sim.simulate").simulate
     return simulate("gpt-tiny", "local", plan, symmetric=symmetric, trace=True).trace
 
 
@@ -372,7 +372,7 @@ def test_late_waits_tell_groups_that_share_a_name_apart():
     """One all-reduce name, two tensor-parallel groups: rank 1 calls 2 ms after rank 0, ranks 2 and 3
     together. Told apart, rank 0 waits 2 ms: 1 ms a member in its group, none in the other, 0.5 ms a
     collective and 0.5 ms a rank. Taken for one collective of four, three members would wait 2 ms."""
-    from simexec.late_waits import late_waits
+    from simexec.trace.late_waits import late_waits
 
     events = [Event(id=f"{r}:c", rank=r, stream="comm.tp", name="c", kind="collective", op="allreduce@tp",
                     start_us=2000.0 if r == 1 else 0.0, dur_us=3000.0 - (2000.0 if r == 1 else 0.0))
@@ -415,7 +415,7 @@ def test_compare_reports_cpu_a_rank_a_step_on_shared_cores():
     kept busy over its step."""
     from pathlib import Path
 
-    simulate = pytest.importorskip("simexec.simulate").simulate
+    simulate = pytest.importorskip("simexec.sim.simulate").simulate
     profile = Path(__file__).resolve().parents[1] / "traces" / "profiles" / "local-traces.json"
     plan = "dp=2,gbs=8,dtype=fp32"
     full = simulate("gpt-tiny", "local", plan, profile=profile, trace=True, symmetric=False).trace

@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from simexec.calibrate_eval import PlanSpec
+from simexec.calibrate.evaluate import PlanSpec
 
 
 @pytest.mark.ray

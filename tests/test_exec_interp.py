@@ -16,9 +16,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from simexec.cluster import get_cluster
-from simexec.model import get_model
-from simexec.plan import parse_plan, resolve
+from simexec.specs.cluster import get_cluster
+from simexec.specs.model import get_model
+from simexec.specs.plan import parse_plan, resolve
 
 STEPS = 3
 RTOL = 1e-4
@@ -40,7 +40,7 @@ def _pool_main(rank: int, size: int, port: int, jobs, results, device: str = "cp
     torch.set_num_threads(1)
     dev = torch.device("cpu")
     if device == "xla":
-        from simexec.exec.xla import device as xla_device
+        from simexec.exec.rank.xla import device as xla_device
 
         dev = xla_device()  # before any backward: autograd sizes its device queues once
     import io
@@ -49,8 +49,8 @@ def _pool_main(rank: int, size: int, port: int, jobs, results, device: str = "cp
 
     import torch.distributed as dist
 
-    from simexec.exec.groups import GroupTable
-    from simexec.exec.interpreter import run_rank
+    from simexec.exec.runtime.groups import GroupTable
+    from simexec.exec.rank.interpreter import run_rank
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
                             timeout=timedelta(seconds=TIMEOUT_S))
@@ -112,7 +112,7 @@ class RankPool:
         import io
         import queue
 
-        from simexec.exec.groups import group_specs
+        from simexec.exec.runtime.groups import group_specs
 
         assert rp.world <= self.size, f"plan needs {rp.world} ranks, the pool has {self.size}"
         if not self.procs or not all(p.is_alive() for p in self.procs):
@@ -160,7 +160,7 @@ def resolved(model: str, plan: str, seq_len: int | None = 32, dtype: str | None 
 def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None,
              dtype: str | None = "fp32") -> tuple[object, list[dict]]:
     """Lower `plan` and run every rank (in the session's pool, or `pool`); the results of run_rank per rank."""
-    from simexec.lower import lower
+    from simexec.program.lower import lower
 
     rp = resolved(model, plan, seq_len, dtype)
     program = lower(rp, symmetric=False)
@@ -171,7 +171,7 @@ def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS
 @lru_cache(maxsize=None)
 def _reference(model: str, gbs: int, seq_len: int | None, steps: int, maths: str = "") -> dict:
     """`maths`: the plan's fields that change the training maths (loss scale, clipping), e.g. `clip_grad=1`."""
-    from simexec.exec.reference import reference
+    from simexec.exec.nn.reference import reference
 
     torch.set_num_threads(1)
     return reference(resolved(model, f"dp=1,gbs={gbs}" + (f",{maths}" if maths else ""), seq_len), steps)
@@ -199,7 +199,7 @@ def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STE
                ) -> tuple[float, float]:
     """Run `plan`; assert losses and every rank's parameter shard match the reference. Returns the
     largest relative errors of the losses and of the parameters. `pool`: another RankPool (XLA)."""
-    from simexec.exec.model import Layout, holds, param_specs, shard
+    from simexec.exec.nn.gpt import Layout, holds, param_specs, shard
 
     rp, results = run_plan(model, plan, seq_len, steps, pool)
     ref = _reference(model, rp.plan.gbs, seq_len, steps, training_maths(rp.plan))
@@ -340,7 +340,7 @@ def test_sliding_window_matches_reference(plan):
 
 @pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=2,gbs=8", "dp=2,zero=3,zero_impl=yafsdp,gbs=4"])
 def test_tied_embeddings_refused_where_not_run(plan):
-    from simexec.exec.interpreter import unsupported
+    from simexec.exec.rank.interpreter import unsupported
 
     why = unsupported(resolved(TIED, plan))
     assert why is not None and "tied embeddings" in why
@@ -348,7 +348,7 @@ def test_tied_embeddings_refused_where_not_run(plan):
 
 @pytest.mark.parametrize("model,plan", CORE, ids=[p for _, p in CORE])
 def test_plan_matches_reference(model, plan):
-    from simexec.exec.interpreter import unsupported
+    from simexec.exec.rank.interpreter import unsupported
 
     rp = resolved(model, plan)
     why = unsupported(rp)
@@ -364,7 +364,7 @@ def _reduce_scatter_main(rank: int, port: int, out_q) -> None:
 
     import torch.distributed as dist
 
-    from simexec.exec.collectives import TorchComm
+    from simexec.exec.rank.collectives import TorchComm
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
@@ -403,8 +403,8 @@ def test_execute_in_process_trains_as_the_reference_and_traces_every_instruction
     step, and the caller's thread count left as it was. A plan of several ranks is refused."""
     from simexec.errors import ExecError
     from simexec.exec.api import execute_in_process
-    from simexec.lower import lower
-    from simexec.trace import Trace
+    from simexec.program.lower import lower
+    from simexec.trace.schema import Trace
 
     threads = torch.get_num_threads()
     res = execute_in_process("gpt-tiny", "local", "dp=1,gbs=4,dtype=fp32", steps=STEPS, seq_len=32,

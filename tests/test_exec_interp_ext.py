@@ -66,7 +66,7 @@ EXTENDED = [
 
 @pytest.mark.parametrize("model,plan", EXTENDED, ids=[f"{m}:{p}" for m, p in EXTENDED])
 def test_plan_matches_reference(model, plan):
-    from simexec.exec.interpreter import unsupported
+    from simexec.exec.rank.interpreter import unsupported
 
     why = unsupported(resolved(model, plan))
     if why:
@@ -94,8 +94,8 @@ def test_latent_attention_peak_memory_follows_the_simulator(plan):
     """MLA keeps its latents (whole on every tp rank), the normed latents its up projections read and,
     on CPU ranks, V padded to the key width with the kernel's padded output: each rank's peak within
     4% of the prediction (before the simulator priced them, 5-8% above it)."""
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
 
     model = str(Path(__file__).resolve().parent / "data" / "mla-tiny.yaml")
     _, results = run_plan(model, plan)
@@ -109,7 +109,7 @@ def test_yafsdp_preallocates_and_fsdp_allocates_on_demand():
     """YaFSDP: two buffers per rank from the start, no allocation of a gathered layer in the step;
     FSDP: a gathered layer's buffer allocated at each use. The measured peaks differ the way the
     simulator predicts for the same plans."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     measured, predicted, unit = {}, {}, 0.0
     for flavour in ("fsdp", "yafsdp"):
@@ -117,7 +117,7 @@ def test_yafsdp_preallocates_and_fsdp_allocates_on_demand():
         rp, results = run_plan("gpt-tiny", plan)
         measured[flavour] = results[0]
         predicted[flavour] = simulate("gpt-tiny", "local", plan + ",dtype=fp32", seq_len=32).peak_memory_bytes
-        from simexec.lower import lower
+        from simexec.program.lower import lower
 
         unit = max(i.bytes for i in lower(rp, symmetric=False).ranks[0]
                    if i.block == "gather" and 0 <= i.layer < rp.model.layers)
@@ -134,7 +134,7 @@ def test_zero3_gradient_shards_come_with_the_backward_under_fsdp_and_from_the_st
     backward) tells them apart: each rank within 2% of the prediction under both, and DeepSpeed's
     peak above FSDP's by what the simulator says, within a fifth (before the shards were made
     lazily in the simulator, FSDP's ranks measured 5% under it)."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     measured, predicted = {}, {}
     for flavour in ("fsdp", "deepspeed"):
@@ -156,7 +156,7 @@ def test_zero2_over_several_micro_batches_holds_its_partition_and_fills_its_buck
     its inputs go. Every rank within 3% of the prediction in bf16, over two micro-batches and with
     small buckets (what remains is the head's weight gradient beside the new bucket, about 1.5%);
     before both, +6.1% and -4.8% (scripts/memory_sweep.py)."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     for plan in ("dp=2,zero=2,mbs=2,gbs=8", "dp=4,zero=2,mbs=2,gbs=8,bucket_mb=0.05"):
         _, results = run_plan("gpt-tiny", plan, seq_len=64, dtype="bf16")
@@ -171,7 +171,7 @@ def test_moe_peak_memory_follows_the_simulator():
     embeddings (input and 1/rms, shared tables), the all-to-alls' received tokens freed once
     permuted, the combine's un-permuted outputs kept for the routing weights' gradient. Every rank
     within 2% of the prediction (routing imbalance moves a rank by about 1%)."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     plan = "dp=2,ep=2,gbs=4"
     _, results = run_plan("moe-tiny", plan, seq_len=None)
@@ -187,8 +187,8 @@ def test_qk_norms_hold_the_memory_the_simulator_gives_them(tmp_path, plan):
     step holds beyond the same model without them is what the program counts, within 5%."""
     import json
 
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
 
     with_qk = str(Path(__file__).resolve().parent / "data" / "qk-norm-tiny.yaml")
     spec = get_model(with_qk).model_copy(update={"qk_norm": False})
@@ -210,11 +210,11 @@ def test_sequence_parallel_and_16bit_step_memory_follows_the_simulator(plan):
     16-bit gradients to fp32 a piece at a time, or every one at once under `master_grads` (the peak
     then falls in the step). Every rank within 2% of the prediction; before, the step's fp32 copies
     put the measured peak 6% above it."""
-    from simexec.lower import lower
-    from simexec.model import get_model
-    from simexec.cluster import get_cluster
-    from simexec.plan import parse_plan, resolve
-    from simexec.simulate import simulate
+    from simexec.program.lower import lower
+    from simexec.specs.model import get_model
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.plan import parse_plan, resolve
+    from simexec.sim.simulate import simulate
     from test_exec_interp import _pool
 
     full = plan + ",dtype=bf16"
@@ -230,8 +230,8 @@ def test_torch_ddp_buckets_beside_the_gradients_follow_the_simulator():
     """grad_bucket_view=0 (torch DDP's default): the buckets are a second copy of the gradients, so
     the step holds one more gradient's bytes than with `.grad` viewing the buckets, as the simulator
     says; each peak within 2% of its prediction."""
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
 
     measured, predicted = {}, {}
     for view in (1, 0):
@@ -374,7 +374,7 @@ def test_zero_bubble_peak_memory_follows_the_simulator():
     """Under ZB-H1 a micro-batch's activations and the output gradients its W reads live until W, so
     the last stage holds pp micro-batches, not 1F1B's one: every rank within 4% of its prediction, and
     the last stage's peak grows as predicted."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     peaks = {}
     for schedule in ("1f1b", "zb-h1"):
@@ -393,7 +393,7 @@ def test_zero_bubble_peak_memory_follows_the_simulator():
 def test_zb_v_peak_memory_follows_the_simulator():
     """ZB-V holds the first and last stages on the first rank and the two middle ones on the last: both
     ranks' measured peaks within 3% of the prediction."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     plan = "pp=2,vpp=2,gbs=8,mbs=2,schedule=zb-v"
     _, results = run_plan("gpt-tiny", plan)
@@ -405,8 +405,8 @@ def test_zb_v_peak_memory_follows_the_simulator():
 
 def _measured_and_predicted(model: str, plan: str, seq_len: int) -> tuple[list[int], dict]:
     """Per-rank peaks of the plan as given (its dtype included) run by the executor, and as simulated."""
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
     from test_exec_interp import run_plan
 
     _, results = run_plan(model, plan, seq_len, steps=2, dtype=None)
@@ -476,7 +476,7 @@ def test_context_parallel_memory_follows_the_simulator(model, impl, tol):
     attention's output in both layouts, and frees q, k and v of the sequence split once exchanged.
     Every rank within `tol` of its prediction (before these were counted: +7.2%, +3.3%, +3.2% and,
     for MLA's all-gather, +33%)."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     model = str(Path(__file__).parent / "data" / model) if model.endswith(".yaml") else model
     plan = f"cp=2,gbs=16,mbs=16,cp_impl={impl}"

@@ -14,15 +14,15 @@ import time
 
 import pytest
 
-from simexec.cluster import get_cluster
+from simexec.specs.cluster import get_cluster
 from simexec.errors import ExecError
-from simexec.exec.groups import WORLD, group_specs
-from simexec.exec.launcher import cpus_per_rank, live_workers
-from simexec.exec.tracer import Fault, InjectedFault, Tracer, build_events, clock_offsets, pick_step
-from simexec.lower import lower
-from simexec.model import get_model
-from simexec.plan import parse_plan, resolve
-from simexec.trace import Trace
+from simexec.exec.runtime.groups import WORLD, group_specs
+from simexec.exec.runtime.launcher import cpus_per_rank, live_workers
+from simexec.exec.measure.tracer import Fault, InjectedFault, Tracer, build_events, clock_offsets, pick_step
+from simexec.program.lower import lower
+from simexec.specs.model import get_model
+from simexec.specs.plan import parse_plan, resolve
+from simexec.trace.schema import Trace
 
 try:  # the stand-in below travels to the actors by value: they cannot import this test module
     import ray.cloudpickle
@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover
 
 
 def stand_in(rp, instrs, *, steps, groups, tracer, device, seed=0, delay=0.0):
-    """Same signature and result as `simexec.exec.interpreter.run_rank`."""
+    """Same signature and result as `simexec.exec.rank.interpreter.run_rank`."""
     import torch
     import torch.distributed as dist
 
@@ -266,8 +266,8 @@ def test_unsupported_plan_refused_before_any_actor(ray_session, monkeypatch):
     def no_actors(self):
         raise AssertionError("actors started for a refused plan")
 
-    monkeypatch.setitem(sys.modules, "simexec.exec.interpreter", Fake)
-    monkeypatch.setattr("simexec.exec.launcher.Launch.start", no_actors)
+    monkeypatch.setitem(sys.modules, "simexec.exec.rank.interpreter", Fake)
+    monkeypatch.setattr("simexec.exec.runtime.launcher.Launch.start", no_actors)
     with pytest.raises(ExecError, match=r"cannot run plan .*pp=2.*: pipeline schedules"):
         api.execute("gpt-tiny", "local", "pp=2", steps=1)
 
@@ -287,8 +287,8 @@ def test_profile_writes_a_kineto_trace_per_rank(ray_session, tmp_path):
 
 @pytest.mark.ray
 def test_real_interpreter_matches_one_rank(ray_session, tmp_path):
-    """The default path: `simexec.exec.interpreter.run_rank` on every rank, losses against dp=1."""
-    pytest.importorskip("simexec.exec.interpreter")
+    """The default path: `simexec.exec.rank.interpreter.run_rank` on every rank, losses against dp=1."""
+    pytest.importorskip("simexec.exec.rank.interpreter")
     from simexec.exec.api import execute
 
     one = execute("gpt-tiny", "local", "dp=1,gbs=4,dtype=fp32", steps=3, seq_len=32)
@@ -336,7 +336,7 @@ def test_the_optimizer_step_does_not_wait_for_eager_sends(ray_session):
 def _loop_policies(rank: int, world: int, port: int, out) -> None:
     import torch.distributed as dist
 
-    from simexec.exec.gloo_loops import idle_gloo_loops, loop_threads
+    from simexec.exec.runtime.gloo_loops import idle_gloo_loops, loop_threads
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
@@ -358,7 +358,7 @@ def _loop_policies(rank: int, world: int, port: int, out) -> None:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread scheduling policies are Linux's")
 def test_gloo_event_loops_are_put_at_sched_idle():
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     before, changed, after, again = spawn_ranks(_loop_policies, 2, (), timeout_s=60)
     assert before and all(p == os.SCHED_OTHER for p in before)
@@ -368,8 +368,8 @@ def test_gloo_event_loops_are_put_at_sched_idle():
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="thread scheduling policies are Linux's")
 def test_gloo_event_loops_stay_as_gloo_starts_them_when_asked(monkeypatch):
-    from simexec.exec.gloo_loops import POLICY_ENV
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.gloo_loops import POLICY_ENV
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     monkeypatch.setenv(POLICY_ENV, "default")
     before, changed, after, again = spawn_ranks(_loop_policies, 2, (), timeout_s=60)
@@ -383,8 +383,8 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.collectives import SendWaiter, _Inflight
-    from simexec.program import Instr
+    from simexec.exec.rank.collectives import SendWaiter, _Inflight
+    from simexec.program.instructions import Instr
 
     class _Rank:  # what _Inflight.wait touches of the interpreter's rank
         step_no, inflight = 0, {}
@@ -416,7 +416,7 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
 def test_gloo_sends_complete_without_being_waited():
     """gloo's send Work stays `is_completed() == False` after its data has left until someone waits on
     it; the rank's send waiter completes it in the background, so that `reap` lets its buffer go."""
-    from simexec.exec.spawn import spawn_ranks
+    from simexec.exec.runtime.spawn import spawn_ranks
 
     bare, watched = spawn_ranks(_send_unwaited, 2, (), timeout_s=60)
     assert watched

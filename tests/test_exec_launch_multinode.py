@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from simexec.exec.launcher import live_workers
+from simexec.exec.runtime.launcher import live_workers
 
 REPO = Path(__file__).resolve().parents[1]
 PRELUDE = f"""

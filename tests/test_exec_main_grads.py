@@ -12,8 +12,8 @@ from test_exec_interp import resolved, run_plan
 def test_main_gradients_are_the_fp32_sum_of_each_micro_batch_gradient(plan):
     """One rank, four micro-batches: what the optimizer gets is fp32 and equals, to the bit, the fp32
     sum of the four bf16 gradients autograd made, in order; summed in bf16 they differ."""
-    from simexec.exec.interpreter import _Rank
-    from simexec.lower import lower
+    from simexec.exec.rank.interpreter import _Rank
+    from simexec.program.lower import lower
 
     torch.set_num_threads(1)
     rp = resolved("gpt-tiny", plan + ",dtype=bf16,grad_fp32=1", 32, None)
@@ -89,8 +89,8 @@ def test_main_gradient_memory_follows_the_simulator(plan):
     offload) and the 16-bit gradient each hook lets go: every rank's peak within 2% of the
     prediction, and above the same plan's without main gradients by what the simulator says, within
     a fifth."""
-    from simexec.model import get_model
-    from simexec.simulate import simulate
+    from simexec.specs.model import get_model
+    from simexec.sim.simulate import simulate
 
     measured, predicted = {}, {}
     for main in (False, True):

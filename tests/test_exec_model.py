@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from simexec.cluster import get_cluster
-from simexec.exec import data
-from simexec.exec.model import GPT, Layout, holds, init_full, param_specs, shard
-from simexec.exec.reference import reference
-from simexec.model import ModelSpec, MoESpec, get_model
-from simexec.plan import parse_plan, resolve
+from simexec.specs.cluster import get_cluster
+from simexec.exec.nn import data
+from simexec.exec.nn.gpt import GPT, Layout, holds, init_full, param_specs, shard
+from simexec.exec.nn.reference import reference
+from simexec.specs.model import ModelSpec, MoESpec, get_model
+from simexec.specs.plan import parse_plan, resolve
 
 torch.set_num_threads(1)
 DATA = Path(__file__).resolve().parent / "data"
@@ -177,7 +177,7 @@ def test_reference_trains():
 
 
 def test_unsupported_names_what_is_missing():
-    from simexec.exec.interpreter import unsupported
+    from simexec.exec.rank.interpreter import unsupported
 
     assert unsupported(_rp(get_model("gpt-tiny"), "dp=2,tp=2,pp=2")) is None
     assert unsupported(_rp(get_model("moe-tiny"), "dp=2,ep=2")) is None
@@ -197,7 +197,7 @@ def test_ring_attention_pieces_match_sdpa(m, cp):
     causal SDPA of the whole sequence (fp64). The first chunks hide some query rows completely."""
     import math
 
-    from simexec.exec.model import attn_merge, attn_partial, attn_partial_bwd
+    from simexec.exec.nn.gpt import attn_merge, attn_partial, attn_partial_bwd
 
     g = torch.Generator().manual_seed(0)
     B, T, hd, nh, nkv = 2, 16, m.head_dim, m.heads, m.kv_heads

@@ -2,7 +2,7 @@
 that updates below the 16-bit spacing accumulate; fp32 parameters are updated in place."""
 import torch
 
-from simexec.exec.optim import Adam
+from simexec.exec.nn.optim import Adam
 
 
 def test_bf16_parameters_get_fp32_masters_and_small_steps_accumulate():
@@ -43,8 +43,8 @@ class _Ops(torch.utils._python_dispatch.TorchDispatchMode):
 def test_16bit_gradients_are_cast_a_piece_at_a_time_with_the_same_update():
     """Without master_grads the fp32 copies of 16-bit gradients never exceed a piece (the program
     counts none), and the update is bit for bit the one of casting them all at once."""
-    from simexec.exec.optim import PIECE
-    from simexec.sim.host import adam_ops
+    from simexec.exec.nn.optim import PIECE
+    from simexec.sim.host.model import adam_ops
 
     torch.manual_seed(0)
     sizes = (3 * PIECE + 5, 7, PIECE // 2, 2 * PIECE)

@@ -2,8 +2,8 @@
 DynamicLossScaler) on a sequence of overflows and clean steps, and the static scale."""
 import pytest
 
-from simexec.exec.scaler import LossScaler
-from simexec.plan import parse_plan
+from simexec.exec.nn.scaler import LossScaler
+from simexec.specs.plan import parse_plan
 
 
 def run(scaler: LossScaler, overflows: str) -> list[float]:

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from simexec.exec.weight_grads import backward_inputs
+from simexec.exec.nn.weight_grads import backward_inputs
 
 
 def _run_to(outs, grads, inputs):
@@ -55,7 +55,7 @@ def test_the_sequence_parallel_linear_computes_each_gradient_in_its_own_pass():
     """The sp linear (`_GatheredLinear`) is a Python autograd function, whose `needs_input_grad` the
     engine cannot narrow: the input pass must not read the re-gathered input for the weight gradient,
     nor the weight pass compute the input gradient again; the gradients are the whole backward's."""
-    from simexec.exec.model import _GatheredLinear
+    from simexec.exec.nn.gpt import _GatheredLinear
 
     torch.manual_seed(0)
     x0, w, dy = torch.randn(4, 8), torch.randn(8, 16, requires_grad=True), torch.randn(4, 16)
@@ -116,13 +116,13 @@ def test_the_analysis_kept_for_a_block_serves_its_next_micro_batches():
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "window", "qk-norm", "mla"])
 def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(model):
-    """`simexec.sim.host.weight_pass_calls` against the batches the executor forms for each block."""
+    """`simexec.sim.host.model.weight_pass_calls` against the batches the executor forms for each block."""
     from torch.autograd.graph import get_gradient_edge
 
-    from simexec.exec.model import GPT, Layout, init_full
-    from simexec.exec.weight_grads import _analyse
-    from simexec.model import get_model
-    from simexec.sim.host import weight_pass_calls
+    from simexec.exec.nn.gpt import GPT, Layout, init_full
+    from simexec.exec.nn.weight_grads import _analyse
+    from simexec.specs.model import get_model
+    from simexec.sim.host.model import weight_pass_calls
 
     data = Path(__file__).resolve().parent / "data"
     m = get_model(str(data / f"{model}-tiny.yaml") if model != "gpt-tiny" else model)

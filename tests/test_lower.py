@@ -5,12 +5,12 @@ from pathlib import Path
 
 import pytest
 
-from simexec.blocks import Anatomy
-from simexec.cluster import get_cluster
-from simexec.lower import _TP_OPS, lower
-from simexec.model import get_model
-from simexec.plan import parse_plan, resolve
-from simexec.program import Instr, Program
+from simexec.program.blocks import Anatomy
+from simexec.specs.cluster import get_cluster
+from simexec.program.lower import _TP_OPS, lower
+from simexec.specs.model import get_model
+from simexec.specs.plan import parse_plan, resolve
+from simexec.program.instructions import Instr, Program
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 
@@ -265,7 +265,7 @@ def test_zero1_grad_allreduce_all_reduces_the_same_buckets_and_gathers_the_same_
 def test_param_overlap_gathers_parameters_as_the_step_starts_and_each_unit_waits_for_its_bucket(plan):
     """Megatron-LM's --overlap-param-gather: the all-gathers of the last step's update open the
     step, in the order the forward needs them; a unit's first forward waits for its bucket only."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     for rank, prog in _program("gpt-tiny", plan + ",param_overlap=1").ranks.items():
         base = [(i.op, i.bytes, i.items) for i in _program("gpt-tiny", plan).ranks[rank]
@@ -487,7 +487,7 @@ def test_blocking_pipeline_sends_are_waited_before_the_next_exchange_group(plan)
     """p2p_overlap=0 (Megatron-LM's blocking exchanges): every send is a dependency of the compute
     that opens the next group of actions; the interleaved schedule's steady state exchanges after
     each forward-backward pair, so the pair's two receives come before the forward's first compute."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan + ",p2p_overlap=0"))
     prog = lower(rp, symmetric=False)
@@ -694,7 +694,7 @@ def test_dualpipe_overlap_merges_each_pair_without_a_dependency_between_its_pass
     instructions as one after the other, every dependency on an earlier instruction, none between the
     pair's two passes, and a forward's collective followed by the backward's compute before the
     forward computes again."""
-    from simexec.schedules import dualpipe_pairs, pipeline_order
+    from simexec.program.schedules import dualpipe_pairs, pipeline_order
 
     rp = resolve(get_model("moe-tiny"), get_cluster("local"),
                  parse_plan("dp=2,ep=2,tp=2,pp=2,vpp=2,gbs=8,schedule=dualpipev,dualpipe_overlap=1"), 32)

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from simexec.errors import SpecError
-from simexec.model import MODELS, ModelSpec, MoESpec, from_hf_config, get_model, list_models
+from simexec.specs.model import MODELS, ModelSpec, MoESpec, from_hf_config, get_model, list_models
 
 HF = Path(__file__).parent / "data" / "hf"
 
@@ -375,7 +375,7 @@ def test_validators():
 
 
 def test_module_imports_no_torch_or_numpy():
-    code = "import sys, simexec.model; assert not {'torch', 'numpy'} & set(sys.modules), sys.modules.keys()"
+    code = "import sys, simexec.specs.model; assert not {'torch', 'numpy'} & set(sys.modules), sys.modules.keys()"
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).parent.parent)
 
 
@@ -435,7 +435,7 @@ def test_flops_add_up(m):
 
 
 def test_dropout_per_family():
-    from simexec.model import from_hf_config, get_model
+    from simexec.specs.model import from_hf_config, get_model
 
     assert get_model("gpt3-1.3b").dropout == 0.1 and get_model("megatron-1.7b").dropout == 0.1
     assert get_model("llama2-7b").dropout == 0.0 and get_model("mixtral-8x7b").dropout == 0.0

@@ -7,7 +7,7 @@ import pytest
 from simexec.cli import main
 from simexec.errors import OutputError, SimexecError
 from simexec.outputs import check_output, write_atomic
-from simexec.trace import save_json
+from simexec.trace.schema import save_json
 
 SIMULATE = ["simulate", "--model", "gpt-tiny", "--cluster", "local", "--plan", "dp=2,gbs=8"]
 

@@ -14,10 +14,10 @@ import yaml
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from simexec.cluster import PRESETS, ClusterSpec, get_cluster, load_cluster_file
+from simexec.specs.cluster import PRESETS, ClusterSpec, get_cluster, load_cluster_file
 from simexec.errors import SimexecError
-from simexec.model import MODELS
-from simexec.plan import Plan, ResolvedPlan, load_plan, parse_plan, resolve
+from simexec.specs.model import MODELS
+from simexec.specs.plan import Plan, ResolvedPlan, load_plan, parse_plan, resolve
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TMP = Path(tempfile.mkdtemp(prefix="simexec-props-"))  # hypothesis and function-scoped tmp_path do not mix

@@ -5,9 +5,9 @@ import pytest
 pytest.importorskip("matplotlib")
 
 from simexec.errors import SimexecError  # noqa: E402
-from simexec.plot import (plot_calibration, plot_durations, plot_memory, plot_timeline,  # noqa: E402
+from simexec.trace.plot import (plot_calibration, plot_durations, plot_memory, plot_timeline,  # noqa: E402
                           plot_traces)
-from simexec.trace import Counter, Event, Trace  # noqa: E402
+from simexec.trace.schema import Counter, Event, Trace  # noqa: E402
 
 STEPS = [("compute", "compute", "gemm", 400.0), ("compute", "compute", "attention", 200.0),
          ("comm.tp", "collective", "allreduce@tp", 100.0), ("compute", "compute", "elementwise", 50.0),
@@ -162,7 +162,7 @@ def test_unknown_suffix_is_refused(tmp_path):
 
 
 def test_simulated_trace_plots(tmp_path):
-    simulate = pytest.importorskip("simexec.simulate").simulate
+    simulate = pytest.importorskip("simexec.sim.simulate").simulate
     t = simulate("gpt-tiny", "local", "dp=2,tp=2,pp=2,gbs=8", symmetric=False, trace=True).trace
     t.save(tmp_path / "sim.json.gz")
     fig = plot_traces([str(tmp_path / "sim.json.gz")], tmp_path / "sim.png")

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from simexec.blocks import Anatomy
-from simexec.cluster import get_cluster
-from simexec.model import get_model
-from simexec.plan import load_plan, resolve
+from simexec.program.blocks import Anatomy
+from simexec.specs.cluster import get_cluster
+from simexec.specs.model import get_model
+from simexec.specs.plan import load_plan, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("validate_published", ROOT / "scripts" / "validate_published.py")

@@ -2,7 +2,7 @@
 import pytest
 
 from simexec.errors import PlanError
-from simexec.schedules import Action, exchange_groups, format_order, pipeline_order, place_of, stage_of
+from simexec.program.schedules import Action, exchange_groups, format_order, pipeline_order, place_of, stage_of
 
 
 @pytest.mark.parametrize("schedule,pp,m,vpp", [

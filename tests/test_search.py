@@ -16,15 +16,15 @@ from pathlib import Path
 
 import pytest
 
-from simexec.cluster import get_cluster
+from simexec.specs.cluster import get_cluster
 from simexec.errors import PlanError
-from simexec.model import get_model
-from simexec.plan import Plan, parse_plan, resolve
-from simexec.search import SearchResult, parse_fix, search
-from simexec.search_bounds import Bounds
-from simexec.search_report import explain, pareto_front
-from simexec.search_space import AnyOf, SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
-from simexec.simulate import simulate
+from simexec.specs.model import get_model
+from simexec.specs.plan import Plan, parse_plan, resolve
+from simexec.search.driver import SearchResult, parse_fix, search
+from simexec.search.bounds import Bounds
+from simexec.search.report import explain, pareto_front
+from simexec.search.space import AnyOf, SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
+from simexec.sim.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("gpt3-1.3b", "dgx-a100-80g", 16)  # model, cluster, gbs: 20,861 plans
@@ -348,7 +348,7 @@ def test_grad_knobs_pass_through_a_fix_and_stay_out_of_the_space():
     assert all(p.grad_overlap and p.p2p_overlap and not p.grad_fp32 and not p.master_grads for p in free)
     fixed = list(plans(get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g"), 16, 2048,
                        parse_fix("grad_overlap=0,grad_fp32=1,master_grads=1,p2p_overlap=0")))
-    # interleaved zero bubble and the V schedules need p2p_overlap=1 (`simexec.plan`)
+    # interleaved zero bubble and the V schedules need p2p_overlap=1 (`simexec.specs.plan`)
     assert len(fixed) == len([p for p in free if p.schedule not in ("interleaved-zb", "zb-v", "dualpipev")])
     assert all(not p.grad_overlap and p.grad_fp32 and p.master_grads and not p.p2p_overlap for p in fixed)
 
@@ -615,7 +615,7 @@ def test_processes_and_repeat_give_identical_results():
 _RAY_SCRIPT = textwrap.dedent("""
     import json, sys
     from ray.cluster_utils import Cluster
-    from simexec.search import search
+    from simexec.search.driver import search
 
     if __name__ == "__main__":
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1})
@@ -649,7 +649,7 @@ def test_ray_multinode_cluster_gives_identical_results(tmp_path):
 
 _CTRL_C_SCRIPT = textwrap.dedent("""
     import json, signal, sys
-    from simexec.search import search
+    from simexec.search.driver import search
 
     # a terminal starts a program with Ctrl-C deliverable; a child of the test process inherits its
     # signal mask and ignored signals instead (see tests/test_exec_launch_multinode.py)

@@ -1,7 +1,7 @@
 """Roofline cost of compute instructions."""
 import pytest
 
-from simexec.cluster import get_cluster
+from simexec.specs.cluster import get_cluster
 from simexec.sim.compute import ComputeModel
 
 C = get_cluster("dgx-a100-80g")

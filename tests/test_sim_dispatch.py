@@ -1,12 +1,12 @@
-"""An eager host issuing a GPU's operators (`costs.host_dispatch_s`, simexec.sim.host.dispatch_clock)."""
+"""An eager host issuing a GPU's operators (`costs.host_dispatch_s`, simexec.sim.host.model.dispatch_clock)."""
 import pytest
 
-from simexec.cluster import get_cluster
-from simexec.lower import lower
-from simexec.model import get_model
-from simexec.plan import load_plan, resolve
-from simexec.sim.host import HostCosts
-from simexec.simulate import simulate
+from simexec.specs.cluster import get_cluster
+from simexec.program.lower import lower
+from simexec.specs.model import get_model
+from simexec.specs.plan import load_plan, resolve
+from simexec.sim.host.model import HostCosts
+from simexec.sim.simulate import simulate
 
 CLUSTER = "dgx-h100"
 

@@ -1,8 +1,8 @@
 """The event engine on hand-built programs: order, deps, overlap slowdown, deadlocks."""
 import pytest
 
-from simexec.cluster import get_cluster
-from simexec.program import Instr, Program, ProgramError
+from simexec.specs.cluster import get_cluster
+from simexec.program.instructions import Instr, Program, ProgramError
 from simexec.sim.compute import ComputeModel
 from simexec.sim.engine import Engine
 from simexec.sim.machine import Machine
@@ -148,7 +148,7 @@ def test_a_collective_that_waits_on_one_in_flight_starts_when_it_ends():
 def test_clipping_holds_every_pipeline_stage_until_the_last_backward_ends():
     """Without clipping the last stage steps as soon as its own backward is done; with it, its step
     waits for the norm, which needs the first stage's last backward (1F1B ends there)."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     def timeline(plan):
         res = simulate("gpt-tiny", "dgx-a100-80g", plan, trace=True)

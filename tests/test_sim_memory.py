@@ -2,11 +2,11 @@
 reported, not refused."""
 import pytest
 
-from simexec.cluster import GiB, get_cluster
-from simexec.lower import lower
-from simexec.model import get_model
-from simexec.plan import PlanError, parse_plan, resolve
-from simexec.simulate import simulate
+from simexec.specs.cluster import GiB, get_cluster
+from simexec.program.lower import lower
+from simexec.specs.model import get_model
+from simexec.specs.plan import PlanError, parse_plan, resolve
+from simexec.sim.simulate import simulate
 
 MODEL = get_model("gpt3-125m")
 N = 4
@@ -79,8 +79,8 @@ def test_a_measurement_is_held_against_the_tensors_alone():
     """A run measures its tensors (`max_memory_allocated`; the live-tensor tracker on CPU ranks):
     `compare` holds it against the prediction's peak without the runtime's workspace and the
     allocator's waste. On CPU ranks, which have neither, the two peaks are one."""
-    from simexec.compare import compare
-    from simexec.trace import Trace
+    from simexec.trace.compare import compare
+    from simexec.trace.schema import Trace
 
     r = simulate("gpt3-125m", "dgx-a100-80g", "dp=8,gbs=8", trace=True)
     b, summary = r.memory_breakdown_bytes, r.trace.meta["summary"]

@@ -1,8 +1,8 @@
 """Collective costs and link sharing on hand-built programs (no lowering)."""
 import pytest
 
-from simexec.cluster import get_cluster
-from simexec.program import Instr, Program
+from simexec.specs.cluster import get_cluster
+from simexec.program.instructions import Instr, Program
 from simexec.sim.engine import Engine
 from simexec.sim.machine import Machine
 
@@ -194,7 +194,7 @@ def test_alltoall_sends_all_but_its_own_share():
 def test_forward_moe_dispatch_is_two_all_to_alls():
     """The forward dispatch exchanges the token counts before the tokens (as the executor and
     Megatron-LM's all-to-all dispatcher do); the other three MoE all-to-alls move tokens only."""
-    from simexec.simulate import simulate
+    from simexec.sim.simulate import simulate
 
     res = simulate("mixtral-8x7b", "dgx-h100", "dp=8,ep=8,gbs=8", trace=True)
     dur = {e.name: e.dur_us for e in res.trace.events if e.id.startswith("0:") and e.name.endswith(".L0.m0")}

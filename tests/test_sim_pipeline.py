@@ -1,9 +1,9 @@
 """Pipeline bubbles against the closed forms, with uniform stages and free communication."""
 import pytest
 
-from simexec.cluster import get_cluster
-from simexec.model import ModelSpec
-from simexec.simulate import simulate
+from simexec.specs.cluster import get_cluster
+from simexec.specs.model import ModelSpec
+from simexec.sim.simulate import simulate
 
 # Free communication: unbounded links, no latency, no launch cost, no overlap penalty.
 _LOCAL = get_cluster("local")
@@ -79,7 +79,7 @@ def _list_schedule_span(schedule: str, p: int, m: int, v: int, f: float, b: floa
     """Seconds until the last rank's last action ends when every action of `pipeline_order` starts as
     soon as its rank is free and its input is there (a forward after the previous stage's, a backward
     after the next stage's, a weight pass after its backward), messages free: the schedule alone."""
-    from simexec.schedules import pipeline_order, stage_of
+    from simexec.program.schedules import pipeline_order, stage_of
 
     order, V = pipeline_order(schedule, p, m, v), p * v
     end, ptr, free = {}, [0] * p, [0.0] * p

@@ -4,10 +4,10 @@ from pathlib import Path
 
 import pytest
 
-from simexec.cluster import get_cluster
+from simexec.specs.cluster import get_cluster
 from simexec.errors import SimexecError, SpecError
 from simexec.sim.profile import apply_profile
-from simexec.simulate import simulate
+from simexec.sim.simulate import simulate
 
 PROFILE = {"name": "a100-slow-gemm", "machine": "test", "measured_at": "2024-01-01T00:00:00Z",
            "costs": {"gemm_eff": 0.41}, "device": {"memory_bytes": 40e9}}

@@ -1,7 +1,7 @@
 """Properties of simulated steps that must hold for any plan."""
 from hypothesis import given, settings, strategies as st
 
-from simexec.simulate import simulate
+from simexec.sim.simulate import simulate
 
 STATES = ("params", "grads", "optimizer")
 

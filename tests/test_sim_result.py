@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from simexec.model import get_model
-from simexec.simulate import simulate
+from simexec.specs.model import get_model
+from simexec.sim.simulate import simulate
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from simexec.simulate import simulate
+from simexec.sim.simulate import simulate
 
 PLANS = [
     ("gpt3-1.3b", "2xdgx-a100-80g", "dp=4,tp=2,pp=2,gbs=16"),

@@ -1,4 +1,4 @@
-"""The executor on XLA devices (simexec.exec.xla), on the PJRT CPU runtime.
+"""The executor on XLA devices (simexec.exec.rank.xla), on the PJRT CPU runtime.
 
 torch_xla 2.9.0 is bound to torch 2.9.0 while the main environment has torch 2.13, so these tests are
 skipped wherever torch_xla cannot be imported; `scripts/xla_env.sh` creates `.venv-xla` (torch 2.9.0,
@@ -8,7 +8,7 @@ torch_xla 2.9.0, the project) and runs them there.
   losses and parameters);
 - every compute instruction is its own XLA graph, executed and timed on its own (graph cut);
 - several ranks on the CPU runtime: compute on XLA, collectives through gloo on host copies
-  (the `xla` process group does not work there, see simexec/exec/xla.py), against the reference.
+  (the `xla` process group does not work there, see simexec/exec/rank/xla.py), against the reference.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import os
 
 import pytest
 
-from simexec.exec.xla import unavailable
+from simexec.exec.rank.xla import unavailable
 
 _WHY = unavailable()
 if _WHY is not None:
@@ -26,7 +26,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 import torch  # noqa: E402
 
-from simexec.exec import xla as X  # noqa: E402
+from simexec.exec.rank import xla as X  # noqa: E402
 from test_exec_interp import RankPool, _reference, check_plan, rel_err, resolved  # noqa: E402
 
 DEV = X.device()  # before any backward in this process: autograd sizes its per-device queues once
@@ -35,8 +35,8 @@ RTOL = 1e-4
 
 
 def _run_single(model: str, plan: str, tracer=None) -> tuple[object, dict, list]:
-    from simexec.exec.interpreter import run_rank
-    from simexec.lower import lower
+    from simexec.exec.rank.interpreter import run_rank
+    from simexec.program.lower import lower
 
     rp = resolved(model, plan)
     instrs = lower(rp, symmetric=False).ranks[0]
@@ -60,7 +60,7 @@ def test_each_compute_instruction_is_one_graph_timed_on_its_own():
     graph per compute instruction (the cut at its end), not one graph for the whole step."""
     import torch_xla.debug.metrics as met
 
-    from simexec.exec.tracer import Tracer
+    from simexec.exec.measure.tracer import Tracer
 
     tracer = Tracer(0)
     before = (met.metric_data("ExecuteTime") or (0,))[0]
@@ -109,7 +109,7 @@ def test_execute_with_backend_xla_on_ray_actors():
     assert len(res.losses) == STEPS
     for got, want in zip(res.losses, ref["losses"]):
         assert abs(got - want) / abs(want) <= RTOL, f"{res.losses} vs {ref['losses']}"
-    from simexec.lower import lower
+    from simexec.program.lower import lower
 
     program = lower(resolved("gpt-tiny", "dp=2,gbs=4"), symmetric=False)
     for rank in (0, 1):

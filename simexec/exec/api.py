@@ -21,7 +21,7 @@ from typing import Callable, Optional, Union
 
 from simexec.errors import ExecError
 from simexec.outputs import write_atomic
-from simexec.trace import Trace, save_json
+from simexec.trace.schema import Trace, save_json
 
 
 @dataclass
@@ -83,20 +83,20 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     `ExecError` naming the rank and instruction (so do a dead rank and one that raises).
     trace=False: no events (to measure the tracer's overhead). fault: a `Fault` or its text
     (default: the SIMEXEC_FAULT environment variable), for fault tests. runner: a stand-in for
-    `simexec.exec.interpreter.run_rank` with the same signature (tests, custom interpreters).
+    `simexec.exec.rank.interpreter.run_rank` with the same signature (tests, custom interpreters).
     on_start: called with every rank's {rank, pid, node_id, ip, host} once all are set up.
-    pool: rank actors kept alive across runs (`simexec.calibrate_runs.RankPool`): its `launch`
+    pool: rank actors kept alive across runs (`simexec.calibrate.runs.RankPool`): its `launch`
     replaces `Launch`, so several plans run without starting actors each time.
     """
-    from simexec.exec.launcher import Launch, RankFailure, start_ray, stop_ray
-    from simexec.exec.tracer import FAULT_ENV, Fault
-    from simexec.lower import lower
-    from simexec.plan import resolve
+    from simexec.exec.runtime.launcher import Launch, RankFailure, start_ray, stop_ray
+    from simexec.exec.measure.tracer import FAULT_ENV, Fault
+    from simexec.program.lower import lower
+    from simexec.specs.plan import resolve
 
     if backend not in ("gloo", "nccl", "xla"):
         raise ExecError(f"backend must be gloo, nccl or xla, got {backend!r}")
     if backend == "xla":  # PyTorch/XLA lives in its own environment (scripts/xla_env.sh)
-        from simexec.exec.xla import unavailable
+        from simexec.exec.rank.xla import unavailable
 
         why = unavailable()
         if why:
@@ -106,7 +106,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
     if runner is None:
-        from simexec.exec.interpreter import unsupported
+        from simexec.exec.rank.interpreter import unsupported
 
         missing = unsupported(rp)
         if missing:
@@ -163,10 +163,10 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
 
     import torch
 
-    from simexec.exec.interpreter import run_rank, unsupported
-    from simexec.exec.tracer import Tracer, chrome_text, torch_profiler
-    from simexec.lower import lower
-    from simexec.plan import resolve
+    from simexec.exec.rank.interpreter import run_rank, unsupported
+    from simexec.exec.measure.tracer import Tracer, chrome_text, torch_profiler
+    from simexec.program.lower import lower
+    from simexec.specs.plan import resolve
 
     rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
@@ -184,7 +184,7 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
             raise ExecError(f"device {device}: this machine has no CUDA device")
         torch.cuda.set_device(device)
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as a rank actor runs (simexec.exec.worker)
+    torch.set_num_threads(1)  # as a rank actor runs (simexec.exec.runtime.worker)
     prof = torch_profiler(device) if profile_dir else None
     try:
         tracer = Tracer(0, device=device, profile=prof is not None)
@@ -208,9 +208,9 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
 
 def _specs(model, cluster, plan) -> tuple:
     """Model, cluster and plan specs from specs or their names."""
-    from simexec.cluster import ClusterSpec, get_cluster
-    from simexec.model import ModelSpec, get_model
-    from simexec.plan import Plan, load_plan
+    from simexec.specs.cluster import ClusterSpec, get_cluster
+    from simexec.specs.model import ModelSpec, get_model
+    from simexec.specs.plan import Plan, load_plan
 
     return (model if isinstance(model, ModelSpec) else get_model(model),
             cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster),
@@ -218,7 +218,7 @@ def _specs(model, cluster, plan) -> tuple:
 
 
 def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict, error: Optional[str] = None) -> ExecResult:
-    from simexec.exec.tracer import build_events, pick_step
+    from simexec.exec.measure.tracer import build_events, pick_step
 
     per_rank = {r: o["losses"] for r, o in sorted(outs.items()) if o.get("losses")}
     n_steps = max((len(v) for v in per_rank.values()), default=0)
@@ -248,7 +248,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
             "trace_step": step, "timings": timings, "ends_when_waited": [], **_describe(rp)}
     if infos:  # where it ran: calibration records it in the profile it fits
         meta["machine"] = {k: infos[0].get(k) for k in ("host", "device", "torch", "ray", "kernel")}
-    # how gloo's event loops ran (simexec.exec.gloo_loops): it changes what collectives cost on shared cores
+    # how gloo's event loops ran (simexec.exec.runtime.gloo_loops): it changes what collectives cost on shared cores
     meta["gloo_event_loops"] = "SCHED_IDLE" if outs and all(o.get("gloo_loops_idled") for o in outs.values()) \
         else "as gloo starts them"
     return ExecResult(losses=losses, step_time_s=step_time, step_times_s=step_times, peak_memory_bytes_per_rank=peak,

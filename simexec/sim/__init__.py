@@ -3,5 +3,5 @@
 `engine` runs a program (one process per rank and stream); `machine` is the hardware it runs on,
 built from `compute` (roofline costs) and `network` (links, fair sharing, collective algorithms);
 `memory` and `breakdown` read the recorded times afterwards; `profile` applies calibrated costs.
-`simexec.simulate.simulate` ties them together.
+`simexec.sim.simulate.simulate` ties them together.
 """

@@ -1,6 +1,6 @@
 """Cost of one compute instruction.
 
-A compute instruction is a chain of kernels (simexec.blocks): tensor-core GEMMs doing `flops` and
+A compute instruction is a chain of kernels (simexec.program.blocks): tensor-core GEMMs doing `flops` and
 memory-bound kernels (norms, bias, activation, dropout, residual, softmax, copies) moving `bytes`.
 They run one after the other on the device, each bound by its own resource, so for the FLOP-bound
 op classes (gemm, attention)
@@ -18,7 +18,7 @@ The two parameters per op class are what calibration fits. Everything hardware-s
 """
 from __future__ import annotations
 
-from simexec.cluster import ClusterSpec
+from simexec.specs.cluster import ClusterSpec
 
 # Op classes whose time is set by their FLOPs (tensor cores); the rest are memory-bound.
 FLOP_BOUND = ("gemm", "attention")

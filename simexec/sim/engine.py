@@ -32,7 +32,7 @@ from typing import Optional
 import simpy
 from simpy.events import Event, Timeout
 
-from simexec.program import Instr, Program, ProgramError
+from simexec.program.instructions import Instr, Program, ProgramError
 
 COMPUTE, COLLECTIVE, SEND, RECV, COPY, MEMORY, HOST = range(7)
 _KIND = {"compute": COMPUTE, "collective": COLLECTIVE, "send": SEND, "recv": RECV, "copy": COPY, "memory": MEMORY}
@@ -117,12 +117,12 @@ class Engine:
         self.machine = machine
         self.env = simpy.Environment()
         self._load(program)
-        # --- hook: CPU ranks sharing the host's cores (simexec.sim.host); None on GPU clusters ---
-        from simexec.sim.host import host_model
+        # --- hook: CPU ranks sharing the host's cores (simexec.sim.host.model); None on GPU clusters ---
+        from simexec.sim.host.model import host_model
 
         self.host = host_model(machine, program)
-        # --- hook: an eager host issuing the device's operators (simexec.sim.host.dispatch_clock) ---
-        from simexec.sim.host import dispatch_clock
+        # --- hook: an eager host issuing the device's operators (simexec.sim.host.model.dispatch_clock) ---
+        from simexec.sim.host.model import dispatch_clock
 
         clock = dispatch_clock(machine, program)
         self.issue, self.host_sync = clock if clock is not None else (None, None)
@@ -290,7 +290,7 @@ class Engine:
         env = self.env
         self.fluid = self.machine.bind(env)
         self._slow = self.machine.compute_rate(1)
-        self.cores = self.host.cores_for(env) if self.host is not None else None  # hook: simexec.sim.host
+        self.cores = self.host.cores_for(env) if self.host is not None else None  # hook: simexec.sim.host.model
         for (rank, _), seq in sorted(self.streams.items()):
             if seq:
                 holder: list = []
@@ -345,7 +345,7 @@ class Engine:
                         ev = waiters[d] = Event(env)
                     yield ev
             kd = kind[k]
-            if cores is not None and (kd == COMPUTE or kd == HOST or kd == COPY):  # hook: simexec.sim.host
+            if cores is not None and (kd == COMPUTE or kd == HOST or kd == COPY):  # hook: simexec.sim.host.model
                 ev = cores.run(rank, work[k])
                 yield ev
                 start[k] = ev.value
@@ -524,7 +524,7 @@ class Engine:
     # --- transfers -------------------------------------------------------------------------------
 
     def _start(self, ins: Instr, phases, ranks, done: Event) -> None:
-        """Start a collective or message: over the network's links, or (hook: simexec.sim.host) as
+        """Start a collective or message: over the network's links, or (hook: simexec.sim.host.model) as
         steps whose every member needs a core of the host its ranks share."""
         if self.cores is not None:
             self.host.transfer(self.env, self.cores, ins, ranks, lambda: (self._comm_end(ranks), _fire(done)))

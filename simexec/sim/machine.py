@@ -6,10 +6,10 @@ optimizer step needs.
 """
 from __future__ import annotations
 
-from simexec.cluster import ClusterSpec
-from simexec.program import Instr, Program
+from simexec.specs.cluster import ClusterSpec
+from simexec.program.instructions import Instr, Program
 from simexec.sim.compute import ComputeModel
-from simexec.sim.host import exchanges_counts
+from simexec.sim.host.model import exchanges_counts
 from simexec.sim.network import Fluid, Network
 
 

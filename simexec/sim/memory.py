@@ -14,8 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from simexec.cluster import CostParams
-from simexec.program import MEMORY_CATEGORIES
+from simexec.specs.cluster import CostParams
+from simexec.program.instructions import MEMORY_CATEGORIES
 
 DYNAMIC = ("activations", "buffers", "workspace")
 
@@ -43,7 +43,7 @@ def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]]
     fixed: add `workspace_bytes`; False when the program allocates the runtime workspace itself.
     runtime_outside_allocator: `workspace_bytes` is the runtime's, which a measurement of the tensors
     does not see (an accelerator's context and libraries); False where it stands for tensors (the
-    executor's own on CPU ranks, `simexec.calibrate_eval.fit_memory`).
+    executor's own on CPU ranks, `simexec.calibrate.evaluate.fit_memory`).
     """
     overhead = costs.allocator_overhead
     runtime = costs.workspace_bytes if runtime_outside_allocator and not fixed else 0.0

@@ -30,7 +30,7 @@ from typing import Callable, Iterable
 
 from simpy.events import Timeout
 
-from simexec.cluster import ClusterSpec
+from simexec.specs.cluster import ClusterSpec
 
 INF = math.inf
 

@@ -11,14 +11,14 @@ from typing import Union
 
 from pydantic import ValidationError
 
-from simexec.cluster import ClusterSpec, one_line
+from simexec.specs.cluster import ClusterSpec, one_line
 from simexec.errors import SpecError
 
 SECTIONS = ("costs", "device", "node", "network")
 
 
 def load_profile(path: Union[str, os.PathLike]) -> dict:
-    from simexec.trace import load_json
+    from simexec.trace.schema import load_json
 
     data = load_json(path, "profile")
     if not isinstance(data, dict):

@@ -1,0 +1,1 @@
+"""Measurement: the tracer and live-memory tracking."""

@@ -1,0 +1,1 @@
+"""The torch side: the GPT model, optimizer, clipping, loss scaling, data."""

@@ -1,0 +1,1 @@
+"""One rank's interpreter of the program and its pieces (collectives, sharding, pipelines)."""

@@ -1,0 +1,1 @@
+"""The Ray runtime: launcher, rank workers, process groups."""

@@ -1,0 +1,1 @@
+"""The program: instructions, schedules, block anatomy, and the lowering of a plan to per-rank lists."""

@@ -1,0 +1,1 @@
+"""Plan search: the space, lower bounds, runners, and the report."""

@@ -1,0 +1,364 @@
+"""The space of plans `simexec search` walks: every plan for one model, cluster and global batch.
+
+The space is the product of the plan's knobs, each over a short list of sensible values; `resolve`
+then drops the combinations that break a rule (heads not divisible by tp, micro-batches not divisible
+by pp under interleaving, ...). What "sensible" means, knob by knob:
+
+=================  ============================================================================
+knob               values tried
+=================  ============================================================================
+tp                 powers of two up to the GPUs of one node (TP all-reduces every layer: it stays
+                   on NVLink, as Megatron-LM and every published large run keep it)
+sp                 off, on (tp > 1 only)
+cp                 powers of two, keeping at least 1,024 tokens per rank (shorter chunks starve
+                   the attention kernel), at most 32
+cp_impl            allgather, ring (cp > 1 only); a2a where each tp rank's heads split over cp and
+                   it moves fewer bytes per layer than the all-gather, or holds less (grouped K/V
+                   heads make the all-gather's K/V small: Llama 3 70B needs cp >= 6 for either)
+pp                 every divisor of world/(tp*cp) up to the layers
+vpp                1, and each divisor v of layers/pp with 2 <= v <= 8 (interleaved 1F1B); 1
+                   alone when pp does not divide the layers
+stages             the even split when pp*vpp divides the layers, and the balanced split
+                   (`simexec.specs.plan.balanced_stages`: the embedding and the head each count as a
+                   layer, as DeepSpeed, Megatron-LM and torchtitan can split) when it differs:
+                   without it a pp that does not divide the layers (BLOOM-176B: 70 layers, pp 12)
+                   has no plan, and with it the end stages stop being the pipeline's slowest
+schedule           pp = 1: none; vpp = 1: 1f1b, gpipe, zb-h1; vpp > 1: interleaved-1f1b, interleaved-zb;
+                   vpp = 2: zb-v and dualpipev too (two chunks per rank in a V)
+dualpipe_overlap   dualpipev only: off (torch's runtime: a pair's passes one after the other), on
+                   (DeepSeek's: merged kernel by kernel, one's communication under the other's compute)
+tp_overlap         tp > 1 and a schedule that does not split the backward: off (torch's DTensor,
+                   torchtitan), on (Megatron-LM: a column-parallel GEMM's input-gradient collective
+                   under its weight-gradient GEMM)
+dp                 what is left: world / (tp*cp*pp)
+ep                 MoE only: powers of two dividing the experts and dp
+zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
+                   data-parallel rank they shard over nobody and equal zero=0)
+dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
+                   node, replicate across), when that is a proper divisor of dp
+offload            none; optimizer (zero >= 1, ZeRO-Offload builds on ZeRO); optimizer+params
+                   (zero = 3)
+mbs                1, 2, 4, 8, 16 (dividing gbs/dp; Megatron-LM ran its smaller Table 1 models at 16)
+recompute          none, selective, full
+recompute_layers   all layers, or half of the layers of a virtual stage (recompute only as much
+                   as memory needs, as YaFSDP advises; the lowering counts them per stage)
+=================  ============================================================================
+
+Kept at the plan's defaults (they change the arithmetic, not just the split): dtype (bf16),
+flash_attention, bucket_mb, rank_order; and what describes the training software rather than the
+split, which could only cost time or memory: grad_overlap (reducing the gradients after the backward
+is never faster than overlapping them with it), p2p_overlap (nor is waiting for pipeline sends),
+grad_fp32 and master_grads (Megatron-LM's gradient layout: more bytes per parameter, more gradient
+traffic), grad_allreduce (DeepSpeed's bf16 ZeRO-1: twice the gradient traffic); and param_overlap
+(Megatron-LM's parameter all-gathers in the next forward), which, like grad_overlap, stays as the plan
+has it unless `fix` sets it. `fix` pins any field of `Plan` to one value, inside or
+outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...), and leaves an enumerated knob
+but gbs and stages a choice of its own values instead (`AnyOf`: `tp=4|8`, `zero=0|1`, `recompute_layers=none|8`).
+
+The space factors into *structures* (everything that shapes the compute and the activations: tp,
+sp, cp, pp, vpp, schedule, ep, mbs, recompute) times *state variants* (how model states are kept:
+zero, its flavour, dp_shard, offload). Search bounds a structure once and each variant cheaply.
+
+Validation: every structure is checked by `resolve` with its first state variant that passes; every
+state variant by `resolve` once per (dp, ep, whether the schedule splits the backward) it occurs
+with. The rules of `resolve` each read either structure fields or state fields with those three,
+never both, so the two checks together accept exactly what `resolve` accepts plan by plan (tests/test_search.py holds the space to that); a plan
+is resolved again, in full, when it is simulated.
+
+A cluster sized to the plan (`local`) has no world size of its own: the search uses one rank per
+host core unless `fix` pins dp, tp, cp and pp.
+"""
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Iterator, Optional
+
+from simexec.specs.cluster import ClusterSpec
+from simexec.errors import PlanError
+from simexec.specs.model import ModelSpec
+from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
+from simexec.program.schedules import SPLIT_BACKWARD
+
+MBS = (1, 2, 4, 8, 16)
+MIN_CP_CHUNK = 1024
+MAX_CP = 32
+MAX_VPP = 8
+# zero_impl=deepspeed is fsdp's program with the gradient shards held from the start: never faster,
+# never smaller, so the space leaves it out (`--fix zero_impl=deepspeed` still searches it)
+ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None), (3, "yafsdp"))
+RECOMPUTE = ("none", "selective", "full")
+STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
+# Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
+ENUMERATED = {
+    "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
+    "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
+}
+
+
+@dataclass
+class SpaceStats:
+    """How many combinations the space held, how many `resolve` refused, and by which rule: its
+    message with the numbers taken out, so that one rule broken with different values counts once."""
+
+    combinations: int = 0
+    invalid: int = 0
+    refusals: Counter = field(default_factory=Counter)  # rule -> combinations it refused
+    examples: dict = field(default_factory=dict)  # rule -> the first message that broke it
+
+    def rule(self, e: Exception) -> str:
+        message = " ".join(str(e).split())
+        rule = _NUMBERS.sub("#", message)
+        self.examples.setdefault(rule, message)
+        return rule
+
+    def refuse(self, rule: str) -> None:
+        self.invalid += 1
+        self.refusals[rule] += 1
+
+    def most_often(self, k: int = 3) -> list[dict]:
+        """The k rules that refused the most combinations: an example message of each, and its count."""
+        return [{"refusal": self.examples[r], "combinations": n} for r, n in self.refusals.most_common(k)]
+
+
+_NUMBERS = re.compile(r"\d+(\.\d+)?")
+
+
+@dataclass
+class Structure:
+    """One structure and its valid state variants. `rp` is the structure resolved with `states[0]`."""
+
+    fields: dict
+    states: list[tuple]  # (zero, zero_impl, dp_shard, offload), each valid with this structure
+    rp: ResolvedPlan
+    extra: dict = field(default_factory=dict)  # fields passed through from `fix`
+    pair: int = -1  # index of its (tp, cp) pair in the enumeration (`structures`' part)
+
+    def plan(self, state: tuple) -> Plan:
+        return Plan(**self.fields, **dict(zip(STATE_KEYS, state)), **self.extra)
+
+    def plan_string(self, state: tuple) -> str:
+        return self.plan(state).to_string()
+
+
+def _pow2_upto(n: int) -> list[int]:
+    out, v = [], 1
+    while v <= n:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+class AnyOf(tuple):
+    """A `fix` value that leaves the search a choice among several (`--fix "tp=4|8"`): the space
+    enumerates these values of the knob instead of its own list."""
+
+
+# the enumerated knobs a fix may give alternatives for (gbs is the search's, stages a value of its own)
+ALTERNATIVE_KEYS = ENUMERATED - {"gbs", "stages"}
+
+
+def search_world(cluster: ClusterSpec, fix: dict) -> int:
+    """World size the search fills: the cluster's, or for a cluster sized to the plan, what `fix` pins
+    (dp*tp*cp*pp) or one rank per host core."""
+    if not cluster.sized_to_plan:
+        return cluster.world_size
+    if all(fix.get(k) is not None and not isinstance(fix[k], AnyOf) for k in ("dp", "tp", "cp", "pp")):
+        return fix["dp"] * fix["tp"] * fix["cp"] * fix["pp"]
+    return cluster.node.cpu_cores
+
+
+def _choices(fix: dict, key: str, default: list) -> list:
+    """The values of a knob to enumerate: what `fix` pins or allows, else the space's own."""
+    if key not in fix:
+        return default
+    val = fix[key]
+    return list(val) if isinstance(val, AnyOf) else [val]
+
+
+def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
+               stats: Optional[SpaceStats] = None, part: Optional[tuple[int, int]] = None) -> Iterator[Structure]:
+    """Every structure of the space with the state variants `resolve` accepts, in a fixed order.
+    part=(k, n): only those of every n-th (tp, cp) pair from the k-th (`Structure.pair` says whose a
+    structure is), so that n workers can share the space without enumerating it all."""
+    fix = dict(fix or {})
+    stats = stats if stats is not None else SpaceStats()
+    world = search_world(cluster, fix)
+    gpn = cluster.node.gpus_per_node or world
+    extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
+    state_ok: dict[tuple, str] = {}  # (dp, ep, split, *state) -> the rule it breaks, "" if none
+    pair = -1
+    for tp in _choices(fix, "tp", _pow2_upto(gpn)):
+        cps = [c for c in _pow2_upto(MAX_CP) if c == 1 or seq_len // c >= MIN_CP_CHUNK]
+        for cp in _choices(fix, "cp", cps):
+            pair += 1
+            if part is not None and pair % part[1] != part[0]:
+                continue
+            if tp <= 0 or cp <= 0 or world % (tp * cp):
+                continue
+            rest = world // (tp * cp)
+            pps = [p for p in _divisors(rest) if p <= model.layers]
+            for pp in _choices(fix, "pp", pps):
+                if pp <= 0 or rest % pp:
+                    continue
+                dp = rest // pp
+                if fix.get("dp") is not None and dp not in _choices(fix, "dp", [dp]):
+                    continue
+                for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                    states = _state_variants(fix, dp, tp, cp, gpn)
+                    stats.combinations += len(states)
+                    st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats)
+                    if st is not None:
+                        st.pair = pair
+                        yield st
+
+
+def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -> Optional[Structure]:
+    """Resolve the structure with its first passing state; check the other states once per (dp, ep)."""
+    rp, first = None, None
+    failed = []
+    for i, state in enumerate(states):
+        try:
+            rp = resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+            first = i
+            break
+        except (PlanError, ValueError) as e:
+            failed.append((state, stats.rule(e)))
+    for _, rule in failed:
+        stats.refuse(rule)
+    if rp is None:
+        return None
+    key0 = (fields["dp"], fields["ep"], fields["schedule"] in SPLIT_BACKWARD)
+    for state, rule in failed:
+        state_ok[key0 + state] = rule
+    state_ok[key0 + states[first]] = ""
+    good = []
+    for state in states[first:]:
+        key = key0 + state
+        rule = state_ok.get(key)  # "": valid
+        if rule is None:
+            try:
+                resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+                rule = ""
+            except (PlanError, ValueError) as e:
+                rule = stats.rule(e)
+            state_ok[key] = rule
+        if rule:
+            stats.refuse(rule)
+        else:
+            good.append(state)
+    return Structure(fields, good, rp, extra)
+
+
+def _stage_splits(model: ModelSpec, fix: dict, pp: int, vpp: int) -> list[Optional[tuple[int, ...]]]:
+    """Layers per virtual stage to try: None (the even split) when pp*vpp divides the layers, and the
+    balanced split when it exists and differs from the even one."""
+    if "stages" in fix:
+        return [fix["stages"]]
+    n = pp * vpp
+    out: list[Optional[tuple[int, ...]]] = [None] if model.layers % n == 0 else []
+    if pp > 1:
+        balanced = balanced_stages(model.layers, n)
+        if balanced is not None and len(set(balanced)) > 1:
+            out.append(balanced)
+    return out
+
+
+def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
+    layers_per_rank = model.layers // pp if model.layers % pp == 0 else 0
+    vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 and layers_per_rank else [1]
+    for vpp in _choices(fix, "vpp", vpps):
+        if pp == 1:
+            scheds = [None]
+        elif vpp == 1:
+            scheds = [None, "gpipe", "zb-h1"]  # None: 1f1b, the default
+        else:
+            scheds = [None, "interleaved-zb"] + (["zb-v", "dualpipev"] if vpp == 2 else [])  # None: interleaved-1f1b
+        for stages in _stage_splits(model, fix, pp, vpp):
+            per_stage = min(stages) if stages else model.layers // (pp * vpp)
+            yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),
+                                    scheds, per_stage)
+
+
+def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
+    tp, cp, dp = split["tp"], split["cp"], split["dp"]
+    for schedule in _choices(fix, "schedule", scheds):
+        # a zero-bubble schedule refuses sp (`simexec.specs.plan`): not enumerated, rather than refused
+        sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
+        overlaps = [False, True] if schedule == "dualpipev" else [False]
+        tp_overlaps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
+        for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
+                                               _choices(fix, "tp_overlap", tp_overlaps)):
+            for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
+                for ep in _choices(fix, "ep", _eps(model, dp)):
+                    for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
+                        for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
+                            if "recompute_layers" in fix:
+                                rls = _choices(fix, "recompute_layers", [])
+                            elif recompute == "none":
+                                rls = [None]
+                            else:
+                                half = per_stage // 2
+                                rls = [None] + ([half] if 1 <= half < per_stage else [])
+                            for rl in rls:
+                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
+                                           gbs=gbs, recompute=recompute, recompute_layers=rl,
+                                           dualpipe_overlap=overlap, tp_overlap=tp_overlap)
+
+
+def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
+    """How cp can exchange K/V. The all-to-all needs each tp rank's heads to split over cp
+    (`simexec.specs.plan`), and is left out where it would move at least the all-gather's bytes and hold at
+    least its memory: per token, q, k, v and the output against cp times the K/V, and the output's
+    second copy against the cp - 1 gathered K/V (with grouped K/V heads and small cp it loses both)."""
+    if cp == 1:
+        return ["allgather"]
+    if heads_unsplit(model, tp, cp):
+        return ["allgather", "ring"]
+    q, kv, o = model.attention_widths
+    useful = q + kv + o < cp * kv or o < (cp - 1) * kv
+    return ["allgather", "ring"] + (["a2a"] if useful else [])
+
+
+def _eps(model: ModelSpec, dp: int) -> list[int]:
+    if model.moe is None:
+        return [1]
+    return [e for e in _pow2_upto(dp) if model.moe.experts % e == 0 and dp % e == 0]
+
+
+def _state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
+    if "zero" in fix:
+        zeros = [(z, impl) for z in _choices(fix, "zero", []) for impl in _choices(fix, "zero_impl", [None])]
+    elif "zero_impl" in fix:
+        zeros = [(3, impl) for impl in _choices(fix, "zero_impl", [])]
+    else:
+        zeros = [zv for zv in ZERO_VARIANTS if zv[0] == 0 or dp > 1]
+    node_shard = gpn // (tp * cp) if gpn % (tp * cp) == 0 else 0
+    out = []
+    for zero, zero_impl in zeros:
+        if "dp_shard" in fix:
+            shards = _choices(fix, "dp_shard", [])
+        else:
+            shards = [None] + ([node_shard] if zero == 3 and 1 < node_shard < dp and dp % node_shard == 0 else [])
+        if "offload" in fix:
+            offloads = _choices(fix, "offload", [])
+        else:
+            offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
+        for dp_shard in shards:
+            for offload in offloads:
+                out.append((zero, zero_impl, dp_shard, offload))
+    return out
+
+
+def plans(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
+          stats: Optional[SpaceStats] = None) -> Iterator[Plan]:
+    """Every valid plan of the space, structure by structure (for brute force and tests)."""
+    for st in structures(model, cluster, gbs, seq_len, fix, stats):
+        for state in st.states:
+            yield st.plan(state)

@@ -1,0 +1,206 @@
+"""`simulate`: predict one training step of a plan without GPUs.
+
+resolve -> lower -> discrete-event simulation of the program on the cluster's cost model ->
+step time, throughput, MFU, peak memory per rank, where the time goes, and (on request) a
+predicted trace in the shared schema. Deterministic: the same inputs give bit-identical results.
+"""
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from simexec.specs.cluster import ClusterSpec, GiB, get_cluster
+from simexec.specs.model import ModelSpec, get_model
+from simexec.specs.plan import Plan, ResolvedPlan, load_plan, resolve
+from simexec.program.instructions import Program
+from simexec.trace.schema import Counter, Event, Trace
+
+ProfileArg = Union[None, str, os.PathLike, dict]
+
+
+@dataclass
+class SimResult:
+    """The prediction for one training step. Memory in bytes, times in seconds."""
+
+    model: str
+    cluster: str
+    plan: str
+    world: int
+    symmetric: bool
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model FLOPs (no recompute) per GPU per second / 1e12
+    mfu: float  # over the device's peak for the plan's dtype
+    peak_memory_bytes: float  # the largest rank's
+    peak_memory_bytes_per_rank: dict[int, float]  # every real rank (symmetric copies expanded)
+    # the peak rank's tensors alone, without the runtime's memory and the allocator's waste: what
+    # torch.cuda.max_memory_allocated reports for it (`simexec.sim.memory`)
+    peak_tensor_bytes: float
+    memory_breakdown_bytes: dict[str, float]  # at the peak of the largest rank
+    memory_capacity_bytes: float
+    fits: bool
+    breakdown_s: dict[str, float]  # on the slowest rank's compute stream; sums to the step time
+    slowest_rank: int
+    peak_rank: int
+    instructions: int
+    wall_s: float
+    trace: Optional[Trace] = field(default=None, repr=False)
+
+    def to_json(self) -> dict:
+        """Everything but the trace, JSON-ready (rank keys as strings)."""
+        out = {k: v for k, v in self.__dict__.items() if k != "trace"}
+        out["peak_memory_bytes_per_rank"] = {str(r): b for r, b in self.peak_memory_bytes_per_rank.items()}
+        return out
+
+    def format(self) -> str:
+        """A short human-readable summary."""
+        mode = "symmetric" if self.symmetric else "every rank"
+        lines = [
+            f"{self.model} on {self.cluster} ({self.world} ranks), plan {self.plan}",
+            f"  step time       {self.step_time_s:.4g} s    {self.tokens_per_s:,.0f} tokens/s    "
+            f"{self.tflops_per_gpu:.3g} TFLOP/s per GPU    MFU {100 * self.mfu:.1f}%",
+        ]
+        over = self.peak_memory_bytes - self.memory_capacity_bytes
+        verdict = "fits" if self.fits else f"DOES NOT FIT: {_size(over)} over"
+        lines.append(f"  peak memory     {_size(self.peak_memory_bytes)} of {_size(self.memory_capacity_bytes)}"
+                     f" (rank {self.peak_rank}): {verdict}")
+        if self.peak_tensor_bytes < 0.995 * self.peak_memory_bytes:
+            lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
+        parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
+        lines.append("    " + ", ".join(parts))
+        lines.append(f"  time on rank {self.slowest_rank}'s compute stream:")
+        total = self.step_time_s or 1.0
+        for k, v in sorted(self.breakdown_s.items(), key=lambda kv: -kv[1]):
+            lines.append(f"    {k:<18} {v:10.4g} s  {100 * v / total:5.1f}%")
+        lines.append(f"  simulated {self.instructions:,} instructions ({mode}) in {self.wall_s:.2f} s")
+        return "\n".join(lines)
+
+
+def _size(n: float) -> str:
+    for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], plan: Union[str, Plan],
+             seq_len: Optional[int] = None, *, symmetric: bool = True, profile: ProfileArg = None,
+             trace: bool = False) -> SimResult:
+    """Predict one training step.
+
+    model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
+    symmetric: simulate one rank per pipeline stage (the others behave alike); False: every rank.
+    profile: a calibrated profile (path or dict) whose costs replace the cluster's.
+    trace: also return the predicted trace (`result.trace`).
+    """
+    t0 = time.perf_counter()
+    from simexec.program.lower import lower
+
+    model = model if isinstance(model, ModelSpec) else get_model(model)
+    cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    if profile is not None:
+        from simexec.sim.profile import apply_profile
+
+        cluster = apply_profile(cluster, profile)
+    rp = resolve(model, cluster, plan, seq_len)
+    program = lower(rp, symmetric=symmetric)
+    return simulate_program(rp, program, trace=trace, t0=t0)
+
+
+def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
+                     t0: Optional[float] = None) -> SimResult:
+    """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
+    from simexec.sim.breakdown import breakdown, slowest_rank
+    from simexec.sim.engine import Engine
+    from simexec.sim.machine import Machine
+    from simexec.sim.memory import memory_report
+
+    t0 = time.perf_counter() if t0 is None else t0
+    cluster = rp.cluster
+    eng = Engine(program, Machine(cluster, program, rp.plan.dtype))
+    step = eng.run()
+
+    events, has_workspace = _memory_events(eng)
+    mem = memory_report(events, cluster.costs, cluster.device.memory_bytes, keep_timeline=trace,
+                        fixed=not has_workspace, runtime_outside_allocator=cluster.device.name != "cpu")
+    peak_rank = max(mem.peak, key=lambda r: (mem.peak[r], -r))
+    reps = program.represents or {}
+    per_rank = {}
+    for r in sorted(mem.peak):
+        for x in reps.get(r, (r,)):
+            per_rank[x] = mem.peak[r]
+    per_rank = dict(sorted(per_rank.items()))
+
+    slow = slowest_rank(eng)
+    tokens = rp.tokens_per_step
+    flops = rp.model.training_flops_per_token(rp.seq_len) * tokens
+    tflops = flops / rp.world / step / 1e12 if step > 0 else 0.0
+    peak_flops = cluster.device.peak_flops.get(rp.plan.dtype, 0.0)
+    result = SimResult(
+        model=rp.model.name, cluster=cluster.name, plan=rp.plan.to_string(), world=rp.world,
+        symmetric=program.symmetric, step_time_s=step, tokens_per_s=tokens / step if step > 0 else 0.0,
+        tflops_per_gpu=tflops, mfu=tflops * 1e12 / peak_flops if peak_flops else 0.0,
+        peak_memory_bytes=mem.peak[peak_rank], peak_memory_bytes_per_rank=per_rank,
+        peak_tensor_bytes=mem.tensor_peak[peak_rank],
+        memory_breakdown_bytes=mem.breakdown[peak_rank], memory_capacity_bytes=mem.capacity,
+        fits=mem.fits(), breakdown_s=breakdown(eng, slow, step), slowest_rank=slow, peak_rank=peak_rank,
+        instructions=len(eng.instrs), wall_s=0.0,
+    )
+    if trace:
+        result.trace = _trace(eng, program, result, mem)
+    result.wall_s = time.perf_counter() - t0
+    return result
+
+
+def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float]]], bool]:
+    """Per rank: (time, program order, category, +alloc / -free bytes); and whether the program
+    allocates the runtime workspace itself (then `workspace_bytes` is not added again)."""
+    out: dict[int, list] = {r: [] for r, _ in eng.streams}
+    workspace = False
+    start, instrs = eng.start, eng.instrs
+    for k in eng.memory:
+        ins = instrs[k]
+        if ins.op == "free":
+            out[ins.rank].append((start[k], k, ins.category, -ins.bytes))
+        else:
+            out[ins.rank].append((start[k], k, ins.category, ins.bytes))
+            workspace = workspace or ins.category == "workspace"
+    return out, workspace
+
+
+def _trace(eng, program: Program, result: SimResult, mem) -> Trace:
+    events = []
+    for k, ins in enumerate(eng.instrs):
+        if ins.kind == "memory":
+            continue
+        s = eng.start[k]
+        events.append(Event(
+            id=ins.id, rank=ins.rank, stream=ins.stream, name=ins.name, kind=ins.kind, op=ins.op,
+            start_us=s * 1e6, dur_us=(eng.end[k] - s) * 1e6, phase=ins.phase, layer=ins.layer, mb=ins.mb,
+            flops=ins.flops, bytes=ins.bytes,
+        ))
+    counters = [Counter(rank=r, ts_us=t * 1e6, category=cat, bytes=b)
+                for r, line in sorted(mem.timeline.items()) for t, cat, b in line]
+    summary = {
+        "step_time_s": result.step_time_s, "tokens_per_s": result.tokens_per_s, "mfu": result.mfu,
+        "peak_memory_bytes": result.peak_memory_bytes,
+        "peak_memory_bytes_per_rank": {str(r): b for r, b in sorted(mem.peak.items())},
+        # what a measurement of the tensors sees (`simexec.sim.memory`), which `compare` holds against it
+        "peak_tensor_bytes_per_rank": {str(r): b for r, b in sorted(mem.tensor_peak.items())},
+        "breakdown_s": result.breakdown_s, "fits": result.fits,
+    }
+    if getattr(eng, "cores", None) is not None:  # CPU ranks on shared cores: each one's CPU time in the step
+        summary["cpu_s_per_rank"] = {str(r): c for r, c in sorted(eng.cores.cpu_s.items())}
+        summary["main_cpu_s_per_rank"] = {str(r): eng.cores.main_cpu_s.get(r, 0.0) for r, _ in sorted(eng.cores.cpu_s.items())}
+    meta = {
+        "kind": "predicted", "model": result.model, "cluster": result.cluster, "plan": result.plan,
+        "world": result.world, "symmetric": result.symmetric, "program": program.fingerprint(),
+        "program_executed": program.executed_fingerprint(),
+        "represents": {str(r): list(v) for r, v in sorted((program.represents or {}).items())}
+        if program.symmetric else {},
+        "summary": summary,
+    }
+    return Trace(meta=meta, events=events, counters=counters)

@@ -1,0 +1,399 @@
+"""Cluster specs: device, node, network, and the cost parameters the simulator prices work with.
+
+A cluster is data only. Every number in a preset is a datasheet figure or a published
+micro-benchmark, cited beside it; the simulator's algorithms hold no constants of their own, and
+calibration rewrites `CostParams` (see `simexec.sim.profile`), never code.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from simexec.errors import SpecError
+
+GB = 1e9
+GiB = 1024**3
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class DeviceSpec(_Spec):
+    """One accelerator (or one CPU rank of the `local` cluster)."""
+
+    name: str
+    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, fp8")
+    memory_bytes: float = Field(gt=0, description="device memory a process can allocate: the capacity CUDA reports"
+                                " (torch.cuda.get_device_properties().total_memory), under the HBM's nominal size")
+    memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
+    launch_overhead_s: float = Field(ge=0, description="fixed cost per kernel launch")
+
+    @field_validator("peak_flops")
+    @classmethod
+    def _peaks(cls, v: dict[str, float]) -> dict[str, float]:
+        if not v:
+            raise ValueError("needs at least one dtype, e.g. {bf16: 312e12}")
+        bad = {k: x for k, x in v.items() if not x > 0 or x == float("inf")}
+        if bad:
+            raise ValueError(f"peak FLOP/s must be positive and finite, got {bad}")
+        return v
+
+    def supports(self, dtype: str) -> bool:
+        return dtype in self.peak_flops
+
+
+class NodeSpec(_Spec):
+    """One host: its devices, the fabric between them and its link to host memory."""
+
+    gpus_per_node: int = Field(ge=0, description="0: sized to the plan (the `local` cluster)")
+    intra_bw: float = Field(gt=0, description="per-device unidirectional fabric bandwidth (NVLink), bytes/s")
+    intra_latency_s: float = Field(ge=0, description="one-hop latency inside the node")
+    host_link_bw: float = Field(gt=0, description="per-device host link (PCIe) bandwidth per direction, bytes/s")
+    host_memory_bytes: float = Field(gt=0)
+    cpu_cores: int = Field(gt=0, description="host cores (ranks of `local` share them)")
+    cpu_optimizer_params_per_s: float = Field(gt=0, description="Adam steps per second on the host, whole node")
+
+
+class NetworkSpec(_Spec):
+    """The network between nodes."""
+
+    nics_per_node: int = Field(ge=0)
+    nic_bw: float = Field(ge=0, description="per-NIC unidirectional bandwidth, bytes/s")
+    latency_s: float = Field(ge=0, description="end-to-end latency between nodes")
+    topology: Literal["fat-tree", "rail-optimized"] = "fat-tree"
+    pod_nodes: int = Field(0, ge=0, description="nodes under full bisection; 0 = the whole cluster")
+    oversubscription: float = Field(1.0, ge=1.0, description="bandwidth divisor for traffic leaving a pod")
+
+
+class CostParams(_Spec):
+    """Efficiency parameters of the cost model: what calibration fits.
+
+    Compute runs at `peak * eff(op, size)`, with eff(size) = max_eff * f / (f + half_flops):
+    small kernels run below peak. Links reach `peak_bw * bw_eff` (nccl-tests bus bandwidth).
+    """
+
+    gemm_eff: float = Field(gt=0, le=1, description="large-GEMM fraction of peak")
+    gemm_half_flops: float = Field(ge=0, description="GEMM size (FLOPs) at which half of gemm_eff is reached")
+    attention_eff: float = Field(gt=0, le=1, description="fused attention fraction of peak")
+    attention_half_flops: float = Field(ge=0)
+    memory_eff: float = Field(gt=0, le=1, description="fraction of memory bandwidth for element-wise kernels")
+    intra_bw_eff: float = Field(gt=0, le=1, description="intra-node bus-bandwidth efficiency (nccl-tests)")
+    inter_bw_eff: float = Field(gt=0, le=1, description="inter-node bus-bandwidth efficiency (nccl-tests)")
+    host_link_eff: float = Field(gt=0, le=1, description="achieved fraction of PCIe bandwidth for pinned copies")
+    collective_latency_s: float = Field(ge=0, description="fixed software cost per collective call")
+    overlap_slowdown: float = Field(ge=1.0, description="compute slowdown while communication overlaps it")
+    compute_contention: float = Field(
+        1.0, ge=1.0, description="ranks per core-set sharing compute (CPU ranks on shared cores); 1 on GPUs"
+    )
+    collective_threads: int = Field(
+        1, ge=1, description="collectives of one process group in flight at once: NCCL runs a communicator's "
+        "on one stream (1); gloo hands a group's async collectives to 2 worker threads (ProcessGroupGloo's default)")
+    workspace_bytes: float = Field(ge=0, description="runtime context + library workspaces per device")
+    allocator_overhead: float = Field(ge=0, description="caching-allocator fragmentation, fraction of dynamic bytes")
+    # --- CPU ranks sharing one host's cores (the `local` cluster; simexec.sim.host.model). Off unless
+    # `cores_shared`, so GPU clusters and the uncalibrated `local` preset are priced as before. ---
+    cores_shared: bool = Field(
+        False, description="ranks are CPU processes time-sharing node.cpu_cores cores (simexec.sim.host.model)")
+    instr_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: interpreter cost per instruction")
+    bwd_overhead_s: float = Field(0.0, ge=0, description="CPU ranks: autograd set-up per backward instruction")
+    nograd_fwd_ratio: float = Field(
+        1.0, gt=0, le=2, description="CPU ranks: cost of a forward instruction run without autograd (a "
+        "recomputed layer's first forward: no graph recorded, nothing saved) relative to the same with it")
+    sched_slice_s: float = Field(0.0, ge=0, description="CPU ranks: OS scheduler time slice; 0 = processor sharing")
+    cpu_scheduler: Literal["sharing", "slices"] = Field(
+        "sharing", description="CPU ranks: how the cores are shared (simexec.sim.host.cores): `sharing`, a mean-field "
+        "processor sharing; `slices`, threads run whole slices of `sched_slice_s` in turn, as the OS does")
+    background_load: float = Field(0.0, ge=0, description="CPU ranks: other runnable threads on the host when measured")
+    timeslice_contention: float = Field(
+        1.0, ge=1.0, description="CPU ranks: slowdown of a core that alternates between threads (twice as many "
+        "runnable as cores): context switches, and each thread's caches refilled when it is switched back in")
+    idle_wake_s: float = Field(
+        0.0, ge=0, description="CPU ranks: waking a thread on a core idle past the hypervisor's poll window "
+        "(a halted vCPU the host must run again); 0 = bare metal")
+    comm_cpu_s: float = Field(
+        0.0, ge=0, description="CPU ranks: CPU a member spends per step of a collective or message besides "
+        "copying its bytes (gloo's thread hand-offs and wake-ups, socket syscalls); 0 = one dispatched operator")
+    collective_issue_s: float = Field(
+        0.0, ge=0, description="CPU ranks: CPU the calling thread spends in a collective's call (torch.distributed's "
+        "Python, the backend's work set up and queued), part of collective_latency_s; 0 = none on the thread")
+    gloo_loops_idle: bool = Field(
+        False, description="CPU ranks: gloo's TCP event loops run at Linux's SCHED_IDLE (the executor's default, "
+        "simexec.exec.runtime.gloo_loops): the bytes they move get only the cores no other thread wants")
+    idle_poll_s: float = Field(
+        200e-6, gt=0, description="CPU ranks: how long a hypervisor polls a halted vCPU before it gives the "
+        "physical core away (KVM's halt_poll_ns default)")
+    host_dispatch_s: float = Field(
+        0.0, ge=0, description="accelerators: the host thread's CPU time per operator it dispatches (eager "
+        "PyTorch, simexec.sim.host.model.dispatch_clock); 0 = the host stays ahead of the device (fused kernels, graphs)")
+    elementwise_cost: dict[str, float] = Field(
+        default_factory=dict,
+        description="CPU ranks: per `<phase>.<block>`, what a byte of the block's element-wise traffic costs "
+                    "relative to a streaming add (GELU's tanh, softmax's exp and normalisation are compute-bound "
+                    "on a CPU core); `<family>/<phase>.<block>` (simexec.sim.host.model.cost_family) for the "
+                    "models of one family, ahead of the plain key; absent = 1")
+
+
+class ClusterSpec(_Spec):
+    """`nodes` identical nodes joined by one network."""
+
+    name: str
+    nodes: int = Field(gt=0)
+    device: DeviceSpec
+    node: NodeSpec
+    network: NetworkSpec
+    costs: CostParams
+    source: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> "ClusterSpec":
+        if self.nodes > 1 and self.node.gpus_per_node == 0:
+            raise ValueError(f"nodes={self.nodes}: a cluster sized to the plan (node.gpus_per_node 0) is one host")
+        if self.nodes > 1 and (self.network.nics_per_node == 0 or self.network.nic_bw == 0):
+            raise ValueError(
+                f"nodes={self.nodes} needs a network: network.nics_per_node and network.nic_bw must be positive,"
+                f" got {self.network.nics_per_node} and {self.network.nic_bw:g}"
+            )
+        return self
+
+    @property
+    def sized_to_plan(self) -> bool:
+        return self.node.gpus_per_node == 0
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.node.gpus_per_node
+
+    def with_world_size(self, world: int) -> "ClusterSpec":
+        """The `local` cluster takes as many ranks as the plan asks for, on one node."""
+        if not self.sized_to_plan:
+            return self
+        return self.model_copy(update={"node": self.node.model_copy(update={"gpus_per_node": world})})
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.node.gpus_per_node
+
+
+# --- presets ------------------------------------------------------------------------------------
+# Efficiency defaults, shared by every GPU preset of a generation:
+# - GEMM on A100: the best bf16 matmul shape reaches 271 of 312 TFLOP/s (0.87, at boost clock:
+#   S. Bekman, ml-engineering "Maximum Achievable Matmul FLOPS" table, mamf-finder); under a
+#   training load the A100 holds ~1305 of its 1410 MHz at its 400 W cap (the clock NVIDIA rates
+#   A100 Rpeak at for HPL: 0.926), and the GEMMs of a training step are not the best shape (tile
+#   and wave quantization, ~0.93: NVIDIA "Matrix Multiplication Background" guide; Anthony et al.
+#   2024, "The Case for Co-Designing Model Architectures with Hardware"): 0.87 x 0.926 x 0.93 ~ 0.75
+#   of peak for a large GEMM in steady state. (0.82, the boost-clock best-shape figure, made
+#   Megatron-LM's large models ~10% too fast; docs/validation.md.) Half efficiency near 1 GFLOP:
+#   a 1024^3 GEMM (2.1 GFLOP) reaches ~2/3 of that.
+# - Attention: FlashAttention-2 forward reaches ~70% of A100 peak, backward ~55% (Dao 2023, Fig. 4);
+#   we take their mean.
+# - Memory-bound kernels reach ~85% of HBM bandwidth (STREAM-like copy on A100/H100).
+# - NVLink all-reduce bus bandwidth ~230 GB/s of 300 on DGX A100 and ~370 of 450 on DGX H100
+#   (nccl-tests all_reduce_perf, 8 GPUs, 1 GiB messages) -> ~0.78-0.82.
+# - InfiniBand: ~90% of line rate (nccl-tests busbw across nodes, ~23 GB/s per HDR 200 Gb/s NIC).
+# - PCIe pinned copies ~80% of link rate (cudaMemcpy bandwidthTest).
+# - Compute beside communication (`overlap_slowdown` 1.05): not from a measurement; NCCL's share of
+#   the SMs suggests 1.14-1.22 (docs/validation.md, finding 9).
+_A100_COSTS = CostParams(
+    gemm_eff=0.75, gemm_half_flops=1.0e9, attention_eff=0.62, attention_half_flops=1.0e9,
+    memory_eff=0.85, intra_bw_eff=0.78, inter_bw_eff=0.90, host_link_eff=0.80,
+    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+)
+# H100: cuBLAS bf16 large GEMMs reach ~700-750 of 989 TFLOP/s (~0.72); FlashAttention-2 on H100
+# ~350-400 TFLOP/s forward (~0.38 of peak, Dao 2023); NVLink4 busbw ~370/450.
+_H100_COSTS = CostParams(
+    gemm_eff=0.72, gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    memory_eff=0.85, intra_bw_eff=0.82, inter_bw_eff=0.90, host_link_eff=0.80,
+    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+)
+
+_A100 = dict(
+    # NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32.
+    peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
+    launch_overhead_s=4e-6,
+)
+_DGX_A100_NODE = dict(
+    # DGX A100 user guide: 8 GPUs, NVLink3 600 GB/s bidirectional per GPU over NVSwitch,
+    # PCIe Gen4 x16 (32 GB/s per direction), 2x AMD EPYC 7742 (128 cores).
+    gpus_per_node=8, intra_bw=300 * GB, intra_latency_s=3e-6, host_link_bw=32 * GB,
+    cpu_cores=128,
+    # ZeRO-Offload (Ren et al. 2021) CPU-Adam: ~1B params in ~0.25 s on a dual-socket host.
+    cpu_optimizer_params_per_s=4e9,
+)
+_HDR_IB = dict(nics_per_node=8, nic_bw=25 * GB, latency_s=5e-6)  # 8x ConnectX-6 HDR 200 Gb/s
+_NDR_IB = dict(nics_per_node=8, nic_bw=50 * GB, latency_s=5e-6)  # 8x ConnectX-7 NDR 400 Gb/s
+
+_H100 = dict(
+    # NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1979 fp8, 67 fp32, 494 tf32; 80 GB HBM3
+    # at 3.35 TB/s.
+    peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12, "fp8": 1979e12},
+    launch_overhead_s=4e-6,
+)
+# Device memory as CUDA gives it to a process (total_memory), a little under the HBM's nominal size;
+# the runtime's context, cuBLAS and NCCL then take their share of it (`workspace_bytes`).
+# - H100 SXM5 80GB HBM3: 79.18 GiB; H200: 139.80 GiB (scripts/device_memory.py on one of each, torch
+#   2.11 + CUDA 13.0, driver 580; traces/gpu/device_memory.json). The H200's "141 GB" is 141 GiB of HBM.
+# - A100 SXM4 80GB: 79.25 GiB; 40GB: 39.59 GiB (PyTorch's out-of-memory reports, "GPU 0; 79.25 GiB
+#   total capacity" and "39.59 GiB total capacity", in public issue threads).
+_A100_40G_CUDA_BYTES = 39.59 * GiB
+_A100_80G_CUDA_BYTES = 79.25 * GiB
+_H100_CUDA_BYTES = 85_017_493_504  # 79.18 GiB
+_H200_CUDA_BYTES = 150_109_880_320  # 139.80 GiB
+_HOPPER_NODE = dict(
+    # DGX H100 / HGX H100-H200: NVLink4 900 GB/s bidirectional per GPU, PCIe Gen5 x16 (64 GB/s),
+    # 2x Xeon 8480C (112 cores), 2 TB host memory.
+    gpus_per_node=8, intra_bw=450 * GB, intra_latency_s=3e-6, host_link_bw=64 * GB,
+    host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
+)
+
+# The `local` cluster: CPU ranks on this host. Its numbers are placeholders of the right order
+# (one AVX2 core: ~50 GFLOP/s fp32; DDR4 ~20 GB/s; loopback gloo ~2 GB/s) until
+# `simexec calibrate` measures the machine and writes a profile. Its ranks talk gloo, whose process
+# groups run two async collectives at once (`collective_threads`): that is the backend, not a fit.
+_LOCAL_COSTS = CostParams(
+    gemm_eff=0.5, gemm_half_flops=5e6, attention_eff=0.25, attention_half_flops=5e6,
+    memory_eff=0.5, intra_bw_eff=0.5, inter_bw_eff=0.5, host_link_eff=0.5,
+    collective_latency_s=100e-6, overlap_slowdown=1.3, workspace_bytes=0.0, allocator_overhead=0.0,
+    collective_threads=2,
+)
+
+PRESETS: dict[str, ClusterSpec] = {
+    "dgx-a100-40g": ClusterSpec(
+        name="dgx-a100-40g", nodes=1,
+        device=DeviceSpec(name="A100-SXM4-40GB", memory_bytes=_A100_40G_CUDA_BYTES, memory_bw=1555 * GB, **_A100),
+        node=NodeSpec(host_memory_bytes=1e12, **_DGX_A100_NODE),
+        network=NetworkSpec(**_HDR_IB), costs=_A100_COSTS,
+        source="NVIDIA A100 datasheet; DGX A100 user guide (1 TB host memory, 8x HDR IB)",
+    ),
+    "dgx-a100-80g": ClusterSpec(
+        name="dgx-a100-80g", nodes=1,
+        device=DeviceSpec(name="A100-SXM4-80GB", memory_bytes=_A100_80G_CUDA_BYTES, memory_bw=2039 * GB, **_A100),
+        node=NodeSpec(host_memory_bytes=2e12, **_DGX_A100_NODE),
+        network=NetworkSpec(**_HDR_IB), costs=_A100_COSTS,
+        source="NVIDIA A100 80GB datasheet; DGX A100 640GB user guide (2 TB host memory, 8x HDR IB)",
+    ),
+    "dgx-h100": ClusterSpec(
+        name="dgx-h100", nodes=1,
+        device=DeviceSpec(name="H100-SXM5-80GB", memory_bytes=_H100_CUDA_BYTES, memory_bw=3350 * GB, **_H100),
+        node=NodeSpec(**_HOPPER_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
+        costs=_H100_COSTS,
+        source="NVIDIA H100 datasheet; DGX H100 user guide (8x ConnectX-7 NDR 400 Gb/s)",
+    ),
+    "hgx-h200": ClusterSpec(
+        name="hgx-h200", nodes=1,
+        # H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s.
+        device=DeviceSpec(name="H200-SXM-141GB", memory_bytes=_H200_CUDA_BYTES, memory_bw=4800 * GB, **_H100),
+        node=NodeSpec(**_HOPPER_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
+        costs=_H100_COSTS,
+        source="NVIDIA H200 datasheet; HGX H200 reference (8x NDR 400 Gb/s)",
+    ),
+    "local": ClusterSpec(
+        name="local", nodes=1,
+        device=DeviceSpec(
+            name="cpu", peak_flops={"fp32": 50e9, "bf16": 50e9, "fp16": 50e9},
+            memory_bytes=4 * GiB, memory_bw=20 * GB, launch_overhead_s=20e-6,
+        ),
+        node=NodeSpec(
+            gpus_per_node=0, intra_bw=2 * GB, intra_latency_s=50e-6, host_link_bw=10 * GB,
+            host_memory_bytes=24 * GiB, cpu_cores=2, cpu_optimizer_params_per_s=2e8,
+        ),
+        network=NetworkSpec(nics_per_node=0, nic_bw=0, latency_s=0), costs=_LOCAL_COSTS,
+        source="this host's CPU ranks over gloo; placeholder costs until calibrated",
+    ),
+}
+
+_MULTI = re.compile(r"^(\d+)x(.+)$")
+
+
+def list_clusters() -> list[ClusterSpec]:
+    return list(PRESETS.values())
+
+
+def _preset(name: str) -> Optional[ClusterSpec]:
+    """A preset by name, or N nodes of one (`4xdgx-h100`); None if `name` is neither."""
+    if name in PRESETS:
+        return PRESETS[name]
+    m = _MULTI.match(name)
+    if not (m and m.group(2) in PRESETS):
+        return None
+    nodes = int(m.group(1))
+    if nodes < 1:
+        raise SpecError(f"cluster {name!r}: node count must be at least 1")
+    base = PRESETS[m.group(2)]
+    if base.sized_to_plan and nodes > 1:
+        raise SpecError(f"cluster {name!r}: {m.group(2)} is one host sized to the plan; it takes no node count")
+    return base.model_copy(update={"nodes": nodes, "name": name})
+
+
+def get_cluster(name_or_path: str) -> ClusterSpec:
+    """A preset (`dgx-h100`), N nodes of one (`4xdgx-h100`), or a YAML/JSON file (see docs/cluster.md)."""
+    preset = _preset(name_or_path)
+    if preset is not None:
+        return preset
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
+        return load_cluster_file(path)
+    close = difflib.get_close_matches(name_or_path, list(PRESETS), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(PRESETS)}"
+    raise SpecError(f"unknown cluster {name_or_path!r}{hint}")
+
+
+def read_mapping(path: Path, what: str) -> dict:
+    """Read a YAML or JSON file holding one mapping, with one-line errors."""
+    if not path.is_file():
+        raise SpecError(f"{what} file not found: {path}")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise SpecError(f"cannot read {what} file {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        if path.suffix.lower() == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except Exception as exc:  # parse errors of either library
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise SpecError(f"{what} file {path} is not valid {path.suffix.lstrip('.').upper() or 'YAML'}: {first}")
+    if not isinstance(data, dict):
+        raise SpecError(f"{what} file {path} must hold a mapping, not {type(data).__name__}")
+    return data
+
+
+def one_line(exc: ValidationError) -> str:
+    """The first pydantic error as `field.path: message`."""
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    return (f"{loc}: {msg}" if loc else msg) + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, val in over.items():
+        out[key] = _merge(out[key], val) if isinstance(val, dict) and isinstance(out.get(key), dict) else val
+    return out
+
+
+def load_cluster_file(path: Path) -> ClusterSpec:
+    """A cluster file: either every section in full, or `base: <preset>` plus the fields to change."""
+    data = read_mapping(Path(path), "cluster")
+    data.setdefault("name", Path(path).stem)  # the file's name, also over a base preset's
+    base_name = data.pop("base", None)
+    if base_name is not None:
+        base = _preset(base_name) if isinstance(base_name, str) else None
+        if base is None:
+            raise SpecError(
+                f"cluster file {path}: base: unknown preset {base_name!r}; presets: {', '.join(PRESETS)} (or NxPRESET)"
+            )
+        data = _merge(base.model_dump(), data)
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"cluster file {path}: {one_line(exc)}") from None

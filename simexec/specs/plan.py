@@ -1,0 +1,635 @@
+"""Parallel plans: the split of one training step over ranks, parsed from a short string or a file.
+
+`Plan` holds what the user wrote; `resolve()` checks it against a model and a cluster and returns a
+`ResolvedPlan` with every derived fact (world size, micro-batches, layers per stage, mesh). Each
+rule a plan can break has its own message naming the rule and the values.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from simexec.specs.cluster import ClusterSpec, one_line, read_mapping
+from simexec.errors import PlanError
+from simexec.specs.model import ModelSpec
+from simexec.program.schedules import INTERLEAVED, MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, place_of, stage_of
+
+AXES = ("tp", "cp", "dp", "pp")
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+
+
+class Plan(BaseModel):
+    """How one training step is split. Axes left out are 1; `dp` left out is derived from the world size."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    dp: Optional[int] = Field(None, gt=0, description="data-parallel degree; None = world / (tp*cp*pp)")
+    tp: int = Field(1, gt=0, description="tensor-parallel degree (Megatron 1D)")
+    sp: bool = Field(False, description="sequence parallel on top of tp (Korthikanti et al. 2022)")
+    cp: int = Field(1, gt=0, description="context-parallel degree: the sequence split across ranks")
+    cp_impl: Literal["allgather", "ring", "a2a"] = Field(
+        "allgather", description="K/V exchange: all-gather (Llama 3), ring, or all-to-all between sequence and "
+        "heads (DeepSpeed-Ulysses)")
+    pp: int = Field(1, gt=0, description="pipeline stages")
+    vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
+    ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
+    zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
+    zero_impl: Optional[Literal["fsdp", "yafsdp", "deepspeed"]] = Field(
+        None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
+    dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
+    offload: Literal["none", "optimizer", "optimizer+params"] = "none"
+    mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
+    gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
+    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev"]] = Field(
+        None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
+        " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble;"
+        " interleaved-zb: the same over vpp virtual stages; zb-v: zero-bubble over two chunks per rank placed in"
+        " a V (vpp=2; rank r holds stages r and 2pp-1-r); dualpipev: DualPipeV over the same V, pairs of one"
+        " chunk's forward and the other's whole backward (run one after the other, as torch's runtime does)"
+    )
+    dualpipe_overlap: bool = Field(
+        False, description="dualpipev: each pair's forward and whole backward interleaved kernel by kernel, so that"
+        " one's communication (expert all-to-alls, tp collectives) runs under the other's compute (DeepSeek-V3's"
+        " DualPipe); False: one after the other, as torch.distributed.pipelining's runtime runs a pair")
+    recompute: Literal["none", "selective", "full"] = "none"
+    recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
+    dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
+    flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
+    bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")
+    grad_overlap: bool = Field(
+        True, description="reduce data-parallel gradients as buckets fill, overlapped with the backward (torch DDP,"
+        " FSDP); False: after the backward (Megatron-LM 2021's local DDP)")
+    p2p_overlap: bool = Field(
+        True, description="pipeline sends overlap the compute after them (isend, torch pipelining); False:"
+        " blocking exchanges between groups of actions (Megatron-LM's batch_isend_irecv, waited)")
+    tp_overlap: bool = Field(
+        False, description="tp > 1: a column-parallel GEMM's backward issues its input gradient's tp all-reduce"
+        " (reduce-scatter under sp) before its weight-gradient GEMM, which runs under it (Megatron-LM's"
+        " LinearWithGradAccumulationAndAsyncCommunication, on by default since Megatron-Core); False: the"
+        " collective after the whole backward (torch's DTensor, torchtitan, Megatron-LM before September 2021)")
+    grad_fp32: bool = Field(
+        False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
+        " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
+    grad_bucket_view: bool = Field(
+        True, description="gradients are views into the data-parallel reduction buckets (DDP's"
+        " gradient_as_bucket_view=True, Megatron-LM's contiguous buffer, FSDP); False: torch DDP's default, whose"
+        " buckets are a second copy of the gradients, filled before and copied back after each all-reduce")
+    param_overlap: bool = Field(
+        False, description="ZeRO-1/2: all-gather the updated parameters during the next step's forward, each bucket"
+        " before its first layer runs (Megatron-LM's --overlap-param-gather), instead of after the optimizer step")
+    grad_allreduce: bool = Field(
+        False, description="ZeRO-1: all-reduce the whole gradients and keep this rank's share of the sum instead of"
+        " reduce-scattering them (DeepSpeed's BF16_Optimizer, which Megatron-DeepSpeed pipelines train with: twice"
+        " the gradient traffic)")
+    master_grads: bool = Field(
+        False, description="the optimizer step copies the gradients to fp32 main gradients first (Megatron-LM's"
+        " mixed-precision optimizer); False: Adam reads them as kept (ZeRO paper)")
+    loss_scale: float = Field(
+        0.0, ge=0, description="loss scale for fp16: the backward starts from this instead of 1, and the step divides"
+        " the gradients by it and skips itself if any overflowed (Megatron-LM's --loss-scale); the initial scale"
+        " under loss_scale_window; 0: none")
+    loss_scale_window: int = Field(
+        0, ge=0, description="dynamic loss scaling: halve the scale when the gradients overflow, double it after"
+        " this many clean steps in a row (Megatron-LM's --loss-scale-window, DeepSpeed's loss_scale_window);"
+        " loss_scale is then the initial scale; 0: the scale is static")
+    loss_scale_hysteresis: int = Field(
+        2, ge=1, description="dynamic loss scaling: overflows tolerated before the scale halves, restored when it"
+        " grows (Megatron-LM's --hysteresis, DeepSpeed's hysteresis)")
+    clip_grad: float = Field(
+        0.0, ge=0, description="clip the gradients to this global L2 norm before the optimizer step (Megatron-LM's"
+        " --clip-grad, torchtitan's max_norm, DeepSpeed's gradient_clipping); 0: no clipping")
+    rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
+    stages: Optional[tuple[int, ...]] = Field(None, min_length=1, description="layers per (virtual) stage, in order")
+
+    @field_validator("rank_order")
+    @classmethod
+    def _order(cls, v: str) -> str:
+        axes = v.split("-")
+        if sorted(axes) != sorted(AXES):
+            raise ValueError(f"rank_order {v!r} must order exactly the axes {'-'.join(AXES)}")
+        return v
+
+    @property
+    def schedule_name(self) -> str:
+        return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
+
+    @property
+    def zero3_flavour(self) -> Optional[str]:
+        return (self.zero_impl or "fsdp") if self.zero == 3 else None
+
+    @property
+    def lazy_grad_shards(self) -> bool:
+        """ZeRO-3 gradient shards that exist only from their unit's first reduce-scatter of a step to
+        the optimizer step (FSDP2: `.grad` made in the post-backward, freed by `zero_grad`; YaFSDP as
+        simexec runs it), rather than one flat partition allocated at start and zeroed after each
+        step (`deepspeed`: DeepSpeed stage 3, the system of the ZeRO paper). Gathering is the same:
+        `fsdp` and `deepspeed` allocate each unit's gathered parameters on demand, `yafsdp` reuses
+        two buffers."""
+        return self.zero3_flavour in ("fsdp", "yafsdp")
+
+    def to_string(self) -> str:
+        """The short form `parse_plan` reads back: only fields that differ from their defaults."""
+        parts = []
+        for name, field in type(self).model_fields.items():
+            val = getattr(self, name)
+            if val == field.default:
+                continue
+            if name == "stages":
+                parts.append("stages=" + ",".join(str(x) for x in val))
+            elif isinstance(val, bool):
+                parts.append(f"{name}={int(val)}")
+            elif isinstance(val, float):
+                short = f"{val:g}"
+                parts.append(f"{name}={short if float(short) == val else repr(val)}")
+            else:
+                parts.append(f"{name}={val}")
+        return ",".join(parts) or "tp=1"  # all defaults (dp derived): any default key reads back the same
+
+    def __str__(self) -> str:
+        return self.to_string()
+
+
+_BOOL = {"1": True, "0": False, "true": True, "false": False}
+
+
+def split_pairs(text: str, where: str) -> dict[str, str]:
+    """`a=1,b=x,stages=1,2,3` -> {"a": "1", "b": "x", "stages": "1,2,3"}: `stages=` takes every
+    following bare item. Shared by plan strings and `search --fix`."""
+    pairs: dict[str, str] = {}
+    items = [p.strip() for p in text.split(",") if p.strip()]
+    i = 0
+    while i < len(items):
+        item = items[i]
+        if "=" not in item:
+            raise PlanError(f"{where}: expected key=value, got {item!r}")
+        key, val = (s.strip() for s in item.split("=", 1))
+        if key in pairs:
+            raise PlanError(f"{where}: {key} given twice")
+        if key == "stages":
+            vals = [val]
+            while i + 1 < len(items) and "=" not in items[i + 1]:
+                i += 1
+                vals.append(items[i])
+            val = ",".join(vals)
+        pairs[key] = val
+        i += 1
+    return pairs
+
+
+def parse_plan(text: str) -> Plan:
+    """`dp=2,tp=4,pp=2,zero=1,mbs=1,gbs=64`; `stages=` takes every following bare integer."""
+    where = f"plan {text!r}"
+    fields: dict[str, object] = {}
+    for key, val in split_pairs(text, where).items():
+        if key == "stages":
+            fields[key] = tuple(_int(key, v, text) for v in val.split(","))
+        elif key not in Plan.model_fields:
+            raise PlanError(f"{where}: unknown key {key!r}; keys: {', '.join(Plan.model_fields)}")
+        elif Plan.model_fields[key].annotation is bool:
+            if val.lower() not in _BOOL:
+                raise PlanError(f"{where}: {key} must be 1/0/true/false, got {val!r}")
+            fields[key] = _BOOL[val.lower()]
+        else:
+            fields[key] = val
+    return _validate_fields(fields, where)
+
+
+def _int(key: str, val: str, text: str) -> int:
+    try:
+        return int(val)
+    except ValueError:
+        raise PlanError(f"plan {text!r}: {key} takes integers, got {val!r}") from None
+
+
+def _validate_fields(fields: dict, where: str) -> Plan:
+    if isinstance(fields.get("stages"), list):
+        fields["stages"] = tuple(fields["stages"])
+    for key in (k for k, f in Plan.model_fields.items() if f.annotation is bool):
+        if isinstance(fields.get(key), str):
+            fields[key] = _BOOL.get(fields[key].lower(), fields[key])
+    try:
+        return Plan.model_validate(fields)
+    except ValidationError as exc:
+        raise PlanError(f"{where}: {one_line(exc)}") from None
+
+
+def load_plan(text_or_path: str) -> Plan:
+    """A plan string, or a YAML/JSON file of plan fields."""
+    path = Path(text_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json"):
+        data = read_mapping(path, "plan")
+        return _validate_fields(data, f"plan file {path}")
+    return parse_plan(text_or_path)
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """Rank layout: rank <-> coordinates on (tp, cp, dp, pp), fastest-varying axis first."""
+
+    sizes: dict[str, int]
+    order: tuple[str, ...]
+
+    @cached_property
+    def _strides(self) -> dict[str, int]:
+        strides, acc = {}, 1
+        for axis in self.order:
+            strides[axis] = acc
+            acc *= self.sizes[axis]
+        return strides
+
+    @property
+    def world(self) -> int:
+        out = 1
+        for s in self.sizes.values():
+            out *= s
+        return out
+
+    def coords(self, rank: int) -> dict[str, int]:
+        return {a: (rank // self._strides[a]) % self.sizes[a] for a in self.order}
+
+    def rank(self, **coords: int) -> int:
+        return sum(coords.get(a, 0) * self._strides[a] for a in self.order)
+
+    def group(self, rank: int, axis: str) -> tuple[int, ...]:
+        """Ranks that differ from `rank` only along `axis`, in axis order."""
+        c = self.coords(rank)
+        base = rank - c[axis] * self._strides[axis]
+        return tuple(base + i * self._strides[axis] for i in range(self.sizes[axis]))
+
+    def span(self, rank: int, axes: tuple[str, ...], keep=None) -> tuple[int, ...]:
+        """Ranks that differ from `rank` only along `axes` (sorted), optionally filtered by `keep(coords)`."""
+        mine = self.coords(rank)
+        out = [rank - sum(mine[a] * self._strides[a] for a in axes)]
+        for a in axes:
+            out = [r + i * self._strides[a] for r in out for i in range(self.sizes[a])]
+        return tuple(sorted(r for r in out if keep is None or keep(self.coords(r))))
+
+    def subgroup(self, rank: int, axis: str, size: int) -> tuple[int, ...]:
+        """Consecutive blocks of `size` along `axis` (ep groups, HSDP shard groups)."""
+        full = self.group(rank, axis)
+        i = full.index(rank) // size
+        return full[i * size : (i + 1) * size]
+
+
+@dataclass(frozen=True)
+class ResolvedPlan:
+    """A plan checked against its model and cluster, with every derived number."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: Plan
+    seq_len: int
+    dp: int
+    micro_batches: int
+    stage_layers: tuple[tuple[int, ...], ...]  # layer indices of each virtual stage
+    mesh: Mesh
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    @property
+    def virtual_stages(self) -> int:
+        return self.plan.pp * self.plan.vpp
+
+    def stage(self, pp_rank: int, chunk: int) -> int:
+        """The virtual stage of a pipeline rank's chunk (`simexec.program.schedules.stage_of`)."""
+        return stage_of(self.plan.schedule_name, self.plan.pp, pp_rank, chunk)
+
+    def place(self, stage: int) -> tuple[int, int]:
+        """(pipeline rank, chunk) of a virtual stage."""
+        return place_of(self.plan.schedule_name, self.plan.pp, stage)
+
+    def stages_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
+        """Virtual stage indices held by pipeline rank `pp_rank`, by chunk (Megatron's interleaved
+        assignment, or a V)."""
+        return tuple(self.stage(pp_rank, c) for c in range(self.plan.vpp))
+
+    @property
+    def head_pp_rank(self) -> int:
+        """The pipeline rank of the last virtual stage (the head and the loss): the last rank, or the
+        first under a V-shaped schedule."""
+        return self.place(self.virtual_stages - 1)[0]
+
+    @property
+    def tied_copy(self) -> bool:
+        """Tied embeddings with the head on another pipeline rank than the embedding: that rank keeps
+        a copy of the embedding, summed with the first stage's gradient (Megatron-LM)."""
+        return self.model.tied_embeddings and self.head_pp_rank != 0
+
+    def layers_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
+        return tuple(l for s in self.stages_of_pp_rank(pp_rank) for l in self.stage_layers[s])
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.plan.dtype]
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes of one gradient element as kept and reduced: fp32 for fp32 training or `grad_fp32`,
+        else 2 (fp8 training keeps bf16 gradients)."""
+        return 4 if self.plan.dtype == "fp32" or self.plan.grad_fp32 else 2
+
+    @property
+    def master_grad_bytes(self) -> int:
+        """Bytes per parameter of the fp32 main-gradient copy the optimizer step makes (Megatron-LM's
+        `main_param.grad = main_grad.float()`): 4 with `master_grads` when the gradients are not
+        already fp32 and the step runs on the device, else 0 (the copy would be the buffer itself)."""
+        p = self.plan
+        return 4 if p.master_grads and self.grad_bytes < 4 and p.offload == "none" else 0
+
+    @property
+    def bucket_copy_bytes(self) -> int:
+        """Bytes per parameter of torch DDP's own bucket buffers under `grad_bucket_view=0`: allocated
+        when the model is wrapped and kept for the whole run beside the `.grad` tensors (the saving
+        torch documents for gradient_as_bucket_view); 0 where no gradient is all-reduced over dp."""
+        return self.grad_bytes if not self.plan.grad_bucket_view and self.zero_group_size > 1 else 0
+
+    @property
+    def pipeline_slices(self) -> int:
+        """Pieces a pipeline message is cut into over tp (Megatron-LM's scatter/gather, SC'21 §4.1).
+
+        Without sp every tp rank holds the whole activation (and, after the f/g all-reduces, the
+        whole input gradient): each sends 1/tp of it and the receiving stage all-gathers the pieces
+        over tp, so the link between stages carries one copy, not tp. With sp the activation is
+        already split over tp, so each rank sends what it has."""
+        p = self.plan
+        if p.pp == 1 or p.tp == 1 or p.sp or self.model.hidden % p.tp:
+            return 1
+        return p.tp
+
+    @property
+    def tokens_per_step(self) -> int:
+        return (self.plan.gbs or 0) * self.seq_len
+
+    @property
+    def zero_group_size(self) -> int:
+        """Ranks that shard model states: dp (or dp_shard under HSDP) times cp, since context-parallel
+        ranks hold the same parameters and reduce their gradients together (Megatron's dp-cp group)."""
+        return (self.plan.dp_shard or self.dp) * self.plan.cp
+
+    def params_on_pp_rank(self, pp_rank: int) -> dict[str, float]:
+        """Parameters held by one rank of pipeline rank `pp_rank` before ZeRO sharding.
+
+        Dense weights are split by tp; expert weights by tp and ep. Norms, MLA's latent projections
+        and a MoE router are replicated.
+        """
+        m, p = self.model, self.plan
+        dense = expert = 0.0
+        for layer in self.layers_of_pp_rank(pp_rank):
+            if m.is_moe_layer(layer):
+                dense += (m.attention_params() - m.latent_params()) / p.tp + m.tp_replicated_params_per_layer()
+                dense += m.router_params()
+                shared = m.moe_mlp_params() - m.router_params() - m.moe.experts * m.expert_params()
+                dense += shared / p.tp
+                expert += m.moe.experts * m.expert_params() / (p.tp * p.ep)
+            else:
+                replicated = m.tp_replicated_params_per_layer()
+                dense += (m.layer_params(layer) - replicated) / p.tp + replicated
+        if pp_rank == 0:
+            dense += m.embedding_params() / p.tp
+        if pp_rank == self.head_pp_rank:
+            dense += m.lm_head_params() / p.tp + m.final_norm_params()
+            if self.tied_copy:
+                dense += m.embedding_params() / p.tp  # a copy of the tied embedding on the last stage
+        return {"dense": dense, "expert": expert, "total": dense + expert}
+
+    def model_state_bytes(self, pp_rank: int) -> dict[str, float]:
+        """Mixed-precision Adam model states per rank (ZeRO paper: 2+2+12 bytes per parameter).
+
+        `grad_fp32` keeps the gradients in fp32 (2+4+12 = 18, Megatron-LM's bf16 default);
+        `grad_bucket_view=0` adds torch DDP's bucket copy of them to `grads`. The fp32
+        copy of `master_grads` is not here: it lives only through the optimizer step (the lowering
+        allocates it there, `master_grad_bytes`). Expert parameters are sharded by ZeRO over dp/ep
+        ranks, as Megatron's expert data parallel.
+        """
+        p = self.plan
+        params = self.params_on_pp_rank(pp_rank)
+        n_dense, n_expert = params["dense"], params["expert"]
+        shard_dense = self.zero_group_size
+        shard_expert = max(1, self.zero_group_size // p.ep)
+        w = self.dtype_bytes if p.dtype != "fp8" else 2  # fp8 training keeps bf16 weights
+        k = 12 if p.dtype != "fp32" else 8  # fp32 training: Adam m, v only (no master copy)
+        grad_b = self.grad_bytes
+        bucket_b = self.bucket_copy_bytes
+
+        def split(n: float, shard: int) -> tuple[float, float, float]:
+            wt = n * w / (shard if p.zero >= 3 else 1)
+            gr = n * (grad_b + (bucket_b if shard > 1 else 0)) / (shard if p.zero >= 2 else 1)
+            op = n * k / (shard if p.zero >= 1 else 1)
+            return wt, gr, op
+
+        a = split(n_dense, shard_dense)
+        b = split(n_expert, shard_expert)
+        out = {"params": a[0] + b[0], "grads": a[1] + b[1], "optimizer": a[2] + b[2]}
+        if p.offload != "none":
+            out["optimizer"] = 0.0
+        if p.offload == "optimizer+params":
+            out["params"] = 0.0
+        return out
+
+
+def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optional[int] = None) -> ResolvedPlan:
+    """Check every rule; return the plan with derived numbers, or raise PlanError naming the rule."""
+    p = plan
+    seq = model.seq_len if seq_len is None else seq_len
+    if seq <= 0:
+        raise PlanError(f"sequence length must be positive, got {seq}")
+    if model.learned_pos and model.max_positions is not None and seq > model.max_positions:
+        raise PlanError(
+            f"sequence length {seq} exceeds the learned position table of {model.name} (max_positions {model.max_positions})"
+        )
+    inner = p.tp * p.cp * p.pp
+    if cluster.sized_to_plan:
+        dp = p.dp or 1
+        cluster = cluster.with_world_size(dp * inner)
+    world = cluster.world_size
+    if p.dp is None:
+        if world % inner:
+            raise PlanError(f"world size {world} is not divisible by tp*cp*pp = {p.tp}*{p.cp}*{p.pp} = {inner}")
+        dp = world // inner
+    else:
+        dp = p.dp
+        if dp * inner != world:
+            raise PlanError(
+                f"world size {world} != dp*tp*cp*pp = {dp}*{p.tp}*{p.cp}*{p.pp} = {dp * inner}"
+                f" (cluster {cluster.name}: {cluster.nodes} node(s) x {cluster.node.gpus_per_node})"
+            )
+    gbs = p.gbs if p.gbs is not None else p.mbs * dp * p.pp
+    _check(model, cluster, p, dp, gbs, seq)
+    micro = gbs // (p.mbs * dp)
+    stage_layers = _stage_layers(model, p)
+    smallest = min(len(s) for s in stage_layers)
+    if p.recompute_layers is not None and p.recompute_layers > smallest:
+        raise PlanError(
+            f"recompute_layers={p.recompute_layers} exceeds the {smallest} layers of the smallest"
+            f" {'virtual ' if p.vpp > 1 else ''}pipeline stage (it counts layers per stage, as Megatron's"
+            " recompute-num-layers)"
+        )
+    plan = p.model_copy(update={"dp": dp, "gbs": gbs})
+    mesh = Mesh(sizes={"tp": p.tp, "cp": p.cp, "dp": dp, "pp": p.pp}, order=tuple(p.rank_order.split("-")))
+    return ResolvedPlan(model, cluster, plan, seq, dp, micro, stage_layers, mesh)
+
+
+def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:
+    n = p.pp * p.vpp
+    if p.stages is not None:
+        counts = list(p.stages)
+    else:
+        counts = [model.layers // n] * n
+    out, start = [], 0
+    for c in counts:
+        out.append(tuple(range(start, start + c)))
+        start += c
+    return tuple(out)
+
+
+def balanced_stages(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
+    """Layers per (virtual) stage when the embedding and the output layer each count as one layer:
+    the first stage gives a layer to the embedding, the last to the head and loss, and the units left
+    over after an even split go to the middle stages, the last first (in 1F1B an earlier stage holds
+    more micro-batches' activations). This is the split of DeepSpeed's
+    `partition_method='type:transformer|embedding'` (BLOOM-176B: 70 layers on 12 stages, 5,6,...,6,5),
+    of Megatron-LM's `--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`
+    and of torchtitan's input and output weights of 1; Llama 3 405B drops a layer from both end
+    stages for the same reason. None when a stage would hold no layer."""
+    if n_stages < 2:
+        return None
+    base, extra = divmod(layers + 2, n_stages)
+    units = [base] * n_stages
+    order = list(range(n_stages - 2, 0, -1)) + [n_stages - 1, 0]
+    for i in order[:extra]:
+        units[i] += 1
+    counts = [u - (i == 0) - (i == n_stages - 1) for i, u in enumerate(units)]
+    return tuple(counts) if min(counts) >= 1 else None
+
+
+def heads_unsplit(model: ModelSpec, tp: int, cp: int) -> Optional[str]:
+    """Why cp_impl=a2a cannot split each tp rank's query and K/V heads over cp, or None where it can."""
+    for kind, n in (("attention", model.heads), ("KV", model.kv_head_count)):
+        if (n // tp) % cp:
+            return (f"{kind} heads per tp rank {n}/{tp} = {n // tp} not divisible by cp={cp} (cp_impl=a2a splits "
+                    "them over cp); use cp_impl=allgather or ring")
+    return None
+
+
+def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, seq: int) -> None:
+    """The rules of parallel training, one `if` each."""
+    def fail(msg: str) -> None:
+        raise PlanError(msg)
+
+    if model.heads % p.tp:
+        fail(f"attention heads {model.heads} not divisible by tp={p.tp}")
+    if model.kv_heads % p.tp:
+        fail(f"KV heads {model.kv_heads} not divisible by tp={p.tp}")
+    if model.ffn % p.tp:
+        fail(f"FFN size {model.ffn} not divisible by tp={p.tp}")
+    if p.sp and p.tp == 1:
+        fail("sp=1 needs tp > 1 (sequence parallel splits along the tensor-parallel group)")
+    if p.sp and seq % p.tp:
+        fail(f"sequence length {seq} not divisible by tp={p.tp} (needed by sp)")
+    if p.cp > 1 and seq % (2 * p.cp):
+        fail(f"sequence length {seq} not divisible by 2*cp = {2 * p.cp} (causal load balancing)")
+    if (p.cp > 1 and p.cp_impl == "ring" and model.sliding_window is not None
+            and any(model.attention_window(i, seq) for i in range(model.layers))):
+        fail(f"cp_impl=ring does not run sliding-window attention (window {model.sliding_window} < sequence "
+             f"{seq}); use cp_impl=allgather")
+    if p.cp > 1 and p.cp_impl == "a2a" and (why := heads_unsplit(model, p.tp, p.cp)):
+        fail(why)
+    if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:
+        fail(f"sequence chunk {seq // p.cp} per cp rank not divisible by tp={p.tp} (needed by sp)")
+    n_stages = p.pp * p.vpp
+    if p.stages is not None:
+        if len(p.stages) != n_stages:
+            fail(f"stages has {len(p.stages)} entries, expected pp*vpp = {p.pp}*{p.vpp} = {n_stages}")
+        if any(s <= 0 for s in p.stages):
+            fail(f"stages {','.join(map(str, p.stages))}: every stage needs at least one layer")
+        if sum(p.stages) != model.layers:
+            fail(f"stages sum to {sum(p.stages)}, but the model has {model.layers} layers")
+    elif model.layers % n_stages:
+        fail(f"layers {model.layers} not divisible by pp*vpp = {p.pp}*{p.vpp} = {n_stages} (give stages=... for an uneven split)")
+    if gbs % (p.mbs * dp):
+        fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
+    micro = gbs // (p.mbs * dp)
+    sched = p.schedule_name
+    if p.vpp > 1 and sched not in MULTI_CHUNK:
+        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, interleaved-zb, zb-v or dualpipev, got {sched}")
+    if sched in V_SHAPED:
+        if p.vpp != 2:
+            fail(f"schedule={sched} needs vpp=2 (two chunks per rank in a V), got vpp={p.vpp}")
+        if not p.p2p_overlap:
+            fail(f"schedule={sched} needs p2p_overlap=1 (with blocking exchanges one action at a time, the"
+                 " two ends of a V each wait for the other's send)")
+        if sched == "dualpipev" and micro < 2 * p.pp:
+            fail(f"dualpipev needs at least 2*pp = {2 * p.pp} micro-batches, got {micro}"
+                 f" (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
+    if p.dualpipe_overlap and sched != "dualpipev":
+        fail(f"dualpipe_overlap=1 needs schedule=dualpipev, got {sched}")
+    if sched in INTERLEAVED:
+        if p.vpp < 2:
+            fail(f"schedule={sched} needs vpp >= 2")
+        if p.pp < 2:
+            fail(f"schedule={sched} needs pp >= 2")
+        if micro < p.pp:
+            fail(f"{sched} needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
+        if micro % p.pp:
+            fail(f"{sched} needs micro-batches ({micro}) divisible by pp={p.pp}")
+    if sched == "interleaved-zb" and not p.p2p_overlap:
+        fail("schedule=interleaved-zb needs p2p_overlap=1 (its order pairs no forward with a backward, so"
+             " blocking exchanges one action at a time wait on each other)")
+    if p.tp_overlap:
+        if p.tp < 2:
+            fail(f"tp_overlap=1 needs tp > 1, got tp={p.tp}")
+        if sched in SPLIT_BACKWARD:
+            fail(f"tp_overlap=1 does not run with schedule={sched}, whose weight-gradient GEMMs wait for their own"
+                 " W actions; use tp_overlap=0")
+    if sched in SPLIT_BACKWARD:
+        if p.pp < 2:
+            fail(f"schedule={sched} needs pp >= 2")
+        if p.zero == 3:
+            fail(f"schedule={sched} does not run with zero=3 (the deferred weight gradients would hold every"
+                 " gathered unit until they run); use zero <= 2")
+        if p.sp:
+            fail(f"schedule={sched} does not run with sp=1 (the deferred weight gradients of the column-parallel"
+                 " GEMMs would need their inputs gathered over tp a second time); use sp=0")
+    if model.moe is None and p.ep > 1:
+        fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")
+    if model.moe is not None:
+        if model.moe.experts % p.ep:
+            fail(f"experts {model.moe.experts} not divisible by ep={p.ep}")
+        if model.moe.expert_ffn % p.tp:
+            fail(f"expert FFN size {model.moe.expert_ffn} not divisible by tp={p.tp}")
+    if dp % p.ep:
+        fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks)")
+    if p.zero_impl is not None and p.zero != 3:
+        fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
+    if p.param_overlap and p.zero not in (1, 2):
+        fail(f"param_overlap=1 needs zero=1 or 2, got zero={p.zero}")
+    if p.grad_allreduce and p.zero != 1:
+        fail(f"grad_allreduce=1 needs zero=1, got zero={p.zero}")
+    if p.dp_shard is not None:
+        if p.zero == 0:
+            fail(f"dp_shard={p.dp_shard} (HSDP) needs zero >= 1")
+        if dp % p.dp_shard:
+            fail(f"dp_shard={p.dp_shard} does not divide dp={dp}")
+        if p.ep > 1 and p.dp_shard % p.ep:
+            fail(f"dp_shard={p.dp_shard} not divisible by ep={p.ep}")
+    if not p.grad_bucket_view and p.zero != 0:
+        fail(f"grad_bucket_view=0 (torch DDP's separate buckets) needs zero=0, got zero={p.zero}")
+    if p.offload == "optimizer+params" and p.zero != 3:
+        fail(f"offload=optimizer+params needs zero=3, got zero={p.zero}")
+    if p.loss_scale_window and not p.loss_scale:
+        fail(f"loss_scale_window={p.loss_scale_window} (dynamic loss scaling) needs an initial loss_scale > 0,"
+             " e.g. loss_scale=65536")
+    if p.loss_scale_hysteresis != Plan.model_fields["loss_scale_hysteresis"].default and not p.loss_scale_window:
+        fail(f"loss_scale_hysteresis={p.loss_scale_hysteresis} needs dynamic loss scaling (loss_scale_window > 0)")
+    if p.recompute_layers is not None and p.recompute == "none":
+        fail(f"recompute_layers={p.recompute_layers} needs recompute=selective or full")
+    if not cluster.device.supports(p.dtype):
+        fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
+    if p.pp > 1 and n_stages > model.layers:
+        fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")

@@ -1,0 +1,1 @@
+"""Traces: the shared event schema, op-by-op comparison, and plots."""

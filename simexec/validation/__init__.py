@@ -1,0 +1,1 @@
+"""Published data and the readers that hold predictions against it."""

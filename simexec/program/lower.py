@@ -24,6 +24,7 @@ from typing import Callable, Optional
 
 from simexec.program.blocks import Anatomy, Block
 from simexec.specs.plan import ResolvedPlan
+from simexec.program.groups import rank_groups
 from simexec.program.instructions import Instr, Program
 from simexec.program.schedules import SPLIT_BACKWARD, Action, dualpipe_pairs, exchange_groups, pipeline_order
 from simexec.sim.host.model import ADAM_FLOPS_PER_PARAM, dispatch_key
@@ -150,26 +151,10 @@ class _RankLowering:
         self.sends_to_wait: list[str] = []  # p2p_overlap=0: this group's sends, waited before the next
         self._z2_seen = 0  # ZeRO-2: grad_colls already waited at the end of a micro-batch's backward
         self.grad_dt = rp.grad_bytes
-        # groups
-        self.g_tp = mesh.group(rank, "tp")
-        self.g_cp = mesh.group(rank, "cp")
-        # Gradients are reduced, and ZeRO shards, over dp x cp: context-parallel ranks hold the same
-        # parameters. HSDP shards within blocks of dp_shard dp ranks (all of their cp ranks) and
-        # replicates across blocks; expert parameters are data-parallel over the ranks that hold the
-        # same experts (same position in the ep group).
-        me = self.coords
-        self.g_dp = mesh.span(rank, ("dp", "cp"))
-        self.g_ep = mesh.subgroup(rank, "dp", p.ep)
-        self.g_edp = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep)
-        if p.dp_shard:
-            block = me["dp"] // p.dp_shard
-            self.zero_axis = "dp_shard"
-            self.g_zero = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] // p.dp_shard == block)
-            self.g_rep = mesh.span(rank, ("dp",), keep=lambda c: c["dp"] % p.dp_shard == me["dp"] % p.dp_shard)
-        else:
-            self.zero_axis, self.g_zero, self.g_rep = "dp", self.g_dp, ()
+        g = self.groups = rank_groups(rp, rank)
+        self.g_tp, self.g_cp, self.g_dp, self.g_ep, self.g_edp = g.tp, g.cp, g.dp, g.ep, g.edp
+        self.zero_axis, self.g_zero, self.g_rep, self.g_embed = g.zero_axis, g.zero, g.rep, g.embed
         head = rp.head_pp_rank
-        self.g_embed = tuple(sorted({mesh.rank(**{**self.coords, "pp": 0}), mesh.rank(**{**self.coords, "pp": head})}))
         # tied embeddings over a pipeline: the two stages' gradients summed (`bwd.tied`) after the
         # data-parallel all-reduce (Megatron-LM), or under ZeRO-1 before the reduce-scatter, which
         # shards each stage's copy in its own layout (DeepSpeed's pipeline engine: ReduceTiedGrads,

@@ -89,11 +89,11 @@ class _Mesh:
         key = ("groups", rank, ep, dp_shard)
         g = self._memo.get(key)
         if g is None:
-            from simexec.program.lower import _RankLowering
+            from simexec.program.groups import rank_groups
 
             plan = self.rp.plan.model_copy(update=dict(ep=ep, dp_shard=dp_shard))
-            rl = _RankLowering(replace(self.rp, plan=plan), None, rank, [])
-            g = self._memo[key] = {"tp": rl.g_tp, "cp": rl.g_cp, "ep": rl.g_ep, "edp": rl.g_edp, "zero": rl.g_zero}
+            rg = rank_groups(replace(self.rp, plan=plan), rank)
+            g = self._memo[key] = {"tp": rg.tp, "cp": rg.cp, "ep": rg.ep, "edp": rg.edp, "zero": rg.zero}
         return g
 
     def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:

@@ -1,0 +1,56 @@
+"""A rank's process groups: which ranks it talks to over each axis.
+
+One function computes them, and the lowering, the search's bounds and the executor read them from it,
+so the three cannot disagree on who reduces with whom.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from simexec.specs.plan import ResolvedPlan
+
+
+@dataclass(frozen=True)
+class RankGroups:
+    """The ranks (sorted tuples, the rank itself included) of each group `rank` belongs to.
+
+    Gradients are reduced, and ZeRO shards, over dp x cp: context-parallel ranks hold the same
+    parameters. HSDP (`dp_shard`) shards within blocks of dp_shard dp ranks (all of their cp ranks) and
+    replicates across blocks (`rep`); expert parameters are data-parallel over the ranks that hold the
+    same experts (the same position in the ep group: `edp`).
+    """
+
+    tp: tuple[int, ...]
+    cp: tuple[int, ...]
+    dp: tuple[int, ...]  # dp x cp: the ranks that hold the same dense parameters
+    ep: tuple[int, ...]
+    edp: tuple[int, ...]
+    zero_axis: str  # "dp", or "dp_shard" under HSDP
+    zero: tuple[int, ...]  # the ranks ZeRO shards over
+    rep: tuple[int, ...]  # HSDP: the replicas of this rank's shard; () without HSDP
+    embed: tuple[int, ...]  # the first and the head's pipeline stage at this rank's other coordinates
+
+
+def rank_groups(rp: ResolvedPlan, rank: int) -> RankGroups:
+    p, mesh = rp.plan, rp.mesh
+    me = mesh.coords(rank)
+    dp = mesh.span(rank, ("dp", "cp"))
+    if p.dp_shard:
+        block = me["dp"] // p.dp_shard
+        zero_axis = "dp_shard"
+        zero = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] // p.dp_shard == block)
+        rep = mesh.span(rank, ("dp",), keep=lambda c: c["dp"] % p.dp_shard == me["dp"] % p.dp_shard)
+    else:
+        zero_axis, zero, rep = "dp", dp, ()
+    embed = tuple(sorted({mesh.rank(**{**me, "pp": 0}), mesh.rank(**{**me, "pp": rp.head_pp_rank})}))
+    return RankGroups(
+        tp=mesh.group(rank, "tp"),
+        cp=mesh.group(rank, "cp"),
+        dp=dp,
+        ep=mesh.subgroup(rank, "dp", p.ep),
+        edp=mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep),
+        zero_axis=zero_axis,
+        zero=zero,
+        rep=rep,
+        embed=embed,
+    )

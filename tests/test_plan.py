@@ -9,7 +9,7 @@ import pytest
 
 from simexec.specs.cluster import get_cluster
 from simexec.errors import PlanError, SimexecError, SpecError
-from simexec.specs.model import MODELS
+from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import Mesh, Plan, ResolvedPlan, balanced_stages, load_plan, parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -58,7 +58,8 @@ def torch_model(m, seed: int):
     of `simexec.exec.nn.gpt.GPT`, so DDP and FSDP2 see the executor's maths with a module per unit."""
     import torch.nn as nn
 
-    from simexec.exec.nn.gpt import GPT, Layout, init_full, param_specs
+    from simexec.exec.nn.gpt import GPT
+    from simexec.exec.nn.param_layout import Layout, init_full, param_specs
 
     if m.moe is not None:
         raise SystemExit("the torch baselines cover dense models only")

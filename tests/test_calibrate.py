@@ -85,7 +85,7 @@ def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
     """An all-reduced bucket: the interpreter's Python and a pass over its tensors before the call
     (2 operators a parameter tensor) join the compute instruction before it; the Python once waited
     and the pass that views the results out join the compute after it (the optimizer)."""
-    from simexec.exec.nn.gpt import param_specs
+    from simexec.exec.nn.param_layout import param_specs
 
     eng, instrs = _engine("dp=2,gbs=4,dtype=fp32")
     k = next(i for i, ins in enumerate(instrs) if ins.block == "grads0")

@@ -10,7 +10,7 @@ from simexec.specs.cluster import (
     PRESETS, ClusterSpec, CostParams, DeviceSpec, NetworkSpec, NodeSpec, get_cluster, list_clusters, load_cluster_file,
 )
 from simexec.errors import SpecError
-from simexec.specs.model import MODELS
+from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from simexec.trace.compare import compare, compare_files, critical_path
+from simexec.trace.compare import compare, compare_files
+from simexec.trace.critical_path import critical_path
 from simexec.errors import TraceError
 from simexec.trace.schema import Counter, Event, Trace
 

@@ -199,7 +199,7 @@ def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STE
                ) -> tuple[float, float]:
     """Run `plan`; assert losses and every rank's parameter shard match the reference. Returns the
     largest relative errors of the losses and of the parameters. `pool`: another RankPool (XLA)."""
-    from simexec.exec.nn.gpt import Layout, holds, param_specs, shard
+    from simexec.exec.nn.param_layout import Layout, holds, param_specs, shard
 
     rp, results = run_plan(model, plan, seq_len, steps, pool)
     ref = _reference(model, rp.plan.gbs, seq_len, steps, training_maths(rp.plan))

@@ -11,7 +11,8 @@ import torch
 
 from simexec.specs.cluster import get_cluster
 from simexec.exec.nn import data
-from simexec.exec.nn.gpt import GPT, Layout, holds, init_full, param_specs, shard
+from simexec.exec.nn.gpt import GPT
+from simexec.exec.nn.param_layout import Layout, holds, init_full, param_specs, shard
 from simexec.exec.nn.reference import reference
 from simexec.specs.model import ModelSpec, MoESpec, get_model
 from simexec.specs.plan import parse_plan, resolve
@@ -197,7 +198,7 @@ def test_ring_attention_pieces_match_sdpa(m, cp):
     causal SDPA of the whole sequence (fp64). The first chunks hide some query rows completely."""
     import math
 
-    from simexec.exec.nn.gpt import attn_merge, attn_partial, attn_partial_bwd
+    from simexec.exec.nn.attention import attn_merge, attn_partial, attn_partial_bwd
 
     g = torch.Generator().manual_seed(0)
     B, T, hd, nh, nkv = 2, 16, m.head_dim, m.heads, m.kv_heads

@@ -52,10 +52,10 @@ def test_input_pass_then_weight_pass_equals_the_whole_backward():
 
 
 def test_the_sequence_parallel_linear_computes_each_gradient_in_its_own_pass():
-    """The sp linear (`_GatheredLinear`) is a Python autograd function, whose `needs_input_grad` the
+    """The sp linear (`GatheredLinear`) is a Python autograd function, whose `needs_input_grad` the
     engine cannot narrow: the input pass must not read the re-gathered input for the weight gradient,
     nor the weight pass compute the input gradient again; the gradients are the whole backward's."""
-    from simexec.exec.nn.gpt import _GatheredLinear
+    from simexec.exec.nn.ops import GatheredLinear
 
     torch.manual_seed(0)
     x0, w, dy = torch.randn(4, 8), torch.randn(8, 16, requires_grad=True), torch.randn(4, 16)
@@ -66,11 +66,11 @@ def test_the_sequence_parallel_linear_computes_each_gradient_in_its_own_pass():
         return x0
 
     x1 = x0.clone().requires_grad_()
-    _GatheredLinear.apply(x1, w, fetch).backward(dy)
+    GatheredLinear.apply(x1, w, fetch).backward(dy)
     want_x, want_w = x1.grad, w.grad.clone()
     w.grad, fetched[:] = None, []
     x2 = x0.clone().requires_grad_()
-    y = _GatheredLinear.apply(x2 * 1.0, w, fetch)  # its input a node, as a block's is behind its norm
+    y = GatheredLinear.apply(x2 * 1.0, w, fetch)  # its input a node, as a block's is behind its norm
     deferred = backward_inputs((y,), (dy,), [x2], _run_to, _run_whole)
     assert torch.allclose(x2.grad, want_x) and w.grad is None and not fetched
     x2.grad = None
@@ -119,7 +119,8 @@ def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(m
     """`simexec.sim.host.model.weight_pass_calls` against the batches the executor forms for each block."""
     from torch.autograd.graph import get_gradient_edge
 
-    from simexec.exec.nn.gpt import GPT, Layout, init_full
+    from simexec.exec.nn.gpt import GPT
+    from simexec.exec.nn.param_layout import Layout, init_full
     from simexec.exec.nn.weight_grads import _analyse
     from simexec.specs.model import get_model
     from simexec.sim.host.model import weight_pass_calls

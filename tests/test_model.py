@@ -11,7 +11,9 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from simexec.errors import SpecError
-from simexec.specs.model import MODELS, ModelSpec, MoESpec, from_hf_config, get_model, list_models
+from simexec.specs.hf_import import from_hf_config
+from simexec.specs.model import ModelSpec, MoESpec, get_model, list_models
+from simexec.specs.model_presets import MODELS
 
 HF = Path(__file__).parent / "data" / "hf"
 
@@ -435,7 +437,8 @@ def test_flops_add_up(m):
 
 
 def test_dropout_per_family():
-    from simexec.specs.model import from_hf_config, get_model
+    from simexec.specs.hf_import import from_hf_config
+    from simexec.specs.model import get_model
 
     assert get_model("gpt3-1.3b").dropout == 0.1 and get_model("megatron-1.7b").dropout == 0.1
     assert get_model("llama2-7b").dropout == 0.0 and get_model("mixtral-8x7b").dropout == 0.0

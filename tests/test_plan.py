@@ -9,8 +9,9 @@ import pytest
 
 from simexec.specs.cluster import get_cluster
 from simexec.errors import PlanError, SimexecError, SpecError
-from simexec.specs.model import MODELS
-from simexec.specs.plan import Mesh, Plan, ResolvedPlan, balanced_stages, load_plan, parse_plan, resolve
+from simexec.specs.mesh import Mesh
+from simexec.specs.model_presets import MODELS
+from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, load_plan, parse_plan, resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 PUBLISHED = Path(__file__).parent / "data" / "published"  # copies of the published tables, sources inside

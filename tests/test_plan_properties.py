@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from simexec.specs.cluster import PRESETS, ClusterSpec, get_cluster, load_cluster_file
 from simexec.errors import SimexecError
-from simexec.specs.model import MODELS
+from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import Plan, ResolvedPlan, load_plan, parse_plan, resolve
 
 FAST = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -19,7 +19,7 @@ from typing import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from simexec.exec.nn.gpt import Layout, ParamSpec, holds, is_tied_copy, stage_units
+from simexec.exec.nn.param_layout import Layout, ParamSpec, holds, is_tied_copy, stage_units
 
 EPS = 1e-6  # torch.nn.utils.clip_grad_norm_'s: clip_grad / (norm + EPS)
 

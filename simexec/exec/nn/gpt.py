@@ -1,232 +1,30 @@
 """The executor's GPT, cut into the sub-blocks of docs/program.md and sharded for one rank.
 
-Reading order, nanoGPT's: the parameters of the full model (one list, one seeded init), the rule that
-slices them to one rank, then the blocks in forward order, then `forward`, which chains the blocks of
-an unsharded model (the single-process reference). Tensors are (B, T, C): batch, time, channels.
+Reading order, nanoGPT's: small helpers, the MoE routing, then the blocks in forward order, then
+`forward`, which chains the blocks of an unsharded model (the single-process reference). Tensors are
+(B, T, C): batch, time, channels. Which parameters a rank holds, and which slice of each, is
+`simexec.exec.nn.param_layout`'s.
 
-Tensor parallelism is Megatron's (Shoeybi et al. 2019): Q/K/V and the up/gate projections are split by
-columns (heads, FFN units), the output and down projections by rows, the embedding and the LM head by
-vocabulary. A block never communicates: row-parallel blocks return *partial sums* that the next
-collective instruction (`attn_out`, `mlp_out`, `embed_out`) adds up. For that sum to come out right,
-anything a row-parallel block adds that is not itself partial (the residual, the bias, the position
-embedding) is added by each tensor-parallel rank on its own 1/tp slice of the hidden dimension only;
-such biases and the position table are therefore stored split along the hidden dimension, which is
-also what `ResolvedPlan.params_on_pp_rank` counts (every non-norm parameter divided by tp).
-
-Norms (and the MoE router) are replicated over tp, but the gradient a rank computes for them is only
-its share (the heads / FFN units it holds): `ParamSpec.tp_partial` names the f-conjugate collective
-whose backward sums them over tp together with the activation gradient (see interpreter).
+Tensor parallelism is Megatron's (Shoeybi et al. 2019). A block never communicates: row-parallel
+blocks return *partial sums* that the next collective instruction (`attn_out`, `mlp_out`,
+`embed_out`) adds up. For that sum to come out right, anything a row-parallel block adds that is not
+itself partial (the residual, the bias, the position embedding) is added by each tensor-parallel rank
+on its own 1/tp slice of the hidden dimension only.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from simexec.exec.nn.weight_grads import SplitPass
+from simexec.exec.nn.attention import band_mask, split_kv, unfused_attention
+from simexec.exec.nn.ops import GatheredLinear, SwiGLU, VocabParallelXent, rms_norm, rope, rope_tables
+from simexec.exec.nn.param_layout import Layout, local_experts, split_range
 from simexec.specs.model import ModelSpec
-
-
-# ---------------------------------------------------------------------------------------------------
-# Where a rank sits
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One rank's place in the plan, as far as the model's tensors are concerned."""
-
-    tp: int = 1
-    tp_rank: int = 0
-    ep: int = 1
-    ep_rank: int = 0
-    cp: int = 1
-    cp_rank: int = 0
-    sp: bool = False
-
-    @staticmethod
-    def of(rp, rank: int) -> "Layout":
-        """The layout of `rank` in a ResolvedPlan. ep groups are consecutive blocks of the dp axis."""
-        c = rp.mesh.coords(rank)
-        p = rp.plan
-        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=c["dp"] % p.ep, cp=p.cp, cp_rank=c["cp"], sp=p.sp)
-
-
-def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
-    """[lo, hi) of part i when n is split as torch.tensor_split splits it."""
-    q, r = divmod(n, parts)
-    lo = i * q + min(i, r)
-    return lo, lo + q + (1 if i < r else 0)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Parameters: the full model's list, its seeded init, and the slice one rank holds
-# ---------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    """One parameter of the full model and how it is split."""
-
-    name: str
-    shape: tuple[int, ...]
-    std: float  # normal(0, std) init; 0.0: zeros; -1.0: ones (norm weights)
-    unit: int  # -1 embedding, l a layer, L the head: the `items` of buckets and ZeRO-3 gathers
-    tp_dim: Optional[int] = None  # dimension split over tp; None: replicated over tp
-    expert: Optional[int] = None  # routed expert index (held by one ep rank); None: a dense parameter
-    tp_partial: str = ""  # replicated over tp, grads partial: summed by this collective's backward
-    sp_partial: str = ""  # under sp, the collective that sums them instead ("": the interpreter's rule for norms)
-
-
-def param_specs(m: ModelSpec) -> list[ParamSpec]:
-    """Every parameter of the full model, in init order. Weights are (in, out): y = x @ W."""
-    H, L, hd = m.hidden, m.layers, m.head_dim
-    std, resid_std = 0.02, 0.02 / math.sqrt(2 * L)  # GPT-2: residual projections scaled by 1/sqrt(2L)
-    out: list[ParamSpec] = []
-
-    def add(name, shape, s, unit, tp_dim=None, expert=None, tp_partial="", sp_partial=""):
-        out.append(ParamSpec(name, tuple(shape), s, unit, tp_dim, expert, tp_partial, sp_partial))
-
-    def norm(prefix, unit, partial, width=H, sp_partial=""):
-        add(f"{prefix}.w", (width,), -1.0, unit, tp_partial=partial, sp_partial=sp_partial)
-        if m.norm == "layernorm":
-            add(f"{prefix}.b", (width,), 0.0, unit, tp_partial=partial, sp_partial=sp_partial)
-
-    def ffn(prefix, unit, width, expert=None):
-        add(f"{prefix}.w1", (H, width), std, unit, 1, expert)  # up: column-parallel
-        if m.bias:
-            add(f"{prefix}.b1", (width,), 0.0, unit, 0, expert)
-        if m.gated:
-            add(f"{prefix}.wg", (H, width), std, unit, 1, expert)  # gate: column-parallel
-            if m.bias:
-                add(f"{prefix}.bg", (width,), 0.0, unit, 0, expert)
-        add(f"{prefix}.w2", (width, H), resid_std, unit, 0, expert)  # down: row-parallel
-        if m.bias:
-            add(f"{prefix}.b2", (H,), 0.0, unit, 0, expert)  # hidden slice per tp rank
-
-    add("embed.wte", (m.vocab, H), std, -1, 0)  # vocab-parallel
-    if m.learned_pos:
-        add("embed.wpe", (m.max_positions or m.seq_len, H), std, -1, 1)  # hidden slice per tp rank
-    qkv_bias = m.bias or m.qkv_bias
-    for l in range(L):
-        p = f"layers.{l}"
-        norm(f"{p}.norm1", l, "attn_in")
-        if m.is_mla:
-            _mla_specs(m, l, add, norm, std)
-        else:
-            add(f"{p}.attn.wq", (H, m.heads * hd), std, l, 1)
-            add(f"{p}.attn.wk", (H, m.kv_heads * hd), std, l, 1)
-            add(f"{p}.attn.wv", (H, m.kv_heads * hd), std, l, 1)
-        if qkv_bias:
-            add(f"{p}.attn.bq", (m.heads * hd,), 0.0, l, 0)
-            add(f"{p}.attn.bk", (m.kv_heads * hd,), 0.0, l, 0)
-            add(f"{p}.attn.bv", (m.kv_heads * hd,), 0.0, l, 0)
-        if m.qk_norm:  # one weight for every head: each tp rank's gradient covers its own heads
-            norm(f"{p}.attn.q_norm", l, "attn_in", hd)
-            norm(f"{p}.attn.k_norm", l, "attn_in", hd)
-        add(f"{p}.attn.wo", (m.heads * m.value_head_dim, H), resid_std, l, 0)
-        if m.bias:
-            add(f"{p}.attn.bo", (H,), 0.0, l, 0)
-        norm(f"{p}.norm2", l, "mlp_in")
-        if m.is_moe_layer(l):
-            add(f"{p}.moe.router", (H, m.moe.experts), std, l, tp_partial="mlp_in")
-            for e in range(m.moe.experts):
-                ffn(f"{p}.moe.e{e}", l, m.moe.expert_ffn, expert=e)
-            for s in range(m.moe.shared_experts):
-                ffn(f"{p}.moe.s{s}", l, m.moe.shared_expert_ffn or m.moe.expert_ffn)
-        else:
-            ffn(f"{p}.mlp", l, m.ffn)
-    norm("head.norm", L, "head_in")
-    if not m.tied_embeddings:  # tied: the head multiplies by the embedding's transpose
-        add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
-    return out
-
-
-def _mla_specs(m: ModelSpec, l: int, add, norm, std: float) -> None:
-    """Multi-head latent attention's projections (DeepSeek-V2/V3), as DeepSeek's reference splits
-    them over tp: the down projections to the q and kv latents (and the kv latent's shared rotary
-    key) and the latents' norms are replicated, each tp rank's heads taking their share of the
-    gradient, summed over tp by the input gradient's all-reduce, or under sp by the first norm's
-    (`norm_grads`: the reduce-scatter would carry them in every slot); the up projections are
-    column-parallel by heads, each head's columns together (q: nope then rope; kv: nope key then
-    value)."""
-    p, H = f"layers.{l}.attn", m.hidden
-    q_width = m.heads * m.qk_head_dim
-    if m.q_lora_rank:
-        add(f"{p}.wq_a", (H, m.q_lora_rank), std, l, tp_partial="attn_in", sp_partial="norm_grads")
-        norm(f"{p}.q_a_norm", l, "attn_in", m.q_lora_rank, sp_partial="norm_grads")
-        add(f"{p}.wq_b", (m.q_lora_rank, q_width), std, l, 1)
-    else:
-        add(f"{p}.wq", (H, q_width), std, l, 1)
-    add(f"{p}.wkv_a", (H, m.kv_lora_rank + m.qk_rope_head_dim), std, l, tp_partial="attn_in", sp_partial="norm_grads")
-    norm(f"{p}.kv_a_norm", l, "attn_in", m.kv_lora_rank, sp_partial="norm_grads")
-    add(f"{p}.wkv_b", (m.kv_lora_rank, m.heads * (m.head_dim + m.value_head_dim)), std, l, 1)
-
-
-def init_full(m: ModelSpec, seed: int) -> dict[str, Tensor]:
-    """The full model's parameters, drawn in `param_specs` order from one seeded generator: every rank
-    and the reference draw the same numbers, then keep their slice."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for s in param_specs(m):
-        if s.std > 0:
-            out[s.name] = torch.randn(s.shape, generator=g) * s.std
-        else:
-            out[s.name] = torch.ones(s.shape) if s.std < 0 else torch.zeros(s.shape)
-    return out
-
-
-def local_experts(m: ModelSpec, lay: Layout) -> range:
-    """Routed experts held by this rank's ep index (contiguous blocks)."""
-    if m.moe is None:
-        return range(0)
-    lo, hi = split_range(m.moe.experts, lay.ep, lay.ep_rank)
-    return range(lo, hi)
-
-
-def stage_units(rp, pp_rank: int) -> set[int]:
-    """The units (embedding -1, layers, head L) a pipeline rank holds."""
-    units = set(rp.layers_of_pp_rank(pp_rank))
-    if pp_rank == 0:
-        units.add(-1)
-    if pp_rank == rp.head_pp_rank:
-        units.add(rp.model.layers)
-    return units
-
-
-def stage_specs(rp, pp_rank: int) -> list[ParamSpec]:
-    """The parameters a pipeline rank holds (before experts are split over ep): its units', and with
-    tied embeddings over a pipeline, on the last stage, a copy of the embedding in the head's unit
-    (Megatron-LM's): initialised as the first stage's, its gradient summed with the first stage's
-    by the `tied` all-reduce, so the two stay equal."""
-    m = rp.model
-    units = stage_units(rp, pp_rank)
-    out = [s for s in param_specs(m) if s.unit in units]
-    if rp.tied_copy and pp_rank == rp.head_pp_rank:
-        wte = next(s for s in param_specs(m) if s.name == "embed.wte")
-        out.append(replace(wte, unit=m.layers))
-    return out
-
-
-def is_tied_copy(spec: ParamSpec, m: ModelSpec) -> bool:
-    """The last stage's copy of a tied embedding (`stage_specs`)."""
-    return spec.name == "embed.wte" and spec.unit == m.layers
-
-
-def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:
-    return spec.expert is None or spec.expert in local_experts(m, lay)
-
-
-def shard(spec: ParamSpec, full: Tensor, lay: Layout) -> Tensor:
-    """This rank's slice of one full parameter (a contiguous copy of its own: a slice along the first
-    dimension is contiguous already, and `.contiguous()` would keep the whole tensor's storage)."""
-    if spec.tp_dim is None or lay.tp == 1:
-        return full.clone()
-    return full.tensor_split(lay.tp, dim=spec.tp_dim)[lay.tp_rank].clone(memory_format=torch.contiguous_format)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -241,79 +39,6 @@ def add_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
     return y + F.pad(t, (lo, y.shape[-1] - lo - t.shape[-1]))
 
 
-def rope_tables(pos: Tensor, hd: int, dtype: torch.dtype, base: float = 10000.0) -> tuple[Tensor, Tensor]:
-    """cos and sin (T, hd) of the rotary embedding at positions pos (T,), rotate-half layout."""
-    inv = 1.0 / base ** (torch.arange(0, hd, 2, device=pos.device, dtype=torch.float32) / hd)
-    ang = pos.to(torch.float32)[:, None] * inv[None, :]  # (T, hd/2)
-    return torch.cat([ang.cos(), ang.cos()], -1).to(dtype), torch.cat([ang.sin(), ang.sin()], -1).to(dtype)
-
-
-def _rotate_half(x: Tensor, sign: int) -> Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat([-x[..., h:], x[..., :h]], -1) if sign > 0 else torch.cat([x[..., h:], -x[..., :h]], -1)
-
-
-class _Rope(torch.autograd.Function):
-    """Rotary embedding that saves only the tables it was given (Megatron computes them once per
-    forward pass and hands the same to every layer's fused RoPE): autograd's version keeps its own
-    cos / sin per call."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        ctx.save_for_backward(cos, sin)
-        return x * cos + _rotate_half(x, 1) * sin
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        cos, sin = ctx.saved_tensors
-        return g * cos + _rotate_half(g * sin, -1), None, None
-
-
-def rope(x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
-    """Rotary embedding (Su et al. 2021, rotate-half form) of x (B, nh, T, hd) with `rope_tables`."""
-    return _Rope.apply(x, *tables)
-
-
-class _RMSNorm(torch.autograd.Function):
-    """RMSNorm saving its input and 1/rms only (Megatron's fused RMSNorm): torch's CPU `rms_norm`
-    is composed of operators and also keeps the normalised input for the weight's gradient."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, eps: float) -> Tensor:
-        xo = _opmath(x)
-        rstd = torch.rsqrt(xo.pow(2).mean(-1, keepdim=True) + eps)
-        ctx.save_for_backward(x, rstd, w)
-        return (xo * rstd).to(x.dtype) * w
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        # in place where it can be, with the operators of the plain formula (the dispatch tables,
-        # simexec.sim.host.model, count them): at most three input-sized buffers beside g, as near as
-        # eager operators come to a fused kernel's none; a split backward's input pass computes no
-        # weight gradient, its weight pass no input gradient
-        x, rstd, w = ctx.saved_tensors
-        want_x = ctx.needs_input_grad[0] and SplitPass.now != "weight"
-        want_w = ctx.needs_input_grad[1] and SplitPass.now != "input"
-        xhat = _opmath(x) * rstd
-        gw = dx = None
-        if want_w:
-            gw = (_opmath(g) * xhat).reshape(-1, x.shape[-1]).sum(0).to(w.dtype)
-        if want_x:
-            gx = torch.mul(_opmath(g), _opmath(w))
-            dot = (gx * xhat).mean(-1, keepdim=True)
-            dx = gx.sub_(xhat.mul_(dot)).mul_(rstd).to(x.dtype)
-        return dx, gw, None
-
-
-def _opmath(t: Tensor) -> Tensor:
-    """16-bit values are normalised in fp32 (as torch's and Megatron's norms do)."""
-    return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
-
-
-def rms_norm(x: Tensor, w: Tensor, eps: float = 1e-5) -> Tensor:
-    return _RMSNorm.apply(x, w, eps)
-
-
 def add_seq_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
     """y (B, T, C) + t (B, Ts, C) placed at [lo, lo + Ts) of the sequence (zeros elsewhere)."""
     if t.shape[1] == y.shape[1]:
@@ -321,175 +46,9 @@ def add_seq_slice(y: Tensor, t: Tensor, lo: int) -> Tensor:
     return y + F.pad(t, (0, 0, lo, y.shape[1] - lo - t.shape[1]))
 
 
-class _GatheredLinear(torch.autograd.Function):
-    """x @ w where x is a norm's output all-gathered over the sequence (sp), saving w but not x:
-    the weight gradient reads x whole, which the backward gets from `fetch` (the interpreter's
-    re-gather of the slice each rank kept), as Megatron-LM's column-parallel linear does under
-    sequence parallelism."""
-
-    @staticmethod
-    def forward(ctx, x: Tensor, w: Tensor, fetch) -> Tensor:
-        ctx.save_for_backward(w)
-        ctx.fetch = fetch
-        return x @ w
-
-    @staticmethod
-    def backward(ctx, gy: Tensor):
-        (w,) = ctx.saved_tensors
-        # a split backward's input pass computes no weight gradient, its weight pass no input gradient
-        gx = gy @ w.t() if ctx.needs_input_grad[0] and SplitPass.now != "weight" else None
-        gw = None
-        if ctx.needs_input_grad[1] and SplitPass.now != "input":
-            x = ctx.fetch()
-            gw = x.reshape(-1, x.shape[-1]).t() @ gy.reshape(-1, gy.shape[-1])
-        return gx, gw, None
-
-
 # ---------------------------------------------------------------------------------------------------
-# Ring attention pieces (context parallel, cp_impl=ring)
+# MoE routing
 # ---------------------------------------------------------------------------------------------------
-# Ring attention (Liu et al. 2023) computes a rank's attention one K/V chunk at a time and merges the
-# partial results by their log-sum-exp (the online softmax of flash attention, Dao et al. 2022). The
-# backward is flash attention's: from the final output O, its row log-sum-exp L and dO, every chunk's
-# contribution is recomputed on its own (P = exp(S - L), dS = P * (dP - rowsum(dO * O))), so the
-# chunks can arrive in any order and nothing per chunk is kept from the forward. All in fp32.
-
-
-def _finite(lse: Tensor) -> Tensor:
-    """lse with -inf (rows a chunk hides completely) replaced by 0, so that exp(s - lse) is 0 there."""
-    return torch.where(torch.isfinite(lse), lse, torch.zeros((), dtype=lse.dtype, device=lse.device))
-
-
-def _expand_kv(t: Tensor, rep: int) -> Tensor:
-    """(B, nkv, S, hd) -> (B, nkv*rep, S, hd): query head h reads kv head h // rep (SDPA's enable_gqa)."""
-    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
-
-
-def attn_partial(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor]:
-    """Attention of q (B, nh, T, hd) against one K/V chunk k, v (B, nkv, S, hd) under mask (T, S)
-    (True: visible; None: all) -> o (B, nh, T, hd), normalised within the chunk, and the row
-    log-sum-exp lse (B, nh, T) of the scaled scores (-inf, with o = 0, where the chunk is hidden)."""
-    rep = q.shape[1] // k.shape[1]
-    s = torch.matmul(q, _expand_kv(k, rep).transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))
-    return torch.matmul(p, _expand_kv(v, rep)), lse
-
-
-def attn_merge(o: Tensor, lse: Tensor, o2: Tensor, lse2: Tensor) -> tuple[Tensor, Tensor]:
-    """Online-softmax merge of two partial attentions over disjoint key sets: the attention over
-    their union and its log-sum-exp (log(e^lse + e^lse2), computed stably)."""
-    m = _finite(torch.maximum(lse, lse2))
-    a, b = torch.exp(lse - m), torch.exp(lse2 - m)
-    tot = a + b
-    inv = torch.where(tot > 0, 1.0 / tot.clamp_min(1e-38), torch.zeros((), dtype=tot.dtype, device=tot.device))
-    return o * (a * inv).unsqueeze(-1) + o2 * (b * inv).unsqueeze(-1), m + torch.log(tot)
-
-
-def attn_partial_bwd(q: Tensor, k: Tensor, v: Tensor, mask: Optional[Tensor], scale: float, lse: Tensor,
-                     do: Tensor, delta: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Flash-attention backward of one K/V chunk, given the final row log-sum-exp lse (B, nh, T), the
-    output gradient do (B, nh, T, hd) and delta = rowsum(do * o) (B, nh, T) of the final output o.
-    Returns this chunk's share of dq (B, nh, T, hd), and dk, dv (B, nkv, S, hd)."""
-    B, nkv, S, hd = k.shape
-    rep = q.shape[1] // nkv
-    ke, ve = _expand_kv(k, rep), _expand_kv(v, rep)
-    s = torch.matmul(q, ke.transpose(-1, -2)) * scale
-    if mask is not None:
-        s = s.masked_fill(~mask, float("-inf"))
-    p = torch.exp(s - _finite(lse).unsqueeze(-1))  # (B, nh, T, S): the final softmax restricted to this chunk
-    dv = torch.matmul(p.transpose(-1, -2), do)
-    ds = p * (torch.matmul(do, ve.transpose(-1, -2)) - delta.unsqueeze(-1))
-    dq = torch.matmul(ds, ke) * scale
-    dk = torch.matmul(ds.transpose(-1, -2), q) * scale
-    if rep > 1:  # sum the query heads that share a kv head
-        dk, dv = dk.view(B, nkv, rep, S, hd).sum(2), dv.view(B, nkv, rep, S, hd).sum(2)
-    return dq, dk, dv
-
-
-def split_kv(kv: Tensor, qk: int) -> tuple[Tensor, Tensor]:
-    """K and V (views) of the qkv block's `kv`: stacked, (2, B, nkv, S, hd); or under MLA, whose value
-    heads are narrower than its key heads, side by side in one (1, B, nh, S, qk + v). Either way the
-    sequence is dimension 3, where context parallelism gathers and the ring passes chunks."""
-    if kv.shape[0] == 2:
-        return kv[0], kv[1]
-    return kv[0, ..., :qk], kv[0, ..., qk:]
-
-
-def band_mask(qpos: Tensor, kpos: Tensor, window: int) -> Tensor:
-    """Causal sliding-window mask (T, S): query at position i sees keys at i - window + 1 .. i."""
-    d = qpos[:, None] - kpos[None, :]
-    return (d >= 0) & (d < window)
-
-
-def _unfused_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, kpos: Tensor, causal: bool,
-                       band: Optional[Tensor] = None) -> Tensor:
-    """Attention without a fused kernel (`flash_attention=0`, Megatron-LM 2021): Q.K^T over every
-    score, scale and causal mask in place, softmax, then P.V; the backward keeps the softmax output P
-    (B, nh, T, S) beside q, k and v. Query heads sharing a kv head broadcast against it (no copies).
-    `band`: a sliding window's mask (`band_mask`) in place of the causal one.
-    q (B, nh, T, hd), k, v (B, nkv, S, hd) -> (B, T, nh*hd)."""
-    B, nh, T, hd = q.shape
-    nkv = k.shape[1]
-    qg = q.view(B, nkv, nh // nkv, T, hd)
-    s = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2)).mul_(1.0 / math.sqrt(hd))  # (B, nkv, rep, T, S)
-    if band is not None:
-        s = s.masked_fill_(band.logical_not(), float("-inf"))
-    elif causal:
-        s = s.masked_fill_(kpos[None, :] > qpos[:, None], float("-inf"))
-    o = torch.matmul(torch.softmax(s, dim=-1), v.unsqueeze(2))  # (B, nkv, rep, T, v's hd)
-    return o.view(B, nh, T, -1).transpose(1, 2).reshape(B, T, -1)
-
-
-class _Xent(torch.autograd.Function):
-    """exp(logits - gmax) in place on the logits, saved once; see GPT.xent."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, gmax: Tensor, targets: Tensor, vlo: int) -> Tensor:
-        z = logits.detach()  # the same storage: overwritten (no other reader, see GPT.xent)
-        z.sub_(gmax.unsqueeze(-1))
-        V = z.shape[-1]
-        mine = (targets >= vlo) & (targets < vlo + V)
-        idx = (targets - vlo).clamp(0, V - 1).unsqueeze(-1)
-        at = z.gather(-1, idx).squeeze(-1) * mine
-        z.exp_()
-        ctx.z, ctx.idx, ctx.mine = z, idx, mine  # not save_for_backward: the backward reuses z's storage
-        return torch.stack([z.sum(-1), at])
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        z, idx, mine = ctx.z, ctx.idx, ctx.mine
-        del ctx.z, ctx.idx, ctx.mine
-        dz = z.mul_(g[0].unsqueeze(-1).to(z.dtype))  # d sum(exp z) / dz = exp z, in place
-        dz.scatter_add_(-1, idx, (g[1] * mine).unsqueeze(-1).to(z.dtype))  # d z_target / dz
-        return dz, None, None, None
-
-
-class _SwiGLU(torch.autograd.Function):
-    """silu(gate) * up saving only its inputs, silu recomputed in the backward (Megatron's fused
-    bias-SwiGLU): autograd's unfused version would also keep silu(gate)."""
-
-    @staticmethod
-    def forward(ctx, gate: Tensor, up: Tensor) -> Tensor:
-        ctx.save_for_backward(gate, up)
-        return F.silu(gate) * up
-
-    @staticmethod
-    def backward(ctx, g: Tensor):
-        # d up = g silu(gate); d gate = g up s (1 + gate (1 - s)), s = sigmoid(gate): in place where
-        # it can be, with as many operators as the plain formula (the dispatch tables count them), so
-        # that one buffer beside the two gradients is all it holds (a fused kernel holds none)
-        gate, up = ctx.saved_tensors
-        s = torch.sigmoid(gate)
-        dgate = g * up
-        dgate.mul_(s)
-        silu = s.mul_(gate)
-        dup = g * silu
-        t = silu.neg_().add_(gate).add_(1)  # 1 + gate - silu(gate)
-        dgate.mul_(t)
-        return dgate, dup
 
 
 @dataclass
@@ -572,7 +131,7 @@ class GPT:
     def _lin(self, x: Tensor, prefix: str, w: str, b: str, fetch=None) -> Tensor:
         """x @ W (+ bias); `fetch` given: x is gathered over the sequence and not saved (sp)."""
         W = self.p[f"{prefix}.{w}"]
-        y = x @ W if fetch is None else _GatheredLinear.apply(x, W, fetch)
+        y = x @ W if fetch is None else GatheredLinear.apply(x, W, fetch)
         bias = self.p.get(f"{prefix}.{b}")
         return y if bias is None else y + bias
 
@@ -580,7 +139,7 @@ class GPT:
         """Up (and gate) projection + activation: column-parallel, no communication."""
         up = self._lin(h, prefix, "w1", "b1", fetch)
         if self.m.gated:
-            return _SwiGLU.apply(self._lin(h, prefix, "wg", "bg", fetch), up)  # SwiGLU (Shazeer 2020)
+            return SwiGLU.apply(self._lin(h, prefix, "wg", "bg", fetch), up)  # SwiGLU (Shazeer 2020)
         return F.gelu(up, approximate="tanh")  # GPT-2's GELU
 
     def _residual(self, y: Tensor, x: Tensor) -> Tensor:
@@ -678,7 +237,7 @@ class GPT:
         window = self.m.attention_window(l, kpos.shape[0])  # kpos: every position of the sequence
         if not self.flash:
             band = self._band_mask(qpos, kpos, window) if window is not None else None
-            return _unfused_attention(q, k, v, qpos, kpos, self.m.causal, band)
+            return unfused_attention(q, k, v, qpos, kpos, self.m.causal, band)
         vd = v.shape[-1]
         if vd != q.shape[-1]:  # MLA: fused kernels take one head width; V padded, as HF's DeepSeek does for FlashAttention
             v = F.pad(v, (0, q.shape[-1] - vd))
@@ -723,7 +282,7 @@ class GPT:
         zero-padded to its capacity per sequence (`_capacity_rows`); else no token is dropped."""
         moe = self.m.moe
         if self.lay.sp:
-            logits = _GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
+            logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
             probs = torch.softmax(logits.reshape(-1, moe.experts), dim=-1)  # (N, E)
         else:
             h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
@@ -793,7 +352,7 @@ class GPT:
         (B, T), which carries no gradient (softmax does not depend on the shift)."""
         w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
         if self.lay.sp:
-            logits = _GatheredLinear.apply(x, w, fetch).float()
+            logits = GatheredLinear.apply(x, w, fetch).float()
         else:
             logits = (self._norm("head.norm", x) @ w).float()
         return logits, logits.detach().amax(-1)
@@ -807,7 +366,7 @@ class GPT:
         else needs once the local max is taken: the LM head's matmul saves its input, not its output):
         exp(z) overwrites them and is the one logits-sized tensor kept for the backward, which turns
         it into the logits' gradient in place. The logits must not be read again afterwards."""
-        return _Xent.apply(logits, gmax, targets, self.vlo)
+        return VocabParallelXent.apply(logits, gmax, targets, self.vlo)
     @staticmethod
     def loss(ce: Tensor, scale: float) -> Tensor:
         """Sum over tokens of log(sum exp z) - z_target, times scale = 1 / tokens of the global batch,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 
 from simexec.exec.nn import data
-from simexec.exec.nn.gpt import GPT, Layout, init_full
+from simexec.exec.nn.gpt import GPT
+from simexec.exec.nn.param_layout import Layout, init_full
 from simexec.exec.nn.optim import Adam
 from simexec.exec.nn.scaler import LossScaler
 

@@ -57,7 +57,7 @@ class SplitPass:
     """The pass of a split backward autograd is running: "input" (B), "weight" (W), or None (a whole
     backward). The engine skips a built-in node's unneeded gradients, but a Python autograd
     function's `needs_input_grad` is fixed at its forward: one that computes both gradients reads
-    this to compute only the pass's own (`simexec.exec.nn.gpt._GatheredLinear`, `_RMSNorm`)."""
+    this to compute only the pass's own (`simexec.exec.nn.ops.GatheredLinear`, `_RMSNorm`)."""
 
     now: Optional[str] = None
 

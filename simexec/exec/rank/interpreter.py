@@ -51,7 +51,8 @@ from simexec.exec.rank.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, 
                                    _coll_keys, _downstream, _upstream)
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.measure.live_memory import _TRACKER, _LiveBytes
-from simexec.exec.nn.gpt import GPT, Layout, Route, holds, init_full, shard, stage_specs
+from simexec.exec.nn.gpt import GPT, Route
+from simexec.exec.nn.param_layout import Layout, holds, init_full, shard, stage_specs
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
 from simexec.exec.rank.ring import RingAttention

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from simexec.exec.nn import data
 from simexec.exec.rank.collectives import _Inflight
-from simexec.exec.nn.gpt import attn_merge, attn_partial, attn_partial_bwd, split_kv
+from simexec.exec.nn.attention import attn_merge, attn_partial, attn_partial_bwd, split_kv
 from simexec.program.instructions import Instr
 
 

@@ -60,7 +60,8 @@ def pricer(profile: str):
     from simexec.specs.model import get_model
     from simexec.specs.plan import load_plan, resolve
     from simexec.program.instructions import Instr, Program
-    from simexec.sim.host.model import ADAM_FLOPS_PER_PARAM, HostCosts
+    from simexec.program.adam import ADAM_FLOPS_PER_PARAM
+    from simexec.sim.host.model import HostCosts
     from simexec.sim.profile import apply_profile
 
     cluster = apply_profile(get_cluster("local"), profile)

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", default="gpt-tiny")
     args = ap.parse_args(argv)
     from simexec.errors import SimexecError
-    from simexec.sim.host.model import model as host
+    from simexec.sim.host import model as host
     from simexec.sim.simulate import simulate
 
     stats: collections.Counter = collections.Counter()

@@ -7,7 +7,7 @@ The interpreter handles a collective's parameter tensors one at a time (`simexec
 views of a flat buffer (`_Flat.views`: a slice and a reshape each), copies into them, parameters
 pointed at them (`p.data = view`) and, for FSDP's release, pointed at one empty tensor. The host
 model prices a pass of views or copies at `ISSUE_OPS_PER_TENSOR` operators a tensor
-(`simexec.sim.host.model.tensor_passes`) and the release at nothing; this times each kind of pass, one
+(`simexec.sim.host.issue.tensor_passes`) and the release at nothing; this times each kind of pass, one
 intra-op thread, median over the repeats, in µs per tensor.
 """
 from __future__ import annotations

@@ -73,12 +73,12 @@ def _engine(plan: str):
     from simexec.program.lower import lower
     from simexec.specs.plan import load_plan, resolve
     from simexec.sim.engine import Engine
-    from simexec.sim.machine import Machine
+    from simexec.sim.machine import machine_for
 
     cluster = profiled_cluster(LOCAL, TRUTH)
     rp = resolve(get_model("gpt-tiny"), cluster, load_plan(plan), None)
     prog = lower(rp, symmetric=False)
-    return Engine(prog, Machine(cluster, prog, "fp32")), prog.ranks[0]
+    return Engine(prog, machine_for(cluster, prog, "fp32")), prog.ranks[0]
 
 
 def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
@@ -95,12 +95,12 @@ def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
     tensors = len(param_specs(get_model("gpt-tiny")))  # the bucket holds every parameter
     views = 2 * tensors * TRUTH["device"]["launch_overhead_s"]
     python = TRUTH["costs"]["instr_overhead_s"]
-    assert eng.host.issue_split(instrs[k]) == pytest.approx((python + views, python + views))
-    assert eng.work[before] == pytest.approx(eng.host.cpu_seconds(instrs[before]) + python + views)
-    assert eng.work[after] == pytest.approx(eng.host.cpu_seconds(instrs[after]) + python + views)
+    assert eng.machine.host.issue_split(instrs[k]) == pytest.approx((python + views, python + views))
+    assert eng.work[before] == pytest.approx(eng.machine.host.cpu_seconds(instrs[before]) + python + views)
+    assert eng.work[after] == pytest.approx(eng.machine.host.cpu_seconds(instrs[after]) + python + views)
     # a message carries no parameters: the Python around it alone
     send = next(i for i in _engine("pp=2,gbs=4,dtype=fp32")[1] if i.kind == "send")
-    assert eng.host.issue_seconds(send) == TRUTH["costs"]["instr_overhead_s"]
+    assert eng.machine.host.issue_seconds(send) == TRUTH["costs"]["instr_overhead_s"]
 
 
 @pytest.mark.parametrize("plan,block,phase,passes", [
@@ -115,7 +115,8 @@ def test_a_rank_pays_its_own_thread_for_a_gradient_bucket_before_and_after_it():
 ])
 def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, block, phase, passes):
     from simexec.specs.plan import load_plan
-    from simexec.sim.host.model import tensor_passes, unit_tensor_count
+    from simexec.sim.host.issue import tensor_passes
+    from simexec.sim.host.tensors import unit_tensor_count
 
     eng, instrs = _engine(plan)
     ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase)
@@ -123,7 +124,7 @@ def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, 
     assert tensor_passes(ins, p.zero, p.zero3_flavour) == passes
     per_pass = 2 * sum(unit_tensor_count(get_model("gpt-tiny"), u) for u in ins.items) * TRUTH["device"]["launch_overhead_s"]
     python = TRUTH["costs"]["instr_overhead_s"]  # the interpreter's, on both sides
-    assert eng.host.issue_split(ins) == pytest.approx((python + passes[0] * per_pass, python + passes[1] * per_pass))
+    assert eng.machine.host.issue_split(ins) == pytest.approx((python + passes[0] * per_pass, python + passes[1] * per_pass))
 
 
 @pytest.mark.parametrize("plan,block,phase,ops", [
@@ -140,7 +141,7 @@ def test_activation_collectives_pay_for_the_operators_around_them(plan, block, p
     eng, instrs = _engine(plan)
     ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase and i.mb == 0)
     op, python = TRUTH["device"]["launch_overhead_s"], TRUTH["costs"]["instr_overhead_s"]
-    assert eng.host.issue_split(ins) == pytest.approx((python + ops[0] * op, python + ops[1] * op))
+    assert eng.machine.host.issue_split(ins) == pytest.approx((python + ops[0] * op, python + ops[1] * op))
 
 
 def test_a_collectives_call_costs_its_thread_and_leaves_the_rest_of_its_latency():
@@ -149,11 +150,11 @@ def test_a_collectives_call_costs_its_thread_and_leaves_the_rest_of_its_latency(
     issue = 40e-6
     eng, instrs = _engine("tp=2,gbs=4,dtype=fp32")
     ins = next(i for i in instrs if i.kind == "collective" and i.block == "attn_out" and i.mb == 0)
-    before, after = eng.host.issue_split(ins)
-    eng.host.issue_s = issue
-    assert eng.host.issue_split(ins) == pytest.approx((before + issue, after))
+    before, after = eng.machine.host.issue_split(ins)
+    eng.machine.host.issue_s = issue
+    assert eng.machine.host.issue_split(ins) == pytest.approx((before + issue, after))
     send = next(i for i in _engine("pp=2,gbs=4,dtype=fp32")[1] if i.kind == "send")
-    assert eng.host.issue_split(send) == (TRUTH["costs"]["instr_overhead_s"], 0.0)
+    assert eng.machine.host.issue_split(send) == (TRUTH["costs"]["instr_overhead_s"], 0.0)
 
     def collectives_us(costs):
         r = simulate("gpt-tiny", LOCAL, "tp=2,gbs=4,dtype=fp32", profile={**TRUTH, "costs": {**TRUTH["costs"], **costs}},
@@ -306,14 +307,15 @@ def test_dispatch_table_matches_the_executor(model):
     model is counted on a shrunk copy with the same features)."""
     from simexec.calibrate.microbench import count_dispatch
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import dispatch_key, dispatch_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import dispatch_table
 
     spec = get_model(str(ROOT / model) if model.endswith((".json", ".yaml")) else model)
     got = count_dispatch(spec)
     key = dispatch_key(spec)
     table = dispatch_table(key)
     diff = {k: (table.get(k), v) for k, v in got.items() if abs(table.get(k, -99) - v) > 1}
-    assert not diff, f"refresh simexec.sim.host.model.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
+    assert not diff, f"refresh simexec.sim.host.operators.DISPATCH / MOE_LOOP_OPS for {key!r} from count_dispatch(): {diff}"
 
 
 GROUPED = "tests/data/qk-norm-tiny.yaml"  # 4 query heads in 2 groups
@@ -334,7 +336,8 @@ def test_context_parallel_attention_counts_match_the_executor(model, plan):
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.model import get_model
     from simexec.specs.plan import parse_plan
-    from simexec.sim.host.model import dispatch_key, dispatch_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import dispatch_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     got = count_dispatch_plan(model, plan)
@@ -355,7 +358,7 @@ def test_main_gradient_hooks_are_counted_per_block(model, plan):
     latents excepted under tp; experts per ep rank; the tied head's share of the embedding)."""
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.plan import parse_plan
-    from simexec.sim.host.model import grad_tensors
+    from simexec.sim.host.tensors import grad_tensors
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     without = count_dispatch_plan(model, plan + ",dtype=bf16")
@@ -434,7 +437,8 @@ def test_sequence_parallel_block_counts_match_the_executor(model):
     the gathered input: the simulator counts the operators of those blocks as the executor runs them."""
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import dispatch_key, dispatch_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import dispatch_table
 
     got = count_dispatch_plan(model, "tp=2,sp=1,gbs=2")  # bf16, the plans' default
     table = dispatch_table(dispatch_key(get_model(model)), sp=True, dtype="bf16")
@@ -445,7 +449,7 @@ def test_sequence_parallel_block_counts_match_the_executor(model):
 
 def test_moe_loops_count_the_local_experts():
     """Expert parallelism leaves each rank a share of the routed experts: its loop is shorter."""
-    from simexec.sim.host.model import MOE_LOOP_OPS, dispatch_table
+    from simexec.sim.host.operators import MOE_LOOP_OPS, dispatch_table
 
     one, two = dispatch_table("rmsnorm-swiglu-rope-moe8x2+0"), dispatch_table("rmsnorm-swiglu-rope-moe8x2+0", ep=2)
     for phase in ("fwd", "bwd"):
@@ -770,7 +774,8 @@ def test_block_fit_gives_another_model_family_costs_of_its_own():
     from simexec.calibrate.micro import fit_blocks
     from simexec.program.lower import lower
     from simexec.specs.plan import load_plan, resolve
-    from simexec.sim.host.model import HostCosts, cost_family
+    from simexec.sim.host.model import HostCosts
+    from simexec.sim.host.operators import cost_family
 
     family = cost_family(get_model("moe-tiny"))
     factors = {"fwd.qkv": 9.0, "bwd.fc1": 12.0, f"{family}/fwd.qkv": 3.0, f"{family}/fwd.experts": 5.0,
@@ -1111,10 +1116,11 @@ def test_a_measurement_stops_and_keeps_nothing_once_its_rounds_differ_past_the_l
                                    "tests/data/mla-tiny.yaml"])
 def test_zero_bubble_split_counts_match_the_executor(model):
     """Under a zero-bubble schedule each weight-bearing block dispatches its input-gradient pass and
-    its weight pass apart (`simexec.sim.host.model.SPLIT_OPS`); the embedding's backward is all weight pass."""
+    its weight pass apart (`simexec.sim.host.operators.SPLIT_OPS`); the embedding's backward is all weight pass."""
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import dispatch_key, dispatch_table, split_backward_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import dispatch_table, split_backward_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     got = count_dispatch_plan(model, "pp=2,gbs=4,dtype=fp32,schedule=zb-h1")
@@ -1134,7 +1140,8 @@ def test_counts_in_both_types_match_the_executor(model, plan):
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.model import get_model
     from simexec.specs.plan import parse_plan
-    from simexec.sim.host.model import dispatch_key, dispatch_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import dispatch_table
 
     model = str(ROOT / model) if model.endswith(".yaml") else model
     p = parse_plan(plan)
@@ -1156,7 +1163,8 @@ def test_split_counts_of_column_blocks_and_head_match_the_executor(model, plan, 
     from simexec.calibrate.microbench import count_dispatch_plan
     from simexec.specs.model import get_model
     from simexec.specs.plan import parse_plan
-    from simexec.sim.host.model import COLUMN_BLOCKS, dispatch_key, dispatch_table, split_backward_table
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import COLUMN_BLOCKS, dispatch_table, split_backward_table
 
     if model.endswith(".yaml"):  # four layers, for the V's two chunks per rank
         text = (ROOT / model).read_text().replace("layers: 2", "layers: 4")

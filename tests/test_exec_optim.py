@@ -44,7 +44,7 @@ def test_16bit_gradients_are_cast_a_piece_at_a_time_with_the_same_update():
     """Without master_grads the fp32 copies of 16-bit gradients never exceed a piece (the program
     counts none), and the update is bit for bit the one of casting them all at once."""
     from simexec.exec.nn.optim import PIECE
-    from simexec.sim.host.model import adam_ops
+    from simexec.sim.host.operators import adam_ops
 
     torch.manual_seed(0)
     sizes = (3 * PIECE + 5, 7, PIECE // 2, 2 * PIECE)

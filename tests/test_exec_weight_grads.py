@@ -116,14 +116,14 @@ def test_the_analysis_kept_for_a_block_serves_its_next_micro_batches():
 
 @pytest.mark.parametrize("model", ["gpt-tiny", "window", "qk-norm", "mla"])
 def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(model):
-    """`simexec.sim.host.model.weight_pass_calls` against the batches the executor forms for each block."""
+    """`simexec.sim.host.operators.weight_pass_calls` against the batches the executor forms for each block."""
     from torch.autograd.graph import get_gradient_edge
 
     from simexec.exec.nn.gpt import GPT
     from simexec.exec.nn.param_layout import Layout, init_full
     from simexec.exec.nn.weight_grads import _analyse
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import weight_pass_calls
+    from simexec.sim.host.operators import weight_pass_calls
 
     data = Path(__file__).resolve().parent / "data"
     m = get_model(str(data / f"{model}-tiny.yaml") if model != "gpt-tiny" else model)

@@ -119,7 +119,7 @@ OPTIM_KEY = "optim.optim"
 def _one_rank_tensors(model: str) -> int:
     """Parameter tensors of the model on one rank (what the one-rank step's Adam updates)."""
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import unit_tensor_count
+    from simexec.sim.host.tensors import unit_tensor_count
 
     m = get_model(model)
     return sum(unit_tensor_count(m, unit) for unit in range(-1, m.layers + 1))
@@ -181,17 +181,18 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     relative errors with non-negative coefficients; the operator cost here is the one inside a real
     step (a tiny operator in a warm loop runs ~2x cheaper). A record may name another `model` than
     `model` (the micro-benchmarks also step moe-tiny): its blocks get keys of their own,
-    `<family>/<phase>.<block>` (`simexec.sim.host.model.cost_family`), and share the per-operator costs.
+    `<family>/<phase>.<block>` (`simexec.sim.host.operators.cost_family`), and share the per-operator costs.
     The optimizer step (Adam) is its operators, its kernel's pass per tensor at an operator's cost
-    (`simexec.sim.host.model.adam_kernel_passes`) and its bytes at an element-wise cost of its own,
+    (`simexec.sim.host.operators.adam_kernel_passes`) and its bytes at an element-wise cost of its own,
     `optim.optim`, one for every model."""
     import numpy as np
     from scipy.optimize import lsq_linear
 
     from simexec.program.instructions import Instr
     from simexec.specs.model import get_model
-    from simexec.sim.host.model import (ADAM_FLOPS_PER_PARAM, adam_kernel_passes, adam_ops, cost_family, dispatch_key,
-                                  dispatch_table, ops_of)
+    from simexec.program.adam import ADAM_FLOPS_PER_PARAM
+    from simexec.program.dispatch_key import dispatch_key
+    from simexec.sim.host.operators import adam_kernel_passes, adam_ops, cost_family, dispatch_table, ops_of
 
     def model_of(rec: dict) -> str:
         return rec.get("model") or model

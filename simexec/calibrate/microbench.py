@@ -27,7 +27,7 @@ benchmarks' own groups too), and `extra["gloo_loops_idled"]` says how many did, 
 
 Times are per repetition (seconds); the fit reads each set at its mean (`simexec.calibrate.comm.summed_mean`).
 `count_dispatch` counts the aten operators each instruction of the executor dispatches (the
-`simexec.sim.host.model.DISPATCH` table).
+`simexec.sim.host.operators.DISPATCH` table).
 """
 from __future__ import annotations
 
@@ -458,7 +458,7 @@ class _CountTracer:
 def count_dispatch(model="gpt-tiny") -> dict[str, int]:
     """Aten operators each `<phase>.<block>` instruction of a one-rank step dispatches (the last
     micro-batch's count where they differ), in this process. `model` is a preset name or a ModelSpec;
-    the count depends on its features, not its sizes (`simexec.sim.host.model.dispatch_key`), so a large
+    the count depends on its features, not its sizes (`simexec.program.dispatch_key`), so a large
     model is counted on a copy shrunk to a few MB (`shrunk`)."""
     from simexec.specs.model import get_model
 

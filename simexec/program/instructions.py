@@ -14,9 +14,12 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field, fields, replace
-from typing import Iterator, Optional
+from typing import TYPE_CHECKING, Iterator, Optional
 
 from simexec.errors import SimexecError
+
+if TYPE_CHECKING:
+    from simexec.specs.plan import ResolvedPlan
 
 KINDS = ("compute", "collective", "send", "recv", "copy", "memory")
 PHASES = ("fwd", "bwd", "wgrad", "recompute", "optim", "setup", "")
@@ -101,6 +104,13 @@ class Instr:
         return Instr(rank=int(rank), name=name, kind=kind, stream=stream, op=op, **kw)
 
 
+def exchanges_counts(ins: Instr) -> bool:
+    """Whether a collective is a forward MoE dispatch, which the executor (like Megatron-LM's
+    all-to-all token dispatcher) runs as two all-to-alls: each rank's per-expert token counts first
+    (small, and the host waits for them: they size the receive buffers), then the tokens."""
+    return ins.kind == "collective" and ins.block == "dispatch" and ins.phase != "bwd"
+
+
 class ProgramError(SimexecError):
     """A program that cannot run: unmatched collectives or send/recv, unknown deps, cycles."""
 
@@ -116,6 +126,9 @@ class Program:
     meta: dict
     ranks: dict[int, list[Instr]]
     represents: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    # what the lowering resolved (model, cluster, plan): not part of the text form, so a program read
+    # back from its text has None and its readers fall back on `meta`
+    resolved: Optional["ResolvedPlan"] = field(default=None, repr=False, compare=False)
 
     @property
     def symmetric(self) -> bool:

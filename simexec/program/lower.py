@@ -27,7 +27,8 @@ from simexec.specs.plan import ResolvedPlan
 from simexec.program.groups import rank_groups
 from simexec.program.instructions import Instr, Program
 from simexec.program.schedules import SPLIT_BACKWARD, Action, dualpipe_pairs, exchange_groups, pipeline_order
-from simexec.sim.host.model import ADAM_FLOPS_PER_PARAM, dispatch_key
+from simexec.program.adam import ADAM_FLOPS_PER_PARAM
+from simexec.program.dispatch_key import dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
 _TP_OPS = {
@@ -90,7 +91,7 @@ def lower(rp: ResolvedPlan, symmetric: bool = True) -> Program:
     windowed = windowed_layers(rp)
     if windowed:
         meta["windowed_layers"] = windowed
-    return Program(meta=meta, ranks=ranks, represents=reps)
+    return Program(meta=meta, ranks=ranks, represents=reps, resolved=rp)
 
 
 def _segments(instrs: list[Instr]) -> list[list[Instr]]:

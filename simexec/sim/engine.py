@@ -10,8 +10,9 @@ both are posted, a recv being posted when its rank's thread gets past the comput
 program order; neither blocks its stream (isend / irecv), and whoever needs the data waits on the
 recv's end. Memory instructions take no time. Every instruction's start and end are recorded in two flat arrays.
 
-What an instruction costs is not decided here: a `Machine` (see `simexec.sim.machine`) prices
-compute and turns transfers into phases over shared links (`simexec.sim.network.Fluid`).
+What an instruction costs is not decided here: a machine (`MachineModel`, implemented by
+`simexec.sim.machine`) prices compute, runs transfers, and may hand out the cores that compute runs on
+(CPU ranks sharing a host) or issue each instruction from an eager host thread.
 
 Speed, without approximation:
 - a chain of compute instructions that nothing on another stream waits on, and whose own
@@ -27,7 +28,7 @@ Swapping a timeout and waking at once touch SimPy 4's event internals (`Event.ca
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional, Protocol
 
 import simpy
 from simpy.events import Event, Timeout
@@ -89,75 +90,52 @@ class _Flight:
         return self.slot
 
 
-class _Transfer:
-    """Phases of one transfer run back to back on the fluid network; then `done` fires."""
+class Cores(Protocol):
+    """Cores that the ranks' threads share: `run` is an event that fires, its value the time the
+    thread got a core, once `seconds` of CPU have run on them."""
 
-    __slots__ = ("eng", "phases", "i", "ranks", "done")
+    def run(self, rank: int, seconds: float) -> Event: ...
 
-    def __init__(self, eng: "Engine", phases, ranks, done: Event):
-        self.eng, self.phases, self.i, self.ranks, self.done = eng, phases, 0, ranks, done
-        amount, links, cap, lat = phases[0]
-        eng.fluid.start(amount, links, cap, lat, self)
 
-    def __call__(self) -> None:
-        self.i += 1
-        if self.i < len(self.phases):
-            amount, links, cap, lat = self.phases[self.i]
-            self.eng.fluid.start(amount, links, cap, lat, self)
-            return
-        self.eng._comm_end(self.ranks)
-        _fire(self.done)
+class MachineModel(Protocol):
+    """What the engine asks of the hardware (`simexec.sim.machine`).
+
+    Prices: `work` (a compute instruction at full speed), `host_work` (a CPU optimizer step), then
+    `reprice` once the whole program is known, in place. Compute runs on the rank's device at
+    `compute_rate` while the rank has transfers in flight, unless the machine hands out `cores`
+    (set by `bind`): then every compute, copy and host step waits for a core. `issue_clock` is an
+    eager host's seconds to issue each instruction and whether it waits for the device first.
+    Transfers: `start_*` run one and call `finish()` when it is over."""
+
+    cluster: object
+    cores: Optional[Cores]
+
+    def bind(self, env) -> object: ...
+    def work(self, ins: Instr) -> float: ...
+    def host_work(self, ins: Instr) -> float: ...
+    def reprice(self, instrs: list[Instr], work: list[float]) -> None: ...
+    def issue_clock(self) -> Optional[tuple[list[float], list[bool]]]: ...
+    def compute_rate(self, transfers_in_flight: int) -> float: ...
+    def comm_ranks(self, ins: Instr) -> tuple[int, ...]: ...
+    def p2p_ranks(self, ins: Instr) -> tuple[int, ...]: ...
+    def start_collective(self, ins: Instr, ranks: tuple[int, ...], finish: Callable[[], None]) -> None: ...
+    def start_p2p(self, ins: Instr, src: int, dst: int, ranks: tuple[int, ...], finish: Callable[[], None]) -> None: ...
+    def start_copy(self, ins: Instr, finish: Callable[[], None]) -> None: ...
+    def start_cpu_step(self, ins: Instr, params: float, finish: Callable[[], None]) -> None: ...
 
 
 class Engine:
     """Run one program against one machine; `run()` returns the step time."""
 
-    def __init__(self, program: Program, machine):
+    def __init__(self, program: Program, machine: MachineModel):
         self.program = program
         self.machine = machine
         self.env = simpy.Environment()
         self._load(program)
-        # --- hook: CPU ranks sharing the host's cores (simexec.sim.host.model); None on GPU clusters ---
-        from simexec.sim.host.model import host_model
-
-        self.host = host_model(machine, program)
-        # --- hook: an eager host issuing the device's operators (simexec.sim.host.model.dispatch_clock) ---
-        from simexec.sim.host.model import dispatch_clock
-
-        clock = dispatch_clock(machine, program)
+        machine.reprice(self.instrs, self.work)
+        clock = machine.issue_clock()
         self.issue, self.host_sync = clock if clock is not None else (None, None)
         self.host_clock = dict.fromkeys(program.ranks, 0.0)
-        if self.host is not None:  # compute, copies and host steps cost CPU-seconds on shared cores
-            for k, ins in enumerate(self.instrs):
-                if self.kind[k] in (COMPUTE, HOST, COPY):
-                    self.work[k] = self.host.cpu_seconds(ins)
-            self._charge_issues()
-
-    def _charge_issues(self) -> None:
-        """The rank's thread handles its collectives and messages between two compute instructions
-        (`HostCosts.issue_split`): what it does before the call joins the compute instruction before
-        it in program order (the first compute after it, where none comes before), what it does once
-        the result is waited for joins the first compute after it."""
-        owner, pending, rank = -1, 0.0, None
-        for k, ins in enumerate(self.instrs):
-            if ins.rank != rank:
-                if owner >= 0:  # what the rank's last collectives leave once waited: its last compute
-                    self.work[owner] += pending
-                owner, pending, rank = -1, 0.0, ins.rank
-            kd = self.kind[k]
-            if kd == COMPUTE:
-                owner = k
-                self.work[k] += pending
-                pending = 0.0
-            elif kd in (COLLECTIVE, SEND, RECV):
-                before, after = self.host.issue_split(ins)
-                if owner >= 0:
-                    self.work[owner] += before
-                else:
-                    pending += before
-                pending += after
-        if owner >= 0:
-            self.work[owner] += pending
 
     # --- preparation -----------------------------------------------------------------------------
 
@@ -288,9 +266,9 @@ class Engine:
     def run(self) -> float:
         """Simulate; return the time the last instruction ends."""
         env = self.env
-        self.fluid = self.machine.bind(env)
+        self.machine.bind(env)
         self._slow = self.machine.compute_rate(1)
-        self.cores = self.host.cores_for(env) if self.host is not None else None  # hook: simexec.sim.host.model
+        self.cores = self.machine.cores
         for (rank, _), seq in sorted(self.streams.items()):
             if seq:
                 holder: list = []
@@ -345,7 +323,7 @@ class Engine:
                         ev = waiters[d] = Event(env)
                     yield ev
             kd = kind[k]
-            if cores is not None and (kd == COMPUTE or kd == HOST or kd == COPY):  # hook: simexec.sim.host.model
+            if cores is not None and (kd == COMPUTE or kd == HOST or kd == COPY):  # a thread on the shared cores
                 ev = cores.run(rank, work[k])
                 yield ev
                 start[k] = ev.value
@@ -356,7 +334,7 @@ class Engine:
                 continue
             if kd == COMPUTE:
                 issue = self.issue
-                if issue is not None and issue[k] > 0.0:  # hook: the host issues it (dispatch_clock)
+                if issue is not None and issue[k] > 0.0:  # the host issues it (the machine's issue_clock)
                     h = self.host_clock[rank]
                     if self.host_sync[k] and h < env.now:
                         h = env.now  # the host waited for the device to get here
@@ -424,7 +402,7 @@ class Engine:
                     done = Event(env)
                     ranks = (rank,)
                     self._comm_begin(ranks)
-                    self._start(ins, machine.collective(ins), ranks, done)
+                    machine.start_collective(ins, ranks, self._finisher(ranks, done))
                 else:
                     mt = matches[mid]
                     done = mt.done
@@ -435,7 +413,7 @@ class Engine:
                         mt.xfer_start = now
                         ranks = machine.comm_ranks(ins)
                         self._comm_begin(ranks)
-                        self._start(ins, machine.collective(ins), ranks, done)
+                        machine.start_collective(ins, ranks, self._finisher(ranks, done))
                 if flight is not None:  # the next one may start while this one runs
                     flight.add(done, lambda k=k: self._finished(k))
                     if flight.n >= slots:
@@ -457,17 +435,17 @@ class Engine:
                     src, dst = (ins.rank, ins.peer) if kd == SEND else (ins.peer, rank)
                     ranks = machine.p2p_ranks(ins) if mt.needed == 2 else (rank,)
                     self._comm_begin(ranks)
-                    self._start(ins, machine.p2p(src, dst, ins.bytes), ranks, done)
+                    machine.start_p2p(ins, src, dst, ranks, self._finisher(ranks, done))
                 i += 1
                 continue
             elif kd == COPY:
                 done = Event(env)
                 ranks = (rank,)
                 self._comm_begin(ranks)
-                _Transfer(self, machine.copy(ins), ranks, done)
+                machine.start_copy(ins, self._finisher(ranks, done))
             else:  # HOST
                 done = Event(env)
-                _Transfer(self, machine.cpu_step(ins, work[k]), (), done)
+                machine.start_cpu_step(ins, work[k], self._finisher((), done))
             yield done
             self._finished(k)
             i += 1
@@ -523,13 +501,15 @@ class Engine:
 
     # --- transfers -------------------------------------------------------------------------------
 
-    def _start(self, ins: Instr, phases, ranks, done: Event) -> None:
-        """Start a collective or message: over the network's links, or (hook: simexec.sim.host.model) as
-        steps whose every member needs a core of the host its ranks share."""
-        if self.cores is not None:
-            self.host.transfer(self.env, self.cores, ins, ranks, lambda: (self._comm_end(ranks), _fire(done)))
-        else:
-            _Transfer(self, phases, ranks, done)
+    def _finisher(self, ranks, done: Event) -> Callable[[], None]:
+        """What a transfer among `ranks` does when it is over: their compute speeds up again, and
+        whoever waits on it goes on."""
+
+        def finish() -> None:
+            self._comm_end(ranks)
+            _fire(done)
+
+        return finish
 
     def _comm_begin(self, ranks) -> None:
         inflight, runs = self._inflight, self._runs

@@ -115,12 +115,12 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
     from simexec.sim.breakdown import breakdown, slowest_rank
     from simexec.sim.engine import Engine
-    from simexec.sim.machine import Machine
+    from simexec.sim.machine import machine_for
     from simexec.sim.memory import memory_report
 
     t0 = time.perf_counter() if t0 is None else t0
     cluster = rp.cluster
-    eng = Engine(program, Machine(cluster, program, rp.plan.dtype))
+    eng = Engine(program, machine_for(cluster, program, rp.plan.dtype))
     step = eng.run()
 
     events, has_workspace = _memory_events(eng)

@@ -135,7 +135,7 @@ class CostParams(_Spec):
         default_factory=dict,
         description="CPU ranks: per `<phase>.<block>`, what a byte of the block's element-wise traffic costs "
                     "relative to a streaming add (GELU's tanh, softmax's exp and normalisation are compute-bound "
-                    "on a CPU core); `<family>/<phase>.<block>` (simexec.sim.host.model.cost_family) for the "
+                    "on a CPU core); `<family>/<phase>.<block>` (simexec.sim.host.operators.cost_family) for the "
                     "models of one family, ahead of the plain key; absent = 1")
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam
 
-from simexec.sim.host.model import ADAM_PIECE
+from simexec.program.adam import ADAM_PIECE
 
 PIECE = ADAM_PIECE["cpu"]
 

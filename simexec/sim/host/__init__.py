@@ -1,1 +1,1 @@
-"""CPU ranks sharing a host's cores: the host model the engine uses for `local` clusters."""
+"""CPU ranks sharing a host's cores: the host model behind `simexec.sim.machine.SharedCoresMachine`."""

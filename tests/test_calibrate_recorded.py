@@ -14,9 +14,20 @@ from simexec.calibrate.traces import load_cases, predict_case
 from simexec.specs.cluster import get_cluster
 from simexec.sim.profile import apply_profile
 from simexec.trace.schema import load_json
+from simexec.calibrate import host_probes
 
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "traces" / "local"
+
+
+def probe_traces(*args: str):
+    """`scripts/probe_traces.py` run as a user runs it: (exit status, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_traces.py"), *args], capture_output=True,
+                         text=True, timeout=300, cwd=ROOT)
+    return out.returncode, out.stdout, out.stderr
 PROFILES = ROOT / "traces" / "profiles"
 pytestmark = pytest.mark.skipif(not (DIR / "manifest.json").exists(), reason="no recorded traces (scripts/record_traces.py)")
 
@@ -296,20 +307,15 @@ def test_the_gpu_trace_fit_finds_the_hosts_adam_rate_only_from_an_offloading_pla
 
 
 def test_time_split_sums_compute_and_communication_of_matching_events():
-    """scripts/time_split.py: one rank alone has no communication and its compute is predicted to
+    """`probe_traces.py time-split`: one rank alone has no communication and its compute is predicted to
     within the recorded profile's accuracy; a data-parallel plan's collectives are summed apart."""
-    import sys
-
     from simexec.trace.schema import Trace
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import time_split
 
     profile = load_profile(PROFILES / "local-traces.json")
     for name, has_comm in (("dp1.r1", False), ("dp4.r1", True)):
         trace = Trace.load(DIR / f"{name}.json.gz")
         predicted = predict_case(load_cases([DIR / f"{name}.json.gz"])[0], LOCAL, profile, trace=True).trace
-        parts = time_split.split(trace, predicted)
+        parts = host_probes.time_split(trace, predicted)
         measured_compute = sum(e.dur_us for e in trace.events if e.kind == "compute")
         assert parts["compute"][0] == pytest.approx(measured_compute)
         assert (parts["comm"][0] > 0) == has_comm
@@ -318,20 +324,16 @@ def test_time_split_sums_compute_and_communication_of_matching_events():
 
 
 def test_trace_sharing_counts_the_ranks_computing_at_once():
-    """scripts/trace_sharing.py: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
+    """`probe_traces.py trace-sharing`: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
     a time on average over the 1.5 ms that either does; on the recording, one rank alone computes one
     at a time and the four ranks of `dp=4` more than two. A collective's members wait for the last
     to call it."""
     import gzip
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import trace_sharing
 
     def ev(pid: int, ts: float, dur: float) -> dict:
         return {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "args": {"kind": "compute", "phase": "fwd", "mb": 0}}
 
-    got = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
+    got = host_probes.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
     assert got["computing"] == pytest.approx(2000.0 / 1500.0) and got["ranks"] == 2
     assert got["compute_ms"] == pytest.approx(1.0) and got["span_ms"] == pytest.approx(1.5)
     assert got["compute_step_ms"] == pytest.approx(1.0)  # 2 ms of compute over two ranks
@@ -340,30 +342,30 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
             for r, end in ((0, 1000.0), (1, 2000.0), (2, 5000.0), (3, 5500.0))]
     groups = {(r, "c"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
     trace = {"traceEvents": [ev(0, 0.0, 1000.0)] + coll}
-    assert trace_sharing.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
-    assert trace_sharing.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
-    assert trace_sharing.plan_sharing(trace, groups)["late_wait_ms"] == 0.0  # every member called at 0
+    assert host_probes.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
+    assert host_probes.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
+    assert host_probes.plan_sharing(trace, groups)["late_wait_ms"] == 0.0  # every member called at 0
     # the first group's second member calls 2 ms late: its first waits 2 ms, 1 ms a member, 0.5 ms a
     # collective over both groups, and 4 ms of waiting over 4 ranks in the step
     coll[1] = {**coll[1], "ts": 2000.0}
-    late = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0)] + coll}, groups)
+    late = host_probes.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0)] + coll}, groups)
     assert late["late_wait_ms"] == pytest.approx(0.5) and late["late_wait_step_ms"] == pytest.approx(0.5)
     cases = {}
     for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
             trace = json.load(fh)
-        computing = trace_sharing.plan_sharing(trace)["computing"]
+        computing = host_probes.plan_sharing(trace)["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
-        cases[name] = trace_sharing.measured_case(trace, name)
+        cases[name] = host_probes.measured_case(trace, name)
     from simexec.trace.late_waits import collective_groups
     from simexec.trace.schema import Trace
 
     assert set(collective_groups(Trace.load(DIR / "dp4.r1.json.gz")).values()) == {(0, 1, 2, 3)}
     # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
     profile = json.loads((ROOT / "traces" / "profiles" / "local-traces.json").read_text())
-    one = trace_sharing.predicted_sharing(cases["dp1.r1"], profile)
+    one = host_probes.predicted_sharing(cases["dp1.r1"], profile)
     assert one["computing"] == pytest.approx(1.0) and one["ranks"] == 1
-    four = trace_sharing.predicted_sharing(cases["dp4.r1"], profile)
+    four = host_probes.predicted_sharing(cases["dp4.r1"], profile)
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
     assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
     assert four["late_wait_ms"] == 0.0  # and its members, computing in step, call it at once
@@ -372,51 +374,42 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     # a run that timed its CPU: two ranks of 30 and 50 ms a step (the second half) over 40 ms steps
     summary = {"step_times_s": [0.5] * 8 + [0.04] * 8,
                "cpu_times_s_per_rank": {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}}
-    assert trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": summary}}) == pytest.approx(2.0)
-    assert math.isnan(trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
+    assert host_probes.cores_busy({"traceEvents": [], "metadata": {"summary": summary}}) == pytest.approx(2.0)
+    assert math.isnan(host_probes.cores_busy({"traceEvents": [], "metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
 
 
-def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import trace_sharing
-
-    assert trace_sharing.main([str(DIR), "--profile", "/nonexistent/profile.json"]) == 2
-    err = capsys.readouterr().err.strip()
+def test_trace_sharing_refuses_a_missing_profile_in_one_line():
+    code, _, err = probe_traces("trace-sharing", str(DIR), "--profile", "/nonexistent/profile.json")
+    assert code == 2
+    err = err.strip()
     assert err.startswith("trace_sharing: error:") and "\n" not in err and "profile.json" in err
 
 
 def test_collective_joins_times_a_collective_from_its_last_member_on():
-    """scripts/collective_joins.py: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
+    """`probe_traces.py collective-joins`: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
     3.5 ms once the last had joined; two groups that call it under one name are timed apart; on the
     recording, `dp=2`'s gradient all-reduce is found on both ranks, positive, and the script's report
     names its micro-benchmark."""
-    import sys
-
     from simexec.trace.schema import Event, Trace
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import collective_joins
 
     def ev(rank: int, start_ms: float, end_ms: float) -> Event:
         return Event(id=f"{rank}:bwd.grads0", rank=rank, stream="comm.dp", name="bwd.grads0", kind="collective",
                      op="allreduce@dp", start_us=start_ms * 1e3, dur_us=(end_ms - start_ms) * 1e3, bytes=4096.0)
 
-    got = collective_joins.joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
+    got = host_probes.collective_joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
     assert got == [("bwd.grads0", "allreduce", 2, 4096, pytest.approx(3.5))]
     # two groups under one name, each timed from its own last member
     four = [ev(0, 0.0, 5.0), ev(1, 2.0, 6.0), ev(2, 10.0, 11.0), ev(3, 10.0, 12.0)]
     groups = {(r, "bwd.grads0"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
-    got = collective_joins.joins(four, "comm.dp", ("bwd.grads",), groups)
+    got = host_probes.collective_joins(four, "comm.dp", ("bwd.grads",), groups)
     assert [(m, ms) for _, _, m, _, ms in got] == [(2, pytest.approx(3.5)), (2, pytest.approx(1.5))]
     trace = Trace.load(DIR / "dp2.r1.json.gz")
-    (name, verb, members, nbytes, ms), = collective_joins.joins(trace.events, "comm.dp", ("bwd.grads",))
+    (name, verb, members, nbytes, ms), = host_probes.collective_joins(trace.events, "comm.dp", ("bwd.grads",))
     assert verb == "allreduce" and members == 2 and nbytes > 0 and ms > 0
-    alone = collective_joins.bench_alone(DIR, "allreduce", 2, nbytes)
+    alone = host_probes.bench_alone(DIR, "allreduce", 2, nbytes)
     assert alone is not None and alone[0] > 0 and alone[2] == 1 << 20
-    assert collective_joins.main([str(DIR)]) == 0
-    assert collective_joins.main([str(DIR), "--stream", "comm.nowhere"]) == 2
+    assert probe_traces("collective-joins", str(DIR))[0] == 0
+    assert probe_traces("collective-joins", str(DIR), "--stream", "comm.nowhere")[0] == 2
 
 
 def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it():
@@ -471,26 +464,22 @@ def test_wake_cpu_times_the_main_threads_cpu_per_wait_and_refuses_bad_flags():
     assert bad.returncode == 2 and "--ranks >= 2" in bad.stderr.strip().splitlines()[-1]
 
 
-def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(capsys, tmp_path):
-    """scripts/recording_cpu.py: per plan of a recording that timed its ranks' CPU, the main thread's
+def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(tmp_path):
+    """`probe_traces.py recording-cpu`: per plan of a recording that timed its ranks' CPU, the main thread's
     and every thread's CPU a step and the cores busy, predicted and measured; a directory without a
     manifest is refused in one line."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import recording_cpu
-
     here = ROOT / "traces" / "local-sched-idle"
     prof = {k: v for k, v in load_profile(PROFILES / "local-sched-idle-traces.json").items()
             if k in ("costs", "device", "node")}
-    (row,) = recording_cpu.rows(here, prof, ("dp2",))
+    (row,) = host_probes.recording_cpu_rows(here, prof, ("dp2",))
     p, m = row["predicted"], row["measured"]
     assert 0 < m["main_thread_s"] <= m["per_rank_s"] and 0 < p["main_thread_s"] <= p["per_rank_s"]
     assert 0.5 < p["main_thread_s"] / m["main_thread_s"] < 2 and 1 < m["cores_busy"] <= 2
-    assert recording_cpu.main(["--plans", "dp2"]) == 0 and "dp2" in capsys.readouterr().out
-    assert recording_cpu.main([str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "manifest.json" in err[0]
-    assert recording_cpu.main(["--profile", str(tmp_path / "none.json"), "--plans", "dp2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "none.json" in err[0]
+    code, out, _ = probe_traces("recording-cpu", "--plans", "dp2")
+    assert code == 0 and "dp2" in out
+    code, _, err = probe_traces("recording-cpu", str(tmp_path))
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "manifest.json" in err[0]
+    code, _, err = probe_traces("recording-cpu", "--profile", str(tmp_path / "none.json"), "--plans", "dp2")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "none.json" in err[0]

@@ -20,14 +20,22 @@ ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "traces" / "local"
 
 
-def probe_traces(*args: str):
-    """`scripts/probe_traces.py` run as a user runs it: (exit status, stdout, stderr)."""
+def probe(script: str, *args: str):
+    """`scripts/<script>` run as a user runs it: (exit status, stdout, stderr)."""
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_traces.py"), *args], capture_output=True,
-                         text=True, timeout=300, cwd=ROOT)
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
     return out.returncode, out.stdout, out.stderr
+
+
+def probe_traces(*args: str):
+    return probe("probe_traces.py", *args)
+
+
+def probe_host(*args: str):
+    return probe("probe_host.py", *args)
 PROFILES = ROOT / "traces" / "profiles"
 pytestmark = pytest.mark.skipif(not (DIR / "manifest.json").exists(), reason="no recorded traces (scripts/record_traces.py)")
 
@@ -413,54 +421,47 @@ def test_collective_joins_times_a_collective_from_its_last_member_on():
 
 
 def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it():
-    """scripts/issue_cost.py: the model columns are `issue_split` per kind of collective (a ZeRO-3
+    """`probe_host.py issue-cost`: the model columns are `issue_split` per kind of collective (a ZeRO-3
     gather of one gpt-tiny layer: the Python around it before the call, once waited the Python again
     and a pass of two operators over each of its 16 tensors); a warm-up longer than the run is refused
     with a one-line error."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import issue_cost
-
     profile = ROOT / "traces" / "profiles" / "local-microbench.json"
     prof = json.loads(profile.read_text())
-    prices = issue_cost.model_prices("gpt-tiny", "dp=4,zero=3,gbs=8,dtype=fp32", str(profile))
+    prices = host_probes.issue_prices("gpt-tiny", "dp=4,zero=3,gbs=8,dtype=fp32", str(profile))
     python = prof["costs"]["instr_overhead_s"]
     layer = (python, python + 2 * 16 * prof["device"]["launch_overhead_s"])
     assert set(prices) == {"gather", "grads"} and prices["gather"] == pytest.approx(layer)
-    assert issue_cost.kind_of("grads12") == "grads" and issue_cost.kind_of("grads_rep0") == "grads_rep"
-    assert issue_cost.main(["--steps", "3"]) == 2
+    assert host_probes.collective_kind("grads12") == "grads" and host_probes.collective_kind("grads_rep0") == "grads_rep"
+    assert probe_host("issue-cost", "--steps", "3")[0] == 2
 
 
-def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one(capsys):
-    """scripts/tensor_passes.py: a per-tensor time for each kind of pass the host model counts (or
+def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one():
+    """`probe_host.py tensor-passes`: a per-tensor time for each kind of pass the host model counts (or
     leaves out); a pass over no tensors is refused with a one-line error."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import tensor_passes
-
-    got = tensor_passes.time_passes(4, (8, 8), 5)
-    assert len(got) == 4 and all(us > 0 for us in got.values())
-    assert tensor_passes.main(["--tensors", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--tensors" in err[0]
+    code, out, err = probe_host("tensor-passes", "--tensors", "4", "--shape", "8,8", "--repeats", "5")
+    assert code == 0, err[-2000:]
+    times = [float(line.split()[-4]) for line in out.splitlines() if line.endswith("µs a tensor")]
+    assert len(times) == 4 and all(us > 0 for us in times)
+    code, _, err = probe_host("tensor-passes", "--tensors", "0")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--tensors" in err[0]
 
 
 def test_wake_cpu_times_the_main_threads_cpu_per_wait_and_refuses_bad_flags():
-    """scripts/wake_cpu.py: two gloo ranks, each loop's wall and main-thread CPU per iteration, and
+    """`probe_host.py wake-cpu`: two gloo ranks, each loop's wall and main-thread CPU per iteration, and
     what the all-reduce and the sleep add; nonsense flags are refused in one line."""
     import subprocess
     import sys
 
-    script = str(ROOT / "scripts" / "wake_cpu.py")
-    out = subprocess.run([sys.executable, script, "--iters", "3", "--rounds", "1"], capture_output=True, text=True,
-                         timeout=240)
+    script = str(ROOT / "scripts" / "probe_host.py")
+    out = subprocess.run([sys.executable, script, "wake-cpu", "--iters", "3", "--rounds", "1"], capture_output=True,
+                         text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4"], ["16"])]
     assert [(r[0], r[1]) for r in rows] == [(k, m) for k in ("1", "4", "16") for m in ("none", "allreduce", "sleep")]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows) and all(len(r) == 5 for r in rows if r[1] != "none")
-    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, script, "wake-cpu", "--ranks", "1"], capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "--ranks >= 2" in bad.stderr.strip().splitlines()[-1]
 
 

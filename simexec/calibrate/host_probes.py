@@ -168,3 +168,50 @@ def counting_cores(stats: collections.Counter):
             return super().run(key, seconds)
 
     return CountingCores
+
+
+def collective_kind(block: str) -> str:
+    return block.rstrip("0123456789")
+
+
+def rank0_costs(model: str, plan: str, profile: str):
+    """`HostCosts` under `profile` on the `local` cluster, and the lowest rank's instructions: what the
+    simulator charges that rank's thread (issue_prices and thread_charges price it)."""
+    from simexec.specs.cluster import get_cluster
+    from simexec.program.lower import lower
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import load_plan, resolve
+    from simexec.sim.host.model import HostCosts
+    from simexec.sim.profile import apply_profile
+
+    cluster = apply_profile(get_cluster("local"), profile)
+    rp = resolve(get_model(model), cluster, load_plan(plan), None)
+    prog = lower(rp, symmetric=False)
+    return HostCosts(cluster, prog, rp.plan.dtype), prog.ranks[min(prog.ranks)]
+
+
+def issue_prices(model: str, plan: str, profile: str) -> dict[str, tuple[float, float]]:
+    """The simulator's charge to the rank's thread per kind of collective, (before the call, once
+    waited): medians over rank 0's."""
+    hc, instrs = rank0_costs(model, plan, profile)
+    prices = collections.defaultdict(list)
+    for ins in instrs:
+        if ins.kind == "collective":
+            prices[collective_kind(ins.block)].append(hc.issue_split(ins))
+    return {k: tuple(statistics.median(side) for side in zip(*v)) for k, v in prices.items()}
+
+
+def thread_charges(model: str, plan: str, profile: str) -> dict[str, float]:
+    """What the simulator charges the lowest rank's thread a step, by the same parts (seconds)."""
+    hc, instrs = rank0_costs(model, plan, profile)
+    parts: dict[str, float] = collections.defaultdict(float)
+    for ins in instrs:
+        if ins.kind == "compute":
+            parts[f"compute {'fwd' if ins.phase == 'recompute' else ins.phase}.{ins.block}"] += hc.cpu_seconds(ins)
+        elif ins.kind == "collective":
+            before, after = hc.issue_split(ins)
+            parts[f"call {collective_kind(ins.block)}"] += before
+            parts[f"wait {collective_kind(ins.block)}"] += after
+        elif ins.kind in ("send", "recv"):
+            parts["p2p"] += hc.issue_seconds(ins)
+    return parts

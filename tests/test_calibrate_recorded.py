@@ -168,21 +168,17 @@ def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, mess
         from_recording(tmp_path / "rec", tmp_path / "out")
 
 
-def _validate_calibration_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+def validate_calibration(*args: str):
+    """`scripts/validate_calibration.py` refusing its flags: (exit status, stderr lines)."""
+    code, _, err = probe("validate_calibration.py", *args)
+    return code, err.strip().splitlines()
 
 
-def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(capsys):
+def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line():
     """`--trace-params` names what the trace fit moves; a name no fit knows is refused before anything
     is read or measured."""
-    script = _validate_calibration_script()
-    assert script.main(["--refit", str(DIR), "--trace-params", "op,bandwidth"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = validate_calibration("--refit", str(DIR), "--trace-params", "op,bandwidth")
+    assert code == 2
     assert len(err) == 1 and "unknown bandwidth;" in err[0] and "intra_bw" in err[0]
 
 
@@ -191,45 +187,43 @@ def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(cap
     ("idle_poll_s=soon", "could not convert string to float"),
     ("idle_poll_s=-1", "idle_poll_s: Input should be greater than 0"),
 ])
-def test_validate_calibration_refuses_a_bad_cost_in_one_line(capsys, cost, message):
+def test_validate_calibration_refuses_a_bad_cost_in_one_line(cost, message):
     """`--cost NAME=VALUE` sets a number of the preset's costs for a what-if; a name it does not have,
     a value that is not a number or one outside the field's bounds is refused before anything is read."""
-    script = _validate_calibration_script()
-    assert script.main(["--refit", str(DIR), "--cost", cost]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = validate_calibration("--refit", str(DIR), "--cost", cost)
+    assert code == 2
     assert len(err) == 1 and message in err[0]
 
 
-def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch, capsys):
-    """`--attempts N` measures again, `--retry-after` seconds after each stop of `--max-noise`, up to N
-    measurements; the last stop is the one error line. Other errors are not tried again."""
+def test_validation_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch):
+    """`--attempts N` (`run_validation_retrying`) measures again, `--retry-after` seconds after each stop
+    of `--max-noise`, up to N measurements; the last stop is raised. Other errors are not tried again."""
+    from simexec.calibrate import evaluate
     from simexec.calibrate.profiles import CalibrationError
-    from simexec.calibrate.evaluate import UnsteadyHostError
+    from simexec.calibrate.evaluate import UnsteadyHostError, run_validation_retrying
 
-    script = _validate_calibration_script()
-    calls, slept = [], []
+    calls, slept, said = [], [], []
 
     def unsteady(out, specs, **kw):
         calls.append(kw["max_noise"])
         raise UnsteadyHostError(f"the host is too unsteady to judge the simulator: attempt {len(calls)}")
 
-    monkeypatch.setattr(script, "run_validation", unsteady)
-    monkeypatch.setattr(script.time, "sleep", slept.append)
-    args = ["--out", str(tmp_path), "--max-noise", "5", "--attempts", "3", "--retry-after", "7"]
-    assert script.main(args) == 2
+    monkeypatch.setattr(evaluate, "run_validation", unsteady)
+    kw = dict(attempts=3, retry_after_s=7.0, sleep=slept.append, progress=said.append, max_noise=0.05)
+    with pytest.raises(UnsteadyHostError, match="attempt 3$"):
+        run_validation_retrying(tmp_path, **kw)
     assert calls == [0.05] * 3 and slept == [7.0, 7.0]
-    out, err = capsys.readouterr()
-    assert out.count("measuring again in 7 s") == 2
-    assert err.strip().splitlines() == ["validate_calibration: error: the host is too unsteady to judge the "
-                                        "simulator: attempt 3"]
+    assert sum("measuring again in 7 s" in line for line in said) == 2
 
     def broken(out, specs, **kw):
         calls.append(kw["max_noise"])
         raise CalibrationError("the plan matrix needs runnable calibration and held-out plans")
 
     calls.clear(), slept.clear()
-    monkeypatch.setattr(script, "run_validation", broken)
-    assert script.main(args) == 2 and len(calls) == 1 and not slept
+    monkeypatch.setattr(evaluate, "run_validation", broken)
+    with pytest.raises(CalibrationError, match="the plan matrix"):
+        run_validation_retrying(tmp_path, **kw)
+    assert len(calls) == 1 and not slept
 
 
 @pytest.mark.parametrize("args,message", [
@@ -237,19 +231,15 @@ def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, mo
     (["--attempts", "2", "--max-noise", "5", "--refit", "DIR"], "--attempts 2 needs --max-noise and a measurement"),
     (["--attempts", "2", "--max-noise", "5", "--retry-after", "-1"], "--retry-after -1: expected seconds >= 0"),
 ])
-def test_validate_calibration_refuses_retries_it_cannot_make_in_one_line(capsys, args, message):
-    script = _validate_calibration_script()
-    assert script.main([a if a != "DIR" else str(DIR) for a in args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_validate_calibration_refuses_retries_it_cannot_make_in_one_line(args, message):
+    code, err = validate_calibration(*[a if a != "DIR" else str(DIR) for a in args])
+    assert code == 2
     assert len(err) == 1 and message in err[0]
 
 
-def test_validate_calibration_attempts_must_be_a_whole_number(capsys):
-    script = _validate_calibration_script()
-    with pytest.raises(SystemExit) as exc:
-        script.main(["--attempts", "0"])
-    assert exc.value.code == 2
-    assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
+def test_validate_calibration_attempts_must_be_a_whole_number():
+    code, err = validate_calibration("--attempts", "0")
+    assert code == 2 and "expected a whole number >= 1, got '0'" in err[-1]
 
 
 GPU = ROOT / "traces" / "gpu"
@@ -259,16 +249,12 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
     """The executor's steps on one H100 (traces/gpu/steps, scripts/gpu_steps.py): the traces rebuild
     their models from the specs they carry (Hugging Face configs, no preset name), and the profile
     fitted to the calibration plans' traces halves the datasheet preset's error on the held-out ones."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_steps
-
-    cluster = get_cluster(gpu_steps.CLUSTER)
+    cluster = get_cluster(str(GPU / "h100-1gpu.yaml"))
     runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
-    held = [r for r in runs if r["name"] not in gpu_steps.CALIBRATE and not r.get("error")]
-    assert len(held) >= 3
     profile = load_profile(PROFILES / "h100-traces.json")
+    fitted = {Path(t).name.removesuffix(".json.gz") for t in profile["fit"]["traces"]}
+    held = [r for r in runs if r["name"] not in fitted and not r.get("error")]
+    assert len(held) >= 3 and fitted <= {r["name"] for r in runs}
     machine = profile["machine"]  # the traces' (the executor names the `device`), else the kernel profile's
     assert (machine.get("device") or machine.get("gpu")).startswith("NVIDIA H100")
     errs = {"datasheet": [], "traces": []}
@@ -285,21 +271,16 @@ def test_every_recorded_gpu_step_compares_with_the_current_simulator():
     recording must still be of the program the simulator lowers today (the instructions that ran:
     `program_executed`). A change to those instructions needs the steps recorded again on a GPU
     (`scripts/gpu_steps.py run`)."""
-    import sys
-
     from simexec.trace.compare import compare
     from simexec.sim.simulate import simulate
     from simexec.trace.schema import Trace
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_steps
-
     runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
-    assert {r["name"] for r in runs} == {name for name, *_ in gpu_steps.PLANS}
+    assert runs
     for r in runs:
         measured = Trace.load(GPU / "steps" / f"{r['name']}.json.gz")
-        predicted = simulate(str(ROOT / r["model"]), gpu_steps.CLUSTER, r["plan"], r["seq_len"], symmetric=False,
-                             trace=True).trace
+        predicted = simulate(str(ROOT / r["model"]), str(GPU / "h100-1gpu.yaml"), r["plan"], r["seq_len"],
+                             symmetric=False, trace=True).trace
         assert compare(predicted, measured).overall["count"] == len(measured.events), r["name"]
 
 

@@ -45,7 +45,7 @@ concatenation before, slices and views after), and a few more for each partial g
 replicated norm or router it sums (`partial_gradients`). What the thread does before
 the call joins the compute instruction before the collective in program order, what it does once
 waited the compute instruction after it.
-`scripts/issue_cost.py` times both sides per kind of collective in real steps, beside the model.
+`scripts/probe_host.py issue-cost` times both sides per kind of collective in real steps, beside the model.
 
 **How the cores are shared** is `simexec.sim.host.cores`: processor sharing with a wait for a woken
 thread (`Cores`, the default), or whole slices in turn (`SlicedCores`).
@@ -106,7 +106,7 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
                        piece: int = ADAM_PIECE["cpu"]) -> int:
     """Tensors torch's CPU fused Adam runs its kernel over one at a time: `_fused_adam_` is one
     operator, but on a CPU it loops over its tensor lists and sets up a pass per tensor, which costs
-    about what an operator's dispatch does (`scripts/adam_passes.py`: 4.5-5.4 µs a tensor in a warm
+    about what an operator's dispatch does (`scripts/probe_host.py adam-passes`: 4.5-5.4 µs a tensor in a warm
     loop on the 2-core VM with torch 2.13). The tensors are the parameters, or under 16-bit gradients cast a piece at a time, the
     pieces' views (`adam_ops`)."""
     if dtype in ("bf16", "fp16") and not master_grads:
@@ -711,7 +711,7 @@ class HostCosts:
         for a collective that carries parameter units the passes over their tensors that
         `tensor_passes` counts, at `ISSUE_OPS_PER_TENSOR` operators a tensor; for an activation
         collective those of `activation_ops`. Once waited, a collective's Python again (the wait, its
-        result recorded: `scripts/issue_cost.py`'s `finish`) and the operators that put the result in
+        result recorded: `scripts/probe_host.py issue-cost`'s `finish`) and the operators that put the result in
         place."""
         call = self.issue_s if ins.kind == "collective" else 0.0
         if is_activation_collective(ins):
@@ -784,7 +784,7 @@ class HostCosts:
     def comm_seconds(self, steps: int, chunk: float) -> tuple[float, float, float]:
         """(call latency, CPU per step per member, latency per step) on an idle host. A step costs each
         member CPU: `comm_cpu_s` for handing the message between gloo's threads and the kernel (each
-        hand-off a thread wake-up and syscalls, dear on a VM: `scripts/comm_cpu.py` measures it),
+        hand-off a thread wake-up and syscalls, dear on a VM: `scripts/probe_host.py comm-cpu` measures it),
         and its bytes at `intra_bw` (x `intra_bw_eff`) bytes per second of a core, since loopback TCP
         copies them through the kernel. Only its latency is free."""
         c, node = self.cluster.costs, self.cluster.node

@@ -37,23 +37,237 @@ from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
 
 
 DOCS = {
-    'wake-cpu': "What a blocking wait costs the thread that waits, in CPU, not only in wall time.\n\n    python scripts/probe_host.py wake-cpu [--ranks 2] [--iters 200] [--rounds 5] [--bytes 16384]\n\nSpawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) that loop over k\nmatrix products (128 x 128, k = 1, 4, 16) followed by nothing, by an all-reduce of `--bytes`, or\nby a 0.3 ms sleep, rounds interleaved. Rank 0 prints each loop's wall time and its main thread's\nCPU time (`time.thread_time`: that thread alone, not gloo's) per iteration, medians over rounds,\nand what the all-reduce and the sleep add to the main thread's CPU. gloo's main thread blocks in\na collective without spinning; what it pays is waking up again (the scheduler, and on a virtual\nmachine a halted vCPU's exit and entry) and refilling its caches. The host model charges a\ncollective's CPU to the communication thread (`costs.comm_cpu_s`) and the main thread only its\ninterpreter's Python around the call (docs/calibration_findings.md).\n",
-    'call-cpu': "What a collective's call costs its calling thread alone: the micro-benchmarks' `issue`.\n\n    python scripts/probe_host.py call-cpu [--reps 100]\n\nTwo gloo ranks on 127.0.0.1 (one intra-op thread, gloo's event loops at idle priority, as the\nexecutor runs them) call an asynchronous 8 KB all-reduce together after a barrier, `--reps` times\n(`simexec.calibrate.microbench._Bench.issue`); rank 0 prints the median CPU its thread spent in the call\n(`time.thread_time`: torch.distributed's Python, gloo's work set up and queued), which a\nmicro-benchmark profile keeps as `costs.collective_issue_s`, beside an 8 KB add for scale.\n",
-    'idle-wake': 'What waking a rank costs against how long its core has idled: a gloo ping-pong after a pause.\n\n    python scripts/probe_host.py idle-wake [--ranks 4] [--reps 40] [--gaps-ms 0,0.05,0.2,0.5,1,3,10]\n    python scripts/probe_host.py idle-wake --pipe --gaps-ms 0.02,0.1,0.2,0.5,1,2,5,20,100\n\nSpawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each); ranks 0 and 1 play a\n4-byte ping-pong while the others wait in a barrier. Before each round trip rank 0 sleeps the gap,\nso rank 1 has blocked in its receive, and its core idled, that long. Prints each gap\'s round trip\n(median, 10th and 90th percentile). On bare metal it does not depend on the gap. On a virtual\nmachine a vCPU left idle past the hypervisor\'s poll window (KVM\'s `halt_poll_ns`, 200 µs) is halted\nand its physical core given away, and the round trip grows by what the host takes to run it again:\nthe host model\'s `costs.idle_wake_s` (docs/calibration.md, "Waking an idle core").\n\n`--pipe` times the wake-up alone, without gloo: one process blocks on a pipe while the other,\non the other core, spins for the gap and then writes its clock; the reader prints how long it took\nto run again (median, 10th and 90th percentile), then the fit `a + b (1 - exp(-gap / tau))` over\nthe gaps (`scipy.optimize.curve_fit` on the medians): `tau` is the window the host model takes as\n`costs.idle_poll_s`.\n',
-    'gloo-threads': "How many collectives of one gloo process group run at once: time async collectives issued together.\n\n    python scripts/probe_host.py gloo-threads [--ranks 4] [--kb 200] [--reps 20]\n\nSpawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each), then, between\nbarriers, issues 1 or 4 all-gathers, a reduce-scatter with three all-gathers behind it, and so on,\nall `async_op=True` on one group, and waits for them in order. Prints the median time at which\neach has ended (ms after the issue). If the group ran one collective at a time, four all-gathers\nwould end at 1x, 2x, 3x and 4x one alone; gloo's two worker threads per group\n(`ProcessGroupGloo`'s default) end them in pairs. The simulator's `costs.collective_threads`\n(docs/cluster.md) is that number. Also shows that a gloo reduce-scatter's work does not report\ncompletion before `wait()` (which copies its slice out), and how long an all-reduce of the\ngathered size takes alone and beside an all-gather (ZeRO-3's backward: the executor's\nreduce-scatter of one layer's gradients beside the gather of the next layer's parameters).\n",
-    'comm-cpu': 'What a gloo collective costs a member\'s CPU, not only its wall time.\n\n    python scripts/probe_host.py comm-cpu [--ranks 2,4] [--reps 200] [--bytes 256,16384,262144]\n\nSpawns each number of `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) and runs\nall-reduces of each size back to back, then a ping-pong of the smallest size between ranks 0 and 1\n(the others wait in a barrier). Rank 0 prints, per operation, the wall time and the CPU time its\nprocess spent (user and system, every thread: `resource.getrusage`) and its context switches\n(voluntary, involuntary). A collective hands each message between gloo\'s threads and the kernel;\non bare metal a hand-off costs microseconds, on this virtual machine a large part of a\nmillisecond of system time. The host model charges it per step of a collective to every member\'s\ncore: `costs.comm_cpu_s` (docs/calibration.md, "Communication over loopback"), which the\nmicro-benchmarks measure the same way (`simexec.calibrate.comm.fit_comm_cpu`).\n',
-    'tensor-passes': "What one pass over a unit's parameter tensors costs a CPU core, per tensor, by what it does.\n\n    python scripts/probe_host.py tensor-passes [--tensors 16] [--shape 64,64] [--repeats 300]\n\nThe interpreter handles a collective's parameter tensors one at a time (`simexec.exec.rank.sharding`):\nviews of a flat buffer (`_Flat.views`: a slice and a reshape each), copies into them, parameters\npointed at them (`p.data = view`) and, for FSDP's release, pointed at one empty tensor. The host\nmodel prices a pass of views or copies at `ISSUE_OPS_PER_TENSOR` operators a tensor\n(`simexec.sim.host.model.tensor_passes`) and the release at nothing; this times each kind of pass, one\nintra-op thread, median over the repeats, in µs per tensor.\n",
-    'collective-series': 'One collective timed again and again, each after a barrier: how often the host stalls it.\n\n    python scripts/probe_host.py collective-series [--ranks 2] [--bytes 1048576] [--reps 200] [--slow-ms 2]\n                                        [--compute-ms 0] [--gloo-loops idle|default]\n    python scripts/probe_host.py collective-series --recording traces/local [--bytes 1048576] [--ranks 2]\n\nSpawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) and times an\nall-reduce of `--bytes` `--reps` times, each after a barrier and `--compute-ms` of matrix\nproducts on every rank (as a training step calls its collectives: right after compute). A sample\nis the last member\'s time from its call to the end, the collective\'s own time. Prints every\nsample in order, then the median, the mean and the share of samples over `--slow-ms`.\n\n`--gloo-loops` sets how gloo\'s event-loop threads are scheduled: `idle` as the executor runs them\n(`simexec.exec.runtime.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are\nbimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler\'s next\ntick while gloo\'s loops spin on the cores; after 20 ms of compute most samples wait\n(docs/calibration_findings.md, "gloo\'s spinning event loop"). The environment\'s `SIMEXEC_GLOO_LOOPS=default`\noverrides `idle`, as in the executor. `--recording` reads the same benchmark (alone after a\nbarrier, `solo`) from a recording\'s micro-benchmarks instead of running it.\n',
-    'adam-passes': 'What torch\'s fused Adam costs a CPU core per tensor and per element, against the simulator\'s price.\n\n    python scripts/probe_host.py adam-passes [--elements 16384,65536,270000,1048576] [--tensors 1,4,16,53,128]\n\nTimes one fp32 Adam step (`torch.optim.adam.adam(..., fused=True)`, as `simexec.exec.nn.optim.Adam`\nruns it) over T tensors holding E elements in all, one intra-op thread, the median of 50 steps after\n10 discarded; then, for a calibrated `local` profile, what the host model charges the same step\n(`HostCosts.cpu_seconds`: two operators, a kernel pass per tensor at `launch_overhead_s`, the bytes\nat the memory bandwidth times `elementwise_cost["optim.optim"]`). The per-tensor column is the step over T\ntensors less the step over one, per extra tensor.\n',
-    'collective-ops': "Aten operators the interpreter dispatches around each activation collective, against the model.\n\n    python scripts/probe_host.py collective-ops [--model gpt-tiny] [--plan tp=2,gbs=2,dtype=fp32]\n\nRuns one step of the plan as spawned gloo processes on 127.0.0.1 with a TorchDispatchMode counting\noperators on rank 0: those of the interpreter's call (`_Rank.collective`, the tensors prepared) and\nof the collective's `finish` (the result put in place once waited), without the c10d operator of\nthe collective itself. Prints, per kind of activation collective (block, phase, micro-batch), what\nwas counted beside what `simexec.sim.host.issue.activation_ops` charges for it. Exit 1 where any differs.\n",
-    'issue-cost': "What a step's collectives cost their rank's own thread, beside the transfer, against the model.\n\n    python scripts/probe_host.py issue-cost [--plan dp=2,gbs=8,dtype=fp32] [--model gpt-tiny] [--steps 24]\n                                 [--profile traces/profiles/local-microbench.json]\n\nRuns the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execute` does, with the\ninterpreter's collectives timed, per kind of collective (`block`, buckets and layers merged):\n- `before`: from the interpreter taking the instruction to its call into torch.distributed (moving\n  gradients into a flat buffer, allocating the output);\n- `call`: the call itself (torch.distributed's Python and the backend's work queued), wall time;\n- `after`: from that call's return until the interpreter goes on;\n- `finish`: the result put in place once the collective is waited on (views back into the\n  parameters or gradients);\n- `model before`, `model finish`: what the simulator charges the rank's thread for it\n  (`HostCosts.issue_split` under `--profile`), to compare with before + call + after, and with\n  finish.\nMedians over the steps after the first four, over ranks. For the gradient bucket of ZeRO-0 (waited\nat once), also the time from the call to the end of the wait and from the last member's call to the\nend: the collective alone, the members' arrival spread taken out.\n",
-    'thread-cpu': "Where a rank's own thread spends its CPU in a step, part by part, against the simulator's charge.\n\n    python scripts/probe_host.py thread-cpu [--plan tp=2,gbs=8,dtype=fp32] [--model gpt-tiny] [--steps 14]\n                                 [--profile traces/profiles/local-microbench.json]\n\nRuns the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execute` does, with the\nlowest rank's thread CPU (`time.thread_time`) split, exclusively, by part: each compute block\n(`compute <phase>.<block>`), a collective's preparation (`call <block>`), its call into\ntorch.distributed (`c10d <verb>`), its wait and result put in place (`wait <block>`), messages,\ncopies, `reap` and the rest of the interpreter (`other`). Medians over the steps after the first\nfour, in ms a step, beside what `HostCosts` charges the thread on an idle core (`cpu_seconds`,\n`issue_split`; the simulator charges a collective's call as `collective_issue_s` within `call`),\nlargest difference first. Shared cores slow every part alike: compare the parts with each other.\n",
-    'plan-cpu': "How much CPU a plan's ranks use per step on this machine, against the cores they have.\n\n    python scripts/probe_host.py plan-cpu [--steps 16] [--rounds 2] PLAN [PLAN ...]\n\nRuns each plan (gpt-tiny, local Ray CPU ranks, one warm-up run first) and reads the rank processes'\nuser + system time from /proc/<pid>/stat before and after: CPU-seconds per step and the cores busy\non average. Every thread of a rank counts: its main thread's compute and gloo's communication\nthreads. The simulator's counterpart is the core time the host model hands out in a step\n(compute instructions plus every collective step's burst, `simexec.sim.host.cores.Cores.run`).\n",
-    'knob-cost': "What one plan knob changes in a step on this machine, measured and predicted.\n\n    python scripts/probe_host.py knob-cost [--knob grad_fp32=1] [--rounds 3] [--steps 12] [--seq-len 64] [--profile P] [PLAN ...]\n\nRuns each plan (gpt-tiny, local Ray CPU ranks) with and without the knob (`--knob`, a plan\nfragment: `grad_fp32=1`, main gradients under bf16, by default; `param_overlap=1` for ZeRO-1/2\nplans), the two interleaved for `--rounds` rounds, and prints the median step time of each, the\nmeasured ratio and the simulator's ratio under the calibrated profile (default\ntraces/profiles/local-traces.json). The ratios are what to read: a shared host moves absolute step\ntimes by tens of percent between rounds. Plans default to three bf16 ones for `grad_fp32`, three\nZeRO-1/2 ones for `param_overlap` and three tp ones for `tp_overlap` (docs/executor.md quotes them).\n",
-    'live-memory': "What a rank holds at its measured peak, storage by storage, against the simulator's prediction.\n\n    python scripts/probe_host.py live-memory [--model moe-tiny] [--rank R] PLAN\n\nRuns one step of PLAN on local Ray CPU ranks with a runner that wraps the executor's own\n`run_rank`: every tensor storage its peak-memory tracker counts is tagged with the instruction and\nthe aten operator that made it. Prints the rank's measured and predicted peak, then the storages\nalive at the end of the instruction where the peak fell, grouped by the instruction that made them\n(layer 0 in full, the other layers summed), and the predicted activations the program saves per\nblock of a layer (`simexec.program.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's\n`dp=4,ep=2` gap to the norms, the rotary tables and the combine's tokens.\n",
-    'memory-sweep': 'Each rank\'s measured peak memory against the simulator\'s prediction, over a list of plans.\n\n    python scripts/probe_host.py memory-sweep                                  # the default sweep (bf16, seq 64)\n    python scripts/probe_host.py memory-sweep --model gpt-tiny "dp=2,zero=3,gbs=8,mbs=4,dtype=bf16"\n    python scripts/probe_host.py memory-sweep --json sweep.json\n\nRuns two steps of every plan on local Ray CPU ranks (one actor pool for the whole sweep) and\ncompares the executor\'s per-rank peak (every live tensor storage, `simexec.exec.measure.live_memory`) with\n`simexec simulate` on the same plan string, dtype included. The default sweep covers every memory\nfeature the executor runs: ZeRO stages and flavours, tp, the pipeline schedules, recompute,\noffload, the three context-parallel implementations, experts, latent attention, a sliding window,\ntied embeddings, and RMSNorm models (q/k norms, latent attention, windows) under tp, sp and pp. The\nerrors are signed: above zero, the rank held more than predicted.\n',
-    'sharing-check': 'Does the sharing micro-benchmark see the compute contention the data-parallel plans see?\n\n    python scripts/probe_host.py sharing-check [--rounds 4]\n\nIn one Ray session, alternating, each round measures\n- the sharing benchmark\'s own workload: the one-rank gpt-tiny program on one rank, then on two\n  ranks at once (`simexec.calibrate.microbench`, steps 8-15 of 16), and\n- the plans: `dp=1` and `dp=2` at global batch 8, their compute instructions summed over the\n  traced step (every rank),\nand prints each pair\'s ratio. `compute_contention` comes from the first; the trace fit sees the\nsecond. If the benchmark missed something the plans have, the first ratio would stay below the\nsecond round after round; docs/calibration_findings.md ("What limits the numbers") quotes a run.\n',
-    'bench-drift': 'Do the micro-benchmarks and the plans see the same host? Run them side by side, alternating.\n\n    python scripts/probe_host.py bench-drift [--rounds 3]\n\nIn one Ray session, each round runs the micro-benchmarks\' one-rank step (`simexec.calibrate.microbench`:\ngpt-tiny at micro-batch 1, two micro-batches and the optimizer step, every instruction timed; the\nother benchmarks cut to a token size) and then the `dp=1` plan (global batch 8: eight\nmicro-batches), and prints the benchmark\'s step (the median over its timed steps of the summed\ninstruction times) against the plan\'s equivalent (its steady step less the optimizer step, per two\nmicro-batches, plus the optimizer step). Apart, the two drift with the host (docs/calibration.md,\n"When they run"); side by side they should agree.\n',
+    "wake-cpu": """What a blocking wait costs the thread that waits, in CPU, not only in wall time.
+
+    python scripts/probe_host.py wake-cpu [--ranks 2] [--iters 200] [--rounds 5] [--bytes 16384]
+
+Spawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) that loop over k
+matrix products (128 x 128, k = 1, 4, 16) followed by nothing, by an all-reduce of `--bytes`, or
+by a 0.3 ms sleep, rounds interleaved. Rank 0 prints each loop's wall time and its main thread's
+CPU time (`time.thread_time`: that thread alone, not gloo's) per iteration, medians over rounds,
+and what the all-reduce and the sleep add to the main thread's CPU. gloo's main thread blocks in
+a collective without spinning; what it pays is waking up again (the scheduler, and on a virtual
+machine a halted vCPU's exit and entry) and refilling its caches. The host model charges a
+collective's CPU to the communication thread (`costs.comm_cpu_s`) and the main thread only its
+interpreter's Python around the call (docs/calibration_findings.md).
+""",
+    "call-cpu": """What a collective's call costs its calling thread alone: the micro-benchmarks' `issue`.
+
+    python scripts/probe_host.py call-cpu [--reps 100]
+
+Two gloo ranks on 127.0.0.1 (one intra-op thread, gloo's event loops at idle priority, as the
+executor runs them) call an asynchronous 8 KB all-reduce together after a barrier, `--reps` times
+(`simexec.calibrate.microbench._Bench.issue`); rank 0 prints the median CPU its thread spent in the call
+(`time.thread_time`: torch.distributed's Python, gloo's work set up and queued), which a
+micro-benchmark profile keeps as `costs.collective_issue_s`, beside an 8 KB add for scale.
+""",
+    "idle-wake": """What waking a rank costs against how long its core has idled: a gloo ping-pong after a pause.
+
+    python scripts/probe_host.py idle-wake [--ranks 4] [--reps 40] [--gaps-ms 0,0.05,0.2,0.5,1,3,10]
+    python scripts/probe_host.py idle-wake --pipe --gaps-ms 0.02,0.1,0.2,0.5,1,2,5,20,100
+
+Spawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each); ranks 0 and 1 play a
+4-byte ping-pong while the others wait in a barrier. Before each round trip rank 0 sleeps the gap,
+so rank 1 has blocked in its receive, and its core idled, that long. Prints each gap's round trip
+(median, 10th and 90th percentile). On bare metal it does not depend on the gap. On a virtual
+machine a vCPU left idle past the hypervisor's poll window (KVM's `halt_poll_ns`, 200 µs) is halted
+and its physical core given away, and the round trip grows by what the host takes to run it again:
+the host model's `costs.idle_wake_s` (docs/calibration.md, "Waking an idle core").
+
+`--pipe` times the wake-up alone, without gloo: one process blocks on a pipe while the other,
+on the other core, spins for the gap and then writes its clock; the reader prints how long it took
+to run again (median, 10th and 90th percentile), then the fit `a + b (1 - exp(-gap / tau))` over
+the gaps (`scipy.optimize.curve_fit` on the medians): `tau` is the window the host model takes as
+`costs.idle_poll_s`.
+""",
+    "gloo-threads": """How many collectives of one gloo process group run at once: time async collectives issued together.
+
+    python scripts/probe_host.py gloo-threads [--ranks 4] [--kb 200] [--reps 20]
+
+Spawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each), then, between
+barriers, issues 1 or 4 all-gathers, a reduce-scatter with three all-gathers behind it, and so on,
+all `async_op=True` on one group, and waits for them in order. Prints the median time at which
+each has ended (ms after the issue). If the group ran one collective at a time, four all-gathers
+would end at 1x, 2x, 3x and 4x one alone; gloo's two worker threads per group
+(`ProcessGroupGloo`'s default) end them in pairs. The simulator's `costs.collective_threads`
+(docs/cluster.md) is that number. Also shows that a gloo reduce-scatter's work does not report
+completion before `wait()` (which copies its slice out), and how long an all-reduce of the
+gathered size takes alone and beside an all-gather (ZeRO-3's backward: the executor's
+reduce-scatter of one layer's gradients beside the gather of the next layer's parameters).
+""",
+    "comm-cpu": """What a gloo collective costs a member's CPU, not only its wall time.
+
+    python scripts/probe_host.py comm-cpu [--ranks 2,4] [--reps 200] [--bytes 256,16384,262144]
+
+Spawns each number of `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) and runs
+all-reduces of each size back to back, then a ping-pong of the smallest size between ranks 0 and 1
+(the others wait in a barrier). Rank 0 prints, per operation, the wall time and the CPU time its
+process spent (user and system, every thread: `resource.getrusage`) and its context switches
+(voluntary, involuntary). A collective hands each message between gloo's threads and the kernel;
+on bare metal a hand-off costs microseconds, on this virtual machine a large part of a
+millisecond of system time. The host model charges it per step of a collective to every member's
+core: `costs.comm_cpu_s` (docs/calibration.md, "Communication over loopback"), which the
+micro-benchmarks measure the same way (`simexec.calibrate.comm.fit_comm_cpu`).
+""",
+    "tensor-passes": """What one pass over a unit's parameter tensors costs a CPU core, per tensor, by what it does.
+
+    python scripts/probe_host.py tensor-passes [--tensors 16] [--shape 64,64] [--repeats 300]
+
+The interpreter handles a collective's parameter tensors one at a time (`simexec.exec.rank.sharding`):
+views of a flat buffer (`_Flat.views`: a slice and a reshape each), copies into them, parameters
+pointed at them (`p.data = view`) and, for FSDP's release, pointed at one empty tensor. The host
+model prices a pass of views or copies at `ISSUE_OPS_PER_TENSOR` operators a tensor
+(`simexec.sim.host.model.tensor_passes`) and the release at nothing; this times each kind of pass, one
+intra-op thread, median over the repeats, in µs per tensor.
+""",
+    "collective-series": """One collective timed again and again, each after a barrier: how often the host stalls it.
+
+    python scripts/probe_host.py collective-series [--ranks 2] [--bytes 1048576] [--reps 200] [--slow-ms 2]
+                                        [--compute-ms 0] [--gloo-loops idle|default]
+    python scripts/probe_host.py collective-series --recording traces/local [--bytes 1048576] [--ranks 2]
+
+Spawns `--ranks` CPU processes (gloo on 127.0.0.1, one intra-op thread each) and times an
+all-reduce of `--bytes` `--reps` times, each after a barrier and `--compute-ms` of matrix
+products on every rank (as a training step calls its collectives: right after compute). A sample
+is the last member's time from its call to the end, the collective's own time. Prints every
+sample in order, then the median, the mean and the share of samples over `--slow-ms`.
+
+`--gloo-loops` sets how gloo's event-loop threads are scheduled: `idle` as the executor runs them
+(`simexec.exec.runtime.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
+bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
+tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait
+(docs/calibration_findings.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
+overrides `idle`, as in the executor. `--recording` reads the same benchmark (alone after a
+barrier, `solo`) from a recording's micro-benchmarks instead of running it.
+""",
+    "adam-passes": """What torch's fused Adam costs a CPU core per tensor and per element, against the simulator's price.
+
+    python scripts/probe_host.py adam-passes [--elements 16384,65536,270000,1048576] [--tensors 1,4,16,53,128]
+
+Times one fp32 Adam step (`torch.optim.adam.adam(..., fused=True)`, as `simexec.exec.nn.optim.Adam`
+runs it) over T tensors holding E elements in all, one intra-op thread, the median of 50 steps after
+10 discarded; then, for a calibrated `local` profile, what the host model charges the same step
+(`HostCosts.cpu_seconds`: two operators, a kernel pass per tensor at `launch_overhead_s`, the bytes
+at the memory bandwidth times `elementwise_cost["optim.optim"]`). The per-tensor column is the step over T
+tensors less the step over one, per extra tensor.
+""",
+    "collective-ops": """Aten operators the interpreter dispatches around each activation collective, against the model.
+
+    python scripts/probe_host.py collective-ops [--model gpt-tiny] [--plan tp=2,gbs=2,dtype=fp32]
+
+Runs one step of the plan as spawned gloo processes on 127.0.0.1 with a TorchDispatchMode counting
+operators on rank 0: those of the interpreter's call (`_Rank.collective`, the tensors prepared) and
+of the collective's `finish` (the result put in place once waited), without the c10d operator of
+the collective itself. Prints, per kind of activation collective (block, phase, micro-batch), what
+was counted beside what `simexec.sim.host.issue.activation_ops` charges for it. Exit 1 where any differs.
+""",
+    "issue-cost": """What a step's collectives cost their rank's own thread, beside the transfer, against the model.
+
+    python scripts/probe_host.py issue-cost [--plan dp=2,gbs=8,dtype=fp32] [--model gpt-tiny] [--steps 24]
+                                 [--profile traces/profiles/local-microbench.json]
+
+Runs the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execute` does, with the
+interpreter's collectives timed, per kind of collective (`block`, buckets and layers merged):
+- `before`: from the interpreter taking the instruction to its call into torch.distributed (moving
+  gradients into a flat buffer, allocating the output);
+- `call`: the call itself (torch.distributed's Python and the backend's work queued), wall time;
+- `after`: from that call's return until the interpreter goes on;
+- `finish`: the result put in place once the collective is waited on (views back into the
+  parameters or gradients);
+- `model before`, `model finish`: what the simulator charges the rank's thread for it
+  (`HostCosts.issue_split` under `--profile`), to compare with before + call + after, and with
+  finish.
+Medians over the steps after the first four, over ranks. For the gradient bucket of ZeRO-0 (waited
+at once), also the time from the call to the end of the wait and from the last member's call to the
+end: the collective alone, the members' arrival spread taken out.
+""",
+    "thread-cpu": """Where a rank's own thread spends its CPU in a step, part by part, against the simulator's charge.
+
+    python scripts/probe_host.py thread-cpu [--plan tp=2,gbs=8,dtype=fp32] [--model gpt-tiny] [--steps 14]
+                                 [--profile traces/profiles/local-microbench.json]
+
+Runs the plan on the executor's Ray actors (CPU ranks, gloo), as `simexec execute` does, with the
+lowest rank's thread CPU (`time.thread_time`) split, exclusively, by part: each compute block
+(`compute <phase>.<block>`), a collective's preparation (`call <block>`), its call into
+torch.distributed (`c10d <verb>`), its wait and result put in place (`wait <block>`), messages,
+copies, `reap` and the rest of the interpreter (`other`). Medians over the steps after the first
+four, in ms a step, beside what `HostCosts` charges the thread on an idle core (`cpu_seconds`,
+`issue_split`; the simulator charges a collective's call as `collective_issue_s` within `call`),
+largest difference first. Shared cores slow every part alike: compare the parts with each other.
+""",
+    "plan-cpu": """How much CPU a plan's ranks use per step on this machine, against the cores they have.
+
+    python scripts/probe_host.py plan-cpu [--steps 16] [--rounds 2] PLAN [PLAN ...]
+
+Runs each plan (gpt-tiny, local Ray CPU ranks, one warm-up run first) and reads the rank processes'
+user + system time from /proc/<pid>/stat before and after: CPU-seconds per step and the cores busy
+on average. Every thread of a rank counts: its main thread's compute and gloo's communication
+threads. The simulator's counterpart is the core time the host model hands out in a step
+(compute instructions plus every collective step's burst, `simexec.sim.host.cores.Cores.run`).
+""",
+    "knob-cost": """What one plan knob changes in a step on this machine, measured and predicted.
+
+    python scripts/probe_host.py knob-cost [--knob grad_fp32=1] [--rounds 3] [--steps 12] [--seq-len 64] [--profile P] [PLAN ...]
+
+Runs each plan (gpt-tiny, local Ray CPU ranks) with and without the knob (`--knob`, a plan
+fragment: `grad_fp32=1`, main gradients under bf16, by default; `param_overlap=1` for ZeRO-1/2
+plans), the two interleaved for `--rounds` rounds, and prints the median step time of each, the
+measured ratio and the simulator's ratio under the calibrated profile (default
+traces/profiles/local-traces.json). The ratios are what to read: a shared host moves absolute step
+times by tens of percent between rounds. Plans default to three bf16 ones for `grad_fp32`, three
+ZeRO-1/2 ones for `param_overlap` and three tp ones for `tp_overlap` (docs/executor.md quotes them).
+""",
+    "live-memory": """What a rank holds at its measured peak, storage by storage, against the simulator's prediction.
+
+    python scripts/probe_host.py live-memory [--model moe-tiny] [--rank R] PLAN
+
+Runs one step of PLAN on local Ray CPU ranks with a runner that wraps the executor's own
+`run_rank`: every tensor storage its peak-memory tracker counts is tagged with the instruction and
+the aten operator that made it. Prints the rank's measured and predicted peak, then the storages
+alive at the end of the instruction where the peak fell, grouped by the instruction that made them
+(layer 0 in full, the other layers summed), and the predicted activations the program saves per
+block of a layer (`simexec.program.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's
+`dp=4,ep=2` gap to the norms, the rotary tables and the combine's tokens.
+""",
+    "memory-sweep": """Each rank's measured peak memory against the simulator's prediction, over a list of plans.
+
+    python scripts/probe_host.py memory-sweep                                  # the default sweep (bf16, seq 64)
+    python scripts/probe_host.py memory-sweep --model gpt-tiny "dp=2,zero=3,gbs=8,mbs=4,dtype=bf16"
+    python scripts/probe_host.py memory-sweep --json sweep.json
+
+Runs two steps of every plan on local Ray CPU ranks (one actor pool for the whole sweep) and
+compares the executor's per-rank peak (every live tensor storage, `simexec.exec.measure.live_memory`) with
+`simexec simulate` on the same plan string, dtype included. The default sweep covers every memory
+feature the executor runs: ZeRO stages and flavours, tp, the pipeline schedules, recompute,
+offload, the three context-parallel implementations, experts, latent attention, a sliding window,
+tied embeddings, and RMSNorm models (q/k norms, latent attention, windows) under tp, sp and pp. The
+errors are signed: above zero, the rank held more than predicted.
+""",
+    "sharing-check": """Does the sharing micro-benchmark see the compute contention the data-parallel plans see?
+
+    python scripts/probe_host.py sharing-check [--rounds 4]
+
+In one Ray session, alternating, each round measures
+- the sharing benchmark's own workload: the one-rank gpt-tiny program on one rank, then on two
+  ranks at once (`simexec.calibrate.microbench`, steps 8-15 of 16), and
+- the plans: `dp=1` and `dp=2` at global batch 8, their compute instructions summed over the
+  traced step (every rank),
+and prints each pair's ratio. `compute_contention` comes from the first; the trace fit sees the
+second. If the benchmark missed something the plans have, the first ratio would stay below the
+second round after round; docs/calibration_findings.md ("What limits the numbers") quotes a run.
+""",
+    "bench-drift": """Do the micro-benchmarks and the plans see the same host? Run them side by side, alternating.
+
+    python scripts/probe_host.py bench-drift [--rounds 3]
+
+In one Ray session, each round runs the micro-benchmarks' one-rank step (`simexec.calibrate.microbench`:
+gpt-tiny at micro-batch 1, two micro-batches and the optimizer step, every instruction timed; the
+other benchmarks cut to a token size) and then the `dp=1` plan (global batch 8: eight
+micro-batches), and prints the benchmark's step (the median over its timed steps of the summed
+instruction times) against the plan's equivalent (its steady step less the optimizer step, per two
+micro-batches, plus the optimizer step). Apart, the two drift with the host (docs/calibration.md,
+"When they run"); side by side they should agree.
+""",
 }
 
 
@@ -149,7 +363,7 @@ def cmd_call_cpu(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=100)
     args = ap.parse_args(argv)
     if args.reps < 1:
-        print(f"call_cpu: error: --reps must be at least 1, got {args.reps}", file=sys.stderr)
+        print(f"probe_host.py call-cpu: error: --reps must be at least 1, got {args.reps}", file=sys.stderr)
         return 2
     from simexec.exec.runtime.spawn import spawn_ranks
 
@@ -460,7 +674,7 @@ def cmd_tensor_passes(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=300)
     args = ap.parse_args(argv)
     if args.tensors < 1 or args.repeats < 1:
-        print(f"tensor_passes: error: --tensors and --repeats must be at least 1, got {args.tensors} and "
+        print(f"probe_host.py tensor-passes: error: --tensors and --repeats must be at least 1, got {args.tensors} and "
               f"{args.repeats}", file=sys.stderr)
         return 2
     for name, us in time_passes(args.tensors, args.shape, args.repeats).items():
@@ -468,7 +682,8 @@ def cmd_tensor_passes(argv=None) -> int:
     return 0
 
 
-def _collective_series_worker(rank: int, world: int, port: int, nbytes: int, reps: int, compute_ms: float, loops: str, out) -> None:
+def _collective_series_worker(rank: int, world: int, port: int, nbytes: int, reps: int,
+                              compute_ms: float, loops: str, out) -> None:
     import torch
     import torch.distributed as dist
 
@@ -521,7 +736,8 @@ def recorded(recording: Path, ranks: int, nbytes: int) -> list[float]:
 
 
 def cmd_collective_series(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="probe_host.py collective-series", description=DOCS["collective-series"].split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="probe_host.py collective-series",
+                                 description=DOCS["collective-series"].split("\n\n")[0])
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--bytes", type=int, default=1 << 20)
     ap.add_argument("--reps", type=int, default=200)
@@ -532,7 +748,7 @@ def cmd_collective_series(argv=None) -> int:
     ap.add_argument("--recording", type=Path, default=None, help="read a recording's micro-benchmark instead")
     args = ap.parse_args(argv)
     if args.ranks < 2 or args.bytes < 4 or args.reps < 1 or not 0 <= args.compute_ms <= 1000:
-        print(f"collective_series: error: --ranks {args.ranks} (>= 2), --bytes {args.bytes} (>= 4), "
+        print(f"probe_host.py collective-series: error: --ranks {args.ranks} (>= 2), --bytes {args.bytes} (>= 4), "
               f"--reps {args.reps} (>= 1) and --compute-ms {args.compute_ms:g} (0 to 1000)", file=sys.stderr)
         return 2
     from simexec.errors import SimexecError
@@ -541,7 +757,7 @@ def cmd_collective_series(argv=None) -> int:
         ts = recorded(args.recording, args.ranks, args.bytes) if args.recording else \
             measure(args.ranks, args.bytes, args.reps, args.compute_ms, args.gloo_loops)
     except SimexecError as exc:
-        print(f"collective_series: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py collective-series: error: {exc}", file=sys.stderr)
         return 2
     ms = [t * 1e3 for t in ts]
     print(" ".join(f"{t:.1f}" for t in ms))
@@ -622,7 +838,7 @@ def cmd_adam_passes(argv=None) -> int:
     try:
         price = pricer(args.profile)
     except SimexecError as exc:
-        print(f"adam_passes: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py adam-passes: error: {exc}", file=sys.stderr)
         return 2
     import torch
 
@@ -639,7 +855,8 @@ def cmd_adam_passes(argv=None) -> int:
 
 
 def cmd_collective_ops(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="probe_host.py collective-ops", description=DOCS["collective-ops"].split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="probe_host.py collective-ops",
+                                 description=DOCS["collective-ops"].split("\n\n")[0])
     ap.add_argument("--model", default="gpt-tiny")
     ap.add_argument("--plan", default="tp=2,gbs=2,dtype=fp32")
     args = ap.parse_args(argv)
@@ -648,7 +865,7 @@ def cmd_collective_ops(argv=None) -> int:
     try:
         rows = collective_operator_rows(args.model, args.plan)
     except SimexecError as e:
-        print(f"collective_ops: {e}", file=sys.stderr)
+        print(f"probe_host.py collective-ops: {e}", file=sys.stderr)
         return 2
     print(f"{args.model} {args.plan}: operators on rank 0, (before the call, once waited)")
     print(f"{'phase':5} {'block':14} {'verb':14} {'mb':3} {'group':>5} {'partial':>7}  counted   model")
@@ -758,7 +975,7 @@ def run_plan(script: str, args, runner, model_side, timeout_s: float):
 
 def cmd_issue_cost(argv=None) -> int:
     args = plan_parser("issue-cost", "dp=2,gbs=8,dtype=fp32", 24).parse_args(argv)
-    got = run_plan("issue_cost", args, issue_cost_runner, issue_prices, 300.0)
+    got = run_plan("probe_host.py issue-cost", args, issue_cost_runner, issue_prices, 300.0)
     if got is None:
         return 2
     prices, m = got
@@ -848,7 +1065,7 @@ def thread_cpu_runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
 
 def cmd_thread_cpu(argv=None) -> int:
     args = plan_parser("thread-cpu", "tp=2,gbs=8,dtype=fp32", 14).parse_args(argv)
-    got = run_plan("thread_cpu", args, thread_cpu_runner, thread_charges, 600.0)
+    got = run_plan("probe_host.py thread-cpu", args, thread_cpu_runner, thread_charges, 600.0)
     if got is None:
         return 2
     predicted, m = got
@@ -906,7 +1123,7 @@ def cmd_plan_cpu(argv=None) -> int:
                     print(f"{plan:34s} {m.step_time_s * 1e3:8.1f} {used / args.steps * 1e3:12.1f} "
                           f"{used / (w1 - w0):11.2f}", flush=True)
     except SimexecError as exc:
-        print(f"plan_cpu: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py plan-cpu: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -954,7 +1171,7 @@ def cmd_knob_cost(argv=None) -> int:
                     m = s.execute(model, p, steps=args.steps, seq_len=args.seq_len)
                     measured[p].append(m.step_time_s)
     except SimexecError as exc:
-        print(f"knob_cost: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py knob-cost: error: {exc}", file=sys.stderr)
         return 2
     print(f"{'plan':34s} {'measured ms':>12s} {'with ' + args.knob:>18s} {'ratio':>7s} {'predicted ratio':>16s}")
     for base in plans:
@@ -1050,7 +1267,7 @@ def cmd_live_memory(argv=None) -> int:
                                                                key=res.peak_memory_bytes_per_rank.get)
             best = json.loads(Path(tmp, f"rank{rank}.json").read_text())
     except SimexecError as exc:
-        print(f"live_memory: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py live-memory: error: {exc}", file=sys.stderr)
         return 2
     measured, predicted = res.peak_memory_bytes_per_rank[rank], predicted[rank]
     print(f"rank {rank}: measured peak {measured / 1e6:.3f} MB at {best['at']}, predicted {predicted / 1e6:.3f} MB "
@@ -1153,7 +1370,7 @@ def cmd_memory_sweep(argv=None) -> int:
     ap.add_argument("--ray-address", default=None)
     ap.add_argument("--json", default=None, help="write the rows and a summary here")
     args = ap.parse_args(argv)
-    if outputs_refused("memory_sweep.py", {"--json": args.json}):
+    if outputs_refused("probe_host.py memory-sweep", {"--json": args.json}):
         return 2
     cases = [(args.model, p) for p in args.plans] if args.plans else DEFAULT_SWEEP
     try:
@@ -1165,7 +1382,7 @@ def cmd_memory_sweep(argv=None) -> int:
             text = json.dumps({"seq_len": args.seq_len, "rows": rows, "summary": s}, indent=1) + "\n"
             write_atomic(args.json, text.encode())
     except SimexecError as exc:  # a bad plan or model, a failed run, an output that cannot be written
-        print(f"memory_sweep.py: error: {exc}", file=sys.stderr)
+        print(f"probe_host.py memory-sweep: error: {exc}", file=sys.stderr)
         return 2
     return 0
 
@@ -1260,12 +1477,18 @@ def cmd_bench_drift(argv=None) -> int:
     return 0
 
 
-COMMANDS = {"wake-cpu": cmd_wake_cpu, "call-cpu": cmd_call_cpu, "idle-wake": cmd_idle_wake, "gloo-threads": cmd_gloo_threads, "comm-cpu": cmd_comm_cpu, "tensor-passes": cmd_tensor_passes, "collective-series": cmd_collective_series, "adam-passes": cmd_adam_passes, "collective-ops": cmd_collective_ops, "issue-cost": cmd_issue_cost, "thread-cpu": cmd_thread_cpu, "plan-cpu": cmd_plan_cpu, "knob-cost": cmd_knob_cost, "live-memory": cmd_live_memory, "memory-sweep": cmd_memory_sweep, "sharing-check": cmd_sharing_check, "bench-drift": cmd_bench_drift}
+COMMANDS = {"wake-cpu": cmd_wake_cpu, "call-cpu": cmd_call_cpu, "idle-wake": cmd_idle_wake,
+            "gloo-threads": cmd_gloo_threads, "comm-cpu": cmd_comm_cpu, "tensor-passes": cmd_tensor_passes,
+            "collective-series": cmd_collective_series, "adam-passes": cmd_adam_passes,
+            "collective-ops": cmd_collective_ops, "issue-cost": cmd_issue_cost, "thread-cpu": cmd_thread_cpu,
+            "plan-cpu": cmd_plan_cpu, "knob-cost": cmd_knob_cost, "live-memory": cmd_live_memory,
+            "memory-sweep": cmd_memory_sweep, "sharing-check": cmd_sharing_check, "bench-drift": cmd_bench_drift}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(f"  {name:18s} {DOCS[name].strip().splitlines()[0]}" for name in COMMANDS))
+    subcommands = "\n".join(f"  {name:18s} {DOCS[name].strip().splitlines()[0]}" for name in COMMANDS)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=subcommands,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=COMMANDS)
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the subcommand's arguments (SUBCOMMAND --help)")
     args = ap.parse_args(argv)

@@ -32,17 +32,102 @@ from simexec.errors import SimexecError  # noqa: E402
 
 
 DOCS = {
-    'trace-sharing': "How much slower a rank's compute runs when ranks share the cores, read from recorded traces.\n\n    python scripts/probe_traces.py trace-sharing [traces/local] [--versus dp1] [--profile P]\n\nFor each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it), over its\nrounds (medians): the traced step's span, the summed forward and backward compute per micro-batch\nand rank against the `--versus` plan's, how many ranks were computing on average while any was\n(a sweep over the compute events of every rank), and the slowdown per core's worth: the compute\nratio divided by the share of a core each computing rank had, max(1, computing / cores). Plans\nwhose ranks hold the same layers as the reference (data parallelism, ZeRO) compare directly; the\nothers hold fewer layers or shards of them, and their ratio says so. Then how long a collective's\nmembers wait for the last to call it: per collective, the mean over members of (the last call -\ntheir own), averaged over the step's collectives (`late wait`) and summed over them per rank (`a\nstep`): ranks that drift apart on shared cores wait for each other. `c+w step` adds a rank's\ncompute in the step and its waits for late members: while the cores are busy, whichever order the\nOS runs the ranks' work in, the last rank gets to a collective about when processor sharing says\nall do, so the simulator's compute alone should come near the host's compute and waits together.\n`busy` is the cores' worth the ranks kept busy over the step (their CPU over the step time; traces\nrecorded before 2026-11-27 do not carry CPU times: nan).\n\nWith `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also\nsimulates every trace's plan with it, every rank (`simexec.calibrate.traces.predict_case`, with the\nbackground load measured beside the run), and prints the prediction's compute per micro-batch,\nranks computing, collective members' ends and waits for the last member beside the measured ones:\nwhere the simulator has the ranks compute together and the host did not, their compute is priced as\nshared when it was not, and no member waits for a late one.\n",
-    'time-split': "Where a step's time goes, predicted against measured: compute against communication, per plan.\n\n    python scripts/probe_traces.py time-split traces/local [--profile traces/profiles/local-traces.json]\n    python scripts/probe_traces.py time-split DIR            # a directory of scripts/validate_calibration.py\n\nFor each plan of a recording (or of a validation run's directory), the round of median step time is\nre-simulated under the profile and the conditions it ran in, and three numbers are compared with the\ntrace: the step time, the summed durations of its compute instructions (every rank) and those of its\ncollectives and receives (sends are left out: an eager send's event ends when it is waited). A\nprofile can predict the step time well and the split badly, when a fit lengthens one part for what\nthe other misses; the medians of |log(predicted / measured)| at the end say how far the split is off.\n\n`--versus dp1` adds, per plan, how long its compute instructions took against the same instructions\n(block, phase) in that plan's runs, over every round: the sum of their medians and of their means.\nIt means something where the plans run the same instructions (data-parallel, ZeRO and pipeline\nplans against `dp1`; not tensor or expert parallelism, whose blocks are smaller).\n",
-    'collective-joins': "How long a step's collectives take once their last member has joined, read from recorded traces,\nbeside what the micro-benchmarks measured for the same collective after a barrier.\n\n    python scripts/probe_traces.py collective-joins [traces/local] [--stream comm.dp] [--kinds bwd.grads]\n\nFor each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it) and each\ncollective of the chosen stream whose name starts with one of `--kinds`: the time from the last\nmember's issue to each member's end (the median over the members), every round listed. Then the\nmedian over all of them, and the recording's micro-benchmark for that verb, group size and the\nnearest size, after a barrier (`traces/local/microbench.json.gz`; median and mean of its samples).\nA member that arrives early waits for the last; after the last joins, only the collective itself\nis left, so the two numbers measure the same work in a step and alone.\n",
-    'recording-cpu': "Where a recording's CPU goes a step, measured against predicted, plan by plan.\n\n    python scripts/probe_traces.py recording-cpu [traces/local-sched-idle] [--profile PROFILE] [--plans dp2,tp4]\n\nFor each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it; the first\nround of each) whose traces timed their ranks' CPU: the rank's main thread's CPU a step, every\nthread's (main and gloo's), the cores' worth busy and the step time, predicted (every rank\nsimulated under the profile, in the run's conditions: `simexec.calibrate.traces.predict_case`)\nagainst measured (`simexec.trace.compare.cpu_of`). The profile defaults to the recording's trace profile,\n`traces/profiles/<recording>-traces.json`.\n",
-    'profile-swap': 'Which of a profile\'s numbers a prediction misses: swap some in from another profile and predict again.\n\n    python scripts/probe_traces.py profile-swap [--recording traces/local] [--profile traces/profiles/local-microbench.json]\n                                   [--donor traces/profiles/local-traces.json] [--swap comm] [--swap costs.idle_wake_s]\n\nPredicts every plan of a recording (`manifest.json` of `scripts/record_traces.py`) with `--profile`, then\nonce per `--swap` with those numbers taken from `--donor`, and prints each plan\'s error against the\nmedian of its measured rounds and the calibration and held-out plans\' MAPE. A swap is comma-separated\ndotted keys (`costs.idle_wake_s,node.intra_bw`) or a group: `comm` (the host model\'s communication\nnumbers) or `compute` (its compute numbers). docs/calibration_findings.md ("What limits the numbers") quotes it.\n',
-    'core-use': "How the simulated host's cores spend a step: CPU asked for, cores busy, time idle.\n\n    python scripts/probe_traces.py core-use [--profile traces/profiles/local-traces.json] PLAN [PLAN ...]\n\nSimulates gpt-tiny's plans on the `local` cluster under a calibrated profile and follows the host\nmodel's cores (`simexec.sim.host.cores.Cores`) through the step: the CPU-seconds the main threads and the\ncommunication threads ask for (every rank, before any slowdown), the core-seconds handed out (the\nbusy cores over time: the asked CPU times the slowdowns of busy and alternating cores), how long no\nthread ran and how long every core was taken, and the waits of woken threads. A step longer than its\nbusy core-seconds over the cores leaves cores idle; one as long spends its time in slowdowns.\n",
+    "trace-sharing": """How much slower a rank's compute runs when ranks share the cores, read from recorded traces.
+
+    python scripts/probe_traces.py trace-sharing [traces/local] [--versus dp1] [--profile P]
+
+For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it), over its
+rounds (medians): the traced step's span, the summed forward and backward compute per micro-batch
+and rank against the `--versus` plan's, how many ranks were computing on average while any was
+(a sweep over the compute events of every rank), and the slowdown per core's worth: the compute
+ratio divided by the share of a core each computing rank had, max(1, computing / cores). Plans
+whose ranks hold the same layers as the reference (data parallelism, ZeRO) compare directly; the
+others hold fewer layers or shards of them, and their ratio says so. Then how long a collective's
+members wait for the last to call it: per collective, the mean over members of (the last call -
+their own), averaged over the step's collectives (`late wait`) and summed over them per rank (`a
+step`): ranks that drift apart on shared cores wait for each other. `c+w step` adds a rank's
+compute in the step and its waits for late members: while the cores are busy, whichever order the
+OS runs the ranks' work in, the last rank gets to a collective about when processor sharing says
+all do, so the simulator's compute alone should come near the host's compute and waits together.
+`busy` is the cores' worth the ranks kept busy over the step (their CPU over the step time; traces
+recorded before 2026-11-27 do not carry CPU times: nan).
+
+With `--profile` (a profile of the same host, e.g. traces/profiles/local-traces.json) it also
+simulates every trace's plan with it, every rank (`simexec.calibrate.traces.predict_case`, with the
+background load measured beside the run), and prints the prediction's compute per micro-batch,
+ranks computing, collective members' ends and waits for the last member beside the measured ones:
+where the simulator has the ranks compute together and the host did not, their compute is priced as
+shared when it was not, and no member waits for a late one.
+""",
+    "time-split": """Where a step's time goes, predicted against measured: compute against communication, per plan.
+
+    python scripts/probe_traces.py time-split traces/local [--profile traces/profiles/local-traces.json]
+    python scripts/probe_traces.py time-split DIR            # a directory of scripts/validate_calibration.py
+
+For each plan of a recording (or of a validation run's directory), the round of median step time is
+re-simulated under the profile and the conditions it ran in, and three numbers are compared with the
+trace: the step time, the summed durations of its compute instructions (every rank) and those of its
+collectives and receives (sends are left out: an eager send's event ends when it is waited). A
+profile can predict the step time well and the split badly, when a fit lengthens one part for what
+the other misses; the medians of |log(predicted / measured)| at the end say how far the split is off.
+
+`--versus dp1` adds, per plan, how long its compute instructions took against the same instructions
+(block, phase) in that plan's runs, over every round: the sum of their medians and of their means.
+It means something where the plans run the same instructions (data-parallel, ZeRO and pipeline
+plans against `dp1`; not tensor or expert parallelism, whose blocks are smaller).
+""",
+    "collective-joins": """How long a step's collectives take once their last member has joined, read from recorded traces,
+beside what the micro-benchmarks measured for the same collective after a barrier.
+
+    python scripts/probe_traces.py collective-joins [traces/local] [--stream comm.dp] [--kinds bwd.grads]
+
+For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it) and each
+collective of the chosen stream whose name starts with one of `--kinds`: the time from the last
+member's issue to each member's end (the median over the members), every round listed. Then the
+median over all of them, and the recording's micro-benchmark for that verb, group size and the
+nearest size, after a barrier (`traces/local/microbench.json.gz`; median and mean of its samples).
+A member that arrives early waits for the last; after the last joins, only the collective itself
+is left, so the two numbers measure the same work in a step and alone.
+""",
+    "recording-cpu": """Where a recording's CPU goes a step, measured against predicted, plan by plan.
+
+    python scripts/probe_traces.py recording-cpu [traces/local-sched-idle] [--profile PROFILE] [--plans dp2,tp4]
+
+For each plan of a recording (`manifest.json`, as `scripts/record_traces.py` writes it; the first
+round of each) whose traces timed their ranks' CPU: the rank's main thread's CPU a step, every
+thread's (main and gloo's), the cores' worth busy and the step time, predicted (every rank
+simulated under the profile, in the run's conditions: `simexec.calibrate.traces.predict_case`)
+against measured (`simexec.trace.compare.cpu_of`). The profile defaults to the recording's trace profile,
+`traces/profiles/<recording>-traces.json`.
+""",
+    "profile-swap": """Which of a profile's numbers a prediction misses: swap some in from another profile and predict again.
+
+    python scripts/probe_traces.py profile-swap [--recording traces/local] [--profile traces/profiles/local-microbench.json]
+                                   [--donor traces/profiles/local-traces.json] [--swap comm] [--swap costs.idle_wake_s]
+
+Predicts every plan of a recording (`manifest.json` of `scripts/record_traces.py`) with `--profile`, then
+once per `--swap` with those numbers taken from `--donor`, and prints each plan's error against the
+median of its measured rounds and the calibration and held-out plans' MAPE. A swap is comma-separated
+dotted keys (`costs.idle_wake_s,node.intra_bw`) or a group: `comm` (the host model's communication
+numbers) or `compute` (its compute numbers). docs/calibration_findings.md ("What limits the numbers") quotes it.
+""",
+    "core-use": """How the simulated host's cores spend a step: CPU asked for, cores busy, time idle.
+
+    python scripts/probe_traces.py core-use [--profile traces/profiles/local-traces.json] PLAN [PLAN ...]
+
+Simulates gpt-tiny's plans on the `local` cluster under a calibrated profile and follows the host
+model's cores (`simexec.sim.host.cores.Cores`) through the step: the CPU-seconds the main threads and the
+communication threads ask for (every rank, before any slowdown), the core-seconds handed out (the
+busy cores over time: the asked CPU times the slowdowns of busy and alternating cores), how long no
+thread ran and how long every core was taken, and the waits of woken threads. A step longer than its
+busy core-seconds over the cores leaves cores idle; one as long spends its time in slowdowns.
+""",
 }
 
 
 def cmd_trace_sharing(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="probe_traces.py trace-sharing", description=DOCS["trace-sharing"].split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="probe_traces.py trace-sharing",
+                                 description=DOCS["trace-sharing"].split("\n\n")[0])
     ap.add_argument("recording", nargs="?", default="traces/local")
     ap.add_argument("--versus", default="dp1", help="the plan whose compute per micro-batch is 1")
     ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
@@ -57,14 +142,14 @@ def cmd_trace_sharing(argv=None) -> int:
     try:
         manifest = load_json(root / "manifest.json", "recording manifest")
     except SimexecError as exc:
-        print(f"trace_sharing: error: {exc}", file=sys.stderr)
+        print(f"probe_traces.py trace-sharing: error: {exc}", file=sys.stderr)
         return 2
     profile = None
     if args.profile:
         try:
             profile = load_profile(args.profile)
         except SimexecError as exc:
-            print(f"trace_sharing: error: {exc}", file=sys.stderr)
+            print(f"probe_traces.py trace-sharing: error: {exc}", file=sys.stderr)
             return 2
     by_plan: dict[str, list[dict]] = collections.defaultdict(list)
     predicted: dict[str, list[dict]] = collections.defaultdict(list)
@@ -83,13 +168,14 @@ def cmd_trace_sharing(argv=None) -> int:
             if profile is not None:
                 predicted[run["name"]].append(predicted_sharing(case, profile, groups))
         except SimexecError as exc:
-            print(f"trace_sharing: error: {exc}", file=sys.stderr)
+            print(f"probe_traces.py trace-sharing: error: {exc}", file=sys.stderr)
             return 2
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            print(f"trace_sharing: error: {path}: not a measured step trace ({exc})", file=sys.stderr)
+            print(f"probe_traces.py trace-sharing: error: {path}: not a measured step trace ({exc})", file=sys.stderr)
             return 2
     if args.versus not in by_plan:
-        print(f"trace_sharing: error: no plan {args.versus!r} in {root} (plans: {', '.join(by_plan)})", file=sys.stderr)
+        print(f"probe_traces.py trace-sharing: error: no plan {args.versus!r} in {root} "
+              f"(plans: {', '.join(by_plan)})", file=sys.stderr)
         return 2
     ref = statistics.median(r["compute_ms"] for r in by_plan[args.versus])
     keys = ("span_ms", "compute_ms", "compute_step_ms", "computing", "ends_apart_ms", "late_wait_ms",
@@ -206,14 +292,15 @@ def cmd_time_split(argv=None) -> int:
     try:
         lines = report(Path(args.directory), Path(args.profile) if args.profile else None, args.versus)
     except SimexecError as exc:
-        print(f"time_split: error: {exc}", file=sys.stderr)
+        print(f"probe_traces.py time-split: error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(lines))
     return 0
 
 
 def cmd_collective_joins(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="probe_traces.py collective-joins", description=DOCS["collective-joins"].split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="probe_traces.py collective-joins",
+                                 description=DOCS["collective-joins"].split("\n\n")[0])
     ap.add_argument("recording", nargs="?", default="traces/local")
     ap.add_argument("--stream", default="comm.dp", help="the collectives' stream (comm.dp, comm.tp, ...)")
     ap.add_argument("--kinds", default="bwd.grads", help="comma-separated name prefixes of the collectives")
@@ -227,21 +314,21 @@ def cmd_collective_joins(argv=None) -> int:
     try:
         manifest = load_json(root / "manifest.json", "recording manifest")
     except SimexecError as exc:
-        print(f"collective_joins: error: {exc}", file=sys.stderr)
+        print(f"probe_traces.py collective-joins: error: {exc}", file=sys.stderr)
         return 2
     rows: dict[tuple, list[float]] = collections.defaultdict(list)
     for run in manifest.get("runs", []):
         try:
             trace = Trace.load(root / str(run.get("file")))
         except (OSError, SimexecError) as exc:
-            print(f"collective_joins: error: {exc}", file=sys.stderr)
+            print(f"probe_traces.py collective-joins: error: {exc}", file=sys.stderr)
             return 2
         world = int(trace.meta.get("world") or 0)
         for name, verb, members, nbytes, ms in collective_joins(trace.events, args.stream, kinds, collective_groups(trace)):
             rows[(run.get("name"), verb, members, nbytes, world)].append(ms)
     if not rows:
-        print(f"collective_joins: error: no {args.stream} collectives named {','.join(kinds)}* in {root}",
-              file=sys.stderr)
+        print(f"probe_traces.py collective-joins: error: no {args.stream} collectives named {','.join(kinds)}* "
+              f"in {root}", file=sys.stderr)
         return 2
     print(f"{'plan':14s} {'verb':14s} {'ranks':>5s} {'bytes':>9s}  ms after the last member joined")
     pooled: dict[tuple, list[float]] = collections.defaultdict(list)
@@ -262,7 +349,8 @@ def cmd_collective_joins(argv=None) -> int:
 
 
 def cmd_recording_cpu(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="probe_traces.py recording-cpu", description=DOCS["recording-cpu"].splitlines()[0])
+    ap = argparse.ArgumentParser(prog="probe_traces.py recording-cpu",
+                                 description=DOCS["recording-cpu"].splitlines()[0])
     ap.add_argument("recording", nargs="?", default=str(ROOT / "traces" / "local-sched-idle"))
     ap.add_argument("--profile", help="trace profile (default: traces/profiles/<recording>-traces.json)")
     ap.add_argument("--plans", default="", help="comma-separated plan names of the manifest (default: all)")
@@ -270,8 +358,8 @@ def cmd_recording_cpu(argv=None) -> int:
     recording = Path(args.recording)
     profile_path = Path(args.profile) if args.profile else ROOT / "traces" / "profiles" / f"{recording.name}-traces.json"
     if not (recording / "manifest.json").is_file():
-        print(f"recording_cpu: {recording} holds no manifest.json (a directory scripts/record_traces.py wrote)",
-              file=sys.stderr)
+        print(f"probe_traces.py recording-cpu: {recording} holds no manifest.json (a directory "
+              "scripts/record_traces.py wrote)", file=sys.stderr)
         return 2
     from simexec.calibrate.profiles import load_profile
     from simexec.errors import SimexecError
@@ -281,11 +369,11 @@ def cmd_recording_cpu(argv=None) -> int:
         profile = {k: v for k, v in load_profile(profile_path).items() if k in ("costs", "device", "node")}
         got = recording_cpu_rows(recording, profile, plans)
     except SimexecError as exc:
-        print(f"recording_cpu: {exc}", file=sys.stderr)
+        print(f"probe_traces.py recording-cpu: {exc}", file=sys.stderr)
         return 2
     if not got:
-        print(f"recording_cpu: no plan of {recording} {'named ' + args.plans + ' ' if plans else ''}timed its "
-              "ranks' CPU", file=sys.stderr)
+        print(f"probe_traces.py recording-cpu: no plan of {recording} "
+              f"{'named ' + args.plans + ' ' if plans else ''}timed its ranks' CPU", file=sys.stderr)
         return 2
     print(f"{recording} under {profile_path}: a rank a step, predicted / measured")
     print(f"{'plan':14s} {'role':9s} {'main thread ms':>15s} {'all threads ms':>15s} {'cores busy':>11s} {'step ms':>15s}")
@@ -356,7 +444,7 @@ def cmd_profile_swap(argv=None) -> int:
             variants.append((f"with {swap}", swapped(profile, donor, keys)))
         results = [(label, evaluate(rows, p)) for label, p in variants]
     except (OSError, ValueError, SimexecError) as exc:
-        print(f"profile_swap: error: {exc}", file=sys.stderr)
+        print(f"probe_traces.py profile-swap: error: {exc}", file=sys.stderr)
         return 2
     print("| plan | role | measured ms | " + " | ".join(label for label, _ in results) + " |")
     print("|---|---|---|" + "---|" * len(results))
@@ -388,20 +476,22 @@ def cmd_core_use(argv=None) -> int:
         try:
             r = simulate(args.model, "local", plan, profile=args.profile)
         except SimexecError as exc:
-            print(f"core_use: error: {exc}", file=sys.stderr)
+            print(f"probe_traces.py core-use: error: {exc}", file=sys.stderr)
             return 2
         row = (r.step_time_s, stats["main_cpu_s"], stats["comm_cpu_s"], stats["busy_core_s"], stats["idle_s"],
                stats["full_s"], stats["wake_wait_s"])
         print(f"{plan:36s} " + " ".join(f"{1e3 * v:11.1f}" for v in row))
     return 0
 
-COMMANDS = {"trace-sharing": cmd_trace_sharing, "time-split": cmd_time_split, "collective-joins": cmd_collective_joins,
-            "recording-cpu": cmd_recording_cpu, "profile-swap": cmd_profile_swap, "core-use": cmd_core_use}
+COMMANDS = {"trace-sharing": cmd_trace_sharing, "time-split": cmd_time_split,
+            "collective-joins": cmd_collective_joins, "recording-cpu": cmd_recording_cpu,
+            "profile-swap": cmd_profile_swap, "core-use": cmd_core_use}
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                                 epilog="\n".join(f"  {name:18s} {DOCS[name].strip().splitlines()[0]}" for name in COMMANDS))
+    subcommands = "\n".join(f"  {name:18s} {DOCS[name].strip().splitlines()[0]}" for name in COMMANDS)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=subcommands,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("command", choices=COMMANDS)
     ap.add_argument("args", nargs=argparse.REMAINDER, help="the subcommand's arguments (SUBCOMMAND --help)")
     args = ap.parse_args(argv)

@@ -371,7 +371,7 @@ def test_trace_sharing_refuses_a_missing_profile_in_one_line():
     code, _, err = probe_traces("trace-sharing", str(DIR), "--profile", "/nonexistent/profile.json")
     assert code == 2
     err = err.strip()
-    assert err.startswith("trace_sharing: error:") and "\n" not in err and "profile.json" in err
+    assert err.startswith("probe_traces.py trace-sharing: error:") and "\n" not in err and "profile.json" in err
 
 
 def test_collective_joins_times_a_collective_from_its_last_member_on():

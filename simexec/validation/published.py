@@ -27,6 +27,7 @@ ZERO_SRC = "Rajbhandari et al., SC'20, 'ZeRO: Memory Optimizations Toward Traini
 BLOOM_SRC = ("Le Scao et al. 2022, 'BLOOM' (arXiv:2211.05100) §3.4; BigScience tr11-176B-ml.slurm and model card "
              "('training throughput: about 150 TFLOPs')")
 
+
 def read_published_csv(path) -> list[dict]:
     """The rows of a published table in simexec/validation/data: a CSV whose comment lines (#) give its source."""
     with open(path) as f:
@@ -54,8 +55,8 @@ TABLE2 = [
 ]
 
 
-
 def t2_suffix(r: tuple) -> str:
+    """A Table 2 row's name suffix: its GPU count tells the three runs of one model apart."""
     return f"-t2-{r[6]}gpu"
 
 

@@ -3,6 +3,8 @@ collectives and spend their CPU, measured and as the simulator predicts it.
 
 The `scripts/probe_traces.py` subcommands print these beside each other; each function reads a
 recording (`manifest.json` and its traces, as `scripts/record_traces.py` writes them) or a trace.
+The simulator's charge to a rank's own thread (`issue_prices`, `thread_charges`) is what
+`scripts/probe_host.py issue-cost` and `thread-cpu` set beside their measurements.
 """
 from __future__ import annotations
 
@@ -171,6 +173,7 @@ def counting_cores(stats: collections.Counter):
 
 
 def collective_kind(block: str) -> str:
+    """A collective's kind from its block name (`grads12` -> `grads`): the probes price each kind once."""
     return block.rstrip("0123456789")
 
 

@@ -13,33 +13,16 @@ datasheet's "80 GB" is the HBM's size; a process sees less, and the cluster pres
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from simexec.calibrate.device_memory import keep_row, read_rows  # noqa: E402
+
 GiB = 1024**3
-COMMAND = "python scripts/device_memory.py --out FILE"
-
-
-def read_rows(path: Path) -> list[dict]:
-    """The rows already in `path` (none if it is missing); ValueError names a file not in this shape."""
-    if not path.exists():
-        return []
-    try:
-        rows = json.loads(path.read_text())["rows"]
-        if not all(isinstance(r, dict) and "gpu" in r for r in rows):
-            raise TypeError
-    except (ValueError, KeyError, TypeError):
-        raise ValueError(f"{path} is not a device memory file (a JSON object whose \"rows\" each name a \"gpu\")")
-    return rows
-
-
-def keep_row(path: Path, row: dict) -> None:
-    """Add `row` to the rows of `path` (made if missing), replacing an earlier row of the same GPU."""
-    rows = [r for r in read_rows(path) if r["gpu"] != row["gpu"]] + [row]
-    path.write_text(json.dumps({"command": COMMAND, "rows": rows}, indent=1) + "\n")
 
 
 def main() -> int:

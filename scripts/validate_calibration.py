@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 from simexec.calibrate.profiles import PARAMS  # noqa: E402
 from simexec.calibrate.evaluate import (  # noqa: E402
-    MATRIX, UnsteadyHostError, from_recording, refit, run_validation, save_outcome, summary_table, table,
+    MATRIX, from_recording, refit, run_validation_retrying, save_outcome, summary_table, table,
 )
 from simexec.calibrate.traces import TRACE_PARAMS  # noqa: E402
 from simexec.specs.cluster import get_cluster  # noqa: E402
@@ -189,19 +189,10 @@ def main(argv=None) -> int:
                             trace_params=trace_params)
         else:
             out = Path(args.out)
-            for attempt in range(1, args.attempts + 1):
-                try:
-                    outcome = run_validation(out, MATRIX, rounds=args.rounds, steps=args.steps,
-                                             quick_bench=args.quick, max_nfev=args.max_nfev, name=args.name,
-                                             progress=progress, cluster=cluster, trace_params=trace_params,
-                                             max_noise=args.max_noise)
-                    break
-                except UnsteadyHostError as exc:
-                    if attempt == args.attempts:
-                        raise
-                    progress(f"attempt {attempt} of {args.attempts}: {exc}; measuring again in "
-                             f"{args.retry_after:g} s")
-                    time.sleep(args.retry_after)
+            outcome = run_validation_retrying(out, MATRIX, attempts=args.attempts, retry_after_s=args.retry_after,
+                                              rounds=args.rounds, steps=args.steps, quick_bench=args.quick,
+                                              max_nfev=args.max_nfev, name=args.name, progress=progress,
+                                              cluster=cluster, trace_params=trace_params, max_noise=args.max_noise)
     except SimexecError as exc:
         print(f"validate_calibration: error: {exc}", file=sys.stderr)
         return 2

@@ -17,6 +17,16 @@ from simexec.trace.schema import Trace
 
 ROOT = Path(__file__).resolve().parents[1]
 
+
+def probe_host(*args: str, timeout: float = 240):
+    """`scripts/probe_host.py` run as a user runs it: (exit status, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "probe_host.py"), *args], capture_output=True,
+                         text=True, timeout=timeout, cwd=ROOT)
+    return out.returncode, out.stdout, out.stderr
+
 LOCAL = get_cluster("local")
 # A host-model profile of the order this machine measures (simexec.sim.host.model).
 TRUTH = {
@@ -170,14 +180,11 @@ def test_a_collectives_call_costs_its_thread_and_leaves_the_rest_of_its_latency(
                                         ("moe-tiny", "ep=2,dp=2,gbs=4,dtype=fp32"), ("gpt-tiny", "cp=2,gbs=2,dtype=fp32"),
                                         ("gpt-tiny", "cp=2,cp_impl=a2a,gbs=2,dtype=fp32")])
 def test_activation_collective_operators_match_the_executor(model, plan):
-    """`scripts/collective_ops.py`: what the interpreter dispatches around each activation
+    """`probe_host.py collective-ops`: what the interpreter dispatches around each activation
     collective, counted on rank 0 of a real step, is what the simulator charges for it."""
-    import sys
+    from simexec.calibrate.operator_counts import collective_operator_rows
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import collective_ops
-
-    rows = collective_ops.compare(model, plan)
+    rows = collective_operator_rows(model, plan)
     assert rows
     diff = [(r["phase"], r["block"], r["mb"], r["counted"], r["model"]) for r in rows
             if tuple(r["counted"]) != tuple(r["model"])]
@@ -185,38 +192,32 @@ def test_activation_collective_operators_match_the_executor(model, plan):
 
 
 def test_call_cpu_times_a_collectives_call_on_its_thread():
-    """scripts/call_cpu.py: the micro-benchmarks' `issue` on two real gloo ranks; a call into
+    """`probe_host.py call-cpu`: the micro-benchmarks' `issue` on two real gloo ranks; a call into
     torch.distributed costs its thread several times an operator (50-64 µs against 3-5 on the 2-core
     VM); a bad count is refused in one line."""
-    import sys
+    import re
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import call_cpu
-
-    assert call_cpu.main(["--reps", "0"]) == 2
-    from simexec.exec.runtime.spawn import spawn_ranks
-
-    got = spawn_ranks(call_cpu._rank, 2, (30,), 120.0)
-    assert len(got["call"]) == 30
-    assert statistics.median(got["call"]) > 3 * statistics.median(got["add"])
+    code, _, err = probe_host("call-cpu", "--reps", "0")
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    code, out, err = probe_host("call-cpu", "--reps", "30")
+    assert code == 0, err[-2000:]
+    call, add = (float(x) for x in re.findall(r"([0-9.]+) µs", out))
+    assert call > 3 * add
 
 
 def test_thread_cpu_charges_each_part_as_the_engine_does():
-    """scripts/thread_cpu.py: the charged column is the engine's charge to the rank's thread, split
+    """`probe_host.py thread-cpu`: the charged column is the engine's charge to the rank's thread, split
     by the parts the runner times (a collective's call inside `call <block>`); too few steps are
     refused in one line."""
-    import sys
+    from simexec.calibrate.host_probes import thread_charges
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import thread_cpu
-
-    assert thread_cpu.main(["--steps", "3"]) == 2
+    assert probe_host("thread-cpu", "--steps", "3")[0] == 2
     profile = ROOT / "traces" / "profiles" / "local-microbench.json"
     issue = 50e-6
     prof = json.loads(profile.read_text())
     prof["costs"]["collective_issue_s"] = issue
-    parts = thread_cpu.model_parts("gpt-tiny", "tp=2,gbs=4,dtype=fp32", prof)
-    plain = thread_cpu.model_parts("gpt-tiny", "tp=2,gbs=4,dtype=fp32", str(profile))
+    parts = thread_charges("gpt-tiny", "tp=2,gbs=4,dtype=fp32", prof)
+    plain = thread_charges("gpt-tiny", "tp=2,gbs=4,dtype=fp32", str(profile))
     assert {"compute fwd.qkv", "call attn_out", "wait attn_in"} <= set(parts)
     assert parts["call attn_out"] - plain["call attn_out"] == pytest.approx(4 * 4 * issue)  # 4 layers, 4 micro-batches
     assert parts["wait attn_out"] == pytest.approx(plain["wait attn_out"])

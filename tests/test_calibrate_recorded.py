@@ -14,9 +14,28 @@ from simexec.calibrate.traces import load_cases, predict_case
 from simexec.specs.cluster import get_cluster
 from simexec.sim.profile import apply_profile
 from simexec.trace.schema import load_json
+from simexec.calibrate import host_probes
 
 ROOT = Path(__file__).resolve().parents[1]
 DIR = ROOT / "traces" / "local"
+
+
+def probe(script: str, *args: str):
+    """`scripts/<script>` run as a user runs it: (exit status, stdout, stderr)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / script), *args], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT)
+    return out.returncode, out.stdout, out.stderr
+
+
+def probe_traces(*args: str):
+    return probe("probe_traces.py", *args)
+
+
+def probe_host(*args: str):
+    return probe("probe_host.py", *args)
 PROFILES = ROOT / "traces" / "profiles"
 pytestmark = pytest.mark.skipif(not (DIR / "manifest.json").exists(), reason="no recorded traces (scripts/record_traces.py)")
 
@@ -149,21 +168,17 @@ def test_a_broken_recording_is_refused_in_one_line(tmp_path, manifest_text, mess
         from_recording(tmp_path / "rec", tmp_path / "out")
 
 
-def _validate_calibration_script():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("validate_calibration", ROOT / "scripts" / "validate_calibration.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
-    return script
+def validate_calibration(*args: str):
+    """`scripts/validate_calibration.py` refusing its flags: (exit status, stderr lines)."""
+    code, _, err = probe("validate_calibration.py", *args)
+    return code, err.strip().splitlines()
 
 
-def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(capsys):
+def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line():
     """`--trace-params` names what the trace fit moves; a name no fit knows is refused before anything
     is read or measured."""
-    script = _validate_calibration_script()
-    assert script.main(["--refit", str(DIR), "--trace-params", "op,bandwidth"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = validate_calibration("--refit", str(DIR), "--trace-params", "op,bandwidth")
+    assert code == 2
     assert len(err) == 1 and "unknown bandwidth;" in err[0] and "intra_bw" in err[0]
 
 
@@ -172,45 +187,43 @@ def test_validate_calibration_refuses_an_unknown_trace_parameter_in_one_line(cap
     ("idle_poll_s=soon", "could not convert string to float"),
     ("idle_poll_s=-1", "idle_poll_s: Input should be greater than 0"),
 ])
-def test_validate_calibration_refuses_a_bad_cost_in_one_line(capsys, cost, message):
+def test_validate_calibration_refuses_a_bad_cost_in_one_line(cost, message):
     """`--cost NAME=VALUE` sets a number of the preset's costs for a what-if; a name it does not have,
     a value that is not a number or one outside the field's bounds is refused before anything is read."""
-    script = _validate_calibration_script()
-    assert script.main(["--refit", str(DIR), "--cost", cost]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    code, err = validate_calibration("--refit", str(DIR), "--cost", cost)
+    assert code == 2
     assert len(err) == 1 and message in err[0]
 
 
-def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch, capsys):
-    """`--attempts N` measures again, `--retry-after` seconds after each stop of `--max-noise`, up to N
-    measurements; the last stop is the one error line. Other errors are not tried again."""
+def test_validation_measures_again_after_a_stop_for_noise(tmp_path, monkeypatch):
+    """`--attempts N` (`run_validation_retrying`) measures again, `--retry-after` seconds after each stop
+    of `--max-noise`, up to N measurements; the last stop is raised. Other errors are not tried again."""
+    from simexec.calibrate import evaluate
     from simexec.calibrate.profiles import CalibrationError
-    from simexec.calibrate.evaluate import UnsteadyHostError
+    from simexec.calibrate.evaluate import UnsteadyHostError, run_validation_retrying
 
-    script = _validate_calibration_script()
-    calls, slept = [], []
+    calls, slept, said = [], [], []
 
     def unsteady(out, specs, **kw):
         calls.append(kw["max_noise"])
         raise UnsteadyHostError(f"the host is too unsteady to judge the simulator: attempt {len(calls)}")
 
-    monkeypatch.setattr(script, "run_validation", unsteady)
-    monkeypatch.setattr(script.time, "sleep", slept.append)
-    args = ["--out", str(tmp_path), "--max-noise", "5", "--attempts", "3", "--retry-after", "7"]
-    assert script.main(args) == 2
+    monkeypatch.setattr(evaluate, "run_validation", unsteady)
+    kw = dict(attempts=3, retry_after_s=7.0, sleep=slept.append, progress=said.append, max_noise=0.05)
+    with pytest.raises(UnsteadyHostError, match="attempt 3$"):
+        run_validation_retrying(tmp_path, **kw)
     assert calls == [0.05] * 3 and slept == [7.0, 7.0]
-    out, err = capsys.readouterr()
-    assert out.count("measuring again in 7 s") == 2
-    assert err.strip().splitlines() == ["validate_calibration: error: the host is too unsteady to judge the "
-                                        "simulator: attempt 3"]
+    assert sum("measuring again in 7 s" in line for line in said) == 2
 
     def broken(out, specs, **kw):
         calls.append(kw["max_noise"])
         raise CalibrationError("the plan matrix needs runnable calibration and held-out plans")
 
     calls.clear(), slept.clear()
-    monkeypatch.setattr(script, "run_validation", broken)
-    assert script.main(args) == 2 and len(calls) == 1 and not slept
+    monkeypatch.setattr(evaluate, "run_validation", broken)
+    with pytest.raises(CalibrationError, match="the plan matrix"):
+        run_validation_retrying(tmp_path, **kw)
+    assert len(calls) == 1 and not slept
 
 
 @pytest.mark.parametrize("args,message", [
@@ -218,19 +231,15 @@ def test_validate_calibration_measures_again_after_a_stop_for_noise(tmp_path, mo
     (["--attempts", "2", "--max-noise", "5", "--refit", "DIR"], "--attempts 2 needs --max-noise and a measurement"),
     (["--attempts", "2", "--max-noise", "5", "--retry-after", "-1"], "--retry-after -1: expected seconds >= 0"),
 ])
-def test_validate_calibration_refuses_retries_it_cannot_make_in_one_line(capsys, args, message):
-    script = _validate_calibration_script()
-    assert script.main([a if a != "DIR" else str(DIR) for a in args]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+def test_validate_calibration_refuses_retries_it_cannot_make_in_one_line(args, message):
+    code, err = validate_calibration(*[a if a != "DIR" else str(DIR) for a in args])
+    assert code == 2
     assert len(err) == 1 and message in err[0]
 
 
-def test_validate_calibration_attempts_must_be_a_whole_number(capsys):
-    script = _validate_calibration_script()
-    with pytest.raises(SystemExit) as exc:
-        script.main(["--attempts", "0"])
-    assert exc.value.code == 2
-    assert "expected a whole number >= 1, got '0'" in capsys.readouterr().err
+def test_validate_calibration_attempts_must_be_a_whole_number():
+    code, err = validate_calibration("--attempts", "0")
+    assert code == 2 and "expected a whole number >= 1, got '0'" in err[-1]
 
 
 GPU = ROOT / "traces" / "gpu"
@@ -240,16 +249,12 @@ def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_data
     """The executor's steps on one H100 (traces/gpu/steps, scripts/gpu_steps.py): the traces rebuild
     their models from the specs they carry (Hugging Face configs, no preset name), and the profile
     fitted to the calibration plans' traces halves the datasheet preset's error on the held-out ones."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_steps
-
-    cluster = get_cluster(gpu_steps.CLUSTER)
+    cluster = get_cluster(str(GPU / "h100-1gpu.yaml"))
     runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
-    held = [r for r in runs if r["name"] not in gpu_steps.CALIBRATE and not r.get("error")]
-    assert len(held) >= 3
     profile = load_profile(PROFILES / "h100-traces.json")
+    fitted = {Path(t).name.removesuffix(".json.gz") for t in profile["fit"]["traces"]}
+    held = [r for r in runs if r["name"] not in fitted and not r.get("error")]
+    assert len(held) >= 3 and fitted <= {r["name"] for r in runs}
     machine = profile["machine"]  # the traces' (the executor names the `device`), else the kernel profile's
     assert (machine.get("device") or machine.get("gpu")).startswith("NVIDIA H100")
     errs = {"datasheet": [], "traces": []}
@@ -266,21 +271,16 @@ def test_every_recorded_gpu_step_compares_with_the_current_simulator():
     recording must still be of the program the simulator lowers today (the instructions that ran:
     `program_executed`). A change to those instructions needs the steps recorded again on a GPU
     (`scripts/gpu_steps.py run`)."""
-    import sys
-
     from simexec.trace.compare import compare
     from simexec.sim.simulate import simulate
     from simexec.trace.schema import Trace
 
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import gpu_steps
-
     runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
-    assert {r["name"] for r in runs} == {name for name, *_ in gpu_steps.PLANS}
+    assert runs
     for r in runs:
         measured = Trace.load(GPU / "steps" / f"{r['name']}.json.gz")
-        predicted = simulate(str(ROOT / r["model"]), gpu_steps.CLUSTER, r["plan"], r["seq_len"], symmetric=False,
-                             trace=True).trace
+        predicted = simulate(str(ROOT / r["model"]), str(GPU / "h100-1gpu.yaml"), r["plan"], r["seq_len"],
+                             symmetric=False, trace=True).trace
         assert compare(predicted, measured).overall["count"] == len(measured.events), r["name"]
 
 
@@ -296,20 +296,15 @@ def test_the_gpu_trace_fit_finds_the_hosts_adam_rate_only_from_an_offloading_pla
 
 
 def test_time_split_sums_compute_and_communication_of_matching_events():
-    """scripts/time_split.py: one rank alone has no communication and its compute is predicted to
+    """`probe_traces.py time-split`: one rank alone has no communication and its compute is predicted to
     within the recorded profile's accuracy; a data-parallel plan's collectives are summed apart."""
-    import sys
-
     from simexec.trace.schema import Trace
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import time_split
 
     profile = load_profile(PROFILES / "local-traces.json")
     for name, has_comm in (("dp1.r1", False), ("dp4.r1", True)):
         trace = Trace.load(DIR / f"{name}.json.gz")
         predicted = predict_case(load_cases([DIR / f"{name}.json.gz"])[0], LOCAL, profile, trace=True).trace
-        parts = time_split.split(trace, predicted)
+        parts = host_probes.time_split(trace, predicted)
         measured_compute = sum(e.dur_us for e in trace.events if e.kind == "compute")
         assert parts["compute"][0] == pytest.approx(measured_compute)
         assert (parts["comm"][0] > 0) == has_comm
@@ -318,20 +313,16 @@ def test_time_split_sums_compute_and_communication_of_matching_events():
 
 
 def test_trace_sharing_counts_the_ranks_computing_at_once():
-    """scripts/trace_sharing.py: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
+    """`probe_traces.py trace-sharing`: two ranks whose 1 ms compute events overlap for 0.5 ms compute 4/3 at
     a time on average over the 1.5 ms that either does; on the recording, one rank alone computes one
     at a time and the four ranks of `dp=4` more than two. A collective's members wait for the last
     to call it."""
     import gzip
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import trace_sharing
 
     def ev(pid: int, ts: float, dur: float) -> dict:
         return {"ph": "X", "pid": pid, "ts": ts, "dur": dur, "args": {"kind": "compute", "phase": "fwd", "mb": 0}}
 
-    got = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
+    got = host_probes.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0), ev(1, 500.0, 1000.0)]})
     assert got["computing"] == pytest.approx(2000.0 / 1500.0) and got["ranks"] == 2
     assert got["compute_ms"] == pytest.approx(1.0) and got["span_ms"] == pytest.approx(1.5)
     assert got["compute_step_ms"] == pytest.approx(1.0)  # 2 ms of compute over two ranks
@@ -340,30 +331,30 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
             for r, end in ((0, 1000.0), (1, 2000.0), (2, 5000.0), (3, 5500.0))]
     groups = {(r, "c"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
     trace = {"traceEvents": [ev(0, 0.0, 1000.0)] + coll}
-    assert trace_sharing.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
-    assert trace_sharing.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
-    assert trace_sharing.plan_sharing(trace, groups)["late_wait_ms"] == 0.0  # every member called at 0
+    assert host_probes.plan_sharing(trace, groups)["ends_apart_ms"] == pytest.approx(0.75)
+    assert host_probes.plan_sharing(trace)["ends_apart_ms"] == pytest.approx(4.5)
+    assert host_probes.plan_sharing(trace, groups)["late_wait_ms"] == 0.0  # every member called at 0
     # the first group's second member calls 2 ms late: its first waits 2 ms, 1 ms a member, 0.5 ms a
     # collective over both groups, and 4 ms of waiting over 4 ranks in the step
     coll[1] = {**coll[1], "ts": 2000.0}
-    late = trace_sharing.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0)] + coll}, groups)
+    late = host_probes.plan_sharing({"traceEvents": [ev(0, 0.0, 1000.0)] + coll}, groups)
     assert late["late_wait_ms"] == pytest.approx(0.5) and late["late_wait_step_ms"] == pytest.approx(0.5)
     cases = {}
     for name, lo, hi in (("dp1.r1", 1.0, 1.0), ("dp4.r1", 2.0, 4.0)):
         with gzip.open(DIR / f"{name}.json.gz", "rt") as fh:
             trace = json.load(fh)
-        computing = trace_sharing.plan_sharing(trace)["computing"]
+        computing = host_probes.plan_sharing(trace)["computing"]
         assert lo - 1e-9 <= computing <= hi + 1e-9
-        cases[name] = trace_sharing.measured_case(trace, name)
+        cases[name] = host_probes.measured_case(trace, name)
     from simexec.trace.late_waits import collective_groups
     from simexec.trace.schema import Trace
 
     assert set(collective_groups(Trace.load(DIR / "dp4.r1.json.gz")).values()) == {(0, 1, 2, 3)}
     # the prediction of the same run: one rank alone at its own compute; dp=4's ranks all at once
     profile = json.loads((ROOT / "traces" / "profiles" / "local-traces.json").read_text())
-    one = trace_sharing.predicted_sharing(cases["dp1.r1"], profile)
+    one = host_probes.predicted_sharing(cases["dp1.r1"], profile)
     assert one["computing"] == pytest.approx(1.0) and one["ranks"] == 1
-    four = trace_sharing.predicted_sharing(cases["dp4.r1"], profile)
+    four = host_probes.predicted_sharing(cases["dp4.r1"], profile)
     assert four["ranks"] == 4 and four["computing"] == pytest.approx(4.0, rel=0.05)
     assert four["ends_apart_ms"] == 0.0  # a collective ends for all its members at once
     assert four["late_wait_ms"] == 0.0  # and its members, computing in step, call it at once
@@ -372,125 +363,105 @@ def test_trace_sharing_counts_the_ranks_computing_at_once():
     # a run that timed its CPU: two ranks of 30 and 50 ms a step (the second half) over 40 ms steps
     summary = {"step_times_s": [0.5] * 8 + [0.04] * 8,
                "cpu_times_s_per_rank": {"0": [0.5] * 8 + [0.03] * 8, "1": [0.5] * 8 + [0.05] * 8}}
-    assert trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": summary}}) == pytest.approx(2.0)
-    assert math.isnan(trace_sharing.cores_busy({"traceEvents": [], "metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
+    assert host_probes.cores_busy({"traceEvents": [], "metadata": {"summary": summary}}) == pytest.approx(2.0)
+    assert math.isnan(host_probes.cores_busy({"traceEvents": [], "metadata": {"summary": {"step_times_s": [0.04] * 16}}}))
 
 
-def test_trace_sharing_refuses_a_missing_profile_in_one_line(capsys):
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import trace_sharing
-
-    assert trace_sharing.main([str(DIR), "--profile", "/nonexistent/profile.json"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("trace_sharing: error:") and "\n" not in err and "profile.json" in err
+def test_trace_sharing_refuses_a_missing_profile_in_one_line():
+    code, _, err = probe_traces("trace-sharing", str(DIR), "--profile", "/nonexistent/profile.json")
+    assert code == 2
+    err = err.strip()
+    assert err.startswith("probe_traces.py trace-sharing: error:") and "\n" not in err and "profile.json" in err
 
 
 def test_collective_joins_times_a_collective_from_its_last_member_on():
-    """scripts/collective_joins.py: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
+    """`probe_traces.py collective-joins`: members that issue at 0 and 2 ms and end at 5 and 6 ms took a median
     3.5 ms once the last had joined; two groups that call it under one name are timed apart; on the
     recording, `dp=2`'s gradient all-reduce is found on both ranks, positive, and the script's report
     names its micro-benchmark."""
-    import sys
-
     from simexec.trace.schema import Event, Trace
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import collective_joins
 
     def ev(rank: int, start_ms: float, end_ms: float) -> Event:
         return Event(id=f"{rank}:bwd.grads0", rank=rank, stream="comm.dp", name="bwd.grads0", kind="collective",
                      op="allreduce@dp", start_us=start_ms * 1e3, dur_us=(end_ms - start_ms) * 1e3, bytes=4096.0)
 
-    got = collective_joins.joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
+    got = host_probes.collective_joins([ev(0, 0.0, 5.0), ev(1, 2.0, 6.0)], "comm.dp", ("bwd.grads",))
     assert got == [("bwd.grads0", "allreduce", 2, 4096, pytest.approx(3.5))]
     # two groups under one name, each timed from its own last member
     four = [ev(0, 0.0, 5.0), ev(1, 2.0, 6.0), ev(2, 10.0, 11.0), ev(3, 10.0, 12.0)]
     groups = {(r, "bwd.grads0"): (0, 1) if r < 2 else (2, 3) for r in range(4)}
-    got = collective_joins.joins(four, "comm.dp", ("bwd.grads",), groups)
+    got = host_probes.collective_joins(four, "comm.dp", ("bwd.grads",), groups)
     assert [(m, ms) for _, _, m, _, ms in got] == [(2, pytest.approx(3.5)), (2, pytest.approx(1.5))]
     trace = Trace.load(DIR / "dp2.r1.json.gz")
-    (name, verb, members, nbytes, ms), = collective_joins.joins(trace.events, "comm.dp", ("bwd.grads",))
+    (name, verb, members, nbytes, ms), = host_probes.collective_joins(trace.events, "comm.dp", ("bwd.grads",))
     assert verb == "allreduce" and members == 2 and nbytes > 0 and ms > 0
-    alone = collective_joins.bench_alone(DIR, "allreduce", 2, nbytes)
+    alone = host_probes.bench_alone(DIR, "allreduce", 2, nbytes)
     assert alone is not None and alone[0] > 0 and alone[2] == 1 << 20
-    assert collective_joins.main([str(DIR)]) == 0
-    assert collective_joins.main([str(DIR), "--stream", "comm.nowhere"]) == 2
+    assert probe_traces("collective-joins", str(DIR))[0] == 0
+    assert probe_traces("collective-joins", str(DIR), "--stream", "comm.nowhere")[0] == 2
 
 
 def test_issue_cost_prices_each_kind_of_collective_as_the_simulator_charges_it():
-    """scripts/issue_cost.py: the model columns are `issue_split` per kind of collective (a ZeRO-3
+    """`probe_host.py issue-cost`: the model columns are `issue_split` per kind of collective (a ZeRO-3
     gather of one gpt-tiny layer: the Python around it before the call, once waited the Python again
     and a pass of two operators over each of its 16 tensors); a warm-up longer than the run is refused
     with a one-line error."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import issue_cost
-
     profile = ROOT / "traces" / "profiles" / "local-microbench.json"
     prof = json.loads(profile.read_text())
-    prices = issue_cost.model_prices("gpt-tiny", "dp=4,zero=3,gbs=8,dtype=fp32", str(profile))
+    prices = host_probes.issue_prices("gpt-tiny", "dp=4,zero=3,gbs=8,dtype=fp32", str(profile))
     python = prof["costs"]["instr_overhead_s"]
     layer = (python, python + 2 * 16 * prof["device"]["launch_overhead_s"])
     assert set(prices) == {"gather", "grads"} and prices["gather"] == pytest.approx(layer)
-    assert issue_cost.kind_of("grads12") == "grads" and issue_cost.kind_of("grads_rep0") == "grads_rep"
-    assert issue_cost.main(["--steps", "3"]) == 2
+    assert host_probes.collective_kind("grads12") == "grads" and host_probes.collective_kind("grads_rep0") == "grads_rep"
+    assert probe_host("issue-cost", "--steps", "3")[0] == 2
 
 
-def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one(capsys):
-    """scripts/tensor_passes.py: a per-tensor time for each kind of pass the host model counts (or
+def test_tensor_passes_times_each_kind_of_pass_and_refuses_an_empty_one():
+    """`probe_host.py tensor-passes`: a per-tensor time for each kind of pass the host model counts (or
     leaves out); a pass over no tensors is refused with a one-line error."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import tensor_passes
-
-    got = tensor_passes.time_passes(4, (8, 8), 5)
-    assert len(got) == 4 and all(us > 0 for us in got.values())
-    assert tensor_passes.main(["--tensors", "0"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "--tensors" in err[0]
+    code, out, err = probe_host("tensor-passes", "--tensors", "4", "--shape", "8,8", "--repeats", "5")
+    assert code == 0, err[-2000:]
+    times = [float(line.split()[-4]) for line in out.splitlines() if line.endswith("µs a tensor")]
+    assert len(times) == 4 and all(us > 0 for us in times)
+    code, _, err = probe_host("tensor-passes", "--tensors", "0")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "--tensors" in err[0]
 
 
 def test_wake_cpu_times_the_main_threads_cpu_per_wait_and_refuses_bad_flags():
-    """scripts/wake_cpu.py: two gloo ranks, each loop's wall and main-thread CPU per iteration, and
+    """`probe_host.py wake-cpu`: two gloo ranks, each loop's wall and main-thread CPU per iteration, and
     what the all-reduce and the sleep add; nonsense flags are refused in one line."""
     import subprocess
     import sys
 
-    script = str(ROOT / "scripts" / "wake_cpu.py")
-    out = subprocess.run([sys.executable, script, "--iters", "3", "--rounds", "1"], capture_output=True, text=True,
-                         timeout=240)
+    script = str(ROOT / "scripts" / "probe_host.py")
+    out = subprocess.run([sys.executable, script, "wake-cpu", "--iters", "3", "--rounds", "1"], capture_output=True,
+                         text=True, timeout=240)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["1"], ["4"], ["16"])]
     assert [(r[0], r[1]) for r in rows] == [(k, m) for k in ("1", "4", "16") for m in ("none", "allreduce", "sleep")]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows) and all(len(r) == 5 for r in rows if r[1] != "none")
-    bad = subprocess.run([sys.executable, script, "--ranks", "1"], capture_output=True, text=True, timeout=60)
+    bad = subprocess.run([sys.executable, script, "wake-cpu", "--ranks", "1"], capture_output=True, text=True,
+                         timeout=60)
     assert bad.returncode == 2 and "--ranks >= 2" in bad.stderr.strip().splitlines()[-1]
 
 
-def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(capsys, tmp_path):
-    """scripts/recording_cpu.py: per plan of a recording that timed its ranks' CPU, the main thread's
+def test_recording_cpu_sets_each_plans_predicted_cpu_beside_the_measured(tmp_path):
+    """`probe_traces.py recording-cpu`: per plan of a recording that timed its ranks' CPU, the main thread's
     and every thread's CPU a step and the cores busy, predicted and measured; a directory without a
     manifest is refused in one line."""
-    import sys
-
-    sys.path.insert(0, str(ROOT / "scripts"))
-    import recording_cpu
-
     here = ROOT / "traces" / "local-sched-idle"
     prof = {k: v for k, v in load_profile(PROFILES / "local-sched-idle-traces.json").items()
             if k in ("costs", "device", "node")}
-    (row,) = recording_cpu.rows(here, prof, ("dp2",))
+    (row,) = host_probes.recording_cpu_rows(here, prof, ("dp2",))
     p, m = row["predicted"], row["measured"]
     assert 0 < m["main_thread_s"] <= m["per_rank_s"] and 0 < p["main_thread_s"] <= p["per_rank_s"]
     assert 0.5 < p["main_thread_s"] / m["main_thread_s"] < 2 and 1 < m["cores_busy"] <= 2
-    assert recording_cpu.main(["--plans", "dp2"]) == 0 and "dp2" in capsys.readouterr().out
-    assert recording_cpu.main([str(tmp_path)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "manifest.json" in err[0]
-    assert recording_cpu.main(["--profile", str(tmp_path / "none.json"), "--plans", "dp2"]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "none.json" in err[0]
+    code, out, _ = probe_traces("recording-cpu", "--plans", "dp2")
+    assert code == 0 and "dp2" in out
+    code, _, err = probe_traces("recording-cpu", str(tmp_path))
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "manifest.json" in err[0]
+    code, _, err = probe_traces("recording-cpu", "--profile", str(tmp_path / "none.json"), "--plans", "dp2")
+    err = err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "none.json" in err[0]

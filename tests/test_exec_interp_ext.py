@@ -155,7 +155,7 @@ def test_zero2_over_several_micro_batches_holds_its_partition_and_fills_its_buck
     and makes its reduce bucket as the head's weight gradient lands, before the head's backward lets
     its inputs go. Every rank within 3% of the prediction in bf16, over two micro-batches and with
     small buckets (what remains is the head's weight gradient beside the new bucket, about 1.5%);
-    before both, +6.1% and -4.8% (scripts/memory_sweep.py)."""
+    before both, +6.1% and -4.8% (scripts/probe_host.py memory-sweep)."""
     from simexec.sim.simulate import simulate
 
     for plan in ("dp=2,zero=2,mbs=2,gbs=8", "dp=4,zero=2,mbs=2,gbs=8,bucket_mb=0.05"):

@@ -15,9 +15,11 @@ import pytest
 from simexec.exec.runtime.launcher import live_workers
 
 REPO = Path(__file__).resolve().parents[1]
-PRELUDE = f"""
+# the child imports the project and these tests from this checkout
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), str(REPO / "tests")]
+                                                          + [p for p in [os.environ.get("PYTHONPATH")] if p])}
+PRELUDE = """
 import os, sys, json, functools
-sys.path[:0] = [{str(REPO)!r}, {str(REPO / 'tests')!r}]
 import test_exec_launch as T
 from simexec.exec.api import execute
 """
@@ -101,7 +103,8 @@ def alive(pids) -> list[int]:
 
 @pytest.mark.ray
 def test_two_ray_nodes_keep_tp_groups_together():
-    out = subprocess.run([sys.executable, "-c", TWO_NODES], cwd=REPO, capture_output=True, text=True, timeout=300)
+    out = subprocess.run([sys.executable, "-c", TWO_NODES], cwd=REPO, env=CHILD_ENV, capture_output=True, text=True,
+                         timeout=300)
     line = next((l for l in out.stdout.splitlines() if l.startswith("RESULT ")), None)
     assert line, out.stdout[-2000:] + out.stderr[-4000:]
     res = json.loads(line[len("RESULT "):])
@@ -115,7 +118,7 @@ def test_two_ray_nodes_keep_tp_groups_together():
 
 @pytest.mark.ray
 def test_ctrl_c_tears_everything_down():
-    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED], cwd=REPO, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-c", INTERRUPTED], cwd=REPO, env=CHILD_ENV, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 180

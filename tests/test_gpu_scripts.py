@@ -1,5 +1,6 @@
 """The GPU diagnostics' arithmetic, on hand-made inputs (the measurements themselves need a GPU):
-scripts/block_profile.py's split of an instruction's time, scripts/gpu_profile.py's planning cost."""
+scripts/block_profile.py's split of an instruction's time (simexec.trace.profiler), scripts/gpu_profile.py's
+planning cost and kernel fit (simexec.calibrate.gpu_kernels)."""
 from __future__ import annotations
 
 import json
@@ -9,10 +10,9 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-import block_profile  # noqa: E402
-import gpu_profile  # noqa: E402
+from simexec.calibrate import device_memory
+from simexec.calibrate.gpu_kernels import fit_kernel_profile, plan_costs
+from simexec.trace.profiler import block_instances, gemm_shapes
 
 
 def _x(cat: str, name: str, ts: float, dur: float, **args) -> dict:
@@ -37,7 +37,7 @@ def test_block_profile_splits_the_last_instance_of_each_instruction():
         _x("cpu_op", "aten::add", 1500, 10),  # after the range
         _x("user_annotation", "bwd.fc1.L0.m0", 1400, 10),  # another block
     ]
-    [row] = block_profile.block_instances(events, "experts")
+    [row] = block_instances(events, "experts")
     assert row["name"] == "fwd.experts.L0.m0" and row["host_us"] == 400 and row["ops"] == 2
     assert row["kernels"] == 2 and row["kernel_us"] == 65
     assert row["device_span_us"] == 60 and row["gap_before_first_kernel_us"] == 300
@@ -56,14 +56,14 @@ def test_block_profile_splits_the_blocks_gemms_by_whether_their_shape_was_met():
         _x("user_annotation", "fwd.experts.L0.m1", 200, 100), mm(210, [[7, 8], [8, 4]], 41), mm(260, [[5, 8], [8, 4]], 8),
         mm(400, [[9, 8], [8, 4]], 50),  # outside every experts range
     ]
-    assert block_profile.gemm_shapes(events, "experts") == {"met": [9, 8], "new": [40, 41]}
+    assert gemm_shapes(events, "experts") == {"met": [9, 8], "new": [40, 41]}
 
 
 def test_gemm_plan_cost_is_a_new_shape_less_a_repeated_one_per_dtype():
     rows = [{"dtype": dt, "case": case, "median_us": us} for dt, case, us in (
         ("bf16", "repeat", 16.0), ("bf16", "repeat", 20.0), ("bf16", "new_rows", 130.0), ("bf16", "new_inner", 110.0),
         ("fp32", "repeat", 30.0), ("fp32", "new_rows", 25.0), ("fp32", "new_inner", 27.0))]
-    got = gpu_profile.plan_costs(rows)
+    got = plan_costs(rows)
     assert got["bf16"] == pytest.approx((120.0 - 18.0) * 1e-6)
     assert got["fp32"] == 0.0  # never negative: no planning to see
 
@@ -76,7 +76,7 @@ def test_kernel_profiles_come_from_their_recorded_kernels(tmp_path, name, raw, c
     root = Path(__file__).resolve().parent.parent
     committed = json.loads((root / "traces/profiles" / f"{name}.json").read_text())
     out = tmp_path / f"{name}.json"
-    gpu_profile.fit(str(root / "traces/gpu" / raw), cluster, str(out), None)
+    fit_kernel_profile(str(root / "traces/gpu" / raw), cluster, str(out))
     refit = json.loads(out.read_text())
     assert refit["base_cluster"] == committed["base_cluster"] == cluster
     assert refit["measured_at"] == committed["measured_at"]
@@ -98,8 +98,6 @@ def test_device_memory_refuses_a_machine_without_cuda_in_one_line():
 def test_device_memory_keeps_one_row_per_gpu(tmp_path):
     """`--out` adds this GPU's row to the file and replaces an earlier one of the same GPU, so
     traces/gpu/device_memory.json is what the script writes, one machine at a time."""
-    import device_memory
-
     out = tmp_path / "memory.json"
     device_memory.keep_row(out, {"gpu": "H100", "total_memory_bytes": 1.0})
     device_memory.keep_row(out, {"gpu": "H200", "total_memory_bytes": 2.0})

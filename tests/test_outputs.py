@@ -86,18 +86,16 @@ def test_commands_refuse_a_bad_output_before_they_run(tmp_path, capsys, monkeypa
     ("bench_exec", ["--json", "{tmp}"]),
     ("record_traces", ["--from", "{tmp}", "--out", "{tmp}/f"]),
 ])
-def test_long_scripts_refuse_a_bad_output_before_they_run(tmp_path, capsys, monkeypatch, script, argv):
-    import importlib.util
+def test_long_scripts_refuse_a_bad_output_before_they_run(tmp_path, script, argv):
+    import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location(script, os.path.join(root, "scripts", f"{script}.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, script, module)  # dataclasses look their module up
-    spec.loader.exec_module(module)
     (tmp_path / "f").write_text("x")
-    assert module.main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and ": error: " in err
+    out = subprocess.run([sys.executable, os.path.join(root, "scripts", f"{script}.py"),
+                          *[a.replace("{tmp}", str(tmp_path)) for a in argv]],
+                         capture_output=True, text=True, timeout=120, cwd=root)
+    assert out.returncode == 2
+    assert out.stdout == "" and out.stderr.count("\n") == 1 and ": error: " in out.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["f"]
 
 
@@ -111,18 +109,19 @@ def test_written_files_take_the_umask_like_open(tmp_path):
     assert (tmp_path / "a.json").read_bytes() == b"{}"
 
 
-def test_knob_cost_refuses_a_bad_knob_in_one_line_before_it_runs(capsys, monkeypatch):
-    """scripts/knob_cost.py checks its plans with the simulator before it starts any rank."""
-    import importlib.util
+def test_knob_cost_refuses_a_bad_knob_in_one_line_before_it_runs():
+    """`probe_host.py knob-cost` checks its plans with the simulator before it starts any rank."""
+    import subprocess
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    spec = importlib.util.spec_from_file_location("knob_cost", os.path.join(root, "scripts", "knob_cost.py"))
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, "knob_cost", module)
-    spec.loader.exec_module(module)
-    assert module.main(["--knob", "param_overlap=1", "dp=2,zero=3,gbs=8"]) == 2
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1 and "param_overlap=1 needs zero=1 or 2, got zero=3" in err
-    with pytest.raises(SystemExit) as exc:
-        module.main(["--knob", "mbs=2"])  # no default plans for it
-    assert exc.value.code == 2 and "no default plans for --knob mbs=2" in capsys.readouterr().err
+
+    def knob_cost(*args):
+        return subprocess.run([sys.executable, os.path.join(root, "scripts", "probe_host.py"), "knob-cost", *args],
+                              capture_output=True, text=True, timeout=120, cwd=root)
+
+    out = knob_cost("--knob", "param_overlap=1", "dp=2,zero=3,gbs=8")
+    assert out.returncode == 2
+    assert out.stdout == "" and out.stderr.count("\n") == 1
+    assert "param_overlap=1 needs zero=1 or 2, got zero=3" in out.stderr
+    out = knob_cost("--knob", "mbs=2")  # no default plans for it
+    assert out.returncode == 2 and "no default plans for --knob mbs=2" in out.stderr

@@ -12,9 +12,9 @@ from simexec.errors import PlanError, SimexecError, SpecError
 from simexec.specs.mesh import Mesh
 from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, load_plan, parse_plan, resolve
+from simexec.validation.published import DATA as PUBLISHED  # the published tables, sources inside
 
 ROOT = Path(__file__).resolve().parent.parent
-PUBLISHED = Path(__file__).parent / "data" / "published"  # copies of the published tables, sources inside
 EXAMPLES = ROOT / "docs" / "examples"
 
 TINY = MODELS["gpt-tiny"]  # 4 layers, 4 heads, 4 KV heads, FFN 256, seq 64, dense

@@ -1,11 +1,10 @@
-"""Predictions against published training results (scripts/validate_published.py; docs/validation.md).
+"""Predictions against published training results (simexec.validation.predictions, run by
+scripts/validate_published.py; docs/validation.md).
 
 The Megatron rows here are the quicker part of SC'21 Table 1 (the script runs all ten, Table 2 and
 BLOOM too); the targets are the issue's: every row within 15%, the median within 7%.
 """
-import importlib.util
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -13,11 +12,7 @@ from simexec.program.blocks import Anatomy
 from simexec.specs.cluster import get_cluster
 from simexec.specs.model import get_model
 from simexec.specs.plan import load_plan, resolve
-
-ROOT = Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("validate_published", ROOT / "scripts" / "validate_published.py")
-vp = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vp)
+from simexec.validation import predictions, published
 
 QUICK = ("megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "megatron-39.1b", "megatron-76.1b",
          "megatron-145.6b")
@@ -25,7 +20,7 @@ QUICK = ("megatron-1.7b", "megatron-3.6b", "megatron-7.5b", "megatron-18.4b", "m
 
 @pytest.fixture(scope="module")
 def megatron_rows():
-    return vp.megatron_rows(vp.TABLE1, only=lambda name: name in QUICK, log=lambda *_: None)
+    return predictions.megatron_rows(published.TABLE1, only=lambda name: name in QUICK, log=lambda *_: None)
 
 
 def test_megatron_rows_meet_the_targets(megatron_rows):
@@ -44,31 +39,31 @@ def test_rows_carry_the_schema(megatron_rows):
 
 
 def test_zero_model_states_are_exact_to_the_formula():
-    rows = vp.zero_rows(log=lambda *_: None)
+    rows = predictions.zero_rows(log=lambda *_: None)
     assert [r["name"] for r in rows] == [f"zero-7.5b-64gpu-stage{s}" for s in range(4)]
     for stage, r in enumerate(rows):
-        assert r["predicted"] * 1e9 == pytest.approx(vp.zero_formula(stage), rel=1e-12)
+        assert r["predicted"] * 1e9 == pytest.approx(predictions.zero_formula(stage), rel=1e-12)
         assert abs(r["error"]) < 0.015  # Figure 1 prints 120, 31.4, 16.6, 1.9 GB: rounding only
 
 
 def test_rule_for_micro_batches_and_virtual_stages():
     """One rule for every row: mbs 1; the largest vpp <= 3 dividing the layers per stage."""
-    got = {vp.megatron_name(r[0]): vp.megatron_rule(r[3], r[4], r[5], r[6], r[7]) for r in vp.TABLE1}
+    got = {published.megatron_name(r[0]): published.megatron_rule(r[3], r[4], r[5], r[6], r[7]) for r in published.TABLE1}
     assert {k: v["vpp"] for k, v in got.items()} == {
         "megatron-1.7b": 1, "megatron-3.6b": 1, "megatron-7.5b": 1, "megatron-18.4b": 1, "megatron-39.1b": 3,
         "megatron-76.1b": 3, "megatron-145.6b": 2, "megatron-310.1b": 3, "megatron-529.6b": 3, "megatron-1t": 2}
-    for (params, heads, hidden, layers, tp, pp, gpus, gbs, _), r in zip(vp.TABLE1, got.values()):
+    for (params, heads, hidden, layers, tp, pp, gpus, gbs, _), r in zip(published.TABLE1, got.values()):
         assert r["mbs"] == 1 and r["dp"] * tp * pp == gpus
         assert r["micro_batches"] % pp == 0  # the interleaved schedule's condition
-        assert r["bucket_mb"] == (25.0 if pp == 1 else vp.WHOLE_BUFFER_MB)
+        assert r["bucket_mb"] == (25.0 if pp == 1 else published.WHOLE_BUFFER_MB)
 
 
 def test_presets_are_the_table_models():
-    for params, heads, hidden, layers, *_ in vp.TABLE1:
-        m = get_model(vp.megatron_name(params))
+    for params, heads, hidden, layers, *_ in published.TABLE1:
+        m = get_model(published.megatron_name(params))
         assert (m.heads, m.hidden, m.layers, m.vocab) == (heads, hidden, layers, 51200)
         assert m.params / 1e9 == pytest.approx(params, rel=0.03)  # the paper rounds 1.65B to 1.7
-        assert m == vp.megatron_model(heads, hidden, layers, m.name).model_copy(update={"source": m.source})
+        assert m == published.megatron_model(heads, hidden, layers, m.name).model_copy(update={"source": m.source})
 
 
 def test_eq3_counts_four_forward_passes():
@@ -76,7 +71,7 @@ def test_eq3_counts_four_forward_passes():
     B, s, l, h, V = 512, 2048, 24, 2304, 51200
     layers = 4 * (24 * B * s * l * h * h + 4 * B * s * s * l * h)
     head = 3 * 2 * B * s * h * V
-    assert vp.eq3_flops(B, s, l, h, V) == pytest.approx(layers + head, rel=1e-12)
+    assert published.eq3_flops(B, s, l, h, V) == pytest.approx(layers + head, rel=1e-12)
 
 
 def test_unfused_attention_streams_its_scores_through_memory():
@@ -98,9 +93,9 @@ def test_unfused_attention_streams_its_scores_through_memory():
 
 def test_markdown_block_is_replaced_in_place(tmp_path):
     doc = tmp_path / "validation.md"
-    doc.write_text(f"# Title\n\nintro\n\n{vp.BEGIN}\nold\n{vp.END}\n\n## Findings\nkept\n")
-    rows = [vp.row("megatron-x", "src", vp.TFLOPS, 100.0, 104.0, plan="tp=1", cluster="c")]
-    vp.update_markdown(doc, vp.to_markdown(rows, "cmd"))
+    doc.write_text(f"# Title\n\nintro\n\n{predictions.BEGIN}\nold\n{predictions.END}\n\n## Findings\nkept\n")
+    rows = [predictions.row("megatron-x", "src", published.TFLOPS, 100.0, 104.0, plan="tp=1", cluster="c")]
+    predictions.update_markdown(doc, predictions.to_markdown(rows, "cmd"))
     text = doc.read_text()
     assert text.startswith("# Title\n\nintro\n\n") and text.endswith("\n\n## Findings\nkept\n")
     assert "old" not in text and "| megatron-x | 100 | 104 | +4.0% |" in text

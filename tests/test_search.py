@@ -3,7 +3,6 @@ force (with the simulator and with a fast stand-in), parallel and repeated runs 
 published Megatron-LM configuration against the search, and the errors a user sees."""
 import functools
 import hashlib
-import importlib.util
 import json
 import os
 import random
@@ -25,6 +24,7 @@ from simexec.search.bounds import Bounds
 from simexec.search.report import explain, pareto_front
 from simexec.search.space import AnyOf, SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
 from simexec.sim.simulate import simulate
+from simexec.validation import plan_search, sweeps, topologies
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ("gpt3-1.3b", "dgx-a100-80g", 16)  # model, cluster, gbs: 20,861 plans
@@ -688,19 +688,16 @@ def test_ctrl_c_keeps_the_best_so_far(tmp_path):
     assert "INTERRUPTED" in err
 
 
-# --- published configurations: Megatron-LM SC'21 Table 1 (scripts/validate_search.py) --------------
+# --- published configurations: Megatron-LM SC'21 Table 1 (simexec.validation.plan_search) ---
 
-_spec = importlib.util.spec_from_file_location("validate_search", ROOT / "scripts" / "validate_search.py")
-vs = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(vs)
 _CHECKS: dict = {}
 
 
 def _table1_check(name: str) -> dict:
     """One row's check (criteria (a) and (b) of docs/validation.md), run once per session."""
     if name not in _CHECKS:
-        row = next(r for r in vs.table1() if r["name"] == name)
-        _CHECKS[name] = vs.check_row(row)
+        row = next(r for r in plan_search.table1() if r["name"] == name)
+        _CHECKS[name] = plan_search.check_row(row)
     return _CHECKS[name]
 
 
@@ -740,26 +737,23 @@ def test_megatron_table1_plan_ranks_among_the_top(name):
 def test_bloom_published_pair_is_searched_with_deepspeeds_split():
     """BLOOM-176B's tp 4 x pp 12 on 70 layers exists only with an uneven split (scripts/validate_search.py
     runs the whole row: the published pair ranks second of 16, docs/validation.md)."""
-    row = vs.bloom()
-    model, cluster, recipe, shared, _ = vs.row_setup(row)
-    assert (4, 12) in vs.pairs(model, cluster, row["gbs"], shared)
+    row = plan_search.bloom()
+    model, cluster, recipe, shared, _ = plan_search.row_setup(row)
+    assert (4, 12) in plan_search.pairs(model, cluster, row["gbs"], shared)
     assert recipe(4, 12)["stages"] == (5,) + (6,) * 10 + (5,)
     # 384 GPUs and a global batch of 2048: pp must hold the factor 3, which 70 layers cannot split evenly
-    assert vs.pairs(model, cluster, row["gbs"], {**shared, "stages": None}) == []
+    assert plan_search.pairs(model, cluster, row["gbs"], {**shared, "stages": None}) == []
 
 
-# --- published rankings: Megatron-LM SC'21 Figures 13-15 (scripts/validate_sweeps.py) ---------------
-_sweeps_spec = importlib.util.spec_from_file_location("validate_sweeps", ROOT / "scripts" / "validate_sweeps.py")
-vw = sys.modules["validate_sweeps"] = importlib.util.module_from_spec(_sweeps_spec)  # its dataclasses look it up
-_sweeps_spec.loader.exec_module(vw)
+# --- published rankings: Megatron-LM SC'21 Figures 13-15 (simexec.validation.sweeps) ---------------
 
 
 @pytest.mark.parametrize("figure,gbs", [(13, 32), (14, 128), (15, 128)])
 def test_sc21_sweeps_order_as_published(figure, gbs):
     """Figure 13: tp x pp = 64 peaks at tp 8; Figures 14 and 15: throughput falls as pipeline or
     tensor parallelism replaces data parallelism."""
-    sweep = next(s for s in vw.SWEEPS if s.figure == figure)
-    r = vw.run_sweep(sweep, gbs)
+    sweep = next(s for s in sweeps.SWEEPS if s.figure == figure)
+    r = sweeps.run_sweep(sweep, gbs)
     assert [x["degree"] for x in r["rows"]] == [2, 4, 8, 16, 32]
     for x in r["rows"]:
         p = parse_plan(x["plan"])
@@ -767,27 +761,24 @@ def test_sc21_sweeps_order_as_published(figure, gbs):
     assert r["holds"], [(x["degree"], round(x["tflops"], 1)) for x in r["rows"]]
 
 
-# --- published rankings: BigScience's BLOOM topology benchmarks (scripts/validate_topologies.py) ----
-_topo_spec = importlib.util.spec_from_file_location("validate_topologies", ROOT / "scripts" / "validate_topologies.py")
-vt = sys.modules["validate_topologies"] = importlib.util.module_from_spec(_topo_spec)
-_topo_spec.loader.exec_module(vt)
+# --- published rankings: BigScience's BLOOM topology benchmarks (simexec.validation.topologies) ----
 
 
 def test_bigscience_runs_read_as_the_models_they_name():
     """20 runs, 3 of them out of memory; the shapes are the sizes the benchmark names them by."""
-    runs = vt.read_runs()
+    runs = topologies.read_runs()
     assert len(runs) == 20 and sum(r["oom"] for r in runs) == 3
     assert all((r["sec_per_it"] is None) == r["oom"] for r in runs)
-    assert sorted({round(vt.model_of(r).params / 1e9) for r in runs}) == [176, 178, 184, 195, 203, 206]
+    assert sorted({round(topologies.model_of(r).params / 1e9) for r in runs}) == [176, 178, 184, 195, 203, 206]
     assert all(r["dp"] * r["tp"] * r["pp"] == 384 for r in runs)
 
 
 def test_bigscience_176b_runs_faster_at_tp4_than_tp8_as_measured():
     """The 176B shape at micro-batch 2: dp 8 x tp 4 measured 19% faster than dp 4 x tp 8 (same pp 12)."""
-    runs = [r for r in vt.read_runs() if (r["layers"], r["heads"], r["mbs"]) == (70, 64, 2)]
-    results = [vt.simulate_run(r) for r in runs]
+    runs = [r for r in topologies.read_runs() if (r["layers"], r["heads"], r["mbs"]) == (70, 64, 2)]
+    results = [topologies.simulate_run(r) for r in runs]
     assert all(r["fits"] for r in results)
-    (check,) = vt.order_checks(results)
+    (check,) = topologies.order_checks(results)
     assert check["faster"].startswith("dp 8 x tp 4") and check["measured_ratio"] > 1.15
     assert check["holds"], check
 

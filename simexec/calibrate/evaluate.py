@@ -382,6 +382,24 @@ def run_validation(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, rounds:
                             cluster=cluster, trace_params=trace_params)
 
 
+def run_validation_retrying(out_dir: Path, specs: Sequence[PlanSpec] = MATRIX, *, attempts: int = 1,
+                            retry_after_s: float = 300.0, sleep: Callable[[float], None] = time.sleep,
+                            progress: Optional[Callable[[str], None]] = None, **kw) -> Outcome:
+    """`run_validation`, measured again `retry_after_s` after each stop for noise (`UnsteadyHostError`),
+    up to `attempts` measurements in all: a shared host's busy spell passes, a broken input does not
+    (any other error is raised at once)."""
+    tick = progress or (lambda msg: None)
+    for attempt in range(1, attempts + 1):
+        try:
+            return run_validation(out_dir, specs, progress=progress, **kw)
+        except UnsteadyHostError as exc:
+            if attempt == attempts:
+                raise
+            tick(f"attempt {attempt} of {attempts}: {exc}; measuring again in {retry_after_s:g} s")
+            sleep(retry_after_s)
+    raise ValueError(f"attempts must be at least 1, got {attempts}")
+
+
 def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
           progress: Optional[Callable[[str], None]] = None, cluster: Optional[ClusterSpec] = None,
           trace_params: Optional[Sequence[str]] = None) -> Outcome:

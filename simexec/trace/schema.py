@@ -146,7 +146,7 @@ def ends_when_waited(meta: dict) -> tuple[str, ...]:
     """Collectives whose measured end (in a trace the executor recorded) is when it waited for them,
     not when they finished: gloo, on CPU ranks, runs a reduce-scatter as an all-reduce on a worker
     thread and copies the slice out in `wait()`; until then its work does not report completion
-    (`scripts/gloo_threads.py`). Their measured durations say nothing about the transfer.
+    (`scripts/probe_host.py gloo-threads`). Their measured durations say nothing about the transfer.
 
     The executor runs a CPU reduce-scatter as an all-reduce itself, which completes when it ends
     (`simexec.exec.rank.collectives.reduce_scatter_by_all_reduce`), and says so in its traces

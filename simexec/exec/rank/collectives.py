@@ -60,7 +60,7 @@ class _SliceWork:
 def reduce_scatter_by_all_reduce(out: Tensor, inp: Tensor, group=None, async_op: bool = False):
     """gloo's reduce-scatter, done the way gloo does it (an all-reduce of a copy of the input, then
     this rank's slice), but with an honest completion: gloo's own reports completion only inside
-    `wait()`, which copies the slice out (`scripts/gloo_threads.py`), so a trace would time it from
+    `wait()`, which copies the slice out (`scripts/probe_host.py gloo-threads`), so a trace would time it from
     issue to wait. The copy is the backend's temporary, as gloo's is: not counted in peak memory."""
     tracker = _TRACKER[0]
     if tracker is not None:

@@ -7,7 +7,7 @@ bytes are for is not registered yet) it returns to epoll, which reports the sock
 With spare cores that costs nothing. With CPU ranks sharing a few cores, `perf` shows both ranks'
 loops spinning on the two cores while the collectives' worker threads sleep, until the scheduler's
 next tick (4 ms at HZ=250): a 1 MB two-rank all-reduce issued right after 20 ms of compute took a
-median 3.8 ms, 95% of samples over 2 ms, on a 2-core VM (`python scripts/collective_series.py
+median 3.8 ms, 95% of samples over 2 ms, on a 2-core VM (`python scripts/probe_host.py collective-series
 --compute-ms 20 --gloo-loops default`). With the loop threads at `SCHED_IDLE`, which any other
 runnable thread preempts, the same all-reduce took 1.8 ms, 18% over 2 ms (`--gloo-loops idle`;
 docs/calibration_findings.md, "gloo's spinning event loop"). The loop still runs whenever a core has nothing

@@ -27,7 +27,7 @@ instruction to the next keeps its core. A thread that wakes onto an idle core wa
 instead: on a virtual machine an idle vCPU is halted, and
 once it has been idle past the hypervisor's poll window (`idle_poll_s`, KVM's 200 µs) the host
 gives its physical core away and must schedule it again, `idle_wake_s` (fitted;
-`scripts/idle_wake.py` measures it). So a member that waits for a late one in a collective wakes slowly,
+`scripts/probe_host.py idle-wake` measures it). So a member that waits for a late one in a collective wakes slowly,
 and a busy host wakes threads faster than an idle one. A rank of a symmetric program stands for
 `len(represents[r])` identical ranks: that many threads. A rank's event-loop thread,
 `(rank, "loop")`, is at Linux's `SCHED_IDLE` (gloo's TCP loops, as the executor runs them): it gets

@@ -21,7 +21,7 @@ ISSUE_OPS_PER_TENSOR = 2  # a side of a parameter unit's collective, per tensor:
 # Operators the interpreter dispatches around an activation collective (`simexec.exec.rank.interpreter.
 # activation_collective`, `alltoall`, `norm_grads`), its own c10d operator aside (the call, priced as
 # `collective_issue_s`): (before the call, once waited), per verb, read forward. Counted with a TorchDispatchMode
-# (`scripts/collective_ops.py`) on gpt-tiny and moe-tiny at tp 2 and 4 with and without sp, cp 2 and
+# (`scripts/probe_host.py collective-ops`) on gpt-tiny and moe-tiny at tp 2 and 4 with and without sp, cp 2 and
 # ep 2; the counts do not depend on sizes.
 # - all-reduce: the input detached and copied out (clone), then a slice and a view of the result;
 # - reduce-scatter: the input's dimension moved first and each member's chunk flattened and joined
@@ -67,7 +67,7 @@ def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> t
     - ZeRO-3 flattens a unit's gradients before their reduce-scatter (`grads`) and views its
       gathered parameters out (`gather`); for the backward YaFSDP also views the unit's gradients
       into its gradient buffer. (FSDP's release after a unit's last use points each parameter at
-      one empty tensor, no view: a tenth of a pass or less, `scripts/tensor_passes.py`.)"""
+      one empty tensor, no view: a tenth of a pass or less, `scripts/probe_host.py tensor-passes`.)"""
     if ins.kind != "collective" or not ins.items:
         return 0, 0
     block = ins.block

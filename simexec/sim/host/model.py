@@ -47,7 +47,7 @@ concatenation before, slices and views after), and a few more for each partial g
 replicated norm or router it sums (`partial_gradients`). What the thread does before
 the call joins the compute instruction before the collective in program order, what it does once
 waited the compute instruction after it.
-`scripts/issue_cost.py` times both sides per kind of collective in real steps, beside the model.
+`scripts/probe_host.py issue-cost` times both sides per kind of collective in real steps, beside the model.
 
 **How the cores are shared** is `simexec.sim.host.cores`: processor sharing with a wait for a woken
 thread (`Cores`, the default), or whole slices in turn (`SlicedCores`).
@@ -268,7 +268,7 @@ class HostCosts:
         for a collective that carries parameter units the passes over their tensors that
         `tensor_passes` counts, at `ISSUE_OPS_PER_TENSOR` operators a tensor; for an activation
         collective those of `activation_ops`. Once waited, a collective's Python again (the wait, its
-        result recorded: `scripts/issue_cost.py`'s `finish`) and the operators that put the result in
+        result recorded: `scripts/probe_host.py issue-cost`'s `finish`) and the operators that put the result in
         place."""
         call = self.issue_s if ins.kind == "collective" else 0.0
         if is_activation_collective(ins):
@@ -341,7 +341,7 @@ class HostCosts:
     def comm_seconds(self, steps: int, chunk: float) -> tuple[float, float, float]:
         """(call latency, CPU per step per member, latency per step) on an idle host. A step costs each
         member CPU: `comm_cpu_s` for handing the message between gloo's threads and the kernel (each
-        hand-off a thread wake-up and syscalls, dear on a VM: `scripts/comm_cpu.py` measures it),
+        hand-off a thread wake-up and syscalls, dear on a VM: `scripts/probe_host.py comm-cpu` measures it),
         and its bytes at `intra_bw` (x `intra_bw_eff`) bytes per second of a core, since loopback TCP
         copies them through the kernel. Only its latency is free."""
         c, node = self.cluster.costs, self.cluster.node

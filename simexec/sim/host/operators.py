@@ -49,7 +49,7 @@ def adam_kernel_passes(tensors: int, dtype: str, elements: float = 0.0, master_g
                        piece: int = ADAM_PIECE["cpu"]) -> int:
     """Tensors torch's CPU fused Adam runs its kernel over one at a time: `_fused_adam_` is one
     operator, but on a CPU it loops over its tensor lists and sets up a pass per tensor, which costs
-    about what an operator's dispatch does (`scripts/adam_passes.py`: 4.5-5.4 µs a tensor in a warm
+    about what an operator's dispatch does (`scripts/probe_host.py adam-passes`: 4.5-5.4 µs a tensor in a warm
     loop on the 2-core VM with torch 2.13). The tensors are the parameters, or under 16-bit gradients cast a piece at a time, the
     pieces' views (`adam_ops`)."""
     if dtype in ("bf16", "fp16") and not master_grads:

@@ -1,18 +1,9 @@
-#!/usr/bin/env python
-"""Aten operators the interpreter dispatches around each activation collective, against the model.
-
-    python scripts/collective_ops.py [--model gpt-tiny] [--plan tp=2,gbs=2,dtype=fp32]
-
-Runs one step of the plan as spawned gloo processes on 127.0.0.1 with a TorchDispatchMode counting
-operators on rank 0: those of the interpreter's call (`_Rank.collective`, the tensors prepared) and
-of the collective's `finish` (the result put in place once waited), without the c10d operator of
-the collective itself. Prints, per kind of activation collective (block, phase, micro-batch), what
-was counted beside what `simexec.sim.host.issue.activation_ops` charges for it. Exit 1 where any differs.
+"""Aten operators the interpreter dispatches around each activation collective, counted on rank 0 of
+a real step (spawned gloo ranks on 127.0.0.1), beside what the host model charges for them
+(`simexec.sim.host.issue.activation_ops`): the count the simulator's per-operator price stands on.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from contextlib import ExitStack
 from unittest import mock
 
@@ -63,7 +54,7 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
             out.put({k: tuple(v) for k, v in counts.items()})
 
 
-def compare(model: str, plan: str, timeout_s: float = 120.0) -> list[dict]:
+def collective_operator_rows(model: str, plan: str, timeout_s: float = 120.0) -> list[dict]:
     """One row per kind of activation collective on rank 0: counted and modelled operators."""
     from simexec.specs.cluster import get_cluster
     from simexec.exec.runtime.spawn import spawn_ranks
@@ -84,27 +75,3 @@ def compare(model: str, plan: str, timeout_s: float = 120.0) -> list[dict]:
                               "group": len(ins.group), "partial": partial, "counted": counted[ins.name],
                               "model": activation_ops(ins, partial)})
     return [rows[k] for k in sorted(rows)]
-
-
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default="gpt-tiny")
-    ap.add_argument("--plan", default="tp=2,gbs=2,dtype=fp32")
-    args = ap.parse_args(argv)
-    from simexec.errors import SimexecError
-
-    try:
-        rows = compare(args.model, args.plan)
-    except SimexecError as e:
-        print(f"collective_ops: {e}", file=sys.stderr)
-        return 2
-    print(f"{args.model} {args.plan}: operators on rank 0, (before the call, once waited)")
-    print(f"{'phase':5} {'block':14} {'verb':14} {'mb':3} {'group':>5} {'partial':>7}  counted   model")
-    for r in rows:
-        print(f"{r['phase']:5} {r['block']:14} {r['verb']:14} {r['mb']:3} {r['group']:5d} {r['partial']:7d}  "
-              f"{str(r['counted']):8}  {r['model']}")
-    return 0 if all(tuple(r["counted"]) == tuple(r["model"]) for r in rows) else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

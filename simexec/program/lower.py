@@ -25,7 +25,7 @@ from typing import Callable, Optional
 from simexec.program.blocks import Anatomy, Block
 from simexec.specs.plan import ResolvedPlan
 from simexec.program.instructions import Instr, Program
-from simexec.program.schedules import SPLIT_BACKWARD, Action, dualpipe_pairs, exchange_groups, pipeline_order
+from simexec.program.schedules import Action, dualpipe_pairs, exchange_groups, pipeline_order
 from simexec.sim.host.model import ADAM_FLOPS_PER_PARAM, dispatch_key
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
@@ -195,7 +195,7 @@ class _RankLowering:
         self.lazy_shards = 0.0  # ... and their bytes once all exist (freed after the optimizer step)
         # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
         # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         # tp_overlap: a column-parallel block's weight-gradient pass, held until the tp collective of its
         # input gradients is issued (`column_backward`, `tp`): (its `compute` arguments, what to free after it)
         self.pending_w: Optional[tuple] = None

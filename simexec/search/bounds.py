@@ -34,7 +34,6 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.program.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
-from simexec.program.schedules import INTERLEAVED, SPLIT_BACKWARD, V_SHAPED
 from simexec.search.space import Structure
 
 
@@ -261,14 +260,14 @@ class _StructureBounds:
         # virtual stage of each (pipeline rank, chunk), and the pipeline rank of each virtual stage
         self.stage = [[rp.stage(r, c) for c in range(p.vpp)] for r in range(p.pp)]
         self.owner = [rp.place(vs)[0] for vs in range(self.V)]
-        self.v_shaped = p.schedule_name in V_SHAPED
+        self.v_shaped = p.pipeline_schedule.v_shaped
         self.L = rp.model.layers
         self.sp = 1 if p.sp else 0
         self.dt, self.gdt = rp.dtype_bytes, rp.grad_bytes  # parameters, gradients
         model = rp.model
         ranks = self.mesh.rank_of_stage
         # zero-bubble schedules: B is the input-gradient pass, W the weight-gradient pass
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         self.F, self.B, self.W, self.saved, self.Ft, self.Bt = [], [], [], [], [], []
         self.kept: list[float] = []
         self.Fx, self.Bx = [], []  # the compute alone (F and B less the collectives they wait on)
@@ -489,11 +488,11 @@ class _StructureBounds:
     def _forwards_before_first_backward(self, r: int) -> list[int]:
         """How many forwards of each chunk rank r runs before its first backward (simexec.program.schedules)."""
         pp, m, v = self.pp, self.m, self.vpp
-        sched = self.p.schedule_name
-        if sched == "gpipe":
+        sched = self.p.pipeline_schedule
+        if sched.all_forwards_first:
             return [m]
-        if sched in V_SHAPED:  # counted on the schedule, once per shape
-            key = ("F", sched, pp, m, v)
+        if sched.v_shaped:  # counted on the schedule, once per shape
+            key = ("F", sched.name, pp, m, v)
             per_rank = self.b.live.get(key)
             if per_rank is None:
                 per_rank = []
@@ -506,10 +505,10 @@ class _StructureBounds:
                     per_rank.append(counts)
                 self.b.live[key] = per_rank
             return per_rank[r]
-        if sched not in INTERLEAVED:
+        if not sched.interleaved:
             return [min(pp - r, m)]
         total = m * v
-        hops = (pp - r - 1) * (2 if sched == "interleaved-1f1b" else 1)
+        hops = (pp - r - 1) * sched.warmup_per_later_rank
         w = min(min(hops + (v - 1) * pp, total) + 1, total)
         counts = [0] * v
         full, rest = divmod(w, pp)

@@ -59,7 +59,6 @@ from simexec.exec.nn.scaler import LossScaler
 from simexec.exec.rank.sharding import Sharding
 from simexec.exec.nn.weight_grads import DeferredWeights, backward_inputs
 from simexec.program.instructions import Instr
-from simexec.program.schedules import SPLIT_BACKWARD
 
 
 def _engine_backward(tensors: tuple, grads: tuple) -> None:
@@ -231,7 +230,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         # tp_overlap: the column-parallel blocks' backwards split alike, their `wgrad` right after the
         # input gradient's tp collective is issued
         self.split_blocks = {(i.block, i.layer, i.mb) for i in instrs if i.phase == "wgrad"} if p.tp_overlap else set()

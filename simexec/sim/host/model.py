@@ -57,7 +57,6 @@ from typing import Callable, Iterable, Optional
 
 from simexec.specs.cluster import ClusterSpec
 from simexec.program.instructions import Instr, Program
-from simexec.program.schedules import SPLIT_BACKWARD
 from simexec.sim.host.cores import Cores
 from simexec.sim.host.issue import ISSUE_OPS_PER_TENSOR, activation_ops, is_activation_collective, partial_gradients, tensor_passes
 
@@ -586,7 +585,7 @@ class HostCosts:
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
-        split = plan is not None and plan.schedule_name in SPLIT_BACKWARD
+        split = plan is not None and plan.pipeline_schedule.splits_backward
         if split:
             self.table = split_backward_table(self.table, key.split("/")[0], dtype=dtype)
         elif plan is not None and plan.tp_overlap:

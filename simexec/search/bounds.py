@@ -659,7 +659,7 @@ class _StructureBounds:
         zero_size = len(groups["zero"])
         edp = max(1, len(groups["edp"]))
         dt, gdt = self.dt, self.gdt
-        yafsdp = zero == 3 and (zero_impl or "fsdp") == "yafsdp" and zero_size > 1
+        preallocated = vrp.plan.zero3 is not None and vrp.plan.zero3.preallocated_buffers and zero_size > 1
         lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
         static, early, buffers, shards, main = [], [], [], [], []
         params = self._params()
@@ -670,7 +670,7 @@ class _StructureBounds:
             made = gdt * (prm["dense"] / zero_size * (zero_size > 1) + prm["expert"] / edp * (edp > 1)) if lazy else 0.0
             early.append(static[-1] - min(made, ms["grads"]))
             big = prm["biggest"]
-            buffers.append(2 * big * dt + 2 * big * gdt if yafsdp else 0.0)
+            buffers.append(2 * big * dt + 2 * big * gdt if preallocated else 0.0)
             shards.append(prm["dense"] / (zero_size if zero >= 1 else 1) + prm["expert"] / (edp if zero >= 1 else 1))
             main.append(shards[-1] * vrp.master_grad_bytes)
         out = self.b.memory[key] = (static, early, buffers, shards, main)

@@ -81,14 +81,18 @@ from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
 from simexec.program.schedules import SCHEDULES, default_schedule, schedule
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS
 
 MBS = (1, 2, 4, 8, 16)
 MIN_CP_CHUNK = 1024
 MAX_CP = 32
 MAX_VPP = 8
-# zero_impl=deepspeed is fsdp's program with the gradient shards held from the start: never faster,
-# never smaller, so the space leaves it out (`--fix zero_impl=deepspeed` still searches it)
-ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None), (3, "yafsdp"))
+# a ZeRO-3 flavour that holds its gradient shards from the start (zero_impl=deepspeed) runs the program
+# of one that does not, the shards held longer: never faster, never smaller, so the space leaves it out
+# (`--fix zero_impl=deepspeed` still searches it); None: the default flavour
+ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None)) + tuple(
+    (3, name) for name, flavour in ZERO3_FLAVOURS.items()
+    if name != DEFAULT_ZERO3_FLAVOUR and not flavour.holds_grad_shards)
 RECOMPUTE = ("none", "selective", "full")
 STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.

@@ -17,6 +17,7 @@ from simexec.specs.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
 from simexec.program.schedules import SCHEDULES, Schedule, default_schedule, schedule
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS, Zero3Flavour, zero3_flavour
 
 AXES = ("tp", "cp", "dp", "pp")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -38,7 +39,7 @@ class Plan(BaseModel):
     vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
     ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
-    zero_impl: Optional[Literal["fsdp", "yafsdp", "deepspeed"]] = Field(
+    zero_impl: Optional[Literal[tuple(ZERO3_FLAVOURS)]] = Field(
         None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
     dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
@@ -123,8 +124,9 @@ class Plan(BaseModel):
         return schedule(self.schedule_name)
 
     @property
-    def zero3_flavour(self) -> Optional[str]:
-        return (self.zero_impl or "fsdp") if self.zero == 3 else None
+    def zero3(self) -> Optional[Zero3Flavour]:
+        """The ZeRO-3 flavour's policy (`simexec.specs.zero3_flavours`); None unless zero=3."""
+        return zero3_flavour(self.zero_impl or DEFAULT_ZERO3_FLAVOUR) if self.zero == 3 else None
 
     @property
     def lazy_grad_shards(self) -> bool:
@@ -134,7 +136,7 @@ class Plan(BaseModel):
         step (`deepspeed`: DeepSpeed stage 3, the system of the ZeRO paper). Gathering is the same:
         `fsdp` and `deepspeed` allocate each unit's gathered parameters on demand, `yafsdp` reuses
         two buffers."""
-        return self.zero3_flavour in ("fsdp", "yafsdp")
+        return self.zero3 is not None and not self.zero3.holds_grad_shards
 
     def to_string(self) -> str:
         """The short form `parse_plan` reads back: only fields that differ from their defaults."""

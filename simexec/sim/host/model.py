@@ -603,7 +603,7 @@ class HostCosts:
         if plan is not None:
             self.window_ops = WINDOW_OPS["cp" if plan.cp > 1 else "fused" if plan.flash_attention else "unfused"]
         self.zero = plan.zero if plan is not None else 0
-        self.flavour = plan.zero3_flavour if plan is not None else None
+        self.zero3 = plan.zero3 if plan is not None else None
         self.sp = bool(plan.sp) if plan is not None else False
         self.step_ops = 0  # what loss scaling and clipping add to the step
         if plan is not None:
@@ -717,7 +717,7 @@ class HostCosts:
             partial = partial_gradients(self.model, ins, self.sp)
             before, after = activation_ops(ins, partial)
             return self.instr_s + call + before * self.op_s, self.instr_s + after * self.op_s
-        before, after = tensor_passes(ins, self.zero, self.flavour)
+        before, after = tensor_passes(ins, self.zero, self.zero3)
         per_pass = 0.0
         if (before or after) and self.model is not None:
             part = "expert" if ins.axis == "edp" else "dense"

@@ -411,10 +411,11 @@ class _RankLowering:
         for cat in ("params", "grads", "optimizer"):
             self.memory("alloc", cat, states[cat], f"{cat}.static")
         self.memory("alloc", "workspace", self.rp.cluster.costs.workspace_bytes, "workspace")
-        if self.p.zero3 is not None and self.p.zero3.preallocated_buffers and self.zero_size > 1:
+        zero3 = self.p.zero3
+        if zero3 is not None and zero3.preallocated_buffers and self.zero_size > 1:
             biggest = max(sum(self.unit_params(u)) for c in range(self.p.vpp) for u in self.units(c))
-            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, "yafsdp.params")
-            self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, "yafsdp.grads")
+            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, f"{zero3.name}.params")
+            self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, f"{zero3.name}.grads")
 
     @property
     def zero_size(self) -> int:

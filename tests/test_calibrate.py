@@ -131,7 +131,7 @@ def test_zero_collectives_pay_for_the_tensor_passes_the_interpreter_makes(plan, 
     eng, instrs = _engine(plan)
     ins = next(i for i in instrs if i.kind == "collective" and i.block == block and i.phase == phase)
     p = load_plan(plan)
-    assert tensor_passes(ins, p.zero, p.zero3_flavour) == passes
+    assert tensor_passes(ins, p.zero, p.zero3) == passes
     per_pass = 2 * sum(unit_tensor_count(get_model("gpt-tiny"), u) for u in ins.items) * TRUTH["device"]["launch_overhead_s"]
     python = TRUTH["costs"]["instr_overhead_s"]  # the interpreter's, on both sides
     assert eng.machine.host.issue_split(ins) == pytest.approx((python + passes[0] * per_pass, python + passes[1] * per_pass))

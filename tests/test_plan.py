@@ -219,7 +219,7 @@ def test_tp_overlap_needs_tp_and_a_whole_backward():
 
 def test_zero_impl_needs_zero3():
     refused(TINY, "local", "dp=2,zero=2,zero_impl=yafsdp", "zero_impl=yafsdp needs zero=3, got zero=2")
-    assert ok(TINY, "local", "dp=2,zero=3,zero_impl=yafsdp").plan.zero3_flavour == "yafsdp"
+    assert ok(TINY, "local", "dp=2,zero=3,zero_impl=yafsdp").plan.zero3.name == "yafsdp"
 
 
 def test_grad_allreduce_needs_zero1():

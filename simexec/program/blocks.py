@@ -42,7 +42,7 @@ class Block:
     # and (autograd without fused wgrad) the largest weight-gradient temporary. Weight gradients that
     # accumulate in place into main_grad (Megatron's gradient_accumulation_fusion) count nothing here.
     bwd_workspace: float = 0.0
-    # Split by a zero-bubble schedule (`simexec.program.schedules.SPLIT_BACKWARD`) into the input-gradient pass
+    # Split by a zero-bubble schedule (`Schedule.splits_backward`) into the input-gradient pass
     # and the weight-gradient pass: the latter's GEMM FLOPs and memory traffic (parts of the backward's),
     # its weight-gradient temporary (part of `bwd_workspace`) and the output gradients it reads, which
     # the input-gradient pass leaves kept until it runs

@@ -26,9 +26,9 @@ from simexec.program.blocks import Anatomy, Block
 from simexec.specs.plan import ResolvedPlan
 from simexec.program.groups import rank_groups
 from simexec.program.instructions import Instr, Program
-from simexec.program.schedules import SPLIT_BACKWARD, Action, dualpipe_pairs, exchange_groups, pipeline_order
 from simexec.program.adam import ADAM_FLOPS_PER_PARAM
 from simexec.program.dispatch_key import dispatch_key
+from simexec.program.schedules import Action, dualpipe_pairs, exchange_groups, pipeline_order
 
 # Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism.
 _TP_OPS = {
@@ -181,7 +181,7 @@ class _RankLowering:
         self.lazy_shards = 0.0  # ... and their bytes once all exist (freed after the optimizer step)
         # zero-bubble schedules: a unit's activations live until its weight-gradient pass, which frees
         # them (the frees its input-gradient pass would have made, held per (unit, micro-batch))
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         # tp_overlap: a column-parallel block's weight-gradient pass, held until the tp collective of its
         # input gradients is issued (`column_backward`, `tp`): (its `compute` arguments, what to free after it)
         self.pending_w: Optional[tuple] = None
@@ -397,10 +397,11 @@ class _RankLowering:
         for cat in ("params", "grads", "optimizer"):
             self.memory("alloc", cat, states[cat], f"{cat}.static")
         self.memory("alloc", "workspace", self.rp.cluster.costs.workspace_bytes, "workspace")
-        if self.p.zero3_flavour == "yafsdp" and self.zero_size > 1:
+        zero3 = self.p.zero3
+        if zero3 is not None and zero3.preallocated_buffers and self.zero_size > 1:
             biggest = max(sum(self.unit_params(u)) for c in range(self.p.vpp) for u in self.units(c))
-            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, "yafsdp.params")
-            self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, "yafsdp.grads")
+            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, f"{zero3.name}.params")
+            self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, f"{zero3.name}.grads")
 
     @property
     def zero_size(self) -> int:
@@ -813,7 +814,7 @@ class _RankLowering:
             deps = (self._emit(Instr(self.rank, f"copy.{tag}", "copy", "copy.h2d", "h2d", phase=phase,
                                      block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
                                      deps=tuple(d for d in deps if d), items=(unit,))),)
-        if self.p.zero3_flavour != "yafsdp":
+        if not self.p.zero3.preallocated_buffers:
             self.memory("alloc", "buffers", self.z3_bytes(unit, dt), tag, stream=f"comm.{self.zero_axis}", deps=deps)
         n = self.coll(tag, "allgather", self.zero_axis, self.g_zero, dense * dt, deps, phase=phase, block="gather",
                       layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
@@ -821,7 +822,7 @@ class _RankLowering:
         n = self.coll(tag + ".experts", "allgather", "edp", self.g_edp, expert * dt, deps, phase=phase,
                       block="gather", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         names.append(n)
-        if self.p.zero3_flavour == "yafsdp" and phase == "bwd":
+        if self.p.zero3.preallocated_buffers and phase == "bwd":
             # the backward accumulates into the parity's gradient buffer: its last reduce-scatter first
             names += [self.z3_busy.pop((cls, unit % 2), None) for cls in ("dense", "expert")]
         return [n for n in names if n]
@@ -841,7 +842,7 @@ class _RankLowering:
         self.wait.extend(self.gathers.get((unit, phase, mb), ()))
 
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
-        if self._zero3() and self.p.zero3_flavour != "yafsdp":
+        if self._zero3() and not self.p.zero3.preallocated_buffers:
             tag = f"{phase}.gather.L{unit}.m{mb}"
             for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self._tied_head(unit) else []):
                 self.memory("free", "buffers", self.z3_bytes(u, self.rp.dtype_bytes), t)
@@ -857,7 +858,7 @@ class _RankLowering:
             if not self._zero3():
                 return self.bucket_if(last, unit, dense, expert, after)
             for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self._tied_head(unit) else []):
-                if self.p.zero3_flavour != "yafsdp":
+                if not self.p.zero3.preallocated_buffers:
                     self.memory("alloc", "buffers", self.z3_bytes(u, gdt), f"bwd.grads.L{u}.m{mb}{suffix}.unsharded",
                                 deps=(after,))
                 if self.p.grad_overlap:
@@ -887,10 +888,10 @@ class _RankLowering:
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         self.grad_colls += [n for n in (a, b) if n]
         for cls, n in (("dense", a), ("expert", b)):
-            if n and self.p.zero3_flavour == "yafsdp":
+            if n and self.p.zero3.preallocated_buffers:
                 self.z3_busy[(cls, unit % 2)] = n
         landed = tuple(n for n in (a, b) if n)
-        if self.p.zero3_flavour != "yafsdp":
+        if not self.p.zero3.preallocated_buffers:
             self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{self.zero_axis}", deps=landed)
         if not first:
             self.memory("free", "grads", shard, f"{tag}.out", stream=f"comm.{self.zero_axis}", deps=landed)

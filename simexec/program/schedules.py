@@ -11,7 +11,8 @@ orders the actions; lowering turns each into instructions.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from dataclasses import dataclass
+from typing import Callable, Literal, NamedTuple, Optional
 
 from simexec.errors import PlanError
 
@@ -244,19 +245,14 @@ def _dualpipe_v(pp: int, rank: int, m: int) -> tuple[list[Action], frozenset[int
     return out, frozenset(pairs)
 
 
-def stage_of(schedule: str, pp: int, rank: int, chunk: int) -> int:
-    """The virtual stage that chunk `chunk` of pipeline rank `rank` holds."""
-    if schedule in V_SHAPED:
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
+def stage_of(schedule_name: str, pp: int, rank: int, chunk: int) -> int:
+    """The virtual stage that chunk `chunk` of pipeline rank `rank` holds under a schedule."""
+    return schedule(schedule_name).stage_of(pp, rank, chunk)
 
 
-def place_of(schedule: str, pp: int, stage: int) -> tuple[int, int]:
+def place_of(schedule_name: str, pp: int, stage: int) -> tuple[int, int]:
     """(pipeline rank, chunk) holding virtual stage `stage`: the inverse of `stage_of`."""
-    chunk, rank = divmod(stage, pp)
-    if schedule in V_SHAPED and chunk:
-        rank = pp - 1 - rank
-    return rank, chunk
+    return schedule(schedule_name).place_of(pp, stage)
 
 
 def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
@@ -268,13 +264,13 @@ def _interleaved_warmup(pp: int, rank: int, m: int, vpp: int) -> int:
     return min((pp - rank - 1) * 2 + (vpp - 1) * pp, total)
 
 
-def exchange_groups(acts: list[Action], schedule: str, pp: int, rank: int, m: int,
+def exchange_groups(acts: list[Action], schedule_name: str, pp: int, rank: int, m: int,
                     vpp: int = 1) -> list[list[Action]]:
     """A rank's actions (`pipeline_order(...)[rank]`) between two blocking pipeline exchanges, as
     Megatron-LM's schedules run them: one action each, except the interleaved schedule's steady
     state, which runs a forward and a backward and then exchanges for both
     (`send_forward_backward_recv_forward_backward`)."""
-    if schedule != "interleaved-1f1b":
+    if not schedule(schedule_name).grouped_exchanges:
         return [[a] for a in acts]
     warmup = _interleaved_warmup(pp, rank, m, vpp)
     steady_end = warmup + 2 * (m * vpp - warmup)
@@ -283,34 +279,103 @@ def exchange_groups(acts: list[Action], schedule: str, pp: int, rank: int, m: in
     return groups + [[a] for a in acts[steady_end:]]
 
 
-def pipeline_order(schedule: str, pp: int, m: int, vpp: int = 1) -> dict[int, list[Action]]:
+def pipeline_order(schedule_name: str, pp: int, m: int, vpp: int = 1) -> dict[int, list[Action]]:
     """rank -> ordered actions for every pipeline rank."""
-    if schedule == "gpipe":
-        return {r: gpipe(pp, r, m) for r in range(pp)}
-    if schedule == "1f1b":
-        return {r: one_f_one_b(pp, r, m) for r in range(pp)}
-    if schedule == "interleaved-1f1b":
-        return {r: interleaved_1f1b(pp, r, m, vpp) for r in range(pp)}
-    if schedule == "zb-h1":
-        return {r: zb_h1(pp, r, m) for r in range(pp)}
-    if schedule == "zb-v":
-        return {r: zb_v(pp, r, m) for r in range(pp)}
-    if schedule == "dualpipev":
-        if m < 2 * pp:
-            raise PlanError(f"dualpipev needs at least 2*pp = {2 * pp} micro-batches, got {m}")
-        return {r: dualpipe_v(pp, r, m) for r in range(pp)}
-    if schedule == "interleaved-zb":
-        if m % pp:
-            raise PlanError(f"interleaved-zb needs micro-batches ({m}) divisible by pp={pp}")
-        return {r: interleaved_zb(pp, r, m, vpp) for r in range(pp)}
-    raise PlanError(f"unknown schedule {schedule!r}; schedules: {', '.join(SCHEDULES)}")
+    sched = schedule(schedule_name)
+    if m < sched.min_micro_batches_per_pp * pp:
+        raise PlanError(f"{sched.name} needs at least {sched.min_micro_batches_per_pp}*pp ="
+                        f" {sched.min_micro_batches_per_pp * pp} micro-batches, got {m}")
+    if sched.micro_batches_divisible_by_pp and m % pp:
+        raise PlanError(f"{sched.name} needs micro-batches ({m}) divisible by pp={pp}")
+    return {r: sched.order(pp, r, m, vpp) for r in range(pp)}
 
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev")
-SPLIT_BACKWARD = ("zb-h1", "interleaved-zb", "zb-v", "dualpipev")  # schedules whose backward is split into B and W
-INTERLEAVED = ("interleaved-1f1b", "interleaved-zb")  # schedules over vpp virtual stages in a loop
-V_SHAPED = ("zb-v", "dualpipev")  # two chunks per rank in a V (`stage_of`)
-MULTI_CHUNK = INTERLEAVED + V_SHAPED  # schedules with more than one chunk per rank
+Placement = Literal["one", "loop", "v"]
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A pipeline schedule and the traits lowering, simulation, search and plan validation ask of it;
+    adding a schedule is adding its order function and one record to `SCHEDULES`."""
+
+    name: str
+    order: Callable[[int, int, int, int], list[Action]]  # (pp, rank, micro-batches, vpp) -> one rank's actions
+    # how a rank's chunks map to virtual stages: one chunk; vpp chunks in a loop over the ranks
+    # (chunk c of rank r is stage c pp + r); two chunks in a V (rank r holds stages r and 2 pp - 1 - r)
+    placement: Placement = "one"
+    splits_backward: bool = False  # the backward split into B (input gradients) and W (weight gradients)
+    all_forwards_first: bool = False  # every forward before the first backward (GPipe)
+    warmup_per_later_rank: int = 1  # a loop schedule's warm-up forwards per pipeline rank after this one
+    grouped_exchanges: bool = False  # blocking exchanges pair a forward with a backward in the steady state
+    overlapped_pairs: bool = False  # pairs of one chunk's forward and another's backward (dualpipe_overlap)
+    min_micro_batches_per_pp: int = 0  # the order needs at least this many micro-batches per pipeline rank
+    micro_batches_divisible_by_pp: bool = False  # the order walks micro-batches in rounds of pp
+    # why blocking pipeline exchanges (p2p_overlap=0) deadlock under this order; None: they do not
+    blocking_exchanges_deadlock: Optional[str] = None
+
+    @property
+    def multi_chunk(self) -> bool:
+        """More than one chunk per rank (vpp > 1)."""
+        return self.placement != "one"
+
+    @property
+    def interleaved(self) -> bool:
+        """vpp chunks per rank in a loop over the ranks (Megatron's interleaved assignment)."""
+        return self.placement == "loop"
+
+    @property
+    def v_shaped(self) -> bool:
+        """Two chunks per rank in a V."""
+        return self.placement == "v"
+
+    def runs_with_vpp(self, vpp: int) -> bool:
+        """Whether this schedule runs with `vpp` chunks per rank."""
+        return {"one": vpp == 1, "loop": vpp >= 2, "v": vpp == 2}[self.placement]
+
+    def stage_of(self, pp: int, rank: int, chunk: int) -> int:
+        """The virtual stage that chunk `chunk` of pipeline rank `rank` holds."""
+        if self.v_shaped:
+            return rank if chunk == 0 else 2 * pp - 1 - rank
+        return chunk * pp + rank
+
+    def place_of(self, pp: int, stage: int) -> tuple[int, int]:
+        """(pipeline rank, chunk) holding virtual stage `stage`: the inverse of `stage_of`."""
+        chunk, rank = divmod(stage, pp)
+        if self.v_shaped and chunk:
+            rank = pp - 1 - rank
+        return rank, chunk
+
+
+_P2P_V = "with blocking exchanges one action at a time, the two ends of a V each wait for the other's send"
+_P2P_ZB = ("its order pairs no forward with a backward, so blocking exchanges one action at a time wait on"
+           " each other")
+
+SCHEDULES: dict[str, Schedule] = {s.name: s for s in (
+    Schedule("gpipe", lambda pp, r, m, v: gpipe(pp, r, m), all_forwards_first=True),
+    Schedule("1f1b", lambda pp, r, m, v: one_f_one_b(pp, r, m)),
+    Schedule("interleaved-1f1b", interleaved_1f1b, placement="loop", warmup_per_later_rank=2,
+             grouped_exchanges=True, micro_batches_divisible_by_pp=True),
+    Schedule("zb-h1", lambda pp, r, m, v: zb_h1(pp, r, m), splits_backward=True),
+    Schedule("interleaved-zb", interleaved_zb, placement="loop", splits_backward=True,
+             micro_batches_divisible_by_pp=True, blocking_exchanges_deadlock=_P2P_ZB),
+    Schedule("zb-v", lambda pp, r, m, v: zb_v(pp, r, m), placement="v", splits_backward=True,
+             blocking_exchanges_deadlock=_P2P_V),
+    Schedule("dualpipev", lambda pp, r, m, v: dualpipe_v(pp, r, m), placement="v", splits_backward=True,
+             overlapped_pairs=True, min_micro_batches_per_pp=2, blocking_exchanges_deadlock=_P2P_V),
+)}
+
+
+def schedule(name: str) -> Schedule:
+    """The schedule named `name`."""
+    try:
+        return SCHEDULES[name]
+    except KeyError:
+        raise PlanError(f"unknown schedule {name!r}; schedules: {', '.join(SCHEDULES)}") from None
+
+
+def default_schedule(vpp: int) -> str:
+    """The schedule a plan that names none runs: 1F1B, interleaved when there are several chunks per rank."""
+    return "interleaved-1f1b" if vpp > 1 else "1f1b"
 
 
 def format_order(order: dict[int, list[Action]]) -> str:

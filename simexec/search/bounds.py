@@ -34,7 +34,6 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.program.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
-from simexec.program.schedules import INTERLEAVED, SPLIT_BACKWARD, V_SHAPED
 from simexec.search.space import Structure
 
 
@@ -261,14 +260,14 @@ class _StructureBounds:
         # virtual stage of each (pipeline rank, chunk), and the pipeline rank of each virtual stage
         self.stage = [[rp.stage(r, c) for c in range(p.vpp)] for r in range(p.pp)]
         self.owner = [rp.place(vs)[0] for vs in range(self.V)]
-        self.v_shaped = p.schedule_name in V_SHAPED
+        self.v_shaped = p.pipeline_schedule.v_shaped
         self.L = rp.model.layers
         self.sp = 1 if p.sp else 0
         self.dt, self.gdt = rp.dtype_bytes, rp.grad_bytes  # parameters, gradients
         model = rp.model
         ranks = self.mesh.rank_of_stage
         # zero-bubble schedules: B is the input-gradient pass, W the weight-gradient pass
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         self.F, self.B, self.W, self.saved, self.Ft, self.Bt = [], [], [], [], [], []
         self.kept: list[float] = []
         self.Fx, self.Bx = [], []  # the compute alone (F and B less the collectives they wait on)
@@ -489,11 +488,11 @@ class _StructureBounds:
     def _forwards_before_first_backward(self, r: int) -> list[int]:
         """How many forwards of each chunk rank r runs before its first backward (simexec.program.schedules)."""
         pp, m, v = self.pp, self.m, self.vpp
-        sched = self.p.schedule_name
-        if sched == "gpipe":
+        sched = self.p.pipeline_schedule
+        if sched.all_forwards_first:
             return [m]
-        if sched in V_SHAPED:  # counted on the schedule, once per shape
-            key = ("F", sched, pp, m, v)
+        if sched.v_shaped:  # counted on the schedule, once per shape
+            key = ("F", sched.name, pp, m, v)
             per_rank = self.b.live.get(key)
             if per_rank is None:
                 per_rank = []
@@ -506,10 +505,10 @@ class _StructureBounds:
                     per_rank.append(counts)
                 self.b.live[key] = per_rank
             return per_rank[r]
-        if sched not in INTERLEAVED:
+        if not sched.interleaved:
             return [min(pp - r, m)]
         total = m * v
-        hops = (pp - r - 1) * (2 if sched == "interleaved-1f1b" else 1)
+        hops = (pp - r - 1) * sched.warmup_per_later_rank
         w = min(min(hops + (v - 1) * pp, total) + 1, total)
         counts = [0] * v
         full, rest = divmod(w, pp)
@@ -660,7 +659,7 @@ class _StructureBounds:
         zero_size = len(groups["zero"])
         edp = max(1, len(groups["edp"]))
         dt, gdt = self.dt, self.gdt
-        yafsdp = zero == 3 and (zero_impl or "fsdp") == "yafsdp" and zero_size > 1
+        preallocated = vrp.plan.zero3 is not None and vrp.plan.zero3.preallocated_buffers and zero_size > 1
         lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
         static, early, buffers, shards, main = [], [], [], [], []
         params = self._params()
@@ -671,7 +670,7 @@ class _StructureBounds:
             made = gdt * (prm["dense"] / zero_size * (zero_size > 1) + prm["expert"] / edp * (edp > 1)) if lazy else 0.0
             early.append(static[-1] - min(made, ms["grads"]))
             big = prm["biggest"]
-            buffers.append(2 * big * dt + 2 * big * gdt if yafsdp else 0.0)
+            buffers.append(2 * big * dt + 2 * big * gdt if preallocated else 0.0)
             shards.append(prm["dense"] / (zero_size if zero >= 1 else 1) + prm["expert"] / (edp if zero >= 1 else 1))
             main.append(shards[-1] * vrp.master_grad_bytes)
         out = self.b.memory[key] = (static, early, buffers, shards, main)

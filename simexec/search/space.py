@@ -80,15 +80,19 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
-from simexec.program.schedules import SPLIT_BACKWARD
+from simexec.program.schedules import SCHEDULES, default_schedule, schedule
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS
 
 MBS = (1, 2, 4, 8, 16)
 MIN_CP_CHUNK = 1024
 MAX_CP = 32
 MAX_VPP = 8
-# zero_impl=deepspeed is fsdp's program with the gradient shards held from the start: never faster,
-# never smaller, so the space leaves it out (`--fix zero_impl=deepspeed` still searches it)
-ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None), (3, "yafsdp"))
+# a ZeRO-3 flavour that holds its gradient shards from the start (zero_impl=deepspeed) runs the program
+# of one that does not, the shards held longer: never faster, never smaller, so the space leaves it out
+# (`--fix zero_impl=deepspeed` still searches it); None: the default flavour
+ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None)) + tuple(
+    (3, name) for name, flavour in ZERO3_FLAVOURS.items()
+    if name != DEFAULT_ZERO3_FLAVOUR and not flavour.holds_grad_shards)
 RECOMPUTE = ("none", "selective", "full")
 STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
@@ -234,7 +238,7 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -
         stats.refuse(rule)
     if rp is None:
         return None
-    key0 = (fields["dp"], fields["ep"], fields["schedule"] in SPLIT_BACKWARD)
+    key0 = (fields["dp"], fields["ep"], rp.plan.pipeline_schedule.splits_backward)
     for state, rule in failed:
         state_ok[key0 + state] = rule
     state_ok[key0 + states[first]] = ""
@@ -274,12 +278,9 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
     layers_per_rank = model.layers // pp if model.layers % pp == 0 else 0
     vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 and layers_per_rank else [1]
     for vpp in _choices(fix, "vpp", vpps):
-        if pp == 1:
-            scheds = [None]
-        elif vpp == 1:
-            scheds = [None, "gpipe", "zb-h1"]  # None: 1f1b, the default
-        else:
-            scheds = [None, "interleaved-zb"] + (["zb-v", "dualpipev"] if vpp == 2 else [])  # None: interleaved-1f1b
+        scheds = [None]  # None: the default for vpp, then every other schedule that runs with it
+        if pp > 1:
+            scheds += [name for name, s in SCHEDULES.items() if s.runs_with_vpp(vpp) and name != default_schedule(vpp)]
         for stages in _stage_splits(model, fix, pp, vpp):
             per_stage = min(stages) if stages else model.layers // (pp * vpp)
             yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),
@@ -288,11 +289,12 @@ def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
 
 def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
     tp, cp, dp = split["tp"], split["cp"], split["dp"]
-    for schedule in _choices(fix, "schedule", scheds):
+    for schedule_name in _choices(fix, "schedule", scheds):
+        sched = schedule(schedule_name or default_schedule(split["vpp"]))
         # a zero-bubble schedule refuses sp (`simexec.specs.plan`): not enumerated, rather than refused
-        sps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
-        overlaps = [False, True] if schedule == "dualpipev" else [False]
-        tp_overlaps = [False, True] if tp > 1 and schedule not in SPLIT_BACKWARD else [False]
+        sps = [False, True] if tp > 1 and not sched.splits_backward else [False]
+        overlaps = [False, True] if sched.overlapped_pairs else [False]
+        tp_overlaps = [False, True] if tp > 1 and not sched.splits_backward else [False]
         for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
                                                _choices(fix, "tp_overlap", tp_overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
@@ -307,7 +309,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
                             for rl in rls:
-                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule, ep=ep, mbs=mbs,
+                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
                                            dualpipe_overlap=overlap, tp_overlap=tp_overlap)
 

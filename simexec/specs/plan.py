@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Callable, Iterable, Literal, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -16,7 +16,8 @@ from simexec.specs.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
 from simexec.specs.mesh import Mesh
 from simexec.specs.model import ModelSpec
-from simexec.program.schedules import INTERLEAVED, MULTI_CHUNK, SPLIT_BACKWARD, V_SHAPED, place_of, stage_of
+from simexec.program.schedules import SCHEDULES, Schedule, default_schedule, schedule
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS, Zero3Flavour, zero3_flavour
 
 AXES = ("tp", "cp", "dp", "pp")
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
@@ -38,13 +39,13 @@ class Plan(BaseModel):
     vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
     ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
-    zero_impl: Optional[Literal["fsdp", "yafsdp", "deepspeed"]] = Field(
+    zero_impl: Optional[Literal[tuple(ZERO3_FLAVOURS)]] = Field(
         None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
     dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
     gbs: Optional[int] = Field(None, gt=0, description="global batch (sequences); None = mbs*dp*pp")
-    schedule: Optional[Literal["gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev"]] = Field(
+    schedule: Optional[Literal[tuple(SCHEDULES)]] = Field(
         None, description="pipeline schedule; default 1f1b, interleaved-1f1b when vpp > 1; zb-h1: zero-bubble"
         " (Qi et al. 2024), the backward split into input and weight gradients, the latter filling the bubble;"
         " interleaved-zb: the same over vpp virtual stages; zb-v: zero-bubble over two chunks per rank placed in"
@@ -115,11 +116,17 @@ class Plan(BaseModel):
 
     @property
     def schedule_name(self) -> str:
-        return self.schedule or ("interleaved-1f1b" if self.vpp > 1 else "1f1b")
+        return self.schedule or default_schedule(self.vpp)
 
     @property
-    def zero3_flavour(self) -> Optional[str]:
-        return (self.zero_impl or "fsdp") if self.zero == 3 else None
+    def pipeline_schedule(self) -> Schedule:
+        """The schedule this plan runs, with its traits (`simexec.program.schedules.SCHEDULES`)."""
+        return schedule(self.schedule_name)
+
+    @property
+    def zero3(self) -> Optional[Zero3Flavour]:
+        """The ZeRO-3 flavour's policy (`simexec.specs.zero3_flavours`); None unless zero=3."""
+        return zero3_flavour(self.zero_impl or DEFAULT_ZERO3_FLAVOUR) if self.zero == 3 else None
 
     @property
     def lazy_grad_shards(self) -> bool:
@@ -129,7 +136,7 @@ class Plan(BaseModel):
         step (`deepspeed`: DeepSpeed stage 3, the system of the ZeRO paper). Gathering is the same:
         `fsdp` and `deepspeed` allocate each unit's gathered parameters on demand, `yafsdp` reuses
         two buffers."""
-        return self.zero3_flavour in ("fsdp", "yafsdp")
+        return self.zero3 is not None and not self.zero3.holds_grad_shards
 
     def to_string(self) -> str:
         """The short form `parse_plan` reads back: only fields that differ from their defaults."""
@@ -249,11 +256,11 @@ class ResolvedPlan:
 
     def stage(self, pp_rank: int, chunk: int) -> int:
         """The virtual stage of a pipeline rank's chunk (`simexec.program.schedules.stage_of`)."""
-        return stage_of(self.plan.schedule_name, self.plan.pp, pp_rank, chunk)
+        return self.plan.pipeline_schedule.stage_of(self.plan.pp, pp_rank, chunk)
 
     def place(self, stage: int) -> tuple[int, int]:
         """(pipeline rank, chunk) of a virtual stage."""
-        return place_of(self.plan.schedule_name, self.plan.pp, stage)
+        return self.plan.pipeline_schedule.place_of(self.plan.pp, stage)
 
     def stages_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
         """Virtual stage indices held by pipeline rank `pp_rank`, by chunk (Megatron's interleaved
@@ -506,39 +513,15 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if gbs % (p.mbs * dp):
         fail(f"global batch {gbs} not divisible by mbs*dp = {p.mbs}*{dp} = {p.mbs * dp}")
     micro = gbs // (p.mbs * dp)
+    _check_schedule(p, p.pipeline_schedule, micro, f"gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp})", fail)
     sched = p.schedule_name
-    if p.vpp > 1 and sched not in MULTI_CHUNK:
-        fail(f"vpp={p.vpp} needs schedule=interleaved-1f1b, interleaved-zb, zb-v or dualpipev, got {sched}")
-    if sched in V_SHAPED:
-        if p.vpp != 2:
-            fail(f"schedule={sched} needs vpp=2 (two chunks per rank in a V), got vpp={p.vpp}")
-        if not p.p2p_overlap:
-            fail(f"schedule={sched} needs p2p_overlap=1 (with blocking exchanges one action at a time, the"
-                 " two ends of a V each wait for the other's send)")
-        if sched == "dualpipev" and micro < 2 * p.pp:
-            fail(f"dualpipev needs at least 2*pp = {2 * p.pp} micro-batches, got {micro}"
-                 f" (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
-    if p.dualpipe_overlap and sched != "dualpipev":
-        fail(f"dualpipe_overlap=1 needs schedule=dualpipev, got {sched}")
-    if sched in INTERLEAVED:
-        if p.vpp < 2:
-            fail(f"schedule={sched} needs vpp >= 2")
-        if p.pp < 2:
-            fail(f"schedule={sched} needs pp >= 2")
-        if micro < p.pp:
-            fail(f"{sched} needs at least pp={p.pp} micro-batches, got {micro} (gbs/(mbs*dp) = {gbs}/({p.mbs}*{dp}))")
-        if micro % p.pp:
-            fail(f"{sched} needs micro-batches ({micro}) divisible by pp={p.pp}")
-    if sched == "interleaved-zb" and not p.p2p_overlap:
-        fail("schedule=interleaved-zb needs p2p_overlap=1 (its order pairs no forward with a backward, so"
-             " blocking exchanges one action at a time wait on each other)")
     if p.tp_overlap:
         if p.tp < 2:
             fail(f"tp_overlap=1 needs tp > 1, got tp={p.tp}")
-        if sched in SPLIT_BACKWARD:
+        if p.pipeline_schedule.splits_backward:
             fail(f"tp_overlap=1 does not run with schedule={sched}, whose weight-gradient GEMMs wait for their own"
                  " W actions; use tp_overlap=0")
-    if sched in SPLIT_BACKWARD:
+    if p.pipeline_schedule.splits_backward:
         if p.pp < 2:
             fail(f"schedule={sched} needs pp >= 2")
         if p.zero == 3:
@@ -584,3 +567,43 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
     if p.pp > 1 and n_stages > model.layers:
         fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")
+
+
+def _check_schedule(p: Plan, sched: Schedule, micro: int, micro_from: str, fail: Callable[[str], None]) -> None:
+    """The rules of a plan's pipeline schedule: chunks per rank for its placement, micro-batches its
+    order needs, and whether blocking exchanges can run it. `micro_from` says where `micro` came from."""
+
+    def blocking_exchanges() -> None:
+        if sched.blocking_exchanges_deadlock and not p.p2p_overlap:
+            fail(f"schedule={sched.name} needs p2p_overlap=1 ({sched.blocking_exchanges_deadlock})")
+
+    if p.vpp > 1 and not sched.multi_chunk:
+        fail(f"vpp={p.vpp} needs schedule={_either(s.name for s in SCHEDULES.values() if s.multi_chunk)},"
+             f" got {sched.name}")
+    if sched.v_shaped:
+        if p.vpp != 2:
+            fail(f"schedule={sched.name} needs vpp=2 (two chunks per rank in a V), got vpp={p.vpp}")
+        blocking_exchanges()
+    if micro < sched.min_micro_batches_per_pp * p.pp:
+        fail(f"{sched.name} needs at least {sched.min_micro_batches_per_pp}*pp ="
+             f" {sched.min_micro_batches_per_pp * p.pp} micro-batches, got {micro} ({micro_from})")
+    if p.dualpipe_overlap and not sched.overlapped_pairs:
+        fail(f"dualpipe_overlap=1 needs schedule={_either(s.name for s in SCHEDULES.values() if s.overlapped_pairs)},"
+             f" got {sched.name}")
+    if sched.interleaved:
+        if p.vpp < 2:
+            fail(f"schedule={sched.name} needs vpp >= 2")
+        if p.pp < 2:
+            fail(f"schedule={sched.name} needs pp >= 2")
+        if micro < p.pp:
+            fail(f"{sched.name} needs at least pp={p.pp} micro-batches, got {micro} ({micro_from})")
+    if sched.micro_batches_divisible_by_pp and micro % p.pp:
+        fail(f"{sched.name} needs micro-batches ({micro}) divisible by pp={p.pp}")
+    if sched.interleaved:
+        blocking_exchanges()
+
+
+def _either(names: Iterable[str]) -> str:
+    """'a', 'a or b', 'a, b or c'."""
+    names = list(names)
+    return ", ".join(names[:-1]) + " or " + names[-1] if len(names) > 1 else names[0]

@@ -60,7 +60,6 @@ from simexec.exec.nn.scaler import LossScaler
 from simexec.exec.rank.sharding import Sharding
 from simexec.exec.nn.weight_grads import DeferredWeights, backward_inputs
 from simexec.program.instructions import Instr
-from simexec.program.schedules import SPLIT_BACKWARD
 
 
 def _engine_backward(tensors: tuple, grads: tuple) -> None:
@@ -132,8 +131,8 @@ def unsupported(rp) -> Optional[str]:
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
                        "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does, or under"
                        " schedule=zb-v or dualpipev, whose first rank holds the head beside the embedding)")
-    if m.tied_embeddings and p.zero == 3 and p.zero3_flavour == "yafsdp":
-        missing.append(f"tied embeddings with zero_impl=yafsdp ({m.name}: the LM head needs the embedding's "
+    if m.tied_embeddings and p.zero3 is not None and p.zero3.preallocated_buffers:
+        missing.append(f"tied embeddings with zero_impl={p.zero3.name} ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
@@ -213,11 +212,11 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
         self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
         self.scaler = LossScaler.of(p)  # loss_scale: where the backward starts, and how that moves
-        self.flavour = p.zero3_flavour  # ZeRO-3: fsdp, yafsdp or deepspeed
+        self.zero3 = p.zero3  # the ZeRO-3 flavour's policy; None unless zero=3
         # gradient shards held from the start, summed into and zeroed as each step starts (DeepSpeed's
         # partitions: ZeRO-2's, and ZeRO-3's under zero_impl=deepspeed), where FSDP2 makes each at its
         # first reduce-scatter and drops it after the step; ZeRO-1's is a slice of its gradient buffer
-        self.held_gshards = p.zero == 2 or (p.zero == 3 and p.zero3_flavour == "deepspeed")
+        self.held_gshards = p.zero == 2 or (p.zero3 is not None and p.zero3.holds_grad_shards)
         self.tokens_res = rp.seq_len // p.cp // (p.tp if p.sp else 1)  # residual-stream tokens per rank
         self.dtype = torch.float32 if p.dtype == "fp32" else torch.bfloat16 if p.dtype == "bf16" else torch.float16
         # Megatron-LM's main_grad: gradients accumulated and reduced in fp32 beside 16-bit parameters
@@ -232,7 +231,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
-        self.split = p.schedule_name in SPLIT_BACKWARD
+        self.split = p.pipeline_schedule.splits_backward
         # tp_overlap: the column-parallel blocks' backwards split alike, their `wgrad` right after the
         # input gradient's tp collective is issued
         self.split_blocks = {(i.block, i.layer, i.mb) for i in instrs if i.phase == "wgrad"} if p.tp_overlap else set()

@@ -71,7 +71,7 @@ class Sharding:
     collectives (`grads<k>`, `grads_rep<k>`, `params<k>`, ZeRO-3's `gather` and `grads`).
 
     Reads of the rank: `rank`, `instrs`, `specs`, `shapes`, `plan`, `device`, `dtype`, `xla`,
-    `flavour` (ZeRO-3: fsdp, yafsdp or deepspeed), `comm`, `_issue` (an issued collective as an `_Inflight`).
+    `zero3` (the ZeRO-3 flavour's policy), `comm`, `_issue` (an issued collective as an `_Inflight`).
     Shares with it: `p` (parameters by name; their `.data` and `.grad` are set here), `g` and
     `g_pending` (gradients moved out of `.grad`, and the collectives still summing them),
     `reduced` (ZeRO-0 bucket results). Its own: `buckets`, `pbuf`, `shards`, `gshard`,
@@ -140,7 +140,7 @@ class Sharding:
             for (cls, unit), fl in self.z3.items():
                 for n in fl.names:
                     self.p[n].data = empty  # parameters live as shards until gathered
-            if self.flavour == "yafsdp":
+            if self.zero3.preallocated_buffers:
                 for cls in {c for c, _ in self.z3}:
                     size = max(fl.padded for (c, _), fl in self.z3.items() if c == cls)
                     for parity in (0, 1):
@@ -416,8 +416,8 @@ class Sharding:
         key = (self._cls(ins.axis), ins.layer)
         fl = self.z3[key]
         parity = (key[0], ins.layer % 2)
-        yafsdp = self.flavour == "yafsdp"
-        if yafsdp:
+        preallocated = self.zero3.preallocated_buffers
+        if preallocated:
             out = self.z3_buffers[parity][: fl.padded]
         else:
             out = self.z3_live.get(key)
@@ -429,7 +429,7 @@ class Sharding:
             self.z3_live[key] = out
             for n, v in zip(fl.names, fl.views(out)):
                 self.p[n].data = v
-            if yafsdp and ins.phase == "bwd":  # autograd accumulates straight into the gradient buffer
+            if preallocated and ins.phase == "bwd":  # autograd accumulates straight into the gradient buffer
                 busy = self.z3_gbusy.pop(parity, None)
                 if busy is not None:
                     busy.wait()
@@ -447,7 +447,7 @@ class Sharding:
         """ZeRO-3: reduce-scatter the unit's gradients (this micro-batch's) into its shard."""
         key = (self._cls(ins.axis), ins.layer)
         fl = self.z3[key]
-        if self.flavour == "yafsdp":  # the unit's gradients are (mostly) in its buffer already
+        if self.zero3.preallocated_buffers:  # the unit's gradients are (mostly) in its buffer already
             parity = (key[0], ins.layer % 2)
             flat = self.z3_gbuffers[parity][: fl.padded]
             for n, v in zip(fl.names, fl.views(flat)):
@@ -467,7 +467,7 @@ class Sharding:
         work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
         w = self._issue(ins, [work], self._accumulate_shard(key, out))
         self.gshard_pending[key] = w
-        if self.flavour == "yafsdp":
+        if self.zero3.preallocated_buffers:
             self.z3_gbusy[parity] = w
 
     def z3_release(self, key: tuple) -> None:
@@ -475,7 +475,7 @@ class Sharding:
         w = self.z3_pending.pop(key, None)
         if w is not None:
             w.wait()
-        if self.flavour == "yafsdp":
+        if self.zero3.preallocated_buffers:
             return
         empty = torch.empty(0, dtype=self.dtype, device=self.device)
         for n in self.z3[key].names:

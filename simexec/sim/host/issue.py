@@ -15,6 +15,7 @@ from __future__ import annotations
 from typing import Optional
 
 from simexec.program.instructions import Instr
+from simexec.specs.zero3_flavours import Zero3Flavour
 
 ISSUE_OPS_PER_TENSOR = 2  # a side of a parameter unit's collective, per tensor: a view and the Python around it
 
@@ -54,10 +55,10 @@ ACTIVATION_AXES = ("tp", "cp", "ep")
 PIPELINE_GATHERS = ("act_gather", "grad_gather")  # a pipeline message's slices, re-joined over tp
 
 
-def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> tuple[int, int]:
+def tensor_passes(ins: Instr, zero: int = 0, zero3: Optional[Zero3Flavour] = None) -> tuple[int, int]:
     """Passes the interpreter makes over a collective's parameter tensors one tensor at a time,
     (before its call, once waited), as `simexec.exec.rank.sharding` handles each kind under ZeRO stage
-    `zero` and ZeRO-3 `flavour`:
+    `zero` and ZeRO-3 flavour `zero3`:
     - a gradient bucket (`grads<k>`) moves each gradient into its flat buffer, and all-reduced
       (ZeRO-0) views each result out; ZeRO-1 reduce-scatters in place into the rank's slice, in one
       piece; under ZeRO-2 a hook has also copied each gradient into the bucket as autograd made it
@@ -65,9 +66,10 @@ def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> t
     - ZeRO-1/2 gather the parameters in place (`params<k>`) and HSDP all-reduces a flat shard
       (`grads_rep`): nothing per tensor;
     - ZeRO-3 flattens a unit's gradients before their reduce-scatter (`grads`) and views its
-      gathered parameters out (`gather`); for the backward YaFSDP also views the unit's gradients
-      into its gradient buffer. (FSDP's release after a unit's last use points each parameter at
-      one empty tensor, no view: a tenth of a pass or less, `scripts/probe_host.py tensor-passes`.)"""
+      gathered parameters out (`gather`); for the backward a flavour with preallocated buffers
+      (YaFSDP) also views the unit's gradients into its gradient buffer. (FSDP's release after a
+      unit's last use points each parameter at one empty tensor, no view: a tenth of a pass or
+      less, `scripts/probe_host.py tensor-passes`.)"""
     if ins.kind != "collective" or not ins.items:
         return 0, 0
     block = ins.block
@@ -78,7 +80,7 @@ def tensor_passes(ins: Instr, zero: int = 0, flavour: Optional[str] = None) -> t
     if block == "grads":
         return 1, 0
     if block == "gather":
-        return 0, (2 if flavour == "yafsdp" and ins.phase == "bwd" else 1)
+        return 0, (2 if zero3 is not None and zero3.preallocated_buffers and ins.phase == "bwd" else 1)
     return 0, 0
 
 

@@ -59,7 +59,6 @@ from typing import Callable, Iterable, Optional
 
 from simexec.specs.cluster import ClusterSpec
 from simexec.program.instructions import Instr, Program
-from simexec.program.schedules import SPLIT_BACKWARD
 from simexec.sim.host.cores import Cores
 from simexec.sim.host.issue import ISSUE_OPS_PER_TENSOR, activation_ops, is_activation_collective, partial_gradients, tensor_passes
 from simexec.program.adam import ADAM_FLOPS_PER_PARAM, ADAM_PIECE
@@ -143,7 +142,7 @@ class HostCosts:
         key = program.meta.get("dispatch") or (dispatch_key(self.model) if self.model is not None else DEFAULT_TABLE)
         self.table = dispatch_table(key, max(1, plan.ep), plan.cp, plan.cp_impl, dtype, plan.sp,
                                     plan.flash_attention) if plan is not None else dispatch_table(key, dtype=dtype)
-        split = plan is not None and plan.schedule_name in SPLIT_BACKWARD
+        split = plan is not None and plan.pipeline_schedule.splits_backward
         if split:
             self.table = split_backward_table(self.table, key.split("/")[0], dtype=dtype)
         elif plan is not None and plan.tp_overlap:
@@ -161,7 +160,7 @@ class HostCosts:
         if plan is not None:
             self.window_ops = WINDOW_OPS["cp" if plan.cp > 1 else "fused" if plan.flash_attention else "unfused"]
         self.zero = plan.zero if plan is not None else 0
-        self.flavour = plan.zero3_flavour if plan is not None else None
+        self.zero3 = plan.zero3 if plan is not None else None
         self.sp = bool(plan.sp) if plan is not None else False
         self.step_ops = 0  # what loss scaling and clipping add to the step
         if plan is not None:
@@ -275,7 +274,7 @@ class HostCosts:
             partial = partial_gradients(self.model, ins, self.sp)
             before, after = activation_ops(ins, partial)
             return self.instr_s + call + before * self.op_s, self.instr_s + after * self.op_s
-        before, after = tensor_passes(ins, self.zero, self.flavour)
+        before, after = tensor_passes(ins, self.zero, self.zero3)
         per_pass = 0.0
         if (before or after) and self.model is not None:
             part = "expert" if ins.axis == "edp" else "dense"

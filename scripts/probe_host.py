@@ -803,7 +803,7 @@ def pricer(profile: str):
     `HostCosts.cpu_seconds` of the optimizer instruction the lowering emits for that many fp32
     parameters, held in that many tensors."""
     from simexec.specs.cluster import get_cluster
-    from simexec.program.lower import adam_bytes_per_param
+    from simexec.program.adam import adam_bytes_per_param
     from simexec.specs.model import get_model
     from simexec.specs.plan import load_plan, resolve
     from simexec.program.instructions import Instr, Program

@@ -7,7 +7,8 @@ import pytest
 
 from simexec.program.blocks import Anatomy
 from simexec.specs.cluster import get_cluster
-from simexec.program.lower import _TP_OPS, lower
+from simexec.program.layer_order import TP_CONJUGATES
+from simexec.program.lower import lower
 from simexec.specs.model import get_model
 from simexec.specs.plan import parse_plan, resolve
 from simexec.program.instructions import Instr, Program
@@ -429,7 +430,7 @@ def test_sequence_parallel_collectives_have_a_norm_between_them():
     tensor-parallel activation collective follows a compute block, as without sp."""
     for plan in ("tp=2,sp=1,gbs=1", "tp=2,gbs=1"):
         prog = {i.name: i for i in _program("gpt-tiny", plan).ranks[0]}
-        acts = [i for i in prog.values() if i.axis == "tp" and i.block in _TP_OPS]
+        acts = [i for i in prog.values() if i.axis == "tp" and i.block in TP_CONJUGATES]
         assert acts and all(prog[d].kind == "compute" for i in acts for d in i.deps)
     sp = {i.name: i for i in _program("gpt-tiny", "tp=2,sp=1,gbs=1").ranks[0]}
     assert sp["fwd.mlp_in.L0.m0"].deps == ("fwd.norm2.L0.m0",)

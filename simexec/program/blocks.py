@@ -24,6 +24,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Optional
 
+from simexec.program.layer_order import LayerStep, layer_steps
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
 
@@ -365,6 +366,11 @@ class Anatomy:
     def layer(self, i: int) -> dict[str, Block]:
         m = self.rp.model
         return self.blocks(m.is_moe_layer(i), m.attention_window(i, self.seq))
+
+    def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
+        """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""
+        p = self.rp.plan
+        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl)
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""

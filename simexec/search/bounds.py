@@ -30,8 +30,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Iterable, Optional
 
 from simexec.specs.cluster import ClusterSpec
-# _TP_OPS: (forward op, backward op) of Megatron's f/g conjugates, as the lowering emits them
-from simexec.program.lower import _TP_OPS, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param, representatives
+from simexec.program.adam import ADAM_FLOPS_PER_PARAM, adam_bytes_per_param
+from simexec.program.layer_order import TP_CONJUGATES as _TP_OPS
+from simexec.program.lower import representatives
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
 from simexec.search.space import Structure

@@ -1,0 +1,72 @@
+"""A transformer layer's sub-blocks in forward order, with the collectives between them.
+
+The lowering, the search's bounds and the executor's dataflow all walk a layer block by block; the
+order, and which tp/cp/ep collective sits between which two blocks, is written here once. The
+backward runs the same steps in reverse, each collective as its `bwd` verb.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import NamedTuple
+
+# Megatron's f/g conjugates: (forward op, backward op) without and with sequence parallelism; ""
+# where that side is the identity.
+TP_CONJUGATES = {
+    "attn_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    "attn_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "mlp_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    "mlp_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
+}
+
+
+class LayerStep(NamedTuple):
+    """One step of a layer's forward: a sub-block's compute (`axis` ""), or a collective over
+    `axis` ("tp", "cp", "ep") issued by the forward as `fwd` and by the backward as `bwd` (""
+    where that side is the identity)."""
+
+    name: str  # the sub-block (a key of `Anatomy.layer(i)`) or the collective's block name
+    axis: str = ""
+    fwd: str = ""
+    bwd: str = ""
+    # a column-parallel GEMM block whose input comes through the tp conjugate just before it: its
+    # input gradient is what that conjugate's backward sums (and under sp it reads the re-gathered input)
+    column: bool = False
+    # ring attention (cp_impl=ring): the attention in cp parts while K/V hop around the cp group
+    ring: bool = False
+
+
+def _tp(name: str, sp: bool) -> LayerStep:
+    fwd, bwd = TP_CONJUGATES[name][1 if sp else 0]
+    return LayerStep(name, "tp", fwd, bwd)
+
+
+@lru_cache(maxsize=None)
+def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str) -> tuple[LayerStep, ...]:
+    """A layer's steps in forward order, for a dense or MoE layer under sequence parallelism `sp`
+    and context parallelism `cp` (`cp_impl`: "allgather" K/V, "ring", or "a2a" heads exchange).
+    Under sp each norm is a block of its own before its sub-layer's tp conjugate (without sp it is
+    part of the GEMM block after it). A sliding window changes the attention's cost, not the order."""
+    steps = [LayerStep("norm1")] if sp else []
+    steps += [_tp("attn_in", sp), LayerStep("qkv", column=True)]
+    if cp > 1 and cp_impl == "ring":
+        steps.append(LayerStep("attn", ring=True))
+    elif cp > 1 and cp_impl == "a2a":
+        steps += [LayerStep("heads_in", "cp", "alltoall", "alltoall"), LayerStep("attn"),
+                  LayerStep("heads_out", "cp", "alltoall", "alltoall")]
+    elif cp > 1:
+        steps += [LayerStep("kv", "cp", "allgather", "reducescatter"), LayerStep("attn")]
+    else:
+        steps.append(LayerStep("attn"))
+    steps += [LayerStep("proj"), _tp("attn_out", sp)]
+    if sp:
+        steps.append(LayerStep("norm2"))
+    steps.append(_tp("mlp_in", sp))
+    if moe:
+        steps += [LayerStep("router", column=True), LayerStep("dispatch", "ep", "alltoall", "alltoall"),
+                  LayerStep("experts"), LayerStep("combine", "ep", "alltoall", "alltoall"), LayerStep("moe_out")]
+    else:
+        steps += [LayerStep("fc1", column=True), LayerStep("fc2")]
+    steps.append(_tp("mlp_out", sp))
+    return tuple(steps)

@@ -1,0 +1,106 @@
+"""The tensor-parallel concern of a rank's lowering: Megatron's f/g conjugates, sequence
+parallelism's re-gathers and norm-gradient sums, and tp_overlap's weight-gradient passes under
+the tp collective of their input gradients."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from simexec.program.blocks import Block
+from simexec.program.layer_order import TP_CONJUGATES
+from simexec.program.lowering.emit import PendingWeightPass, RankEmitter
+
+
+class TensorParallel(RankEmitter):
+    """tp/sp collectives for `RankLowering`'s layers; owns `pending_weight_pass` (tp_overlap)."""
+
+    def tp(self, block: str, phase: str, layer: int, mb: int, chunk: int, nbytes: float) -> None:
+        """One of Megatron's f/g collectives (or nothing where that side is the identity); under
+        tp_overlap the pending weight-gradient pass runs while it is in flight."""
+        fwd_op, bwd_op = TP_CONJUGATES[block][1 if self.p.sp else 0]
+        verb = bwd_op if phase == "bwd" else fwd_op
+        under, self.pending_weight_pass = self.pending_weight_pass, None
+        name = None
+        if verb:
+            name = self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.groups.tp, nbytes,
+                             (self.last_compute(),), phase=phase, block=block, layer=layer, mb=mb, chunk=chunk,
+                             wait=under is None)
+        if under is not None:
+            self.compute("wgrad", under.block, under.layer, under.mb, under.chunk, under.b)
+            under.after()
+            if name:
+                self.wait.append(name)
+
+    def column_backward(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
+                        after: Callable[[], None], wait: bool = True, release: bool = True) -> None:
+        """The backward of a column-parallel block whose input gradient the next tp collective sums,
+        then `after` (the frees of what the block saved). Under tp_overlap the input gradients alone:
+        the weight gradients wait for that collective to be issued (`tp`), as Megatron-LM's
+        LinearWithGradAccumulationAndAsyncCommunication issues its all-reduce or reduce-scatter before
+        the weight-gradient GEMM, and what that GEMM reads is freed after it."""
+        if not (self.p.tp_overlap and b.wgrad_flops):
+            self.compute_regathered(block, layer, mb, chunk, b, again, wait, release)
+            after()
+            return
+        self.compute_regathered(block, layer, mb, chunk, b, again, wait, release=False, input_only=True)
+
+        def weights_done() -> None:
+            if again and release:
+                self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(self.last_compute(),))
+            after()
+
+        self.pending_weight_pass = PendingWeightPass(block, layer, mb, chunk, b, weights_done)
+
+    def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:
+        """Under sp, the all-gather of a norm's output (saved as this rank's slice) that the
+        column-parallel GEMM after it needs whole for its weight gradient (Megatron-LM's
+        `LinearWithGradAccumulationAndAsyncCommunication`). Megatron issues it with the GEMM's backward
+        and overlaps it with the input gradient; a block's backward here is one instruction, so it is
+        issued as the sub-layer's backward starts, beside the blocks before the GEMM. Its buffer
+        lives until the GEMM's backward ends."""
+        if not self.p.sp:
+            return None
+        name = f"bwd.{where}_regather.L{layer}.m{mb}"
+        got = self.coll(name, "allgather", "tp", self.groups.tp, self.an.full_hidden_bytes, (self.last_compute(),),
+                        phase="bwd", block=f"{where}_regather", layer=layer, mb=mb, chunk=chunk, wait=False)
+        if got:
+            self.memory("alloc", "activations", self.an.full_hidden_bytes, name, stream="comm.tp", deps=(name,))
+        return got
+
+    def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
+                           wait: bool = True, release: bool = True, input_only: bool = False) -> None:
+        """A backward block that reads a re-gathered input (`regather`): it waits for the gather,
+        and the last reader frees its buffer."""
+        if again and wait:
+            self.wait.append(again)
+        name = self.compute("bwd", block, layer, mb, chunk, b, input_only=input_only)
+        if again and release:
+            self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(name,))
+
+    def norm_grads(self, unit: int, mb: int, chunk: int, params: float) -> None:
+        """Under sp a norm's weight gradient is a sum over this rank's slice of the sequence: a
+        unit's last norm (the one no later backward collective carries) has it summed over tp here,
+        before the unit's gradients are reduced over dp. Megatron-LM all-reduces every
+        sequence-parallel norm's gradient once after the backward; per micro-batch, these few bytes
+        overlap the backward instead."""
+        self.coll(f"bwd.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.groups.tp, params * self.grad_dt,
+                  (self.last_compute(),), phase="bwd", block="norm_grads", layer=unit, mb=mb, chunk=chunk,
+                  wait=False)
+
+    def partial_params(self, unit: int) -> float:
+        """Parameters of a unit that tp replicates but each rank computes a part of the gradient of
+        (norms, a router, MLA's latent projections)."""
+        m = self.rp.model
+        if unit == self.head_unit:
+            return m.final_norm_params()
+        params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
+        return params + (m.hidden * m.moe.experts if m.is_moe_layer(unit) else 0)
+
+    def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:
+        """Under a zero-bubble schedule (and tp_overlap without sp), the partial gradients of a unit's
+        tp-replicated parameters (`partial_params`) are made after the input-gradient collectives that
+        would have carried them: one all-reduce sums them."""
+        if unit == -1:
+            return
+        params = self.partial_params(unit)
+        self.coll(f"wgrad.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.groups.tp, params * self.grad_dt,
+                  (self.last_compute(),), phase="wgrad", block="norm_grads", layer=unit, mb=mb, chunk=c, wait=False)

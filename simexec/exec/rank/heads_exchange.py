@@ -1,5 +1,5 @@
 """All-to-all context parallelism (cp_impl=a2a, DeepSpeed-Ulysses), as the lowering emits it
-(docs/program.md, `simexec.program.lower._RankLowering.heads_exchange`).
+(docs/program.md, `simexec.program.lowering.layers.LayerLowering.exchange`).
 
 Each cp rank holds its share of the sequence (chunks i and 2cp-1-i, `data.cp_positions`) for all of
 its heads. `heads_in` gives every cp rank the whole sequence for a cp-th of those heads: one

@@ -1,5 +1,5 @@
 """Ring context parallelism (cp_impl=ring): attention one K/V chunk per hop, as the lowering emits it
-(docs/program.md, `simexec.program.lower._RankLowering.ring_attention`).
+(docs/program.md, `simexec.program.lowering.layers.LayerLowering.ring_attention`).
 
 Partial results are merged by log-sum-exp. Forward, hop i of cp: send the K/V chunk held (from cp
 rank me - i) to the next cp rank, attend to it (`attn.r{i}`: `attn_partial`, merged into the running

@@ -110,7 +110,8 @@ class RankEmitter:
         weight pass."""
         if nbytes <= 0:
             return None
-        ins = Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes), category=category, deps=deps)
+        ins = Instr(self.rank, f"mem.{op}.{tag}", "memory", stream, op, bytes=float(nbytes), category=category,
+                    deps=deps)
         if defer and self.defer_frees_to is not None and op == "free" and category == "activations":
             self.deferred_frees.setdefault(self.defer_frees_to, []).append(ins)
         else:

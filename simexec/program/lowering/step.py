@@ -59,7 +59,8 @@ class StepLowering(GradientLowering):
             deps = [self.step_reduction("grad_norm", shard, self.grad_dt, deps)]
         if self.p.offload != "none":
             d2h = self.emit(Instr(self.rank, "copy.grads_d2h", "copy", "copy.d2h", "d2h", phase="optim",
-                                  block="grads_d2h", bytes=shard * self.grad_dt, deps=tuple(deps) + (self.last_compute(),)))
+                                  block="grads_d2h", bytes=shard * self.grad_dt,
+                                  deps=tuple(deps) + (self.last_compute(),)))
             cpu = self.emit(Instr(self.rank, "host.optim", "compute", "host", "cpu_optimizer", phase="optim",
                                   block="cpu_optim", flops=shard, bytes=shard * (ADAM_BYTES_PER_PARAM + clip_bytes),
                                   deps=(d2h,)))
@@ -120,5 +121,6 @@ class StepLowering(GradientLowering):
         for j, names in waits.items():
             rest[j].deps = tuple(dict.fromkeys(rest[j].deps + tuple(names)))
         gathers.sort(key=lambda g: min((first.get(u, len(rest)) for u in g.items), default=len(rest)))
-        start = next((j for j, ins in enumerate(rest) if ins.kind != "memory"), len(rest))  # after `allocate_model_states`
+        # after the model states' allocations
+        start = next((j for j, ins in enumerate(rest) if ins.kind != "memory"), len(rest))
         self.out[:] = rest[:start] + gathers + rest[start:]

@@ -123,8 +123,8 @@ class Zero3Lowering(RankEmitter):
         after the backward (grad_overlap=0)."""
         for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self.tied_head_gathers_embedding(unit) else []):
             if not self.p.zero3.preallocated_buffers:
-                self.memory("alloc", "buffers", self.z3_bytes(u, self.grad_dt), f"bwd.grads.L{u}.m{mb}{suffix}.unsharded",
-                            deps=(after,))
+                self.memory("alloc", "buffers", self.z3_bytes(u, self.grad_dt),
+                            f"bwd.grads.L{u}.m{mb}{suffix}.unsharded", deps=(after,))
             if self.p.grad_overlap:
                 self.z3_reduce(u, mb, c, after, suffix)
             else:

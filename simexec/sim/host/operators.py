@@ -272,7 +272,8 @@ SPLIT_OPS_SP = {
     "rmsnorm-swiglu-rope": {"qkv": (37, 15), "fc1": (19, 10), "head": (5, 5)},
 }
 WEIGHT_BLOCKS = ("qkv", "proj", "fc1", "fc2", "router", "experts", "moe_out", "head")
-# tp_overlap splits only the column-parallel blocks' backwards (`simexec.program.lower`, `column_backward`)
+# tp_overlap splits only the column-parallel blocks' backwards
+# (`simexec.program.lowering.tensor_parallel`, `column_backward`)
 COLUMN_BLOCKS = ("qkv", "fc1", "router", "head")
 
 

@@ -3,6 +3,8 @@ the small buffers the paper leaves out."""
 import pytest
 
 from simexec.program.blocks import Anatomy
+from simexec.program.groups import rank_groups
+from simexec.program.lower import lower
 from simexec.specs.cluster import get_cluster
 from simexec.specs.model import get_model
 from simexec.specs.plan import parse_plan, resolve
@@ -168,3 +170,26 @@ def test_cpu_ranks_keep_the_gathered_keys_causal_mask_for_the_backward(impl, mas
     assert cpu - gpu == pytest.approx(mask, rel=1e-12)
     ring = Anatomy(resolve(m, get_cluster("local"), parse_plan("cp=2,cp_impl=ring,gbs=8")))
     assert ring._sdpa_mask(None) == 0.0
+
+
+@pytest.mark.parametrize("model,plan", [
+    ("gpt-tiny", "tp=2,gbs=2"), ("gpt-tiny", "tp=2,sp=1,gbs=2"), ("gpt-tiny", "cp=2,gbs=2,cp_impl=ring"),
+    ("gpt-tiny", "cp=2,tp=2,sp=1,gbs=2,cp_impl=a2a"), ("moe-tiny", "ep=2,dp=2,tp=2,sp=1,cp=2,gbs=4"),
+])
+def test_layer_steps_are_the_layers_blocks_in_the_order_the_lowering_emits(model, plan):
+    """`Anatomy.layer_steps`: every block of the layer once, in the order of its forward's compute
+    instructions in the lowered program, with the collectives between them."""
+    rp = resolve(get_model(model), get_cluster("local"), parse_plan(plan))
+    an = Anatomy(rp)
+    steps = an.layer_steps(0)
+    assert sorted(s.name for s in steps if not s.axis) == sorted(an.layer(0))
+    prog = lower(rp).ranks[0]
+    emitted = [i.block for i in prog if i.phase == "fwd" and i.layer == 0 and i.mb == 0
+               and (i.kind == "compute" or i.kind == "collective" and not i.block.startswith("gather"))]
+    groups, expected = rank_groups(rp, 0), []
+    for s in steps:
+        if s.ring:
+            expected += [s.name] * rp.plan.cp
+        elif not s.axis or (s.fwd and len(getattr(groups, s.axis)) > 1):
+            expected.append(s.name)
+    assert emitted == expected

@@ -19,7 +19,8 @@ class Zero3Reduction(NamedTuple):
 
 
 class Zero3Lowering(RankEmitter):
-    """ZeRO-3's gathers and reduce-scatters for `RankLowering`; owns the `z3_*` state."""
+    """ZeRO-3's gathers and reduce-scatters for `RankLowering`; owns the `z3_*` state. Its
+    reductions join `grad_colls` (`GradientLowering`'s), which the step waits for."""
 
     def init_zero3(self) -> None:
         zero_size = len(self.groups.zero)

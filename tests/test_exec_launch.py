@@ -383,10 +383,10 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.rank.collectives import SendWaiter, _Inflight
+    from simexec.exec.rank.collectives import SendWaiter, InflightComm
     from simexec.program.instructions import Instr
 
-    class _Rank:  # what _Inflight.wait touches of the interpreter's rank
+    class _Rank:  # what InflightComm.wait touches of the interpreter's rank
         step_no, inflight = 0, {}
 
         class tracer:
@@ -397,7 +397,7 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
         if rank == 0:
             ins = Instr(0, "fwd.act.send", "send", "p2p.send", "send", peer=1)
             bare = dist.isend(torch.ones(1 << 16), 1)
-            watched = _Inflight(_Rank(), ins, [dist.isend(torch.ones(1 << 16), 1)], None, SendWaiter.shared())
+            watched = InflightComm(_Rank(), ins, [dist.isend(torch.ones(1 << 16), 1)], None, SendWaiter.shared())
             dist.barrier()  # rank 1 has received both
             deadline = time.monotonic() + 10
             while not watched.completed() and time.monotonic() < deadline:

@@ -266,7 +266,7 @@ def test_unsupported_plan_refused_before_any_actor(ray_session, monkeypatch):
     def no_actors(self):
         raise AssertionError("actors started for a refused plan")
 
-    monkeypatch.setitem(sys.modules, "simexec.exec.rank.interpreter", Fake)
+    monkeypatch.setitem(sys.modules, "simexec.exec.rank.unsupported_plans", Fake)
     monkeypatch.setattr("simexec.exec.runtime.launcher.Launch.start", no_actors)
     with pytest.raises(ExecError, match=r"cannot run plan .*pp=2.*: pipeline schedules"):
         api.execute("gpt-tiny", "local", "pp=2", steps=1)

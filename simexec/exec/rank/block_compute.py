@@ -5,8 +5,8 @@ attention's to `simexec.exec.rank.ring`).
 Per-block autograd. A forward block takes detached copies of its inputs that require grad, runs the
 block, keeps (inputs, outputs) in a record; its backward hands the outputs' gradients straight to the
 autograd engine and the inputs' `.grad` on. A recorded output keeps only its autograd node
-(`_deallocate`), and an input nothing reads any more only its shape (`_shrink_leaf`), so that a
-record holds no more memory than Megatron-LM's schedules do.
+(`_deallocate`), and a recorded input nothing reads any more only its shape (`_shrink_leaf`), so that
+a record does not keep alive what the backward does not read.
 """
 from __future__ import annotations
 

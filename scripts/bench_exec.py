@@ -181,9 +181,9 @@ class ExecTrainer:
     times: `run_step`)."""
 
     def __init__(self, rp, instrs, *, groups, tracer, device, seed: int):
-        from simexec.exec.rank.interpreter import _Rank
+        from simexec.exec.rank.interpreter import RankInterpreter
 
-        self.r = _Rank(rp, instrs, groups, tracer, device, seed)
+        self.r = RankInterpreter(rp, instrs, groups, tracer, device, seed)
 
     def step(self, step: int):
         return self.r.run_step(step)

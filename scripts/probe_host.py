@@ -156,7 +156,7 @@ tensors less the step over one, per extra tensor.
     python scripts/probe_host.py collective-ops [--model gpt-tiny] [--plan tp=2,gbs=2,dtype=fp32]
 
 Runs one step of the plan as spawned gloo processes on 127.0.0.1 with a TorchDispatchMode counting
-operators on rank 0: those of the interpreter's call (`_Rank.collective`, the tensors prepared) and
+operators on rank 0: those of the interpreter's call (`RankInterpreter.collective`, the tensors prepared) and
 of the collective's `finish` (the result put in place once waited), without the c10d operator of
 the collective itself. Prints, per kind of activation collective (block, phase, micro-batch), what
 was counted beside what `simexec.sim.host.issue.activation_ops` charges for it. Exit 1 where any differs.
@@ -890,7 +890,7 @@ def issue_cost_runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
     marks: dict[str, dict[str, list[float]]] = collections.defaultdict(lambda: collections.defaultdict(list))
     calls: list[tuple[float, float]] = []
     saved = {v: getattr(collectives.TorchComm, v) for v in VERBS}
-    collective, inflight_init = interp._Rank.collective, collectives._Inflight.__init__
+    collective, inflight_init = interp.RankInterpreter.collective, collectives.InflightComm.__init__
 
     def timed_verb(fn):
         def call(*args, **kwargs):
@@ -932,14 +932,14 @@ def issue_cost_runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
 
     for v in VERBS:
         setattr(collectives.TorchComm, v, timed_verb(saved[v]))
-    interp._Rank.collective = timed_collective
-    collectives._Inflight.__init__ = timed_inflight
+    interp.RankInterpreter.collective = timed_collective
+    collectives.InflightComm.__init__ = timed_inflight
     try:
         out = interp.run_rank(rp, instrs, steps=steps, groups=groups, tracer=tracer, device=device, seed=seed)
     finally:
         for v in VERBS:
             setattr(collectives.TorchComm, v, staticmethod(saved[v]))
-        interp._Rank.collective, collectives._Inflight.__init__ = collective, inflight_init
+        interp.RankInterpreter.collective, collectives.InflightComm.__init__ = collective, inflight_init
     out["extra"] = {k: {part: list(v) for part, v in m.items()} for k, m in marks.items()}
     return out
 
@@ -1029,7 +1029,7 @@ def thread_cpu_runner(rp, instrs, *, steps, groups, tracer, device, seed=0):
                 leave()
         return call
 
-    R, I, C = interp._Rank, collectives._Inflight, collectives.TorchComm
+    R, I, C = interp.RankInterpreter, collectives.InflightComm, collectives.TorchComm
     saved = [(R, "compute", lambda s, ins: f"compute {'fwd' if ins.phase == 'recompute' else ins.phase}.{ins.block}"),
              (R, "collective", lambda s, ins: f"call {collective_kind(ins.block)}"),
              (R, "p2p", lambda s, ins: "p2p"), (R, "copy", lambda s, ins: "copy"), (R, "reap", lambda s: "reap"),
@@ -1195,7 +1195,7 @@ def tagging_runner(out_dir: str):
         torch.set_num_threads(1)
         now, op = ["start"], ["?"]
         origin: dict[int, tuple] = {}
-        track, dispatch = live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__
+        track, dispatch = live_memory.LiveBytes.track, live_memory.LiveBytes.__torch_dispatch__
 
         def tagged_track(self, t, created=False):
             key = nbytes = None
@@ -1214,7 +1214,7 @@ def tagging_runner(out_dir: str):
             op[0] = str(func)
             return dispatch(self, func, types, args, kwargs)
 
-        live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__ = tagged_track, tagged_dispatch
+        live_memory.LiveBytes.track, live_memory.LiveBytes.__torch_dispatch__ = tagged_track, tagged_dispatch
         best = {"peak": -1, "at": None, "live": []}
 
         class Tagging:
@@ -1224,7 +1224,7 @@ def tagging_runner(out_dir: str):
 
             def end(self, ins, step):
                 tracer.end(ins, step)
-                t = live_memory._TRACKER[0]
+                t = live_memory.LIVE_TRACKER[0]
                 if t is not None and t.peak > best["peak"]:
                     best.update(peak=t.peak, at=ins.name,
                                 live=[origin[k] for k, f in t._seen.items() if f.alive and k in origin])
@@ -1235,7 +1235,7 @@ def tagging_runner(out_dir: str):
         try:
             res = interp.run_rank(rp, instrs, steps=steps, groups=groups, tracer=Tagging(), device=device, seed=seed)
         finally:
-            live_memory._LiveBytes.track, live_memory._LiveBytes.__torch_dispatch__ = track, dispatch
+            live_memory.LiveBytes.track, live_memory.LiveBytes.__torch_dispatch__ = track, dispatch
         Path(out_dir, f"rank{instrs[0].rank}.json").write_text(json.dumps(best))
         return res
 

@@ -89,7 +89,7 @@ def test_expert_capacity_scales_what_the_experts_compute_and_receive(factor):
 
 def test_the_executor_refuses_expert_capacity_only_with_context_parallelism():
     pytest.importorskip("torch")
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
 
     m = get_model("moe-tiny")
     capped = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": 1.25})})

@@ -340,7 +340,7 @@ def test_sliding_window_matches_reference(plan):
 
 @pytest.mark.parametrize("plan", ["dp=2,pp=2,zero=2,gbs=8", "dp=2,zero=3,zero_impl=yafsdp,gbs=4"])
 def test_tied_embeddings_refused_where_not_run(plan):
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
 
     why = unsupported(resolved(TIED, plan))
     assert why is not None and "tied embeddings" in why
@@ -348,7 +348,7 @@ def test_tied_embeddings_refused_where_not_run(plan):
 
 @pytest.mark.parametrize("model,plan", CORE, ids=[p for _, p in CORE])
 def test_plan_matches_reference(model, plan):
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
 
     rp = resolved(model, plan)
     why = unsupported(rp)

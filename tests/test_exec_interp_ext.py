@@ -66,7 +66,7 @@ EXTENDED = [
 
 @pytest.mark.parametrize("model,plan", EXTENDED, ids=[f"{m}:{p}" for m, p in EXTENDED])
 def test_plan_matches_reference(model, plan):
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
 
     why = unsupported(resolved(model, plan))
     if why:

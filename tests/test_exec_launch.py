@@ -266,7 +266,7 @@ def test_unsupported_plan_refused_before_any_actor(ray_session, monkeypatch):
     def no_actors(self):
         raise AssertionError("actors started for a refused plan")
 
-    monkeypatch.setitem(sys.modules, "simexec.exec.rank.interpreter", Fake)
+    monkeypatch.setitem(sys.modules, "simexec.exec.rank.unsupported_plans", Fake)
     monkeypatch.setattr("simexec.exec.runtime.launcher.Launch.start", no_actors)
     with pytest.raises(ExecError, match=r"cannot run plan .*pp=2.*: pipeline schedules"):
         api.execute("gpt-tiny", "local", "pp=2", steps=1)
@@ -383,10 +383,10 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from simexec.exec.rank.collectives import SendWaiter, _Inflight
+    from simexec.exec.rank.collectives import SendWaiter, InflightComm
     from simexec.program.instructions import Instr
 
-    class _Rank:  # what _Inflight.wait touches of the interpreter's rank
+    class _Rank:  # what InflightComm.wait touches of the interpreter's rank
         step_no, inflight = 0, {}
 
         class tracer:
@@ -397,7 +397,7 @@ def _send_unwaited(rank: int, world: int, port: int, out) -> None:
         if rank == 0:
             ins = Instr(0, "fwd.act.send", "send", "p2p.send", "send", peer=1)
             bare = dist.isend(torch.ones(1 << 16), 1)
-            watched = _Inflight(_Rank(), ins, [dist.isend(torch.ones(1 << 16), 1)], None, SendWaiter.shared())
+            watched = InflightComm(_Rank(), ins, [dist.isend(torch.ones(1 << 16), 1)], None, SendWaiter.shared())
             dist.barrier()  # rank 1 has received both
             deadline = time.monotonic() + 10
             while not watched.completed() and time.monotonic() < deadline:

@@ -12,12 +12,12 @@ from test_exec_interp import resolved, run_plan
 def test_main_gradients_are_the_fp32_sum_of_each_micro_batch_gradient(plan):
     """One rank, four micro-batches: what the optimizer gets is fp32 and equals, to the bit, the fp32
     sum of the four bf16 gradients autograd made, in order; summed in bf16 they differ."""
-    from simexec.exec.rank.interpreter import _Rank
+    from simexec.exec.rank.interpreter import RankInterpreter
     from simexec.program.lower import lower
 
     torch.set_num_threads(1)
     rp = resolved("gpt-tiny", plan + ",dtype=bf16,grad_fp32=1", 32, None)
-    rank = _Rank(rp, lower(rp, symmetric=False).ranks[0], None, None, torch.device("cpu"), 0)
+    rank = RankInterpreter(rp, lower(rp, symmetric=False).ranks[0], None, None, torch.device("cpu"), 0)
     made: dict[str, list[torch.Tensor]] = {n: [] for n in rank.p}
     for n, p in rank.p.items():  # a tensor hook sees each gradient before it is accumulated
         p.register_hook(lambda g, n=n: made[n].append(g.detach().clone()))

@@ -178,7 +178,7 @@ def test_reference_trains():
 
 
 def test_unsupported_names_what_is_missing():
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
 
     assert unsupported(_rp(get_model("gpt-tiny"), "dp=2,tp=2,pp=2")) is None
     assert unsupported(_rp(get_model("moe-tiny"), "dp=2,ep=2")) is None

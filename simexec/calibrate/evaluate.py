@@ -87,7 +87,7 @@ DEMO: tuple[PlanSpec, ...] = (
 
 def runnable(specs: Sequence[PlanSpec]) -> tuple[list[PlanSpec], dict[str, str]]:
     """The plans the executor can run now, and why the others are left out."""
-    from simexec.exec.rank.interpreter import unsupported
+    from simexec.exec.rank.unsupported_plans import unsupported
     from simexec.specs.model import get_model
     from simexec.specs.plan import load_plan, resolve
 

@@ -26,7 +26,7 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
 
     cnt = Count()
     counts: dict[str, list[int]] = {}
-    collective, wait = interpreter._Rank.collective, collectives._Inflight.wait
+    collective, wait = interpreter.RankInterpreter.collective, collectives.InflightComm.wait
 
     def counted_collective(self, ins):
         n0 = cnt.n
@@ -45,8 +45,8 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
 
     with plan_rank(rank, world, port, model, plan) as (rp, prog, groups):
         with ExitStack() as stack:
-            stack.enter_context(mock.patch.object(interpreter._Rank, "collective", counted_collective))
-            stack.enter_context(mock.patch.object(collectives._Inflight, "wait", counted_wait))
+            stack.enter_context(mock.patch.object(interpreter.RankInterpreter, "collective", counted_collective))
+            stack.enter_context(mock.patch.object(collectives.InflightComm, "wait", counted_wait))
             stack.enter_context(cnt)
             interpreter.run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=_CountTracer(cnt),
                                  device=torch.device("cpu"))

@@ -106,7 +106,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
     if runner is None:
-        from simexec.exec.rank.interpreter import unsupported
+        from simexec.exec.rank.unsupported_plans import unsupported
 
         missing = unsupported(rp)
         if missing:
@@ -163,7 +163,8 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
 
     import torch
 
-    from simexec.exec.rank.interpreter import run_rank, unsupported
+    from simexec.exec.rank.interpreter import run_rank
+    from simexec.exec.rank.unsupported_plans import unsupported
     from simexec.exec.measure.tracer import Tracer, chrome_text, torch_profiler
     from simexec.program.lower import lower
     from simexec.specs.plan import resolve

@@ -1,11 +1,11 @@
 """Peak memory on CPU: the live tensor storages of device memory.
 
 CPU has no `max_memory_allocated`, so `run_rank` (`simexec.exec.rank.interpreter`) measures the first
-step's peak with `_LiveBytes`, a `TorchDispatchMode` that counts the bytes of every storage an op
+step's peak with `LiveBytes`, a `TorchDispatchMode` that counts the bytes of every storage an op
 creates until that storage dies. What is not the device's is left out: the communication backend's
 temporaries (gloo's copy inside a reduce-scatter; `in_backend` is raised around `Work.wait()` in
 `simexec.exec.rank.collectives`) and the host copies of an offloaded optimizer (`on_host`, `ignore`).
-The active tracker is `_TRACKER[0]`.
+The active tracker is `LIVE_TRACKER[0]`.
 """
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-_TRACKER: list = [None]  # the active _LiveBytes, if any (read by _Inflight.wait)
+LIVE_TRACKER: list = [None]  # the active LiveBytes, if any (read by InflightComm.wait)
 
 
-class _LiveBytes(TorchDispatchMode):
+class LiveBytes(TorchDispatchMode):
     """Counts the bytes of every storage an op creates until that storage dies (CPU has no
     max_memory_allocated). Storages are tracked once, by identity, with a weakref finaliser."""
 

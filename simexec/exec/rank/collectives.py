@@ -6,7 +6,7 @@ run as gloo runs it (an all-reduce of a copy, then this rank's slice) but with a
 time (`reduce_scatter_by_all_reduce`). A backend whose process groups cannot take its tensors stands
 in with the same methods (`simexec.exec.rank.xla.HostComm`).
 
-`_Inflight` is an issued collective, send or recv: waited once (by an instruction that depends on it
+`InflightComm` is an issued collective, send or recv: waited once (by an instruction that depends on it
 or reads its result, or reaped once complete), then its `finish` stores the result and the tracer
 ends its event. `SendWaiter` completes gloo's sends in the background, which gloo itself does not.
 """
@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Callable, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from simexec.exec.measure.live_memory import _TRACKER
+from simexec.exec.measure.live_memory import LIVE_TRACKER
 from simexec.program.instructions import Instr
 
 if TYPE_CHECKING:
-    from simexec.exec.rank.interpreter import _Rank
+    from simexec.exec.rank.interpreter import RankInterpreter
 
 # torch 2.13 renamed the tensor forms of all-gather / reduce-scatter; torch 2.9 (torch_xla) has the old names.
 all_gather_tensor = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -62,7 +62,7 @@ def reduce_scatter_by_all_reduce(out: Tensor, inp: Tensor, group=None, async_op:
     this rank's slice), but with an honest completion: gloo's own reports completion only inside
     `wait()`, which copies the slice out (`scripts/probe_host.py gloo-threads`), so a trace would time it from
     issue to wait. The copy is the backend's temporary, as gloo's is: not counted in peak memory."""
-    tracker = _TRACKER[0]
+    tracker = LIVE_TRACKER[0]
     if tracker is not None:
         tracker.in_backend += 1
     try:
@@ -103,7 +103,7 @@ class SendWaiter:
     """gloo's send reports itself complete only once someone has waited on it (`is_completed()` stays
     False after the data has left), so an eager send that nothing depends on would hold its buffer
     until the step ends, where NCCL's lets it go when sent. One thread per rank waits on each such
-    send as it is issued; `_Inflight.wait` then waits on that thread's signal, never on the Work a
+    send as it is issued; `InflightComm.wait` then waits on that thread's signal, never on the Work a
     second time (a gloo send waited twice waits for a second completion)."""
 
     _shared: Optional["SendWaiter"] = None
@@ -140,12 +140,12 @@ class _Sent(threading.Event):
     error: Optional[BaseException] = None
 
 
-class _Inflight:
+class InflightComm:
     """An issued collective / send / recv: waited once, then `finish` stores its result."""
 
     __slots__ = ("ins", "works", "finish", "done", "rank", "sent")
 
-    def __init__(self, rank: "_Rank", ins: Instr, works: list, finish: Optional[Callable[[], None]],
+    def __init__(self, rank: "RankInterpreter", ins: Instr, works: list, finish: Optional[Callable[[], None]],
                  waiter: Optional[SendWaiter] = None):
         self.rank, self.ins, self.works, self.finish, self.done = rank, ins, works, finish, False
         self.sent = waiter.watch(works) if waiter is not None else None
@@ -160,7 +160,7 @@ class _Inflight:
         if self.done:
             return
         self.done = True
-        tracker = _TRACKER[0]
+        tracker = LIVE_TRACKER[0]
         if tracker is not None:
             tracker.in_backend += 1
         try:

@@ -1,11 +1,11 @@
 """What each block reads and writes: the interpreter's dataflow, as tables.
 
 Activations and their gradients live in two dicts keyed by (name, layer, micro-batch); the names and
-which block or collective makes each are in `_BLOCKS` and `_COLLS` (`_BLOCKS_SP` and `_COLLS_SP`
+which block or collective makes each are in `BLOCK_IO` and `COLLECTIVE_IO` (`BLOCK_IO_SP` and `COLLECTIVE_IO_SP`
 under sequence parallelism, where the norms are blocks of their own and the column-parallel GEMMs
 re-gather their input for the backward). Where the program has no collective between two names
 (tp = 1, or the identity side of an f/g pair), a read falls through to the name before it (forward,
-`_upstream`) or after it (backward, `_downstream`).
+`upstream`) or after it (backward, `downstream`).
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from typing import Optional
 
 # block: (inputs, outputs). x: residual stream entering a layer; xa / xma: after the f-conjugate
 # (gathered under sp); yp / y2p: partial sums before the g-conjugate; xm: residual after attention.
-_BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+BLOCK_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "embed": ((), ("emb",)),
     "qkv": (("xa",), ("q", "kv")),
     "attn": (("qf", "kvf"), ("oh",)),
@@ -29,13 +29,13 @@ _BLOCKS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
 }
 
 # blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
-_PERMUTED_INPUT = {"experts": "xr", "moe_out": "yc"}
+PERMUTED_INPUT = {"experts": "xr", "moe_out": "yc"}
 
 # collective block: (input name, output name, dimension it gathers/scatters along).
 # Activations are (B, T, C): sequence dimension 1; kv is (2, B, nkv, T, hd); MoE tokens (N, C). The
 # attention reads qf and kvf and writes oh: q, kv and o themselves but under cp (an all-gather of kv, or
 # cp_impl=a2a's exchanges between the sequence-split and the heads-split layouts).
-_COLLS: dict[str, tuple[str, str, Optional[int]]] = {
+COLLECTIVE_IO: dict[str, tuple[str, str, Optional[int]]] = {
     "embed_out": ("emb", "x", 1),
     "attn_in": ("x", "xa", 1),
     "attn_out": ("yp", "xm", 1),
@@ -53,8 +53,8 @@ _COLLS: dict[str, tuple[str, str, Optional[int]]] = {
 # Under sp the norms run on the sequence slice, between the g and f collectives (n1, n2, nf: their
 # outputs, kept as slices until the backward's re-gather); the residual is added on the sequence slice
 # (proj and fc2 read the slice x / xm); the MoE shared experts read the gathered norm output.
-_BLOCKS_SP = {
-    **_BLOCKS,
+BLOCK_IO_SP = {
+    **BLOCK_IO,
     "norm1": (("x",), ("n1",)),
     "norm2": (("xm",), ("n2",)),
     "norm": (("x",), ("nf",)),
@@ -64,34 +64,35 @@ _BLOCKS_SP = {
 }
 # sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
 # (`<sub-layer>_regather`, delivered as an activation, not a gradient)
-_SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
-_REGATHERS = {b.replace("_in", "_regather"): names for b, names in _SP_GATHERS.items()}
-_COLLS_SP = {**_COLLS, **_SP_GATHERS, **_REGATHERS}
+SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
+SP_REGATHERS = {b.replace("_in", "_regather"): names for b, names in SP_GATHERS.items()}
+COLLECTIVE_IO_SP = {**COLLECTIVE_IO, **SP_GATHERS, **SP_REGATHERS}
 # sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
-_GATHERED_LAST = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
+LAST_READER_OF_GATHERED = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
 # sp: the re-gathered input each column-parallel GEMM's weight gradient reads (`*_regather`)
-_REGATHERED_INPUT = {"qkv": "xa", "fc1": "xma", "router": "xma", "head": "xh"}
-_TP_PARTIAL = ("attn_in", "mlp_in", "head_in", "norm_grads")
+REGATHERED_INPUT = {"qkv": "xa", "fc1": "xma", "router": "xma", "head": "xh"}
+# the collectives whose backward also sums tp-replicated parameters' partial gradients
+TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
 # sp: which backward collective sums a replicated parameter's partial gradient (ParamSpec.tp_partial
 # names the one without sp): a norm's backward now follows the f-conjugate's reduce-scatter, so the
 # second norm's rides the sub-layer's next one (attn_in) and the first and final norms', which no
 # later collective of their unit carries, an all-reduce of their own (`norm_grads`)
-_SP_PARTIAL = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
+SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
-_CONSUMED = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
+CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
 
 
-def _coll_keys(block: str, layer: int, mb: int, table: dict = _COLLS) -> tuple[tuple, tuple]:
+def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO) -> tuple[tuple, tuple]:
     src, dst, _ = table[block]
     out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
     return (src, layer, mb), (dst, out_layer, mb)
 
 
-_UP = {dst: src for src, dst, _ in _COLLS.values() if dst != "x"}  # each name but x has one maker
-_DOWN = {src: dst for src, dst, _ in _COLLS.values() if src not in ("emb", "y2p", "x")}
+_UP = {dst: src for src, dst, _ in COLLECTIVE_IO.values() if dst != "x"}  # each name but x has one maker
+_DOWN = {src: dst for src, dst, _ in COLLECTIVE_IO.values() if src not in ("emb", "y2p", "x")}
 
 
-def _upstream(key: tuple) -> Optional[tuple]:
+def upstream(key: tuple) -> Optional[tuple]:
     """The name a collective turns into `key`, for reads where that collective is absent."""
     name, l, mb = key
     if name == "x":
@@ -100,7 +101,7 @@ def _upstream(key: tuple) -> Optional[tuple]:
     return None if src is None else (src, l, mb)
 
 
-def _downstream(key: tuple, layers: int) -> Optional[tuple]:
+def downstream(key: tuple, layers: int) -> Optional[tuple]:
     """The name `key` turns into through a collective, for gradient reads where it is absent."""
     name, l, mb = key
     if name == "emb":

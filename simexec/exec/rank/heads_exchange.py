@@ -47,14 +47,14 @@ _EXCHANGED = {
 
 
 class HeadsExchange:
-    """The all-to-alls of cp_impl=a2a for `_Rank` (`simexec.exec.rank.interpreter`), a mixin.
+    """The all-to-alls of cp_impl=a2a for `RankInterpreter` (`simexec.exec.rank.interpreter`), a mixin.
 
-    Reads of the rank: `rank`, `plan`, `rp`, `device`, `comm`, `read`, `take_grad`, `_issue`,
-    `_deliver`, `_consumed`, `env`, `d`. Its own: `heads` (whether the plan runs it), `heads_pos` (the
+    Reads of the rank: `rank`, `plan`, `rp`, `device`, `comm`, `read`, `take_grad`, `issue`,
+    `deliver`, `drop_consumed`, `env`, `d`. Its own: `heads` (whether the plan runs it), `heads_pos` (the
     sequence's positions in order, where attention runs), `heads_gathered` (the positions as the
     exchange delivers the sequence, cp rank by cp rank) and `heads_order` (the permutation into order)."""
 
-    def _setup_heads(self) -> None:
+    def setup_heads(self) -> None:
         p = self.plan
         self.heads = p.cp > 1 and p.cp_impl == "a2a"
         if not self.heads:
@@ -97,11 +97,11 @@ class HeadsExchange:
                 r = out[:, off : off + size].reshape(shape)
                 off += size
                 v = from_seq(r, sd).index_select(sd, self.heads_order) if to_heads_side else from_heads(r, hd)
-                self._deliver(key, v, backward)
+                self.deliver(key, v, backward)
 
-        w = self._issue(ins, [work], finish)
+        w = self.issue(ins, [work], finish)
         for key in targets:
             (self.d if backward else self.env)[key] = w
         if not backward:
             for seq_name, heads_name, _, _ in table:
-                self._consumed((seq_name if to_heads_side else heads_name, l, mb))
+                self.drop_consumed((seq_name if to_heads_side else heads_name, l, mb))

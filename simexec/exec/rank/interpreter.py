@@ -19,21 +19,23 @@ On an XLA device (`simexec.exec.rank.xla`) every compute instruction ends with a
 lazy XLA graph, executed and timed on its own; collectives go through `comm` (torch.distributed,
 or gloo on host copies on the XLA CPU runtime).
 
-Per-block autograd. A forward block takes detached copies of its inputs that require grad, runs the
-block, keeps (inputs, outputs) in a record; its backward calls `torch.autograd.backward(outputs,
-grad_outputs)` and hands the inputs' `.grad` on. Activations and their gradients live in two dicts
-keyed by (name, layer, micro-batch), named as `simexec.exec.rank.dataflow` tables them.
+Activations and their gradients live in two dicts keyed by (name, layer, micro-batch), named as
+`simexec.exec.rank.dataflow` tables them.
 
 Gradients are sums: every micro-batch loss is scaled by 1 / (tokens of the global batch), so summing
 over micro-batches and ranks gives the gradient of the global mean loss, as the single-process
 reference computes it.
 
-The rest of a rank, one module each: `simexec.exec.rank.collectives` (the communication calls and the
+The rest of a rank, one module each: `simexec.exec.rank.block_compute` (the compute blocks, with
+per-block autograd), `simexec.exec.rank.activation_collectives` (the collectives' dispatch and those
+that move activations), `simexec.exec.rank.sharding` (parameters and gradients under ZeRO 0-3),
+`simexec.exec.rank.ring` (ring context parallelism), `simexec.exec.rank.heads_exchange` (cp_impl=a2a),
+`simexec.exec.rank.pipeline_messages` (sends and receives between pipeline stages),
+`simexec.exec.rank.optimizer_step` (Adam, loss scaling, clipping, offload copies): the mixins of
+`RankInterpreter`. Beside them: `simexec.exec.rank.collectives` (the communication calls and the
 handle of an issued one), `simexec.exec.rank.dataflow` (what each block reads and writes),
-`simexec.exec.rank.sharding` (parameters and gradients under ZeRO 0-3),
-`simexec.exec.rank.ring` (ring context parallelism), `simexec.exec.rank.pipeline_messages` (sends and receives
-between pipeline stages), `simexec.exec.rank.optimizer_step` (Adam, loss scaling, clipping, offload
-copies), the last four mixins of `_Rank`, and `simexec.exec.measure.live_memory` (peak memory on CPU).
+`simexec.exec.rank.unsupported_plans` (plans the interpreter cannot run yet) and
+`simexec.exec.measure.live_memory` (peak memory on CPU).
 """
 from __future__ import annotations
 
@@ -44,133 +46,23 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from simexec.exec.measure.live_memory import LIVE_TRACKER, LiveBytes
 from simexec.exec.nn import data
-from simexec.exec.rank.collectives import SendWaiter, TorchComm, _Inflight
-from simexec.exec.rank.dataflow import (_BLOCKS, _BLOCKS_SP, _COLLS, _COLLS_SP, _CONSUMED, _GATHERED_LAST,
-                                   _PERMUTED_INPUT, _REGATHERED_INPUT, _REGATHERS, _SP_GATHERS, _SP_PARTIAL, _TP_PARTIAL,
-                                   _coll_keys, _downstream, _upstream)
-from simexec.exec.rank.heads_exchange import HeadsExchange
-from simexec.exec.measure.live_memory import _TRACKER, _LiveBytes
-from simexec.exec.nn.gpt import GPT, Route
+from simexec.exec.nn.gpt import GPT
 from simexec.exec.nn.param_layout import Layout, holds, init_full, shard, stage_specs
+from simexec.exec.nn.scaler import LossScaler
+from simexec.exec.nn.weight_grads import DeferredWeights
+from simexec.exec.rank.activation_collectives import ActivationCollectives
+from simexec.exec.rank.block_compute import BlockCompute
+from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
+from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
+                                        downstream, upstream)
+from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
 from simexec.exec.rank.ring import RingAttention
-from simexec.exec.nn.scaler import LossScaler
 from simexec.exec.rank.sharding import Sharding
-from simexec.exec.nn.weight_grads import DeferredWeights, backward_inputs
 from simexec.program.instructions import Instr
-
-
-def _engine_backward(tensors: tuple, grads: tuple) -> None:
-    """torch.autograd.backward(tensors, grads) without its Python-side checks and bookkeeping (the
-    interpreter calls it once per backward block, with gradients of matching shapes and dtypes)."""
-    _ENGINE.run_backward(tensors, grads, False, False, (), True, True)
-
-
-def _engine_backward_to(tensors: tuple, grads: tuple, inputs: tuple) -> None:
-    """As `_engine_backward`, to `inputs` alone, keeping the graph (a zero-bubble schedule's B)."""
-    _ENGINE.run_backward(tensors, grads, True, False, inputs, True, True)
-
-
-def _autograd_backward_to(tensors: tuple, grads: tuple, inputs: tuple) -> None:
-    torch.autograd.backward(tensors, grads, retain_graph=True, inputs=inputs)
-
-
-try:
-    _ENGINE = torch.autograd.Variable._execution_engine
-    _run_backward = _engine_backward
-    _run_backward_to = _engine_backward_to
-    _DEALLOCATE = True
-except AttributeError:  # pragma: no cover - a torch without the engine handle
-    _run_backward = torch.autograd.backward
-    _run_backward_to = _autograd_backward_to
-    _DEALLOCATE = False  # torch.autograd.backward checks the outputs' shapes against the gradients'
-
-
-def _deallocate(t: Any) -> None:
-    """Megatron's `deallocate_output_tensor`: a block's recorded output keeps only its autograd node
-    (what the backward starts from), not its data. The storage lives on while anything else holds it
-    (the next block's input, a tensor autograd saved, the environment until its last reader, a send),
-    and is freed with the last of them: a record no longer keeps, say, a row-parallel block's partial
-    sum alive until the block's backward once the g-collective has summed it."""
-    if isinstance(t, Tensor) and t.grad_fn is not None and t._base is None and t.numel() > 1:
-        key = (t.dtype, t.device)
-        e = _EMPTY.get(key)
-        if e is None:
-            e = _EMPTY[key] = torch.empty(0, dtype=t.dtype, device=t.device)
-        t.data = e
-
-
-_EMPTY: dict = {}
-_SCALAR: dict = {}
-
-
-def _shrink_leaf(x: Tensor) -> None:
-    """A recorded input leaf whose data nothing needs any more keeps only its shape: a zero-stride
-    expansion of one element (autograd accumulates its gradient by the leaf's shape)."""
-    if isinstance(x, Tensor) and x.requires_grad and x.grad_fn is None and x.numel() > 1:
-        key = (x.dtype, x.device)
-        e = _SCALAR.get(key)
-        if e is None:
-            e = _SCALAR[key] = torch.zeros((), dtype=x.dtype, device=x.device)
-        x.data = e.expand(x.shape)
-
-
-# ---------------------------------------------------------------------------------------------------
-# Plans the interpreter cannot run yet
-# ---------------------------------------------------------------------------------------------------
-
-
-def unsupported(rp) -> Optional[str]:
-    """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
-    m, p = rp.model, rp.plan
-    missing = []
-    if rp.tied_copy and p.zero >= 2:
-        missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
-                       "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
-                       "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does, or under"
-                       " schedule=zb-v or dualpipev, whose first rank holds the head beside the embedding)")
-    if m.tied_embeddings and p.zero3 is not None and p.zero3.preallocated_buffers:
-        missing.append(f"tied embeddings with zero_impl={p.zero3.name} ({m.name}: the LM head needs the embedding's "
-                       "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
-    if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
-        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
-                       "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
-    if p.dtype == "fp8":
-        missing.append("dtype=fp8")
-    if not missing and (p.sp or p.cp > 1):
-        missing += _lowering_gaps(rp)
-    if not missing:
-        return None
-    return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
-
-
-def _lowering_gaps(rp) -> list[str]:
-    """Communication the math needs that the lowering does not emit (checked on the program of the
-    first pipeline stage's representative rank, so that a fixed lowering is picked up by itself)."""
-    from simexec.program.lower import lower
-
-    p = rp.plan
-    prog = lower(rp, symmetric=True)
-    rank = rp.mesh.rank()
-    instrs = prog.ranks[rank]
-    gaps = []
-    if p.sp and p.tp > 1 and not any(i.block == "embed_out" and i.phase == "bwd" for i in instrs):
-        gaps.append("sp: no backward embed_out (the vocab-parallel embedding needs the gradient of its whole "
-                    "sequence: the all-gather conjugate of the forward reduce-scatter)")
-    if p.cp > 1:
-        peers = set(rp.mesh.group(rank, "cp"))
-        reduces = [i for i in instrs if i.kind == "collective" and i.block.startswith("grads")]
-        if not any(peers <= set(i.group) for i in reduces):
-            gaps.append("cp: gradients are reduced over dp only; parameters replicated over cp need their "
-                        "gradients summed over dp x cp")
-    return gaps
-
-
-# ---------------------------------------------------------------------------------------------------
-# One rank
-# ---------------------------------------------------------------------------------------------------
 
 
 class _NullTracer:
@@ -184,10 +76,13 @@ class _NullTracer:
         pass
 
 
-class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerStep):
-    """One rank's program, run step by step: its loop, the compute blocks and the activation
-    collectives; the parameter and gradient storage is `Sharding`'s, ring attention
-    `RingAttention`'s, the pipeline messages `PipelineMessages`' and the optimizer step
+class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttention, HeadsExchange, PipelineMessages,
+                      OptimizerStep):
+    """One rank's program, run step by step: its state, its loop, and the reads and writes of its
+    activations and of the collectives in flight; the compute blocks are `BlockCompute`'s, the
+    collectives' dispatch and the activation collectives `ActivationCollectives`', the parameter and
+    gradient storage `Sharding`'s, ring attention `RingAttention`'s, cp_impl=a2a's exchanges
+    `HeadsExchange`'s, the pipeline messages `PipelineMessages`' and the optimizer step
     `OptimizerStep`'s."""
 
     def __init__(self, rp, instrs: list[Instr], groups, tracer, device: torch.device, seed: int, comm=None):
@@ -207,7 +102,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.lay = Layout.of(rp, self.rank)
         self.L = m.layers
         self.step_no = -1
-        self.inflight: dict[str, _Inflight] = {}
+        self.inflight: dict[str, InflightComm] = {}
         # gloo's sends complete only when waited on (`SendWaiter`); NCCL's and XLA's host sends do not need it
         self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
         self.token_weight = 1.0 / (p.gbs * rp.seq_len)  # each token's share of the global mean loss
@@ -224,10 +119,10 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.gdtype = torch.float32 if self.main_grads else self.dtype
 
         self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
-        self.blocks_io = _BLOCKS_SP if p.sp else _BLOCKS
-        self.colls = _COLLS_SP if p.sp else _COLLS
+        self.blocks_io = BLOCK_IO_SP if p.sp else BLOCK_IO
+        self.colls = COLLECTIVE_IO_SP if p.sp else COLLECTIVE_IO
         # the backward collective that sums each tp-replicated parameter's partial gradient
-        self.partial_by = {n: (s.sp_partial or (_SP_PARTIAL[s.tp_partial] if ".norm" in n else s.tp_partial))
+        self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
@@ -248,7 +143,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self.shapes = {n: t.shape for n, t in self.p.items()}
         self.model = GPT(m, self.lay, self.p, flash=self.plan.flash_attention)
         self.g: dict[str, Tensor] = {}  # gradients moved out of .grad (tp-reduced, zero-0 reduced)
-        self.g_pending: dict[str, _Inflight] = {}  # params whose gradient a collective still computes
+        self.g_pending: dict[str, InflightComm] = {}  # params whose gradient a collective still computes
         self.reduced: dict[str, Tensor] = {}  # ZeRO-0 bucket results: final gradients
 
         # what the program asks for: recompute, buckets, ZeRO-3 gathers
@@ -258,11 +153,11 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         for k, i in enumerate(instrs):
             if i.phase == "fwd" and 0 <= i.layer < self.L and i.kind in ("compute", "collective"):
                 self.layer_end[(i.layer, i.mb)] = k
-        self._setup_zero()
-        self._setup_grad_buffers()
-        self._setup_optimizer()
-        self._setup_ring()
-        self._setup_heads()
+        self.setup_zero()
+        self.setup_grad_buffers()
+        self.setup_optimizer()
+        self.setup_ring()
+        self.setup_heads()
         self._prepare()
 
     # --- env reads and writes ---------------------------------------------------------------------
@@ -270,7 +165,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
         k = key
         while k is not None and k not in self.env:
-            k = _upstream(k)
+            k = upstream(k)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -278,7 +173,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         if k is None:
             raise KeyError(f"rank {self.rank}: no value for {key[0]} of layer {key[1]} micro-batch {key[2]}")
         v = self.env[k]
-        if isinstance(v, _Inflight):
+        if isinstance(v, InflightComm):
             v.wait()
             v = self.env[k]
         return v
@@ -288,18 +183,31 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         while k is not None:
             if k in self.d:
                 v = self.d[k]
-                if isinstance(v, _Inflight):
+                if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = _downstream(k, self.L)
+            k = downstream(k, self.L)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:
         cur = self.d.get(key)
-        if isinstance(cur, _Inflight):
+        if isinstance(cur, InflightComm):
             cur.wait()
             cur = self.d.get(key)
         self.d[key] = t if cur is None else cur + t
+
+    def deliver(self, key: tuple, t: Tensor, backward: bool) -> None:
+        if backward:
+            if self.d.get(key) is not None and isinstance(self.d[key], InflightComm):
+                del self.d[key]
+            self.add_grad(key, t)
+        else:
+            self.env[key] = t
+
+    def issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> InflightComm:
+        w = InflightComm(self, ins, works, finish, self.send_waiter if ins.kind == "send" else None)
+        self.inflight[ins.name] = w
+        return w
 
     def wait_name(self, name: str) -> None:
         w = self.inflight.get(name)
@@ -350,7 +258,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         collective, on that collective's stream) would only hold the compute stream back."""
         codes = {"compute": 0, "collective": 1, "send": 2, "recv": 2, "copy": 3}
         self._ops = []
-        self._send_release = self._plan_send_release()
+        self.send_release = self.plan_send_release()
         for k, ins in enumerate(self.instrs):
             code = codes.get(ins.kind)
             if code is None:
@@ -358,44 +266,6 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
             key = (ins.layer, ins.mb)
             drop = key if key in self.full_recompute_layers and self.layer_end.get(key) == k else None
             self._ops.append((ins, code, ins.deps, tuple(self.z3_free_after.get(k, ())), drop))
-
-    def _plan_send_release(self) -> dict[str, list[str]]:
-        """Pipeline sends: recv name -> the sends that are certainly complete once it has arrived.
-
-        A gloo send's work never reports completion until waited, and its tensor (a stage's output,
-        or an input gradient) lives in it until then. A send is complete once its peer has received
-        it, and the peer received it before any later message it sends back to this rank: its recv
-        comes at the start of one of its actions (`pipeline_order`), and its sends follow it. So the
-        first message the peer sends here from that action on releases the send (it is waited, without
-        blocking, when that message is). Sends with no such message end with the step."""
-        from simexec.program.schedules import pipeline_order
-
-        p, rp = self.plan, self.rp
-        if p.pp == 1:
-            return {}
-        V, me = rp.virtual_stages, self.coords["pp"]
-        order = pipeline_order(p.schedule_name, p.pp, rp.micro_batches, p.vpp)
-        out: dict[str, list[str]] = {}
-        for ins in self.instrs:
-            if ins.kind != "send" or ins.block not in ("act", "grad"):
-                continue
-            vs = int(ins.name.split(".")[2][1:])
-            dest = vs + 1 if ins.block == "act" else vs - 1
-            peer, chunk = rp.place(dest)
-            acts = order[peer]
-            want = ("F" if ins.block == "act" else "B", chunk, ins.mb)
-            i = next((k for k, a in enumerate(acts) if (a.kind, a.chunk, a.mb) == want), None)
-            if i is None:
-                continue
-            for a in acts[i:]:
-                pvs = rp.stage(peer, a.chunk)
-                if a.kind == "F" and pvs < V - 1 and rp.place(pvs + 1)[0] == me:
-                    out.setdefault(f"p2p.act.v{pvs}.m{a.mb}", []).append(ins.name)
-                    break
-                if a.kind == "B" and pvs > 0 and rp.place(pvs - 1)[0] == me:
-                    out.setdefault(f"p2p.grad.v{pvs}.m{a.mb}", []).append(ins.name)
-                    break
-        return out
 
     def run_step(self, step: int) -> Optional[float]:
         self.step_no = step
@@ -405,7 +275,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
         self._batches: dict[int, data.Batch] = {}
         self._pos: Optional[tuple[Tensor, Tensor]] = None  # this rank's positions (on the CPU, on the device)
         self.loss: Optional[Tensor] = None
-        self._attach_grads()
+        self.attach_grads()
         inflight, tracer, cut = self.inflight, self.tracer, self.cut
         begin, end = tracer.begin, tracer.end
         for ins, code, deps, free, drop in self._ops:
@@ -437,435 +307,6 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                 self.drop_layer(*drop)
         self.wait_all()
         return None if self.loss is None else float(self.loss)
-
-    # --- compute ----------------------------------------------------------------------------------
-    def compute(self, ins: Instr) -> None:
-        if ins.block in ("optim", "cpu_optim"):
-            return self.optimizer_step(ins)
-        if ins.block == "grad_norm":
-            return self.grad_norm(ins)
-        if ins.block == "unscale":
-            return self.unscale(ins)
-        if ins.block.startswith("bucket_in"):
-            return self.bucket_in(ins)
-        if ins.block == "bucket_out":
-            return self.bucket_out(ins)
-        if self.z3_pending:
-            for cls in ("dense", "expert"):
-                w = self.z3_pending.get((cls, ins.layer))
-                if w is not None:
-                    w.wait()
-        record = (ins.phase == "recompute" or not self.recomputed
-                  or (ins.block, ins.layer, ins.mb) not in self.recomputed)
-        if self.ring and ins.block == "attn":
-            hop = self.ring_hop[ins.name]
-            return self.ring_backward(ins, hop) if ins.phase == "bwd" else self.ring_forward(ins, hop, record)
-        if ins.phase == "bwd":
-            return self.backward(ins)
-        if ins.phase == "wgrad":
-            return self.weight_grads(ins)
-        self.forward(ins, record)
-
-    def _run_block(self, block: str, l: int, mb: int, xs: list) -> tuple:
-        M = self.model
-        if block == "embed":
-            b = self.batch(mb)
-            return (M.embed(b.tokens, b.pos),)
-        if block == "qkv":
-            q, kv = M.qkv(l, xs[0], self.batch(mb).pos, self._fetch("xa", l, mb))
-            # what a cp collective is the only reader of (kv; q too under cp_impl=a2a) becomes a tensor of
-            # its own, freed once sent: a recorded view (MLA's kv, q of the projection's output) would keep
-            # its base alive until the backward
-            if self.plan.cp > 1 and not self.ring:
-                kv = kv.clone() if kv._base is not None else kv
-                if self.heads and q._base is not None:
-                    q = q.clone()
-            return q, kv
-        if block == "norm1":
-            return (M.norm1(l, xs[0]),)
-        if block == "norm2":
-            return (M.norm2(l, xs[0]),)
-        if block == "norm":
-            return (M.final_norm(xs[0]),)
-        if block == "attn":
-            if self.heads:  # cp_impl=a2a: the whole sequence, in order, for this rank's share of the heads
-                return (M.attn(l, xs[0], xs[1], self.heads_pos, self.heads_pos),)
-            pos = self.batch(mb).pos
-            kpos = self._kpos if xs[1].shape[3] != xs[0].shape[2] else pos
-            return (M.attn(l, xs[0], xs[1], pos, kpos),)
-        if block == "proj":
-            return (M.proj(l, xs[0], xs[1]),)
-        if block == "fc1":
-            return (M.fc1(l, xs[0], self._fetch("xma", l, mb)),)
-        if block == "fc2":
-            return (M.fc2(l, xs[0], xs[1]),)
-        if block == "router":
-            return M.router(l, xs[0], self._fetch("xma", l, mb))
-        if block == "experts":
-            counts = self.env.get(("rcounts", l, mb))
-            if counts is None:  # no dispatch (ep = 1): every routed token is here
-                counts = self.read(("route", l, mb)).counts.view(1, -1)
-            return (M.experts(l, xs[0], counts),)
-        if block == "moe_out":
-            return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
-        if block == "head":
-            return M.head(xs[0], self._fetch("xh", l, mb))
-        if block == "xent":
-            return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
-        if block == "loss":
-            return (M.loss(xs[0], self.token_weight),)
-        raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")
-
-    def _fetch(self, name: str, l: int, mb: int) -> Optional[Callable[[], Tensor]]:
-        """Under sp, how a column-parallel GEMM's backward gets its input whole again: the value of
-        the program's re-gather (`*_regather`), which has run by then."""
-        if not self.plan.sp:
-            return None
-        key = (name, l, mb)
-
-        def fetch() -> Tensor:
-            v = self.env.get(key)
-            if isinstance(v, _Inflight):
-                v.wait()
-                v = self.env.get(key)
-            if v is None:
-                raise RuntimeError(f"rank {self.rank}: the backward of layer {l} micro-batch {mb} needs {name} "
-                                   "re-gathered, and no re-gather has delivered it")
-            return v
-
-        return fetch
-
-    def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
-        """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps
-        it (the GEMMs saved only the slice, re-gathered in the backward). The environment lets go of
-        it, and so do the readers' records, whose inputs become one-element expansions of its shape."""
-        name = _GATHERED_LAST[block]
-        self.env.pop((name, l, mb), None)
-        if not _DEALLOCATE or self.xla:
-            return
-        leaves = [v for n, v in zip(self.blocks_io[block][0], vals) if n == name]
-        if block == "moe_out":
-            rec = self.records.get(("router", l, mb))
-            if rec is not None:
-                leaves += [v for n, v in zip(rec[0], rec[1]) if n == name]
-        for v in leaves:
-            _shrink_leaf(v)
-
-    @property
-    def _kpos(self) -> Tensor:
-        """Positions of the K/V gathered over cp, in cp-rank order."""
-        return torch.cat([data.cp_positions(self.rp.seq_len, self.plan.cp, r) for r in range(self.plan.cp)]).to(self.device)
-
-    def forward(self, ins: Instr, record: bool) -> None:
-        l, mb = ins.layer, ins.mb
-        ins_names, out_names = self.blocks_io[ins.block]
-        vals = [self.read((n, l, mb)) for n in ins_names]
-        if record:
-            vals = [v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, Tensor) else v for v in vals]
-        with torch.set_grad_enabled(record):
-            outs = self._run_block(ins.block, l, mb, vals)
-        if ins.block == "loss":
-            self.loss = outs[0].detach() if self.loss is None else self.loss + outs[0].detach()
-        if not record:
-            for n, o in zip(out_names, outs):
-                self.env[(n, l, mb)] = o
-            if self.plan.sp and ins.block in _GATHERED_LAST:
-                self._release_gathered(ins.block, l, mb, [])
-            return
-        for n, o in zip(out_names, outs):
-            self.env[(n, l, mb)] = o.detach() if isinstance(o, Tensor) and o.grad_fn is not None else o
-        if _DEALLOCATE and not self.xla:
-            for o in outs:
-                _deallocate(o)
-            if ins.block in _PERMUTED_INPUT:
-                name = _PERMUTED_INPUT[ins.block]
-                self._free_permuted_input(name, l, mb, vals[ins_names.index(name)])
-        self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
-        if self.plan.sp and ins.block in _GATHERED_LAST:
-            self._release_gathered(ins.block, l, mb, vals)
-
-    def _free_permuted_input(self, name: str, l: int, mb: int, xr: Tensor) -> None:
-        """Tokens as an all-to-all delivered them: once permuted (into expert order for the experts,
-        Megatron's sort_chunks_by_idxs; back into token order for the combine, its unpermute), nothing
-        needs them: the permutation's backward keeps only the indices, the GEMMs and the routing
-        weights save the permuted copy. The record keeps a leaf of the same shape over a single
-        element (a zero-stride expansion: autograd accumulates its gradient by the leaf's shape), and
-        the environment lets go of the received buffer."""
-        k = self.resolve((name, l, mb))
-        if k is not None:
-            del self.env[k]
-        _shrink_leaf(xr)
-
-    def loss_seed(self, loss: Tensor) -> Tensor:
-        """The loss's gradient: the loss scale, which overflows to inf where it exceeds the dtype's range
-        (as `loss * scale` does), so that the step is skipped rather than the run stopped."""
-        return torch.ones_like(loss).mul_(self.scaler.scale)
-
-    def weight_grads(self, ins: Instr) -> None:
-        """A zero-bubble schedule's W for one block: the weight gradients its B deferred, or, for a
-        block whose backward is all weight gradient (the embedding), that whole backward."""
-        deferred = self.deferred.pop((ins.block, ins.layer, ins.mb), None)
-        if deferred is None:
-            return self.backward(ins, split=False)
-        deferred.run()
-        if self.plan.sp:  # tp_overlap: the input the weight-gradient GEMM re-read, kept past B for it
-            self.env.pop((_REGATHERED_INPUT.get(ins.block, ""), ins.layer, ins.mb), None)
-
-    def backward(self, ins: Instr, split: Optional[bool] = None) -> None:
-        l, mb = ins.layer, ins.mb
-        rec = self.records.pop((ins.block, l, mb), None)
-        if rec is None:
-            raise RuntimeError(f"rank {self.rank}: {ins.name} has no forward record (forward not run, or run without grad)")
-        ins_names, vals, out_names, outs = rec
-        ts, gs = [], []
-        for n, o in zip(out_names, outs):
-            if isinstance(o, Tensor) and o.requires_grad:
-                g = self.loss_seed(o) if ins.block == "loss" else self.take_grad((n, l, mb))
-                if g is not None:
-                    ts.append(o)
-                    gs.append(g)
-        if split is None:
-            split = self.split or (ins.block, l, mb) in self.split_blocks
-        kept = ""  # under sp, a deferred weight-gradient GEMM's re-gathered input, which it reads
-        if ts and split:
-            inputs = [v for v in vals if isinstance(v, Tensor) and v.requires_grad]
-            deferred = backward_inputs(tuple(ts), tuple(gs), inputs, _run_backward_to, _run_backward,
-                                       self.split_analyses, (ins.block, l))
-            if deferred is not None:
-                self.deferred[(ins.block, l, mb)] = deferred
-                kept = _REGATHERED_INPUT.get(ins.block, "") if self.plan.sp else ""
-        elif ts:
-            _run_backward(tuple(ts), tuple(gs))
-        for n, v in zip(ins_names, vals):
-            if isinstance(v, Tensor) and v.grad is not None:
-                self.add_grad((n, l, mb), v.grad)
-                v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
-        for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept:
-                continue  # the router's backward reads the re-gathered input after this one
-            k = self.resolve((n, l, mb))
-            if k is not None:
-                del self.env[k]
-
-    def drop_layer(self, l: int, mb: int) -> None:
-        """Full recompute: after the layer's forward keep only its input (recompute rebuilds the rest)."""
-        keep = {("x", l, mb), ("x", l + 1, mb)}
-        if ("x", l + 1, mb) not in self.env and ("y2p", l, mb) in self.env:
-            self.env[("x", l + 1, mb)] = self.env[("y2p", l, mb)]  # the next layer reads it
-        for key in [k for k in self.env if k[1] == l and k[2] == mb and k not in keep]:
-            del self.env[key]
-
-    # --- collectives ------------------------------------------------------------------------------
-    def collective(self, ins: Instr) -> None:
-        block = ins.block
-        verb = ins.collective
-        g = self.group(ins)
-        if block in self.colls:
-            return self.activation_collective(ins, verb, g)
-        if block == "norm_grads":
-            return self.norm_grads(ins, g)
-        if block in ("unscale", "grad_norm"):
-            return self.step_reduction(ins, g)
-        if block == "grads":
-            return self.z3_grads(ins, g)
-        if block.startswith("grads_rep"):
-            return self.grads_rep(ins, g)
-        if block.startswith("grads"):
-            return self.grads_bucket(ins, verb, g)
-        if block.startswith("params"):
-            return self.params_gather(ins, g)
-        if block == "gather":
-            return self.z3_gather(ins, g)
-        if block in ("act_gather", "grad_gather"):
-            return self.pipeline_gather(ins, g)
-        if block == "tied":
-            return self.tied_grads(ins, g)
-        raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
-
-    def _issue(self, ins: Instr, works: list, finish: Optional[Callable[[], None]]) -> _Inflight:
-        w = _Inflight(self, ins, works, finish, self.send_waiter if ins.kind == "send" else None)
-        self.inflight[ins.name] = w
-        return w
-
-    def activation_collective(self, ins: Instr, verb: str, g) -> None:
-        src, dst = _coll_keys(ins.block, ins.layer, ins.mb, self.colls)
-        dim = self.colls[ins.block][2]
-        n = len(ins.group)
-        backward = ins.phase == "bwd" and ins.block not in _REGATHERS
-        # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
-        gathered_input = self.plan.sp and not backward and (ins.block in _SP_GATHERS or ins.block in _REGATHERS)
-        if ins.block in ("dispatch", "combine"):
-            return self.alltoall(ins, g, src, dst, backward)
-        if ins.block in ("heads_in", "heads_out"):
-            return self.heads_exchange(ins, g, backward)
-        if backward:
-            x = self.take_grad(dst)
-            extras = self._tp_partial_grads(ins) if ins.block in _TP_PARTIAL else []
-            target = src
-        else:
-            x = self.read(src).detach()
-            extras = []
-            target = dst
-        if x is None:
-            raise RuntimeError(f"rank {self.rank}: {ins.name}: nothing to {verb} (no gradient arrived)")
-        x = x.detach()
-        shape = x.shape
-        flat_extras = [e.reshape(-1) for _, e in extras]
-
-        if verb == "allreduce":
-            buf = torch.cat([x.reshape(-1)] + flat_extras) if extras else x.clone()
-            op = dist.ReduceOp.MAX if ins.block == "ce_max" else dist.ReduceOp.SUM
-            work = self.comm.all_reduce(buf, op=op, group=g, async_op=True)
-
-            def finish():
-                self._deliver(target, buf[: x.numel()].view(shape), backward)
-                self._deliver_extras(extras, buf[x.numel() :])
-        elif verb == "allgather":
-            xt = x.movedim(dim, 0).contiguous()
-            out = torch.empty((n * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
-            work = self.comm.all_gather(out, xt, group=g, async_op=True)
-
-            def finish():
-                t = out.movedim(0, dim)
-                if gathered_input:  # Megatron's (s, b, h) gathers are contiguous; a (B, T, C) one is made so
-                    t = t.contiguous()
-                self._deliver(target, t, backward)
-        elif verb == "reducescatter":
-            xt = x.movedim(dim, 0).contiguous()
-            chunks = xt.chunk(n, dim=0)
-            # with extras (replicated params' grads) every slot carries them: each rank gets the full sum
-            buf = torch.cat([torch.cat([c.reshape(-1)] + flat_extras) for c in chunks])
-            out = torch.empty(buf.numel() // n, dtype=x.dtype, device=x.device)
-            work = self.comm.reduce_scatter(out, buf, group=g, async_op=True)
-            cshape = chunks[0].shape
-
-            def finish():
-                self._deliver(target, out[: chunks[0].numel()].view(cshape).movedim(0, dim), backward)
-                self._deliver_extras(extras, out[chunks[0].numel() :])
-        else:
-            raise ValueError(f"rank {self.rank}: {ins.name}: {verb} is not an activation collective")
-        w = self._issue(ins, [work], finish)
-        if backward:
-            self.d[target] = w
-            for name, _ in extras:
-                self.g_pending[name] = w
-        else:
-            self.env[target] = w
-            if ins.block in _REGATHERS:
-                self.env.pop(src, None)  # the slice's last reader
-            else:
-                self._consumed(src)
-
-    def norm_grads(self, ins: Instr, g) -> None:
-        """Under sp: sum over tp the partial gradients of the norms no activation collective
-        carries (`_SP_PARTIAL`)."""
-        extras = self._tp_partial_grads(ins)
-        if not extras:
-            return
-        # an earlier micro-batch's sum still in flight (a zero-bubble schedule runs its deferred weight
-        # passes back to back) delivers first: `g_pending` tracks only the latest
-        for name, _ in extras:
-            w = self.g_pending.get(name)
-            if w is not None:
-                w.wait()
-        buf = torch.cat([e.reshape(-1) for _, e in extras])
-        work = self.comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=g, async_op=True)
-        w = self._issue(ins, [work], lambda: self._deliver_extras(extras, buf))
-        for name, _ in extras:
-            self.g_pending[name] = w
-
-    def tied_grads(self, ins: Instr, g) -> None:
-        """Tied embeddings over a pipeline: sum the gradients of the first stage's embedding and the
-        last stage's copy (`stage_specs`), so that both take the same step: data-parallel-reduced
-        (ZeRO-0, Megatron-LM), or under ZeRO-1 this rank's own, before its bucket is reduce-scattered
-        (DeepSpeed's pipeline engine; the program orders it so), the sum going back where the bucket
-        reads it."""
-        name = "embed.wte"
-        w = self.g_pending.pop(name, None)
-        if w is not None:
-            w.wait()
-        t = self.reduced.pop(name) if name in self.reduced else self.local_grad(name)
-        work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
-        store = self.g if self.plan.zero >= 1 else self.reduced
-
-        def finish():
-            store[name] = t
-
-        self.g_pending[name] = self._issue(ins, [work], finish)
-
-    def _consumed(self, key: tuple) -> None:
-        """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
-        tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
-        that it lives only as long as the collective (and whatever autograd saved) needs it."""
-        if key not in self.env:
-            return
-        name, l, mb = key
-        # the residual stream gathered under sp: the gathered copy is what the blocks read (full
-        # recompute re-reads the layer's input, so it stays there)
-        if name in _CONSUMED or (name == "x" and (l == self.L or (l, mb) not in self.full_recompute_layers)):
-            del self.env[key]
-
-    def _deliver(self, key: tuple, t: Tensor, backward: bool) -> None:
-        if backward:
-            if self.d.get(key) is not None and isinstance(self.d[key], _Inflight):
-                del self.d[key]
-            self.add_grad(key, t)
-        else:
-            self.env[key] = t
-
-    def _tp_partial_grads(self, ins: Instr) -> list[tuple[str, Tensor]]:
-        """Gradients of parameters replicated over tp but computed partially (norms, router): taken
-        out of .grad here and summed by this collective (zeros where a rank has none yet, so every
-        rank sends the same layout)."""
-        if len(ins.group) == 1:
-            return []
-        unit = ins.layer
-        out = []
-        for n, s in self.specs.items():
-            if s.unit == unit and self.partial_by.get(n) == ins.block:
-                p = self.p[n]
-                g = p.grad if p.grad is not None else torch.zeros(self.shapes[n], dtype=p.dtype, device=self.device)
-                p.grad = None
-                out.append((n, g))
-        return out
-
-    def _deliver_extras(self, extras: list[tuple[str, Tensor]], flat: Tensor) -> None:
-        off = 0
-        for name, e in extras:
-            r = flat[off : off + e.numel()].view(e.shape).to(self.gdtype, copy=True)
-            off += e.numel()
-            self.g[name] = r if name not in self.g else self.g[name] + r
-            if self.g_pending.get(name) is not None and self.g_pending[name].done:
-                del self.g_pending[name]
-
-    def alltoall(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
-        """MoE dispatch / combine over ep. Dispatch first exchanges the per-expert counts (a small
-        blocking all-to-all), so every rank knows how many tokens it receives from each peer."""
-        l, mb = ins.layer, ins.mb
-        n = len(ins.group)
-        if ins.block == "dispatch" and not backward:
-            route: Route = self.read(("route", l, mb))
-            counts = route.counts.to(torch.int64)
-            rc = torch.empty_like(counts)
-            self.comm.all_to_all_single(rc, counts, group=g)  # counts for my local experts from each source
-            rc = rc.view(n, -1)
-            send = counts.view(n, -1).sum(1).tolist()
-            recv = rc.sum(1).tolist()
-            self.env[("rcounts", l, mb)] = rc
-            self.env[("splits", l, mb)] = (send, recv)
-        send, recv = self.env[("splits", l, mb)]
-        # dispatch fwd and combine bwd move tokens to the experts; the other two move them back
-        to_experts = (ins.block == "dispatch") != backward
-        in_split, out_split = (send, recv) if to_experts else (recv, send)
-        x = (self.take_grad(dst) if backward else self.read(src)).detach().contiguous()
-        out = torch.empty((sum(out_split), x.shape[1]), dtype=x.dtype, device=x.device)
-        work = self.comm.all_to_all_single(out, x, out_split, in_split, group=g, async_op=True)
-        target = src if backward else dst
-        w = self._issue(ins, [work], lambda: self._deliver(target, out, backward))
-        (self.d if backward else self.env)[target] = w
-        if not backward:
-            self._consumed(src)
-
     # --- results ----------------------------------------------------------------------------------
     def final_params(self) -> dict[str, Tensor]:
         """This rank's tensor-/expert-parallel shard of every parameter it holds. ZeRO-3 shards are
@@ -878,7 +319,7 @@ class _Rank(Sharding, RingAttention, HeadsExchange, PipelineMessages, OptimizerS
                     self.params_gather(ins, self.group(ins))
             self.wait_all()
         for key, fl in self.z3.items():
-            ins = next(i for i in self.instrs if i.block == "gather" and (self._cls(i.axis), i.layer) == key)
+            ins = next(i for i in self.instrs if i.block == "gather" and (self.param_class(i.axis), i.layer) == key)
             out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
             self.comm.all_gather(out, self.shards[key], group=self.group(ins))
             for n, v in zip(fl.names, fl.views(out)):
@@ -922,7 +363,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         from simexec.exec.rank import xla as X
 
         comm = X.comm_for(dist.get_backend() if dist.is_initialized() else "xla")
-    r = _Rank(rp, instrs, groups, tracer, device, seed, comm)
+    r = RankInterpreter(rp, instrs, groups, tracer, device, seed, comm)
     losses, times, cpu, main_cpu = [], [], [], []  # the process's CPU time a step (every thread), this thread's
     peak = largest = 0
     for step in range(steps):
@@ -931,14 +372,14 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             elif not xla:  # XLA tensors have no storage to count: the runtime's figure (0 on CPU)
-                tracker = _LiveBytes()
+                tracker = LiveBytes()
                 for t in r.host_tensors():  # device memory only: host copies are not the accelerator's
                     tracker.ignore(t)
                 held = [r.p, r.shards, r.z3_buffers, r.z3_gbuffers, r.gbuf]
                 for t in [t for d in held for t in d.values()] + r.opt.state_tensors():
                     tracker.track(t)
                 tracker.__enter__()
-                _TRACKER[0] = tracker
+                LIVE_TRACKER[0] = tracker
         if cuda:
             torch.cuda.synchronize(device)
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
@@ -947,7 +388,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         finally:
             if tracker is not None:
                 tracker.__exit__(None, None, None)
-                _TRACKER[0] = None
+                LIVE_TRACKER[0] = None
         if cuda:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)

@@ -17,20 +17,20 @@ import torch.distributed as dist
 from torch import Tensor
 
 from simexec.exec.nn.clipping import ClipWeights, clip_coefficient
-from simexec.exec.measure.live_memory import _TRACKER
+from simexec.exec.measure.live_memory import LIVE_TRACKER
 from simexec.exec.nn.optim import Adam
 from simexec.program.instructions import Instr
 
 
 class OptimizerStep:
-    """Adam, loss scaling, clipping and offload copies for `_Rank` (`simexec.exec.rank.interpreter`), a mixin.
+    """Adam, loss scaling, clipping and offload copies for `RankInterpreter` (`simexec.exec.rank.interpreter`), a mixin.
 
     Reads of the rank: `rp`, `rank`, `plan`, `specs`, `shapes`, `device`, `scaler`, `comm`, `p`,
-    `buckets`, `shards`, `z3`, `local_grad`, `wait_but_sends`, `_issue`. Shares with it: `gshard`
+    `buckets`, `shards`, `z3`, `local_grad`, `wait_but_sends`, `issue`. Shares with it: `gshard`
     and `reduced` (the final gradients, consumed by the step). Its own: `opt`, `opt_keys`,
     `opt_tensors`, `offload`, `host`, `host_grads`, `clip`, `step_grads`, `norm_sq`, `found_inf`."""
 
-    def _setup_optimizer(self) -> None:
+    def setup_optimizer(self) -> None:
         """Adam over: bucket / unit shards (ZeRO), and every parameter no shard covers."""
         sharded = [fl for k, fl in self.buckets.items() if k in self.shards] + list(self.z3.values())
         covered = {n for fl in sharded for n in fl.names}
@@ -57,7 +57,7 @@ class OptimizerStep:
         """`optim`: Adam on this rank's parameters / shards. `cpu_optim` (offload): on the host copies,
         whose gradients `grads_d2h` brought."""
         if ins.block == "cpu_optim":
-            tracker = _TRACKER[0]
+            tracker = LIVE_TRACKER[0]
             if tracker is not None:
                 tracker.on_host += 1
             threads = torch.get_num_threads()
@@ -121,7 +121,7 @@ class OptimizerStep:
         """The all-reduce of `unscale`'s overflow flag or `grad_norm`'s sum of squares."""
         t = self.found_inf if ins.block == "unscale" else self.norm_sq
         work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
-        self._issue(ins, [work], None)
+        self.issue(ins, [work], None)
 
     def _step_grads(self) -> list[Tensor]:
         """The step's final gradients, gathered once for the instructions before the step that read them."""

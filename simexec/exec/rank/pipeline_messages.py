@@ -16,11 +16,12 @@ from simexec.program.instructions import Instr
 
 
 class PipelineMessages:
-    """The sends, receives and tp gathers at pipeline-stage boundaries for `_Rank`
+    """The sends, receives and tp gathers at pipeline-stage boundaries for `RankInterpreter`
     (`simexec.exec.rank.interpreter`), a mixin.
 
-    Reads of the rank: `rp`, `m`, `plan`, `coords`, `device`, `dtype`, `tokens_res`, `comm`,
-    `_send_release`, `read`, `take_grad`, `resolve`, `wait_name`, `_issue`, `_deliver`, `ring_p2p`.
+    Reads of the rank: `rp`, `m`, `plan`, `coords`, `instrs`, `device`, `dtype`, `tokens_res`, `comm`,
+    `send_release` (`plan_send_release`'s, made once per run), `read`, `take_grad`, `resolve`,
+    `wait_name`, `issue`, `deliver`, `ring_p2p`.
     Shares with it: `env`, `d` (activations and gradients)."""
 
     def _boundary(self, ins: Instr) -> int:
@@ -48,7 +49,7 @@ class PipelineMessages:
             if slices > 1:  # every tp rank holds the whole tensor: send this rank's piece
                 t = t.reshape(-1).chunk(slices)[self.coords["tp"]]
             t = t.contiguous()
-            self._issue(ins, [self.comm.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
+            self.issue(ins, [self.comm.isend(t, ins.peer, tag=tag)], None)  # t stays alive in the work until sent
             if ins.block == "act":
                 k = self.resolve(key)
                 if k is not None:
@@ -61,15 +62,53 @@ class PipelineMessages:
             else:
                 buf = torch.empty(self._message_shape, dtype=self.dtype, device=self.device)
             work = self.comm.irecv(buf, ins.peer, tag=tag)
-            sent = self._send_release.get(ins.name, ())
+            sent = self.send_release.get(ins.name, ())
 
             def finish():
-                self._deliver(key, buf, grad)
-                for name in sent:  # complete by now (see _plan_send_release): drop their tensors
+                self.deliver(key, buf, grad)
+                for name in sent:  # complete by now (see plan_send_release): drop their tensors
                     self.wait_name(name)
 
-            w = self._issue(ins, [work], finish)
+            w = self.issue(ins, [work], finish)
             (self.d if grad else self.env)[key] = w
+
+    def plan_send_release(self) -> dict[str, list[str]]:
+        """Pipeline sends: recv name -> the sends that are certainly complete once it has arrived.
+
+        A gloo send's work never reports completion until waited, and its tensor (a stage's output,
+        or an input gradient) lives in it until then. A send is complete once its peer has received
+        it, and the peer received it before any later message it sends back to this rank: its recv
+        comes at the start of one of its actions (`pipeline_order`), and its sends follow it. So the
+        first message the peer sends here from that action on releases the send (it is waited, without
+        blocking, when that message is). Sends with no such message end with the step."""
+        from simexec.program.schedules import pipeline_order
+
+        p, rp = self.plan, self.rp
+        if p.pp == 1:
+            return {}
+        V, me = rp.virtual_stages, self.coords["pp"]
+        order = pipeline_order(p.schedule_name, p.pp, rp.micro_batches, p.vpp)
+        out: dict[str, list[str]] = {}
+        for ins in self.instrs:
+            if ins.kind != "send" or ins.block not in ("act", "grad"):
+                continue
+            vs = int(ins.name.split(".")[2][1:])
+            dest = vs + 1 if ins.block == "act" else vs - 1
+            peer, chunk = rp.place(dest)
+            acts = order[peer]
+            want = ("F" if ins.block == "act" else "B", chunk, ins.mb)
+            i = next((k for k, a in enumerate(acts) if (a.kind, a.chunk, a.mb) == want), None)
+            if i is None:
+                continue
+            for a in acts[i:]:
+                pvs = rp.stage(peer, a.chunk)
+                if a.kind == "F" and pvs < V - 1 and rp.place(pvs + 1)[0] == me:
+                    out.setdefault(f"p2p.act.v{pvs}.m{a.mb}", []).append(ins.name)
+                    break
+                if a.kind == "B" and pvs > 0 and rp.place(pvs - 1)[0] == me:
+                    out.setdefault(f"p2p.grad.v{pvs}.m{a.mb}", []).append(ins.name)
+                    break
+        return out
 
     def pipeline_gather(self, ins: Instr, g) -> None:
         """The pieces of a pipeline message, all-gathered over tp into the whole tensor (a tp group
@@ -82,7 +121,7 @@ class PipelineMessages:
         key, grad = ("x", b, ins.mb), ins.block == "grad_gather"
 
         def finish():
-            self._deliver(key, out.view(self._message_shape), grad)
+            self.deliver(key, out.view(self._message_shape), grad)
 
-        w = self._issue(ins, [work], finish)
+        w = self.issue(ins, [work], finish)
         (self.d if grad else self.env)[key] = w

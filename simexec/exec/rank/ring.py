@@ -19,20 +19,20 @@ import torch
 from torch import Tensor
 
 from simexec.exec.nn import data
-from simexec.exec.rank.collectives import _Inflight
+from simexec.exec.rank.collectives import InflightComm
 from simexec.exec.nn.attention import attn_merge, attn_partial, attn_partial_bwd, split_kv
 from simexec.program.instructions import Instr
 
 
 class RingAttention:
-    """Ring attention's compute and messages for `_Rank` (`simexec.exec.rank.interpreter`), a mixin.
+    """Ring attention's compute and messages for `RankInterpreter` (`simexec.exec.rank.interpreter`), a mixin.
 
     Reads of the rank: `rank`, `instrs`, `rp`, `m`, `plan`, `coords`, `device`, `dtype`, `comm`,
-    `read`, `take_grad`, `add_grad`, `_issue`, `_deliver`. Shares with it: `env`, `d` (activations
+    `read`, `take_grad`, `add_grad`, `issue`, `deliver`. Shares with it: `env`, `d` (activations
     and gradients), `records` (a recorded forward's (q, o, lse)). Its own: `ring` (whether the plan
     runs it), `cp_rank`, `ring_hop`, `ring_msg`, `ring_mask`, `ring_scale`, `ring_fwd`, `ring_bwd`."""
 
-    def _setup_ring(self) -> None:
+    def setup_ring(self) -> None:
         p = self.plan
         self.ring = p.cp > 1 and p.cp_impl == "ring"
         if not self.ring:
@@ -64,7 +64,7 @@ class RingAttention:
 
     def _ring_chunk(self, st: dict, origin: int) -> Tensor:
         c = st["chunks"][origin]
-        if isinstance(c, _Inflight):
+        if isinstance(c, InflightComm):
             c.wait()
             c = st["chunks"][origin]
         return c
@@ -139,13 +139,13 @@ class RingAttention:
                 t = dkv if home else torch.cat([kv, dkv])
                 if home:
                     del self.ring_bwd[(l, mb)]
-            self._issue(ins, [self.comm.isend(t.contiguous(), ins.peer, tag=tag)], None)
+            self.issue(ins, [self.comm.isend(t.contiguous(), ins.peer, tag=tag)], None)
             return
         shape = self.read(("kvf", l, mb)).shape  # (2, B, nkv, T, hd) (`split_kv`): every chunk has this rank's shape
         if home:  # this rank's own dK/dV, complete: the gradient of `kv` that the qkv backward reads
             buf = torch.empty(shape, dtype=self.dtype, device=self.device)
             key = ("kv", l, mb)
-            self.d[key] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], lambda: self._deliver(key, buf, True))
+            self.d[key] = self.issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], lambda: self.deliver(key, buf, True))
             return
         st = self._ring_state(self.ring_bwd if bwd else self.ring_fwd, l, mb)
         n = shape[0]
@@ -157,4 +157,4 @@ class RingAttention:
             else:
                 st["chunks"][origin] = buf
 
-        st["chunks"][origin] = self._issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], finish)
+        st["chunks"][origin] = self.issue(ins, [self.comm.irecv(buf, ins.peer, tag=tag)], finish)

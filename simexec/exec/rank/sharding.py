@@ -26,7 +26,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from simexec.exec.rank.collectives import _Inflight
+from simexec.exec.rank.collectives import InflightComm
 from simexec.program.instructions import Instr
 
 
@@ -66,12 +66,12 @@ class _Flat:
 
 
 class Sharding:
-    """The parameter and gradient storage of `_Rank` (`simexec.exec.rank.interpreter`), a mixin: set up
-    once (`_setup_zero`, `_setup_grad_buffers`), then the program's gradient and parameter
+    """The parameter and gradient storage of `RankInterpreter` (`simexec.exec.rank.interpreter`), a mixin: set up
+    once (`setup_zero`, `setup_grad_buffers`), then the program's gradient and parameter
     collectives (`grads<k>`, `grads_rep<k>`, `params<k>`, ZeRO-3's `gather` and `grads`).
 
     Reads of the rank: `rank`, `instrs`, `specs`, `shapes`, `plan`, `device`, `dtype`, `xla`,
-    `zero3` (the ZeRO-3 flavour's policy), `comm`, `_issue` (an issued collective as an `_Inflight`).
+    `zero3` (the ZeRO-3 flavour's policy), `comm`, `issue` (an issued collective as an `InflightComm`).
     Shares with it: `p` (parameters by name; their `.data` and `.grad` are set here), `g` and
     `g_pending` (gradients moved out of `.grad`, and the collectives still summing them),
     `reduced` (ZeRO-0 bucket results). Its own: `buckets`, `pbuf`, `shards`, `gshard`,
@@ -86,14 +86,14 @@ class Sharding:
         return [n for n, s in self.specs.items() if s.unit == unit and (s.expert is not None) == (cls == "expert")]
 
     @staticmethod
-    def _cls(axis: str) -> str:
+    def param_class(axis: str) -> str:
         return "expert" if axis == "edp" else "dense"
 
     def _flat(self, names: list[str], group: tuple[int, ...]) -> _Flat:
         shapes = [self.shapes[n] for n in names]
         return _Flat(names, [math.prod(s) for s in shapes], shapes, len(group), group.index(self.rank))
 
-    def _setup_zero(self) -> None:
+    def setup_zero(self) -> None:
         """ZeRO-1/2: a flat shard per parameter bucket (`params<k>`); ZeRO-3: per gathered unit.
 
         ZeRO-1/2 keep a bucket's parameters as views of one flat buffer whose slice is this rank's
@@ -104,18 +104,18 @@ class Sharding:
         self.pbuf: dict[tuple, Tensor] = {}  # ZeRO-1/2: (cls, items) -> the bucket's flat parameters
         self.shards: dict[tuple, Tensor] = {}
         self.gshard: dict[tuple, Tensor] = {}  # reduce-scattered gradient shards
-        self.gshard_pending: dict[tuple, _Inflight] = {}
+        self.gshard_pending: dict[tuple, InflightComm] = {}
         self.z3: dict[tuple, _Flat] = {}  # (cls, unit) -> layout
-        self.z3_pending: dict[tuple, _Inflight] = {}
+        self.z3_pending: dict[tuple, InflightComm] = {}
         self.z3_free_after: dict[int, list[tuple]] = {}
         self.z3_buffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated parameter buffer
         self.z3_gbuffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated gradient buffer
-        self.z3_gbusy: dict[tuple, _Inflight] = {}  # yafsdp: the reduce-scatter still reading a gradient buffer
+        self.z3_gbusy: dict[tuple, InflightComm] = {}  # yafsdp: the reduce-scatter still reading a gradient buffer
         self.z3_live: dict[tuple, Tensor] = {}  # fsdp: (cls, unit) -> gathered buffer in use
         self.z3_gview: dict[str, Tensor] = {}  # yafsdp: each parameter's view of its unit's gradient buffer
         for i in self.instrs:
             if i.kind == "collective" and i.block.startswith("params"):
-                key = (self._cls(i.axis), tuple(i.items))
+                key = (self.param_class(i.axis), tuple(i.items))
                 names = [n for u in i.items for n in self.unit_names(u, key[0])]
                 self.buckets[key] = fl = self._flat(names, i.group)
                 flat = fl.flatten([self.p[n].detach() for n in names])
@@ -127,7 +127,7 @@ class Sharding:
                     self.p[n].data = v
                 self.shards[key] = fl.my_slice(flat)
             if i.kind == "collective" and i.block == "gather":
-                key = (self._cls(i.axis), i.layer)
+                key = (self.param_class(i.axis), i.layer)
                 if key not in self.z3:
                     names = self.unit_names(i.layer, key[0])
                     self.z3[key] = fl = self._flat(names, i.group)
@@ -160,7 +160,7 @@ class Sharding:
 
             for k, i in enumerate(self.instrs):
                 if i.kind == "collective" and i.block == "gather":
-                    key = (self._cls(i.axis), i.layer)
+                    key = (self.param_class(i.axis), i.layer)
                     close(key)
                     last[key] = None
                 elif i.kind == "compute" and i.block not in ("optim", "cpu_optim"):
@@ -170,7 +170,7 @@ class Sharding:
             for key in last:
                 close(key)
 
-    def _setup_grad_buffers(self) -> None:
+    def setup_grad_buffers(self) -> None:
         """One flat gradient buffer per bucket (`grads<k>`), each parameter's `.grad` a view into it:
         autograd accumulates in place and the bucket's collective runs on the buffer without a copy
         (Megatron's contiguous gradient buffer; DDP's gradient_as_bucket_view). Not for ZeRO-2, whose
@@ -188,7 +188,7 @@ class Sharding:
         for i in self.instrs:
             if not (i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit()):
                 continue
-            key = (self._cls(i.axis), tuple(i.items))
+            key = (self.param_class(i.axis), tuple(i.items))
             self.bucket_keys.setdefault(i.block[5:], key)
             names = [n for u in i.items for n in self.unit_names(u, key[0])]
             if key in self.gbuf or any(n in covered for n in names):
@@ -225,7 +225,7 @@ class Sharding:
         if self.plan.zero == 2 and not self.xla:
             for i in self.instrs:
                 if i.kind == "collective" and i.block.startswith("grads") and i.block[5:].isdigit():
-                    key = (self._cls(i.axis), tuple(i.items))
+                    key = (self.param_class(i.axis), tuple(i.items))
                     for n in (n for u in i.items for n in self.unit_names(u, key[0])):
                         self.z2_of.setdefault(n, key)
         if self.main_grads:
@@ -269,7 +269,7 @@ class Sharding:
             views = self.z2views[key] = dict(zip(fl.names, fl.views(buf)))
         return views[name]
 
-    def _attach_grads(self, key: Optional[tuple] = None) -> None:
+    def attach_grads(self, key: Optional[tuple] = None) -> None:
         """Zero the gradient buffer(s) and make them the parameters' `.grad` again."""
         if key is None and self.held_gshards:
             for shard in self.gshard.values():
@@ -302,7 +302,7 @@ class Sharding:
     def grads_bucket(self, ins: Instr, verb: str, g) -> None:
         """`grads<k>`: flatten the gradients of the bucket's units; all-reduce (ZeRO-0) or
         reduce-scatter into the bucket's shard (ZeRO-1/2, accumulated over micro-batches)."""
-        cls = self._cls(ins.axis)
+        cls = self.param_class(ins.axis)
         key = (cls, tuple(ins.items))
         names = [n for u in ins.items for n in self.unit_names(u, cls)]
         fl = self.buckets.get(key) or self._flat(names, ins.group)
@@ -352,7 +352,7 @@ class Sharding:
             finish = self._accumulate_shard(key, out)
         else:
             raise ValueError(f"rank {self.rank}: {ins.name}: gradient bucket with {verb}")
-        w = self._issue(ins, [work], finish)
+        w = self.issue(ins, [work], finish)
         for n in names:
             self.g_pending[n] = w
         if key in self.shards:
@@ -409,11 +409,11 @@ class Sharding:
         if w is not None:
             w.wait()
         buf = self.gshard[key]
-        self._issue(ins, [self.comm.all_reduce(buf, group=g, async_op=True)], None)
+        self.issue(ins, [self.comm.all_reduce(buf, group=g, async_op=True)], None)
 
     # --- ZeRO-3 -----------------------------------------------------------------------------------
     def z3_gather(self, ins: Instr, g) -> None:
-        key = (self._cls(ins.axis), ins.layer)
+        key = (self.param_class(ins.axis), ins.layer)
         fl = self.z3[key]
         parity = (key[0], ins.layer % 2)
         preallocated = self.zero3.preallocated_buffers
@@ -441,11 +441,11 @@ class Sharding:
                     else:
                         self.p[n].grad = v
 
-        self.z3_pending[key] = self._issue(ins, [work], finish)
+        self.z3_pending[key] = self.issue(ins, [work], finish)
 
     def z3_grads(self, ins: Instr, g) -> None:
         """ZeRO-3: reduce-scatter the unit's gradients (this micro-batch's) into its shard."""
-        key = (self._cls(ins.axis), ins.layer)
+        key = (self.param_class(ins.axis), ins.layer)
         fl = self.z3[key]
         if self.zero3.preallocated_buffers:  # the unit's gradients are (mostly) in its buffer already
             parity = (key[0], ins.layer % 2)
@@ -465,7 +465,7 @@ class Sharding:
         if earlier is not None:  # summed into the shard before this one (HSDP's all-reduce reads the last)
             earlier.wait()
         work = self.comm.reduce_scatter(out, flat, group=g, async_op=True)
-        w = self._issue(ins, [work], self._accumulate_shard(key, out))
+        w = self.issue(ins, [work], self._accumulate_shard(key, out))
         self.gshard_pending[key] = w
         if self.zero3.preallocated_buffers:
             self.z3_gbusy[parity] = w
@@ -486,11 +486,11 @@ class Sharding:
     # --- ZeRO-1/2 ---------------------------------------------------------------------------------
     def params_gather(self, ins: Instr, g) -> None:
         """ZeRO-1/2: all-gather the updated shards of bucket k back into the parameters."""
-        key = (self._cls(ins.axis), tuple(ins.items))
+        key = (self.param_class(ins.axis), tuple(ins.items))
         fl = self.buckets[key]
         buf = self.pbuf.get(key)
         if buf is not None:  # in place: the shard is this rank's slice of the parameters' buffer
-            self._issue(ins, [self.comm.all_gather(buf, self.shards[key], group=g, async_op=True)], None)
+            self.issue(ins, [self.comm.all_gather(buf, self.shards[key], group=g, async_op=True)], None)
             return
         out = torch.empty(fl.padded, dtype=self.dtype, device=self.device)
         work = self.comm.all_gather(out, self.shards[key], group=g, async_op=True)
@@ -500,4 +500,4 @@ class Sharding:
                 for n, v in zip(fl.names, fl.views(out)):
                     self.p[n].copy_(v)
 
-        self._issue(ins, [work], finish)
+        self.issue(ins, [work], finish)

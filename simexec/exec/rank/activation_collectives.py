@@ -1,0 +1,227 @@
+"""The collective instructions of a rank: each dispatched by block, and those that move activations
+or their gradients (tp's f / g conjugates, sp's gathers and reduce-scatters, cp's K/V gather, MoE's
+all-to-alls) run here, with the partial gradients of tp-replicated parameters riding along.
+
+The gradient and parameter collectives are `simexec.exec.rank.sharding`'s, the step's reductions
+`simexec.exec.rank.optimizer_step`'s, cp_impl=a2a's exchanges `simexec.exec.rank.heads_exchange`'s and the
+pipeline's tp gathers `simexec.exec.rank.pipeline_messages`'. Which name each collective reads and
+writes is `simexec.exec.rank.dataflow`'s table.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from simexec.exec.nn.gpt import Route
+from simexec.exec.rank.dataflow import (CONSUMED_BY_COLLECTIVE, SP_GATHERS, SP_REGATHERS, TP_PARTIAL_COLLECTIVES,
+                                        collective_keys)
+from simexec.program.instructions import Instr
+
+
+class ActivationCollectives:
+    """The collective instructions of `RankInterpreter` (`simexec.exec.rank.interpreter`), a mixin:
+    `collective` dispatches one by block; the activation collectives, the norms' partial gradients
+    under sp (`norm_grads`), the tied embedding's gradient sum and MoE's all-to-alls run here.
+
+    Reads of the rank: `rank`, `plan`, `L`, `comm`, `colls`, `specs`, `shapes`, `p`, `device`,
+    `gdtype`, `partial_by`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`, `deliver`,
+    `local_grad`, and the other mixins' collectives. Shares with it: `env`, `d`, `g`, `g_pending`,
+    `reduced`."""
+
+    def collective(self, ins: Instr) -> None:
+        block = ins.block
+        verb = ins.collective
+        g = self.group(ins)
+        if block in self.colls:
+            return self.activation_collective(ins, verb, g)
+        if block == "norm_grads":
+            return self.norm_grads(ins, g)
+        if block in ("unscale", "grad_norm"):
+            return self.step_reduction(ins, g)
+        if block == "grads":
+            return self.z3_grads(ins, g)
+        if block.startswith("grads_rep"):
+            return self.grads_rep(ins, g)
+        if block.startswith("grads"):
+            return self.grads_bucket(ins, verb, g)
+        if block.startswith("params"):
+            return self.params_gather(ins, g)
+        if block == "gather":
+            return self.z3_gather(ins, g)
+        if block in ("act_gather", "grad_gather"):
+            return self.pipeline_gather(ins, g)
+        if block == "tied":
+            return self.tied_grads(ins, g)
+        raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
+
+    def activation_collective(self, ins: Instr, verb: str, g) -> None:
+        src, dst = collective_keys(ins.block, ins.layer, ins.mb, self.colls)
+        dim = self.colls[ins.block][2]
+        n = len(ins.group)
+        backward = ins.phase == "bwd" and ins.block not in SP_REGATHERS
+        # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
+        gathered_input = self.plan.sp and not backward and (ins.block in SP_GATHERS or ins.block in SP_REGATHERS)
+        if ins.block in ("dispatch", "combine"):
+            return self.alltoall(ins, g, src, dst, backward)
+        if ins.block in ("heads_in", "heads_out"):
+            return self.heads_exchange(ins, g, backward)
+        if backward:
+            x = self.take_grad(dst)
+            extras = self._tp_partial_grads(ins) if ins.block in TP_PARTIAL_COLLECTIVES else []
+            target = src
+        else:
+            x = self.read(src).detach()
+            extras = []
+            target = dst
+        if x is None:
+            raise RuntimeError(f"rank {self.rank}: {ins.name}: nothing to {verb} (no gradient arrived)")
+        x = x.detach()
+        shape = x.shape
+        flat_extras = [e.reshape(-1) for _, e in extras]
+
+        if verb == "allreduce":
+            buf = torch.cat([x.reshape(-1)] + flat_extras) if extras else x.clone()
+            op = dist.ReduceOp.MAX if ins.block == "ce_max" else dist.ReduceOp.SUM
+            work = self.comm.all_reduce(buf, op=op, group=g, async_op=True)
+
+            def finish():
+                self.deliver(target, buf[: x.numel()].view(shape), backward)
+                self._deliver_extras(extras, buf[x.numel() :])
+        elif verb == "allgather":
+            xt = x.movedim(dim, 0).contiguous()
+            out = torch.empty((n * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+            work = self.comm.all_gather(out, xt, group=g, async_op=True)
+
+            def finish():
+                t = out.movedim(0, dim)
+                if gathered_input:  # Megatron's (s, b, h) gathers are contiguous; a (B, T, C) one is made so
+                    t = t.contiguous()
+                self.deliver(target, t, backward)
+        elif verb == "reducescatter":
+            xt = x.movedim(dim, 0).contiguous()
+            chunks = xt.chunk(n, dim=0)
+            # with extras (replicated params' grads) every slot carries them: each rank gets the full sum
+            buf = torch.cat([torch.cat([c.reshape(-1)] + flat_extras) for c in chunks])
+            out = torch.empty(buf.numel() // n, dtype=x.dtype, device=x.device)
+            work = self.comm.reduce_scatter(out, buf, group=g, async_op=True)
+            cshape = chunks[0].shape
+
+            def finish():
+                self.deliver(target, out[: chunks[0].numel()].view(cshape).movedim(0, dim), backward)
+                self._deliver_extras(extras, out[chunks[0].numel() :])
+        else:
+            raise ValueError(f"rank {self.rank}: {ins.name}: {verb} is not an activation collective")
+        w = self.issue(ins, [work], finish)
+        if backward:
+            self.d[target] = w
+            for name, _ in extras:
+                self.g_pending[name] = w
+        else:
+            self.env[target] = w
+            if ins.block in SP_REGATHERS:
+                self.env.pop(src, None)  # the slice's last reader
+            else:
+                self.drop_consumed(src)
+
+    def norm_grads(self, ins: Instr, g) -> None:
+        """Under sp: sum over tp the partial gradients of the norms no activation collective
+        carries (`SP_PARTIAL_BY`)."""
+        extras = self._tp_partial_grads(ins)
+        if not extras:
+            return
+        # an earlier micro-batch's sum still in flight (a zero-bubble schedule runs its deferred weight
+        # passes back to back) delivers first: `g_pending` tracks only the latest
+        for name, _ in extras:
+            w = self.g_pending.get(name)
+            if w is not None:
+                w.wait()
+        buf = torch.cat([e.reshape(-1) for _, e in extras])
+        work = self.comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        w = self.issue(ins, [work], lambda: self._deliver_extras(extras, buf))
+        for name, _ in extras:
+            self.g_pending[name] = w
+
+    def tied_grads(self, ins: Instr, g) -> None:
+        """Tied embeddings over a pipeline: sum the gradients of the first stage's embedding and the
+        last stage's copy (`stage_specs`), so that both take the same step: data-parallel-reduced
+        (ZeRO-0, Megatron-LM), or under ZeRO-1 this rank's own, before its bucket is reduce-scattered
+        (DeepSpeed's pipeline engine; the program orders it so), the sum going back where the bucket
+        reads it."""
+        name = "embed.wte"
+        w = self.g_pending.pop(name, None)
+        if w is not None:
+            w.wait()
+        t = self.reduced.pop(name) if name in self.reduced else self.local_grad(name)
+        work = self.comm.all_reduce(t, op=dist.ReduceOp.SUM, group=g, async_op=True)
+        store = self.g if self.plan.zero >= 1 else self.reduced
+
+        def finish():
+            store[name] = t
+
+        self.g_pending[name] = self.issue(ins, [work], finish)
+
+    def drop_consumed(self, key: tuple) -> None:
+        """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
+        tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
+        that it lives only as long as the collective (and whatever autograd saved) needs it."""
+        if key not in self.env:
+            return
+        name, l, mb = key
+        # the residual stream gathered under sp: the gathered copy is what the blocks read (full
+        # recompute re-reads the layer's input, so it stays there)
+        if name in CONSUMED_BY_COLLECTIVE or (name == "x" and (l == self.L or (l, mb) not in self.full_recompute_layers)):
+            del self.env[key]
+
+    def _tp_partial_grads(self, ins: Instr) -> list[tuple[str, Tensor]]:
+        """Gradients of parameters replicated over tp but computed partially (norms, router): taken
+        out of .grad here and summed by this collective (zeros where a rank has none yet, so every
+        rank sends the same layout)."""
+        if len(ins.group) == 1:
+            return []
+        unit = ins.layer
+        out = []
+        for n, s in self.specs.items():
+            if s.unit == unit and self.partial_by.get(n) == ins.block:
+                p = self.p[n]
+                g = p.grad if p.grad is not None else torch.zeros(self.shapes[n], dtype=p.dtype, device=self.device)
+                p.grad = None
+                out.append((n, g))
+        return out
+
+    def _deliver_extras(self, extras: list[tuple[str, Tensor]], flat: Tensor) -> None:
+        off = 0
+        for name, e in extras:
+            r = flat[off : off + e.numel()].view(e.shape).to(self.gdtype, copy=True)
+            off += e.numel()
+            self.g[name] = r if name not in self.g else self.g[name] + r
+            if self.g_pending.get(name) is not None and self.g_pending[name].done:
+                del self.g_pending[name]
+
+    def alltoall(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
+        """MoE dispatch / combine over ep. Dispatch first exchanges the per-expert counts (a small
+        blocking all-to-all), so every rank knows how many tokens it receives from each peer."""
+        l, mb = ins.layer, ins.mb
+        n = len(ins.group)
+        if ins.block == "dispatch" and not backward:
+            route: Route = self.read(("route", l, mb))
+            counts = route.counts.to(torch.int64)
+            rc = torch.empty_like(counts)
+            self.comm.all_to_all_single(rc, counts, group=g)  # counts for my local experts from each source
+            rc = rc.view(n, -1)
+            send = counts.view(n, -1).sum(1).tolist()
+            recv = rc.sum(1).tolist()
+            self.env[("rcounts", l, mb)] = rc
+            self.env[("splits", l, mb)] = (send, recv)
+        send, recv = self.env[("splits", l, mb)]
+        # dispatch fwd and combine bwd move tokens to the experts; the other two move them back
+        to_experts = (ins.block == "dispatch") != backward
+        in_split, out_split = (send, recv) if to_experts else (recv, send)
+        x = (self.take_grad(dst) if backward else self.read(src)).detach().contiguous()
+        out = torch.empty((sum(out_split), x.shape[1]), dtype=x.dtype, device=x.device)
+        work = self.comm.all_to_all_single(out, x, out_split, in_split, group=g, async_op=True)
+        target = src if backward else dst
+        w = self.issue(ins, [work], lambda: self.deliver(target, out, backward))
+        (self.d if backward else self.env)[target] = w
+        if not backward:
+            self.drop_consumed(src)

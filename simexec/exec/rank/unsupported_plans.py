@@ -1,0 +1,52 @@
+"""Plans the executor cannot run yet, and why: checked before any rank starts (`simexec.exec.api`),
+so that a plan the simulator takes but the interpreter would run wrongly fails with its reason."""
+from __future__ import annotations
+
+from typing import Optional
+
+
+def unsupported(rp) -> Optional[str]:
+    """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
+    m, p = rp.model, rp.plan
+    missing = []
+    if rp.tied_copy and p.zero >= 2:
+        missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
+                       "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
+                       "runs a tied model over a pipeline with zero=0 or 1, as DeepSpeed's pipeline engine does, or under"
+                       " schedule=zb-v or dualpipev, whose first rank holds the head beside the embedding)")
+    if m.tied_embeddings and p.zero3 is not None and p.zero3.preallocated_buffers:
+        missing.append(f"tied embeddings with zero_impl={p.zero3.name} ({m.name}: the LM head needs the embedding's "
+                       "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
+    if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
+        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
+                       "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
+    if p.dtype == "fp8":
+        missing.append("dtype=fp8")
+    if not missing and (p.sp or p.cp > 1):
+        missing += _lowering_gaps(rp)
+    if not missing:
+        return None
+    return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
+
+
+def _lowering_gaps(rp) -> list[str]:
+    """Communication the math needs that the lowering does not emit (checked on the program of the
+    first pipeline stage's representative rank, so that a fixed lowering is picked up by itself)."""
+    from simexec.program.lower import lower
+
+    p = rp.plan
+    prog = lower(rp, symmetric=True)
+    rank = rp.mesh.rank()
+    instrs = prog.ranks[rank]
+    gaps = []
+    if p.sp and p.tp > 1 and not any(i.block == "embed_out" and i.phase == "bwd" for i in instrs):
+        gaps.append("sp: no backward embed_out (the vocab-parallel embedding needs the gradient of its whole "
+                    "sequence: the all-gather conjugate of the forward reduce-scatter)")
+    if p.cp > 1:
+        peers = set(rp.mesh.group(rank, "cp"))
+        reduces = [i for i in instrs if i.kind == "collective" and i.block.startswith("grads")]
+        if not any(peers <= set(i.group) for i in reduces):
+            gaps.append("cp: gradients are reduced over dp only; parameters replicated over cp need their "
+                        "gradients summed over dp x cp")
+    return gaps
+

@@ -172,7 +172,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
 
 
 def _plots(out: Path, runs, rows, before: dict, after: dict) -> None:
-    from simexec.trace.schema import plot
+    from simexec.trace import plot
     from simexec.trace.schema import Trace
 
     pdir = out / "plots"

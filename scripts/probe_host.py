@@ -338,12 +338,12 @@ def _call_cpu_rank(rank: int, world: int, port: int, reps: int, out) -> None:
     import torch
     import torch.distributed as dist
 
-    from simexec.calibrate.microbench import BenchConfig, _Bench
+    from simexec.calibrate.microbench import BenchConfig, Bench
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
-        bench = _Bench(BenchConfig(issue_reps=reps), rank, world)
+        bench = Bench(BenchConfig(issue_reps=reps), rank, world)
         bench.issue()
         x = torch.zeros(2048)
         adds = []
@@ -1394,15 +1394,15 @@ def _one_rank_steps(rp, instrs, *, steps, groups, tracer, device, seed=0, active
     import torch.distributed as dist
 
     from simexec.exec.rank.interpreter import run_rank
-    from simexec.calibrate.microbench import _one_rank_program, _StepClock, _sync
+    from simexec.calibrate.microbench import one_rank_program, StepClock, sync
 
-    rp1, instrs1 = _one_rank_program("gpt-tiny")
+    rp1, instrs1 = one_rank_program("gpt-tiny")
     times = []
-    _sync()
+    sync()
     if dist.get_rank() < active:
-        out = run_rank(rp1, instrs1, steps=16, groups=None, tracer=_StepClock(), device=torch.device("cpu"))
+        out = run_rank(rp1, instrs1, steps=16, groups=None, tracer=StepClock(), device=torch.device("cpu"))
         times = out["step_times_s"][8:]
-    _sync()
+    sync()
     return {"losses": [], "step_times_s": [1.0], "peak_memory_bytes": 0, "extra": {"t": times}}
 
 

@@ -222,13 +222,13 @@ def _default_profile(directory: Path) -> Path:
 
 def instruction_times(traces) -> dict[str, list[float]]:
     """Compute events' durations (µs) by instruction kind (`bwd.fc1`, ...), over the given traces."""
-    from simexec.calibrate.traces import _event_kind
+    from simexec.calibrate.traces import event_kind
 
     out: dict[str, list[float]] = {}
     for t in traces:
         for e in t.events:
             if e.kind == "compute" and not e.id.split(":", 1)[-1].startswith("optim"):
-                out.setdefault(_event_kind(e.id), []).append(e.dur_us)
+                out.setdefault(event_kind(e.id), []).append(e.dur_us)
     return out
 
 
@@ -243,14 +243,14 @@ def versus(mine: dict[str, list[float]], ref: dict[str, list[float]]) -> tuple[f
 def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Optional[str] = None) -> list[str]:
     """The table's lines; raises SimexecError for a directory, profile or trace that cannot be read."""
     from simexec.calibrate.profiles import load_profile
-    from simexec.calibrate.traces import _case, predict_case
-    from simexec.calibrate.evaluate import _sections
+    from simexec.calibrate.traces import trace_case, predict_case
+    from simexec.calibrate.evaluate import profile_sections
     from simexec.specs.cluster import get_cluster
     from simexec.trace.schema import Trace
 
     runs = _runs(directory)
     profile_path = profile_path or _default_profile(directory)
-    profile = _sections(load_profile(profile_path))
+    profile = profile_sections(load_profile(profile_path))
     by: dict[str, list] = {}
     for name, role, step, path in runs:
         by.setdefault(name, []).append((step, role, path))
@@ -264,7 +264,7 @@ def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Op
     logs = {"compute": [], "comm": []}
     for name, rs in traces.items():
         step, role, trace, path = sorted(rs, key=lambda r: r[0])[(len(rs) - 1) // 2]
-        res = predict_case(_case(trace, str(path)), get_cluster("local"), profile, trace=True)
+        res = predict_case(trace_case(trace, str(path)), get_cluster("local"), profile, trace=True)
         parts = time_split(trace, res.trace)
         cells = []
         for k in ("compute", "comm"):

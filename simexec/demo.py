@@ -56,11 +56,11 @@ class _Progress:
 def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, session=None,
          specs=None, steps: int = STEPS, rounds: int = ROUNDS, max_nfev: int = 25) -> dict:
     """Run the demo; returns the summary (also written to out_dir/summary.json)."""
-    from simexec.calibrate.profiles import CalibrationError, _jsonable, make_profile, save_profile
+    from simexec.calibrate.profiles import CalibrationError, jsonable, make_profile, save_profile
     from simexec.calibrate.traces import fit_traces
     from simexec.calibrate.evaluate import (
-        DEMO, _sections, case_of, evaluate, fit_memory, mape, measure, mem_worst, repeatability, runnable, typical_runs,
-        world_of,
+        DEMO, case_of, evaluate, fit_memory, mape, measure, mem_worst, profile_sections, repeatability, runnable,
+        typical_runs, world_of,
     )
     from simexec.calibrate.runs import Session
     from simexec.specs.cluster import get_cluster
@@ -121,10 +121,10 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         t2 = time.perf_counter()
         bar.note("fitting the traces")
         calib = [r for r in typical if r.spec.role == "calibrate"]
-        start = _sections(prof_mb)
+        start = profile_sections(prof_mb)
         fitted, report = fit_traces([case_of(r) for r in calib], cluster, start, max_nfev=max_nfev)
         fitted = fit_memory(calib, cluster, fitted)
-        prof_tr = _jsonable(make_profile("demo-traces", "traces", fitted["costs"], fitted.get("device"),
+        prof_tr = jsonable(make_profile("demo-traces", "traces", fitted["costs"], fitted.get("device"),
                                          fitted.get("node"), machine=prof_mb.get("machine"), fit=report))
         save_profile(prof_mb, out / "profiles" / "demo-microbench.json")
         save_profile(prof_tr, out / "profiles" / "demo-traces.json")
@@ -133,12 +133,13 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
 
         # 4. simulate again, compare
         t3 = time.perf_counter()
-        rows = evaluate(runs, cluster, {"before": None, "microbench": _sections(prof_mb), "traces": _sections(prof_tr)})
+        rows = evaluate(runs, cluster, {"before": None, "microbench": profile_sections(prof_mb),
+                                        "traces": profile_sections(prof_tr)})
         after_traces = {}
         from simexec.calibrate.traces import predict_case
 
         for r in typical:
-            res = predict_case(case_of(r), cluster, _sections(prof_tr), trace=True)
+            res = predict_case(case_of(r), cluster, profile_sections(prof_tr), trace=True)
             after_traces[r.spec.name] = res.trace
             res.trace.save(out / "traces" / f"{r.spec.name}.predicted-after.json.gz")
         bar("simulated with the calibrated profile")
@@ -166,7 +167,7 @@ def demo(out_dir: Union[str, Path] = "simexec-demo", progress: bool = True, *, s
         "skipped": skipped, "machine": prof_mb.get("machine"), "timings": timings,
         "wall_s": time.perf_counter() - t0,
     }
-    write_atomic(out / "summary.json", (json.dumps(_jsonable(summary), indent=2) + "\n").encode())
+    write_atomic(out / "summary.json", (json.dumps(jsonable(summary), indent=2) + "\n").encode())
     write_atomic(out / "report.md", _report(rows, summary).encode())
     return summary
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from simexec.calibrate.profiles import PARAMS, CalibrationError, make_profile, profiled_cluster, save_profile, set_params
-from simexec.calibrate.traces import _case, calibrate_from_traces, fit_traces, load_cases, predict_case
+from simexec.calibrate.traces import trace_case, calibrate_from_traces, fit_traces, load_cases, predict_case
 from simexec.specs.cluster import get_cluster
 from simexec.errors import SimexecError
 from simexec.specs.model import get_model
@@ -229,7 +229,7 @@ def test_the_local_preset_does_not_share_cores_until_calibrated():
 
 
 def _fit_back(params, factors, max_nfev=60):
-    cases = [_case(synthetic(p, TRUTH), p) for p in PLANS]
+    cases = [trace_case(synthetic(p, TRUTH), p) for p in PLANS]
     truth = profiled_cluster(LOCAL, TRUTH)
     start = set_params(TRUTH, {n: PARAMS[n].get(truth) * f for n, f in zip(params, factors)}, LOCAL)
     fitted, report = fit_traces(cases, LOCAL, start, params=params, max_nfev=max_nfev, prior_weight=0.0)
@@ -462,7 +462,7 @@ def test_moe_loops_count_the_local_experts():
 def test_block_fit_recovers_per_byte_element_wise_costs():
     """One-rank steps at two micro-batch sizes, timed by the host model with known costs (GELU and
     the loss several times an add per byte, Adam twice): the block fit finds the costs again."""
-    from simexec.calibrate.micro import _one_rank_tensors, fit_blocks
+    from simexec.calibrate.micro import one_rank_tensors, fit_blocks
     from simexec.program.lower import lower
     from simexec.specs.plan import load_plan, resolve
     from simexec.sim.host.model import HostCosts
@@ -480,7 +480,7 @@ def test_block_fit_recovers_per_byte_element_wise_costs():
             if ins.kind == "compute":
                 records.append({"name": ins.name, "phase": ins.phase, "block": ins.block, "op": ins.op,
                                 "flops": ins.flops, "bytes": ins.bytes, "t": [host.cpu_seconds(ins)]})
-    assert host.tensors(0) == _one_rank_tensors("gpt-tiny")
+    assert host.tensors(0) == one_rank_tensors("gpt-tiny")
     d = truth["device"]
     got = fit_blocks(records, "gpt-tiny", flop_seconds=lambda op, f: host.roofline(op, f, 0.0), mem_bw=d["memory_bw"])
     assert got["op_s"] == pytest.approx(d["launch_overhead_s"], rel=1e-3)
@@ -874,19 +874,19 @@ def test_trace_fit_matches_summed_instruction_times_not_the_typical_event():
     """A step adds its instructions up. Residuals per kind of instruction compare sums: events whose
     times scatter around the prediction leave no residual when their sum matches, and one long stall
     counts at its full length (a per-event log ratio with a robust loss would all but drop it)."""
-    from simexec.calibrate.traces import _event_groups, _event_kind, _group_residuals
+    from simexec.calibrate.traces import event_groups, event_kind, group_residuals
 
-    assert _event_kind("3:bwd.fc1.L2.m5") == "bwd.fc1"
-    assert _event_kind("0:p2p.act.v1.m0") == "p2p.act"
-    assert _event_kind("1:bwd.grads.L-1.m0") == "bwd.grads"
+    assert event_kind("3:bwd.fc1.L2.m5") == "bwd.fc1"
+    assert event_kind("0:p2p.act.v1.m0") == "p2p.act"
+    assert event_kind("1:bwd.grads.L-1.m0") == "bwd.grads"
     measured = {"0:fwd.fc1.L0.m0": 100.0, "0:fwd.fc1.L1.m0": 300.0, "1:fwd.fc1.L0.m0": 200.0, "0:fwd.qkv.L0.m0": 400.0}
-    groups = _event_groups(measured)
+    groups = event_groups(measured)
     assert [(len(ids), m) for ids, m, _ in groups] == [(3, 600.0), (1, 400.0)]
     assert sum(share for *_, share in groups) == pytest.approx(1.0)
     scattered = {"0:fwd.fc1.L0.m0": 200.0, "0:fwd.fc1.L1.m0": 200.0, "1:fwd.fc1.L0.m0": 200.0, "0:fwd.qkv.L0.m0": 400.0}
-    assert _group_residuals(groups, scattered, 1.0) == pytest.approx([0.0, 0.0])
+    assert group_residuals(groups, scattered, 1.0) == pytest.approx([0.0, 0.0])
     stalled = {**measured, "0:fwd.fc1.L1.m0": 3000.0}
-    short = _group_residuals(_event_groups(stalled), measured, 1.0)[0]
+    short = group_residuals(event_groups(stalled), measured, 1.0)[0]
     assert short < 0 and math.exp(short / math.sqrt(3300 / 3700)) == pytest.approx(600 / 3300)
 
 
@@ -895,11 +895,11 @@ def test_gloo_all_to_all_is_one_step_and_a_broadcast_is_timed_on_its_root():
     of (n-1)/n of the tensor per member. Its broadcast is a binomial tree whose root returns once its
     sends are written: the micro-benchmark, timing the root, sees the call and the root's sends,
     not the hops to the last member."""
-    from simexec.calibrate.comm import _bench_instr, host_comm_time
+    from simexec.calibrate.comm import bench_instr, host_comm_time
     from simexec.sim.host.model import HostCosts
 
-    assert HostCosts.comm_steps(_bench_instr("alltoall", 4, 4096)) == (1, 3072.0)
-    assert HostCosts.comm_steps(_bench_instr("allgather", 4, 4096)) == (3, 1024.0)
+    assert HostCosts.comm_steps(bench_instr("alltoall", 4, 4096)) == (1, 3072.0)
+    assert HostCosts.comm_steps(bench_instr("allgather", 4, 4096)) == (3, 1024.0)
     # no slice: the threads wake onto idle cores without the smoothed queueing term
     c = profiled_cluster(LOCAL, {**TRUTH, "costs": {**TRUTH["costs"], "comm_cpu_s": 100e-6, "sched_slice_s": 0.0}})
     root = host_comm_time(c, "broadcast", 4, 256)
@@ -996,31 +996,31 @@ def test_a_trace_says_how_gloos_event_loops_ran_and_the_prediction_of_it_follows
     as gloo starts them. (That `predict_case` then simulates the run as it ran is checked on the
     recording of the executor as it runs today, tests/test_calibrate_recorded.py.)"""
     trace = Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz")
-    case = _case(trace, "dp2")
+    case = trace_case(trace, "dp2")
     assert case.loops_idle is (trace.meta.get("gloo_event_loops") == "SCHED_IDLE")
     trace.meta["gloo_event_loops"] = "SCHED_IDLE"
-    idle = _case(trace, "dp2")
+    idle = trace_case(trace, "dp2")
     assert idle.loops_idle
     trace.meta.pop("gloo_event_loops")
-    assert not _case(trace, "dp2").loops_idle
+    assert not trace_case(trace, "dp2").loops_idle
 
 
 def test_the_trace_fit_matches_the_main_threads_cpu_where_a_run_timed_it():
     """A run that timed its ranks' CPU gives the fit one more residual: its main threads' CPU a step
     against the simulated one's. A trace without the series (or a simulation that times no CPU)
     gives none."""
-    from simexec.calibrate.traces import _main_thread_cpu, _n_resid
+    from simexec.calibrate.traces import main_thread_cpu, n_residuals
     from simexec.trace.compare import cpu_of
 
     prof = set_params(TRUTH, {"coll_latency": 1e-7}, LOCAL)
     t = synthetic("dp=2,gbs=4,dtype=fp32", prof)
-    case = _case(t, "dp2")
+    case = trace_case(t, "dp2")
     assert case.main_cpu_s == pytest.approx(cpu_of(t)["main_thread_s"]) and case.main_cpu_s > 0
-    assert _main_thread_cpu(predict_case(case, LOCAL, prof).trace) == pytest.approx(case.main_cpu_s)
-    bare = _case(Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz"), "dp2")
+    assert main_thread_cpu(predict_case(case, LOCAL, prof).trace) == pytest.approx(case.main_cpu_s)
+    bare = trace_case(Trace.load(ROOT / "traces" / "local" / "dp2.r0.json.gz"), "dp2")
     assert bare.main_cpu_s is None
     groups = [([], []), ([], [])]
-    assert _n_resid([case, bare], groups, 3) == 2 + 1 + 3
+    assert n_residuals([case, bare], groups, 3) == 2 + 1 + 3
 
 
 def test_the_median_round_stands_for_a_plan():

@@ -43,12 +43,12 @@ def test_the_plan_sets_the_scaler():
 
 def test_a_run_whose_ranks_disagree_on_the_scale_is_refused_naming_the_step():
     from simexec.errors import ExecError
-    from simexec.exec.api import _loss_scaling
+    from simexec.exec.api import loss_scaling
 
     same = {"loss_scales": [8.0, 4.0, 4.0], "skipped_steps": [0]}
-    assert _loss_scaling({0: same, 1: dict(same), 2: {"losses": []}}) == same
-    assert _loss_scaling({0: {"losses": []}}) == {}
+    assert loss_scaling({0: same, 1: dict(same), 2: {"losses": []}}) == same
+    assert loss_scaling({0: {"losses": []}}) == {}
     other = {"loss_scales": [8.0, 8.0, 16.0], "skipped_steps": []}
     with pytest.raises(ExecError, match=r"^ranks 0 and 1 disagree on the loss scale at step 0: "
                                         r"rank 0 scale 8, skipped, rank 1 scale 8, taken$"):
-        _loss_scaling({0: same, 1: other})
+        loss_scaling({0: same, 1: other})

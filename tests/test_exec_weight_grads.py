@@ -121,7 +121,7 @@ def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(m
 
     from simexec.exec.nn.gpt import GPT
     from simexec.exec.nn.param_layout import Layout, init_full
-    from simexec.exec.nn.weight_grads import _analyse
+    from simexec.exec.nn.weight_grads import analyse
     from simexec.specs.model import get_model
     from simexec.sim.host.operators import weight_pass_calls
 
@@ -135,7 +135,7 @@ def test_the_host_model_counts_the_weight_pass_engine_calls_the_executor_makes(m
 
     def calls(outs, inputs):
         outs = [o for o in outs if isinstance(o, torch.Tensor) and o.requires_grad]
-        an = _analyse([get_gradient_edge(o).node for o in outs], inputs)
+        an = analyse([get_gradient_edge(o).node for o in outs], inputs)
         return len(an.batches) + (1 if an.from_outputs else 0)
 
     x, o, a, r = leaf(1, T, m.hidden), leaf(1, T, m.heads * m.value_head_dim), None, leaf(1, T, m.hidden)

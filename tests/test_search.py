@@ -22,7 +22,7 @@ from simexec.specs.plan import Plan, parse_plan, resolve
 from simexec.search.driver import SearchResult, parse_fix, search
 from simexec.search.bounds import Bounds
 from simexec.search.report import explain, pareto_front
-from simexec.search.space import AnyOf, SpaceStats, STATE_KEYS, _state_variants, _structure_fields, plans, structures
+from simexec.search.space import AnyOf, SpaceStats, STATE_KEYS, state_variants, structure_fields, plans, structures
 from simexec.sim.simulate import simulate
 from simexec.validation import plan_search, sweeps, topologies
 
@@ -112,8 +112,8 @@ def _raw_space(model, cluster, gbs, seq, fix=None):
             rest = world // (tp * cp)
             for pp in [p for p in range(1, rest + 1) if rest % p == 0 and p <= model.layers]:
                 dp = rest // pp
-                for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
-                    for state in _state_variants(fix, dp, tp, cp, gpn):
+                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                    for state in state_variants(fix, dp, tp, cp, gpn):
                         n += 1
                         plan = Plan(**fields, **dict(zip(STATE_KEYS, state)))
                         try:

@@ -35,7 +35,7 @@ def _comm_cluster(base: ClusterSpec, coll: float, hop: float, bw: float, slice_s
                                 "node": {"intra_latency_s": hop, "intra_bw": bw, "cpu_cores": cores}})
 
 
-def _bench_instr(verb: str, n: int, nbytes: float):
+def bench_instr(verb: str, n: int, nbytes: float):
     """The instruction a micro-benchmark's collective (`p2p`: one message) over n ranks stands for."""
     from simexec.program.instructions import Instr
 
@@ -54,7 +54,7 @@ def host_comm_time(cluster: ClusterSpec, verb: str, n: int, nbytes: float, busy:
     env = simpy.Environment()
     cores, hc = Cores.of(env, cluster), HostCosts.transfers_only(cluster)
     _occupy(env, cores, busy)
-    ins = _bench_instr(verb, n, nbytes)
+    ins = bench_instr(verb, n, nbytes)
     out = []
     t0 = env.now
     if verb == "broadcast":
@@ -183,7 +183,7 @@ def fit_comm_cpu(colls: list[dict], p2p: list[dict], issue_s: float = 0.0) -> Op
     for verb, n, rec in recs:
         if not rec.get("cpu"):
             continue
-        steps, chunk = HostCosts.comm_steps(_bench_instr(verb, n, rec["bytes"]))
+        steps, chunk = HostCosts.comm_steps(bench_instr(verb, n, rec["bytes"]))
         cpu = summed_mean(rec["cpu"]) - (issue_s if verb != "p2p" else 0.0)
         if steps <= 0 or cpu <= 0:
             continue

@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
-from simexec.calibrate.profiles import CalibrationError, _jsonable, make_profile, now_iso, profiled_cluster, save_profile
+from simexec.calibrate.profiles import CalibrationError, jsonable, make_profile, now_iso, profiled_cluster, save_profile
 from simexec.calibrate.micro import measure_microbench, microbench_profile
-from simexec.calibrate.traces import TRACE_PARAMS, _Case, _case, fit_traces, predict_case, steady_step
+from simexec.calibrate.traces import TRACE_PARAMS, TraceCase, trace_case, fit_traces, predict_case, steady_step
 from simexec.specs.cluster import ClusterSpec, get_cluster
 
 STEPS = 16  # per run: the median of the last eight is its step time (`steady_step`)
@@ -188,10 +188,10 @@ def warm_up(session, specs: Sequence[PlanSpec], tick: Optional[Callable[[str], N
 
 
 # --- predicting ------------------------------------------------------------------------------------
-def case_of(run: Run) -> _Case:
+def case_of(run: Run) -> TraceCase:
     from simexec.trace.schema import Trace
 
-    return _case(Trace.load(run.trace_path), run.trace_path)
+    return trace_case(Trace.load(run.trace_path), run.trace_path)
 
 
 def predict_run(run: Run, cluster: ClusterSpec, profile: Optional[dict]) -> tuple[float, dict[int, float]]:
@@ -419,7 +419,7 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
     sections, report = fit_microbench(raw["extras"], cluster, measured_background=raw.get("background"))
     prof_mb = make_profile(f"{name}-microbench", "microbench", sections["costs"], sections["device"], sections["node"],
                            machine=old_mb.get("machine"), measured_at=old_mb.get("measured_at"),
-                           fit={**(old_mb.get("fit") or {}), "report": _jsonable(report), "refit": True})
+                           fit={**(old_mb.get("fit") or {}), "report": jsonable(report), "refit": True})
     return fit_and_evaluate(out_dir, old.runs, prof_mb, rounds=old.summary.get("rounds", 1),
                             steps=old.summary.get("steps", STEPS), skipped=old.skipped, max_nfev=max_nfev, name=name,
                             tick=progress or (lambda msg: None),
@@ -447,11 +447,11 @@ def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, round
                            machine=prof_mb.get("machine"), measured_at=prof_mb.get("measured_at"),
                            fit={**report, "base": f"{name}-microbench", "fitted_at": now_iso(),
                                 "traces": [Path(r.trace_path).name for r in calib]})
-    prof_tr = _jsonable(prof_tr)
+    prof_tr = jsonable(prof_tr)
     save_profile(prof_mb, out_dir / "profiles" / f"{name}-microbench.json")
     save_profile(prof_tr, out_dir / "profiles" / f"{name}-traces.json")
     tick("predicting")
-    profiles = {"before": None, "microbench": _sections(prof_mb), "traces": _sections(prof_tr)}
+    profiles = {"before": None, "microbench": profile_sections(prof_mb), "traces": profile_sections(prof_tr)}
     rows = evaluate(runs, cluster, profiles)
     bgs = [r.background for r in runs if r.background is not None]
     summary = {
@@ -470,7 +470,8 @@ def fit_and_evaluate(out_dir: Path, runs: Sequence[Run], prof_mb: dict, *, round
     return Outcome(rows, {"microbench": prof_mb, "traces": prof_tr}, skipped, summary, runs)
 
 
-def _sections(profile: dict) -> dict:
+def profile_sections(profile: dict) -> dict:
+    """The calibrated sections of a profile (costs, device, node, network): what a cluster takes from it."""
     return {k: v for k, v in profile.items() if k in ("costs", "device", "node", "network")}
 
 

@@ -17,10 +17,10 @@ from typing import Optional
 
 def measured_case(trace: dict, where: str):
     """The measured trace, parsed once, as the case the simulator re-runs (`simexec.calibrate.traces`)."""
-    from simexec.calibrate.traces import _case
+    from simexec.calibrate.traces import trace_case
     from simexec.trace.schema import Trace
 
-    return _case(Trace.from_chrome(trace, where), where)
+    return trace_case(Trace.from_chrome(trace, where), where)
 
 
 def predicted_sharing(case, profile: dict, groups: Optional[dict] = None) -> dict:

@@ -18,7 +18,7 @@ import time
 from typing import Callable, Optional, Sequence, Union
 
 from simexec.calibrate.profiles import (
-    CalibrationError, PathLike, _jsonable, host_cores, linux_slice, make_profile, save_json_plain, save_profile,
+    CalibrationError, PathLike, jsonable, host_cores, linux_slice, make_profile, save_json_plain, save_profile,
 )
 from simexec.calibrate.comm import fit_comm, fit_comm_cpu, summed_mean
 from simexec.specs.cluster import ClusterSpec, get_cluster
@@ -116,7 +116,7 @@ OPTIM_WEIGHT = 5.0
 OPTIM_KEY = "optim.optim"
 
 
-def _one_rank_tensors(model: str) -> int:
+def one_rank_tensors(model: str) -> int:
     """Parameter tensors of the model on one rank (what the one-rank step's Adam updates)."""
     from simexec.specs.model import get_model
     from simexec.sim.host.tensors import unit_tensor_count
@@ -227,7 +227,7 @@ def fit_blocks(records: Sequence[dict], model: str, *, flop_seconds: Callable[[s
     for rec in optim:  # Adam: the operators, the kernel's pass per tensor, its element-wise traffic
         t = kernel_mean(rec["t"])
         row = [0.0] * (3 + len(keys))
-        tensors, elements = _one_rank_tensors(model_of(rec)), rec["flops"] / ADAM_FLOPS_PER_PARAM
+        tensors, elements = one_rank_tensors(model_of(rec)), rec["flops"] / ADAM_FLOPS_PER_PARAM
         row[0], row[2] = 1.0, adam_ops(tensors, dtype, elements) + adam_kernel_passes(tensors, dtype, elements)
         row[col[OPTIM_KEY]] = rec["bytes"] / mem_bw
         rows.append(row)
@@ -490,7 +490,7 @@ def microbench_profile(raws: Sequence[dict], cluster: Union[str, ClusterSpec] = 
     prof = make_profile(name or f"{socket.gethostname()}-microbench", "microbench", sections["costs"],
                         sections["device"], sections["node"],
                         fit={"ranks": ranks, "quick": quick, "runs": len(raws), "wall_s": wall_s,
-                             "background_sampled": raw["background"], "report": _jsonable(report)})
+                             "background_sampled": raw["background"], "report": jsonable(report)})
     if out_path:
         save_profile(prof, out_path)
     return prof

@@ -86,7 +86,8 @@ class BenchConfig:
                            interleave_gemms=(1, 16), interleave_bytes=(16384,), interleave_iters=24, issue_reps=30)
 
 
-def _sync(group=None) -> None:
+def sync(group=None) -> None:
+    """A barrier over `group` (the world by default), so that timed work starts together."""
     dist.barrier(group=group)
 
 
@@ -101,7 +102,9 @@ def _time(fn: Callable[[], object], reps: int, warmup: int = 2) -> list[float]:
     return out
 
 
-class _Bench:
+class Bench:
+    """One rank's micro-benchmarks, with the process groups they run over."""
+
     def __init__(self, cfg: BenchConfig, rank: int, world: int):
         self.cfg, self.rank, self.world = cfg, rank, world
         self.out: dict[str, list] = {}
@@ -157,7 +160,7 @@ class _Bench:
                 src, dst = torch.randn(n // 4), torch.empty(n // 4)
                 ts = _time(lambda: dst.copy_(src), cfg.reps)
                 self.add("copies", bytes=float(n), t=ts)
-        _sync()
+        sync()
 
     # --- the executor's blocks: alone, then on 1..N ranks at once ------------------------------------
     def blocks(self, rp1, instrs1) -> None:
@@ -166,23 +169,23 @@ class _Bench:
             runs += [(other, mbs) for other in self.cfg.block_models if other != self.cfg.model for mbs in (1, 2)]
             for other, mbs in runs:
                 rp, instrs = (rp1, instrs1) if (other, mbs) == (None, 1) else \
-                    _one_rank_program(other or self.cfg.model, mbs)
+                    one_rank_program(other or self.cfg.model, mbs)
                 rec = _Recorder()
                 run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
                 self.add("blocks", mbs=mbs, records=rec.best(), **({"model": other} if other else {}))
-            rp, instrs = _one_rank_program(self.cfg.model, 1, recompute="full")
+            rp, instrs = one_rank_program(self.cfg.model, 1, recompute="full")
             rec = _Recorder()
             run_rank(rp, instrs, steps=self.cfg.block_steps, groups=None, tracer=rec, device=torch.device("cpu"))
             self.add("blocks", mbs=1, recompute="full", records=rec.best())
-        _sync()
+        sync()
         for i, n in enumerate(list(range(1, self.world + 1)) * self.cfg.sharing_rounds):
-            _sync()
+            sync()
             if self.rank < n:
-                clock = _StepClock()
+                clock = StepClock()
                 out = run_rank(rp1, instrs1, steps=self.cfg.sharing_steps, groups=None, tracer=clock,
                                device=torch.device("cpu"))
                 self.add("sharing", active=n, round=i, steps=out["step_times_s"], spans=clock.spans())
-            _sync()
+            sync()
 
     # --- communication -------------------------------------------------------------------------------
     def _coll(self, verb: str, group: tuple[int, ...], nbytes: int):
@@ -216,7 +219,7 @@ class _Bench:
                 mine = next((g for g in active if self.rank in g), None)
                 for verb in cfg.verbs:
                     for nbytes in cfg.collective_bytes:
-                        _sync()
+                        sync()
                         if mine is not None:
                             fn = self._coll(verb, mine, nbytes)
                             pg = self.groups[mine]
@@ -231,14 +234,14 @@ class _Bench:
                             if self.rank == mine[0]:
                                 self.add("collectives", verb=verb, group=list(mine), n=len(mine), mode=mode,
                                          concurrent=len(active), bytes=float(nbytes), t=ts, cpu=cpu)
-        _sync()
+        sync()
 
     def issue(self) -> None:
         """The CPU a rank's own thread spends in the call of an asynchronous all-reduce (torch.distributed's
         Python, gloo's work set up and queued for its worker thread), the call alone, as the
         interpreter makes it: both members of the first pair call together after a barrier."""
         cfg = self.cfg
-        _sync()
+        sync()
         if self.pairs and self.rank in self.pairs[0]:
             g = self.pairs[0]
             pg = self.groups[g]
@@ -254,7 +257,7 @@ class _Bench:
                     cpu.append(c1 - c0)
             if self.rank == g[0]:
                 self.add("issue", verb="allreduce", n=len(g), bytes=float(x.numel() * 4), cpu=cpu)
-        _sync()
+        sync()
 
     def interleaved(self) -> None:
         """Compute, then an all-reduce, in a loop over a group of 2 and of all ranks (the others
@@ -266,7 +269,7 @@ class _Bench:
             for nbytes in cfg.interleave_bytes:
                 msg = torch.zeros(max(1, int(nbytes) // 4))
                 for k in cfg.interleave_gemms:
-                    _sync()
+                    sync()
                     if self.rank not in g:
                         continue
                     pg = self.groups[g]
@@ -282,14 +285,14 @@ class _Bench:
                     if self.rank == g[0]:
                         self.add("interleaved", n=len(g), gemms=k, gemm_flops=2.0 * 128 ** 3, bytes=float(nbytes),
                                  t=ts)
-        _sync()
+        sync()
 
     def p2p(self) -> None:
         cfg = self.cfg
         if self.world < 2:
             return
         for nbytes in cfg.p2p_bytes:
-            _sync()
+            sync()
             if self.rank in (0, 1):
                 x = torch.zeros(max(1, nbytes // 4))
                 ts, cpu = [], []
@@ -312,7 +315,7 @@ class _Bench:
         # Everyone runs for the same window; rank 0 tells rank 1 in each message whether to go on.
         window = cfg.pingpong_s
         for busy in sorted({0, self.world - 2}):
-            _sync()
+            sync()
             t_end = time.perf_counter() + window
             if self.rank in (0, 1):
                 x = torch.ones(1)
@@ -335,10 +338,10 @@ class _Bench:
                 a = torch.randn(64, 64)
                 while time.perf_counter() < t_end:
                     a = torch.tanh(a @ a)
-        _sync()
+        sync()
 
 
-class _StepClock:
+class StepClock:
     """A tracer for `run_rank` that keeps when each step began and ended (perf_counter: one clock
     for every process of the host), so that ranks' steps can be compared over a common window."""
 
@@ -388,7 +391,7 @@ class _Recorder:
         return out
 
 
-def _one_rank_program(model, mbs: int = 1, recompute: str = "none"):
+def one_rank_program(model, mbs: int = 1, recompute: str = "none"):
     """A one-rank program of `model` (a preset name or a ModelSpec) at this micro-batch size."""
     from simexec.specs.cluster import get_cluster
     from simexec.program.lower import lower
@@ -406,9 +409,9 @@ def run_microbench(rp, instrs, *, steps: int, groups, tracer, device, seed: int 
     cfg = config or BenchConfig()
     torch.manual_seed(seed)
     rank, world = dist.get_rank(), dist.get_world_size()
-    b = _Bench(cfg, rank, world)
+    b = Bench(cfg, rank, world)
     t0 = time.perf_counter()
-    rp1, instrs1 = _one_rank_program(cfg.model)
+    rp1, instrs1 = one_rank_program(cfg.model)
     timings = {}
     for name, fn in (("compute", b.compute), ("blocks", lambda: b.blocks(rp1, instrs1)),
                      ("collectives", b.collectives), ("issue", b.issue), ("interleaved", b.interleaved),
@@ -436,7 +439,7 @@ def _op_count():
     return _Count()
 
 
-class _CountTracer:
+class CountTracer:
     """A tracer that keeps, per `<phase>.<block>` compute instruction, the operators it dispatched
     (the last micro-batch's where they differ)."""
 
@@ -463,9 +466,9 @@ def count_dispatch(model="gpt-tiny") -> dict[str, int]:
     from simexec.specs.model import get_model
 
     spec = get_model(model) if isinstance(model, str) else model
-    rp, instrs = _one_rank_program(shrunk(spec))
+    rp, instrs = one_rank_program(shrunk(spec))
     cnt = _op_count()
-    tr = _CountTracer(cnt)
+    tr = CountTracer(cnt)
     with cnt:
         run_rank(rp, instrs, steps=1, groups=None, tracer=tr, device=torch.device("cpu"))
     return tr.out
@@ -486,7 +489,7 @@ def count_dispatch_plan(model: str, plan: str, timeout_s: float = 120.0) -> dict
 def _count_rank(rank: int, world: int, port: int, model: str, plan: str, out) -> None:
     with plan_rank(rank, world, port, model, plan) as (rp, prog, groups):
         cnt = _op_count()
-        tr = _CountTracer(cnt)
+        tr = CountTracer(cnt)
         with cnt:
             run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=tr, device=torch.device("cpu"))
         if rank == 0:

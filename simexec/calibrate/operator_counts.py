@@ -13,7 +13,7 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
     import torch
 
     from simexec.exec.rank import collectives, interpreter
-    from simexec.calibrate.microbench import _CountTracer, plan_rank
+    from simexec.calibrate.microbench import CountTracer, plan_rank
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
@@ -48,7 +48,7 @@ def _counted_rank(rank: int, world: int, port: int, model: str, plan: str, out) 
             stack.enter_context(mock.patch.object(interpreter.RankInterpreter, "collective", counted_collective))
             stack.enter_context(mock.patch.object(collectives.InflightComm, "wait", counted_wait))
             stack.enter_context(cnt)
-            interpreter.run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=_CountTracer(cnt),
+            interpreter.run_rank(rp, prog.ranks[rank], steps=1, groups=groups, tracer=CountTracer(cnt),
                                  device=torch.device("cpu"))
         if rank == 0:
             out.put({k: tuple(v) for k, v in counts.items()})

@@ -176,11 +176,12 @@ def save_json_plain(data: dict, path: PathLike) -> None:
     save_json(data, path)
 
 
-def _jsonable(x):
+def jsonable(x):
+    """`x` with string keys, lists for tuples and None for non-finite floats: strict JSON."""
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     if isinstance(x, float) and not math.isfinite(x):
         return None
     return x

@@ -109,9 +109,9 @@ class RankPool:
                 ray.kill(a, no_restart=True)
             except Exception:  # noqa: BLE001 - already dead
                 pass
-        from simexec.exec.runtime.launcher import _reap
+        from simexec.exec.runtime.launcher import reap
 
-        _reap([i["pid"] for i in infos])
+        reap([i["pid"] for i in infos])
 
     def close(self) -> None:
         for world in list(self.sets):

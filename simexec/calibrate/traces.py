@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from simexec.calibrate.profiles import (
-    PARAMS, CalibrationError, Param, PathLike, _jsonable, host_cores, load_profile, make_profile, now_iso,
+    PARAMS, CalibrationError, Param, PathLike, jsonable, host_cores, load_profile, make_profile, now_iso,
     profiled_cluster, save_profile, set_params,
 )
 from simexec.specs.cluster import ClusterSpec, get_cluster
@@ -37,7 +37,7 @@ ACCELERATOR_TRACE_PARAMS = ("op", "dispatch", "instr", "bwd", "attention_eff", "
 
 
 @dataclass
-class _Case:
+class TraceCase:
     """One measured trace, ready to be re-simulated."""
 
     path: str
@@ -70,7 +70,8 @@ def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -
     return fallback
 
 
-def _case(trace, where: str) -> _Case:
+def trace_case(trace, where: str) -> TraceCase:
+    """A measured trace as a `TraceCase` (`where` names it in errors); refuses a predicted one."""
     from simexec.specs.model import ModelSpec, get_model
     from simexec.trace.schema import ends_when_waited
 
@@ -95,35 +96,35 @@ def _case(trace, where: str) -> _Case:
     comm = {e.id: e.dur_us for e in trace.events
             if e.kind in ("collective", "recv") and e.dur_us > 0 and e.op.partition("@")[0] not in waited}
     peak = {int(r): float(b) for r, b in ((meta.get("summary") or {}).get("peak_memory_bytes_per_rank") or {}).items()}
-    return _Case(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
+    return TraceCase(where, model, str(meta.get("plan")), meta.get("seq_len"), comp, comm, float(step), peak,
                  meta.get("background_load"), meta.get("machine"),
                  meta.get("gloo_event_loops") == "SCHED_IDLE",  # absent before the executor idled them
-                 _main_thread_cpu(trace))
+                 main_thread_cpu(trace))
 
 
-def _main_thread_cpu(trace) -> Optional[float]:
+def main_thread_cpu(trace) -> Optional[float]:
     """The mean CPU a step of the ranks' main threads (`simexec.trace.compare.cpu_of`), where the trace has it."""
     from simexec.trace.compare import cpu_of
 
     return (cpu_of(trace) or {}).get("main_thread_s")
 
 
-def cases_machine(cases: Sequence[_Case]) -> Optional[dict]:
+def cases_machine(cases: Sequence[TraceCase]) -> Optional[dict]:
     """The machine the traces were measured on, when they all name the same one."""
     machines = {json.dumps(c.machine, sort_keys=True) for c in cases}
     return json.loads(machines.pop()) if len(machines) == 1 else None
 
 
-def load_cases(trace_paths: Iterable[PathLike]) -> list[_Case]:
+def load_cases(trace_paths: Iterable[PathLike]) -> list[TraceCase]:
     from simexec.trace.schema import Trace
 
     paths = [str(p) for p in trace_paths]
     if not paths:
         raise CalibrationError("no traces given")
-    return [_case(Trace.load(p), p) for p in paths]
+    return [trace_case(Trace.load(p), p) for p in paths]
 
 
-def predict_case(case: _Case, cluster: ClusterSpec, profile: Optional[dict] = None, *, trace: bool = True):
+def predict_case(case: TraceCase, cluster: ClusterSpec, profile: Optional[dict] = None, *, trace: bool = True):
     """Simulate the case's plan (every rank) on the cluster with the profile, under the run's
     conditions: the background load measured with the trace, when it was, and how gloo's event loops
     ran."""
@@ -137,20 +138,20 @@ def predict_case(case: _Case, cluster: ClusterSpec, profile: Optional[dict] = No
     return simulate(case.model, cluster, case.plan, case.seq_len, symmetric=False, profile=prof, trace=trace)
 
 
-def _dominant_dtype(cases: list[_Case]) -> str:
+def _dominant_dtype(cases: list[TraceCase]) -> str:
     """The dtype most of the traces ran in: the one whose peak `gemm_flops` stands for (the others
     are scaled with it)."""
     dtypes = [parse_plan(c.plan).dtype for c in cases]
     return max(sorted(set(dtypes)), key=dtypes.count) if dtypes else "fp32"
 
 
-def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
+def fit_traces(cases: list[TraceCase], base: ClusterSpec, base_profile: dict, *, params: Sequence[str] = TRACE_PARAMS,
                max_nfev: int = 60, event_weight: float = 0.5, comm_weight: float = 0.2, step_weight: float = 3.0,
                cpu_weight: float = 1.0, prior_weight: float = 0.2, diff_step: float = 0.1, restarts: int = 2,
                progress: Optional[Callable[[int, float], None]] = None) -> tuple[dict, dict]:
     """Least squares (soft-L1 on log durations) of the named parameters to measured traces.
 
-    Residuals: per trace, for each kind of compute instruction (`_event_groups`: the same block and
+    Residuals: per trace, for each kind of compute instruction (`event_groups`: the same block and
     phase on every rank, layer and micro-batch) log(summed predicted / summed measured) (weight
     `event_weight` x the square root of its share of the trace's measured time, so each trace counts
     alike), the same for its collectives and messages (`comm_weight`), its step time's
@@ -173,7 +174,7 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     x0 = np.clip(x0, lo + 1e-9, hi - 1e-9)
     calls = [0]
     best = [math.inf, None]
-    groups = [(_event_groups(c.measured), _event_groups(c.comm)) for c in cases]
+    groups = [(event_groups(c.measured), event_groups(c.comm)) for c in cases]
 
     def profile_at(x) -> dict:
         return set_params(base_profile, {p.name: _from_x(p, v) for p, v in zip(ps, x)}, base, dtype)
@@ -185,13 +186,13 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
             try:
                 res = predict_case(case, base, prof)
             except SimexecError:
-                return np.full(_n_resid(cases, groups, len(ps)), 10.0)
+                return np.full(n_residuals(cases, groups, len(ps)), 10.0)
             pred = {e.id: e.dur_us for e in res.trace.events}
-            out.extend(_group_residuals(comp, pred, event_weight))
-            out.extend(_group_residuals(comm, pred, comm_weight))
+            out.extend(group_residuals(comp, pred, event_weight))
+            out.extend(group_residuals(comm, pred, comm_weight))
             out.append(step_weight * math.log(max(res.step_time_s, 1e-9) / case.step_s))
             if case.main_cpu_s:  # a simulation on dedicated devices times no CPU: nothing to match
-                cpu = _main_thread_cpu(res.trace)
+                cpu = main_thread_cpu(res.trace)
                 out.append(cpu_weight * math.log(max(cpu, 1e-9) / case.main_cpu_s) if cpu else 0.0)
         out.extend(prior_weight * (x - x0))
         r = np.asarray(out)
@@ -235,25 +236,26 @@ def fit_traces(cases: list[_Case], base: ClusterSpec, base_profile: dict, *, par
     return prof, report
 
 
-def _n_resid(cases, groups, nparams: int) -> int:
+def n_residuals(cases, groups, nparams: int) -> int:
+    """How many residuals a fit over these cases and event groups makes, its parameters' priors included."""
     return sum(len(comp) + len(comm) + 1 + bool(c.main_cpu_s) for c, (comp, comm) in zip(cases, groups)) + nparams
 
 
 _INDEX = re.compile(r"^(?:L-?\d+|m\d+|v\d+|s\d+|c\d+)$")
 
 
-def _event_kind(event_id: str) -> str:
+def event_kind(event_id: str) -> str:
     """An event's instruction without its rank, layer, micro-batch, virtual stage or chunk:
     `3:bwd.fc1.L2.m5` -> `bwd.fc1`."""
     name = event_id.split(":", 1)[-1]
     return ".".join(t for t in name.split(".") if not _INDEX.match(t)) or name
 
 
-def _event_groups(events: dict[str, float]) -> list[tuple[list[str], float, float]]:
+def event_groups(events: dict[str, float]) -> list[tuple[list[str], float, float]]:
     """The events of one trace by kind: (ids, summed measured µs, share of the trace's measured time)."""
     by: dict[str, list[str]] = {}
     for i in events:
-        by.setdefault(_event_kind(i), []).append(i)
+        by.setdefault(event_kind(i), []).append(i)
     total = sum(events.values()) or 1.0
     out = []
     for kind in sorted(by):
@@ -263,7 +265,7 @@ def _event_groups(events: dict[str, float]) -> list[tuple[list[str], float, floa
     return out
 
 
-def _group_residuals(groups, pred: dict[str, float], weight: float) -> list[float]:
+def group_residuals(groups, pred: dict[str, float], weight: float) -> list[float]:
     """weight x sqrt(share) x log(summed predicted / summed measured) for each group of events."""
     return [weight * math.sqrt(share) * math.log(max(sum(pred.get(i, 0.0) for i in ids), 1.0) / m)
             for ids, m, share in groups]
@@ -310,7 +312,7 @@ def calibrate_from_traces(trace_paths: Iterable[PathLike], cluster: Union[str, C
     fitted, report = fit_traces(cases, base, start, params=params, max_nfev=max_nfev, progress=progress)
     prof = make_profile(name or f"{socket.gethostname()}-traces", "traces", fitted.get("costs", {}),
                         fitted.get("device"), fitted.get("node"), machine=machine,
-                        fit=_jsonable({**report, "fitted_at": now_iso()}), measured_at=measured_at)
+                        fit=jsonable({**report, "fitted_at": now_iso()}), measured_at=measured_at)
     if out_path:
         save_profile(prof, out_path)
     return prof

@@ -233,7 +233,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
     step_time = statistics.median(measured) if measured else None
     peak = {r: o["peak_memory_bytes"] for r, o in sorted(outs.items()) if "peak_memory_bytes" in o}
     params = {r: o["params"] for r, o in sorted(outs.items()) if "params" in o} or None
-    scaled = {} if error else _loss_scaling(outs)
+    scaled = {} if error else loss_scaling(outs)
     summary = {"step_time_s": step_time, "step_times_s": step_times,
                "peak_memory_bytes_per_rank": {str(r): b for r, b in peak.items()}, "losses": losses}
     cpu = {str(r): o["cpu_times_s"] for r, o in sorted(outs.items()) if o.get("cpu_times_s")}
@@ -260,7 +260,7 @@ def _result(rp, program, outs: dict[int, dict], infos: list[dict], timings: dict
                       loss_scales=scaled.get("loss_scales", []), skipped_steps=scaled.get("skipped_steps", []))
 
 
-def _loss_scaling(outs: dict[int, dict]) -> dict:
+def loss_scaling(outs: dict[int, dict]) -> dict:
     """The loss scale of each step and the skipped steps. Every rank moves its scale on the same
     world-reduced overflow flag, so the ranks agree; a rank that does not has trained on other
     steps than the rest, and the run is refused, naming the first step where they part."""

@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional, Union
 from simexec.specs.cluster import ClusterSpec, GiB, get_cluster
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec, get_model
-from simexec.specs.plan import Plan, _validate_fields, load_plan, resolve, split_pairs
+from simexec.specs.plan import Plan, validate_fields, load_plan, resolve, split_pairs
 from simexec.search.bounds import Bounds, Candidate
 from simexec.search.report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
                                    sort_key)
@@ -92,7 +92,7 @@ def normalize_fix(fix: Optional[dict], where: str = "fix") -> dict:
                 raise PlanError(f"{where}: stages takes integers, got {val!r}") from None
         fields[key] = val
     typed = {k: v for k, v in fields.items() if v is not None}
-    plan = _validate_fields(dict(typed), where)  # types and ranges, one-line PlanError
+    plan = validate_fields(dict(typed), where)  # types and ranges, one-line PlanError
     out = {k: (getattr(plan, k) if fields[k] is not None else None) for k in fields}
     for key, alts in choices.items():  # one distinct value is a plain pin
         out[key] = alts if len(alts) > 1 else alts[0]
@@ -114,7 +114,7 @@ def _alternatives(key: str, val: Any, where: str) -> AnyOf:
                 raise PlanError(f"{where}: {key} cannot be none")
             typed.append(None)
         else:
-            typed.append(getattr(_validate_fields({key: v}, f"{where}, alternative {v!r}"), key))
+            typed.append(getattr(validate_fields({key: v}, f"{where}, alternative {v!r}"), key))
     return AnyOf(dict.fromkeys(typed))
 
 

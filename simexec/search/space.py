@@ -214,8 +214,8 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
                 dp = rest // pp
                 if fix.get("dp") is not None and dp not in _choices(fix, "dp", [dp]):
                     continue
-                for fields in _structure_fields(model, gbs, fix, tp, cp, pp, dp):
-                    states = _state_variants(fix, dp, tp, cp, gpn)
+                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                    states = state_variants(fix, dp, tp, cp, gpn)
                     stats.combinations += len(states)
                     st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats)
                     if st is not None:
@@ -274,7 +274,8 @@ def _stage_splits(model: ModelSpec, fix: dict, pp: int, vpp: int) -> list[Option
     return out
 
 
-def _structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
+def structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
+    """The plan fields of each structure with this (tp, cp, pp, dp) under `fix` (all but its state variants')."""
     layers_per_rank = model.layers // pp if model.layers % pp == 0 else 0
     vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 and layers_per_rank else [1]
     for vpp in _choices(fix, "vpp", vpps):
@@ -334,7 +335,8 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
     return [e for e in _pow2_upto(dp) if model.moe.experts % e == 0 and dp % e == 0]
 
 
-def _state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
+def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
+    """The (zero, zero_impl, dp_shard, offload) variants of one mesh under `fix`."""
     if "zero" in fix:
         zeros = [(z, impl) for z in _choices(fix, "zero", []) for impl in _choices(fix, "zero_impl", [None])]
     elif "zero_impl" in fix:

@@ -202,7 +202,7 @@ def parse_plan(text: str) -> Plan:
             fields[key] = _BOOL[val.lower()]
         else:
             fields[key] = val
-    return _validate_fields(fields, where)
+    return validate_fields(fields, where)
 
 
 def _int(key: str, val: str, text: str) -> int:
@@ -212,7 +212,8 @@ def _int(key: str, val: str, text: str) -> int:
         raise PlanError(f"plan {text!r}: {key} takes integers, got {val!r}") from None
 
 
-def _validate_fields(fields: dict, where: str) -> Plan:
+def validate_fields(fields: dict, where: str) -> Plan:
+    """A `Plan` of loose fields (lists for stages, strings for booleans), or a `PlanError` naming `where`."""
     if isinstance(fields.get("stages"), list):
         fields["stages"] = tuple(fields["stages"])
     for key in (k for k, f in Plan.model_fields.items() if f.annotation is bool):
@@ -229,7 +230,7 @@ def load_plan(text_or_path: str) -> Plan:
     path = Path(text_or_path)
     if path.suffix.lower() in (".yaml", ".yml", ".json"):
         data = read_mapping(path, "plan")
-        return _validate_fields(data, f"plan file {path}")
+        return validate_fields(data, f"plan file {path}")
     return parse_plan(text_or_path)
 
 

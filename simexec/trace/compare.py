@@ -60,7 +60,7 @@ def _quantile(values: list[float], q: float) -> float:
     return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
 
 
-def _error_stats(pairs: list[tuple[float, float]]) -> dict:
+def error_stats(pairs: list[tuple[float, float]]) -> dict:
     """{median_ape, p90_ape, count, median_ratio, predicted_us, measured_us} of (predicted, measured) µs pairs."""
     apes = [abs(p - m) / m for p, m in pairs]
     ratios = [p / m for p, m in pairs]
@@ -343,7 +343,7 @@ def _group(pairs: Iterable[tuple[Event, Event]], key) -> dict[str, dict]:
     groups: dict[str, list[tuple[float, float]]] = {}
     for p, m in pairs:
         groups.setdefault(key(p, m), []).append((p.dur_us, m.dur_us))
-    return {k: _error_stats(v) for k, v in sorted(groups.items())}
+    return {k: error_stats(v) for k, v in sorted(groups.items())}
 
 
 def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Comparison:
@@ -364,7 +364,7 @@ def compare(predicted: Trace, measured: Trace, *, max_ids: int = 200) -> Compari
     stream_errors = _group(timed, lambda p, m: m.stream)
     kind_errors = _group(timed, lambda p, m: m.kind)
     block_errors = _group(timed, lambda p, m: m.name.split(".L", 1)[0])
-    overall = _error_stats([(p.dur_us, m.dur_us) for p, m in timed]) if timed else {}
+    overall = error_stats([(p.dur_us, m.dur_us) for p, m in timed]) if timed else {}
     worst = sorted((pm for pm in timed if pm[0].dur_us != pm[1].dur_us),
                    key=lambda pm: -abs(pm[0].dur_us - pm[1].dur_us))[:20]
     worst_events = [{"id": m.id, "op": m.op, "stream": m.stream, "predicted_us": p.dur_us, "measured_us": m.dur_us}

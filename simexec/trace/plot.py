@@ -327,7 +327,7 @@ def plot_memory(traces: Sequence[Trace], out=None, *, max_ranks: int = MAX_RANKS
 # --- durations --------------------------------------------------------------------------------------
 def plot_durations(predicted: Trace, measured: Trace, out=None, *, title: Optional[str] = None):
     """Predicted against measured duration of every matched instruction, log-log, with y = x."""
-    from simexec.trace.compare import _error_stats, matched_pairs, timed_pairs
+    from simexec.trace.compare import error_stats, matched_pairs, timed_pairs
 
     pairs = [(p, m) for p, m in timed_pairs(matched_pairs(predicted, measured), measured) if p.dur_us > 0]
     if not pairs:
@@ -356,7 +356,7 @@ def plot_durations(predicted: Trace, measured: Trace, out=None, *, title: Option
     ax.set_ylabel("measured duration (µs)")
     ax.grid(which="major", color="0.9", linewidth=0.6)
     ax.legend(fontsize=7, loc="upper left", title="op class (events)", title_fontsize=8)
-    s = _error_stats([(p.dur_us, m.dur_us) for p, m in pairs])
+    s = error_stats([(p.dur_us, m.dur_us) for p, m in pairs])
     ax.set_title(title or f"op durations: {s['count']} events, median APE {s['median_ape']:.1%}, "
                           f"p90 {s['p90_ape']:.1%}", fontsize=10)
     _save(fig, out)

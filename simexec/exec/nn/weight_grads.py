@@ -106,7 +106,7 @@ Place = tuple[int, tuple[int, ...], str]  # (output index, next_functions indice
 
 
 @dataclass
-class _Analysis:
+class Analysis:
     """Where a block's parameters join its inputs' gradient path: batches of (parameters, their
     joins' places, whether a group of them has joins on one another's path); None for a block
     without parameters. `from_outputs`: parameters reached from the outputs alone."""
@@ -181,14 +181,15 @@ def _batches(by_joins: dict[frozenset, list[Tensor]], consumers: dict[Node, list
     return [(ps, joins, clamp) for ps, joins, _, clamp in batches]
 
 
-def _analyse(roots: list[Node], inputs: list[Tensor]) -> _Analysis:
+def analyse(roots: list[Node], inputs: list[Tensor]) -> Analysis:
+    """Where the parameters behind `roots` join the gradient path of `inputs` (see `Analysis`)."""
     consumers, where = _walk(roots)
     input_nodes = [get_gradient_edge(x).node for x in inputs]
     on_input_path = _downstream(input_nodes, consumers) if input_nodes else set()
     inputs_set = set(input_nodes)
     params = [n for n in consumers if n not in inputs_set and hasattr(n, "variable")]
     if not params:
-        return _Analysis(None)
+        return Analysis(None)
     by_joins: dict[frozenset, list[Tensor]] = {}
     for acc in params:
         joins, seen, stack = set(), {acc}, [acc]
@@ -202,7 +203,7 @@ def _analyse(roots: list[Node], inputs: list[Tensor]) -> _Analysis:
         by_joins.setdefault(frozenset(joins), []).append(acc.variable)
     roots_only = by_joins.pop(frozenset(), None)
     batches = [(ps, sorted((where[j] for j in joins)), clamp) for ps, joins, clamp in _batches(by_joins, consumers)]
-    return _Analysis(batches, roots_only)
+    return Analysis(batches, roots_only)
 
 
 def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs: list[Tensor],
@@ -216,7 +217,7 @@ def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs:
     an = cache.get(key) if cache is not None else None
     joins = an.locate(roots) if an is not None else None
     if joins is None:
-        an = _analyse(roots, inputs)
+        an = analyse(roots, inputs)
         if cache is not None:
             cache[key] = an
         joins = an.locate(roots)
@@ -234,7 +235,7 @@ def backward_inputs(outs: tuple[Tensor, ...], grads: tuple[Tensor, ...], inputs:
     return DeferredWeights(batches, kept, from_outputs)
 
 
-def _input_pass(an: _Analysis, joins: dict, outs: tuple, grads: tuple, inputs: list, run: Callable,
+def _input_pass(an: Analysis, joins: dict, outs: tuple, grads: tuple, inputs: list, run: Callable,
                 kept: dict) -> None:
     """B's engine call: the inputs' gradients accumulated, the joins' incoming gradients kept."""
     if an.arity is not None and inputs:

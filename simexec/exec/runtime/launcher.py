@@ -335,12 +335,12 @@ class Launch:
                 ray.util.remove_placement_group(pg)
             except Exception:  # noqa: BLE001
                 pass
-        _reap([i["pid"] for i in self.infos if i.get("host") == socket.gethostname()])
+        reap([i["pid"] for i in self.infos if i.get("host") == socket.gethostname()])
         self.actors, self._pgs = [], []
         self.timings["teardown_s"] = time.perf_counter() - t0
 
 
-def _reap(pids: list[int], timeout: float = 10.0) -> None:
+def reap(pids: list[int], timeout: float = 10.0) -> None:
     """Wait until these actor processes have exited; SIGKILL any still running after `timeout`."""
     deadline = time.monotonic() + timeout
     left = [p for p in pids if _is_worker(p)]

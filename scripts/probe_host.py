@@ -1444,7 +1444,7 @@ def _bench_step(extra: dict) -> float:
 
 def _plan_equivalent(result) -> float:
     """The plan's steady step as two micro-batches and one optimizer step (from its trace)."""
-    from simexec.calibrate.traces import steady_step
+    from simexec.trace.schema import steady_step
 
     step = steady_step(result.step_times_s, result.step_time_s)
     events = result.trace.events

@@ -4,7 +4,7 @@ predict the others before and after calibration. Shared by `scripts/validate_cal
 
 A plan is measured `rounds` times (interleaved with the other plans, so that a burst of load on the
 host does not hit one plan only); its measured step time is the median over the rounds of each run's
-steady-state step time (`simexec.calibrate.traces.steady_step`: the median of its last half of
+steady-state step time (`simexec.trace.schema.steady_step`: the median of its last half of
 steps). Every run records the cores' worth of CPU the host's other users took meanwhile
 (`background`), and predictions of that run take it as the host model's `background_load`: the
 simulator predicts the plan under the conditions it ran in, not under some other moment's. The
@@ -23,8 +23,9 @@ from typing import Callable, Iterable, Optional, Sequence
 
 from simexec.calibrate.profiles import CalibrationError, jsonable, make_profile, now_iso, profiled_cluster, save_profile
 from simexec.calibrate.micro import measure_microbench, microbench_profile
-from simexec.calibrate.traces import TRACE_PARAMS, TraceCase, trace_case, fit_traces, predict_case, steady_step
+from simexec.calibrate.traces import TRACE_PARAMS, TraceCase, fit_traces, predict_case, trace_case
 from simexec.specs.cluster import ClusterSpec, get_cluster
+from simexec.trace.schema import steady_step
 
 STEPS = 16  # per run: the median of the last eight is its step time (`steady_step`)
 

@@ -13,7 +13,6 @@ import json
 import math
 import re
 import socket
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
@@ -22,6 +21,7 @@ from simexec.calibrate.profiles import (
     PARAMS, CalibrationError, Param, PathLike, jsonable, host_cores, load_profile, make_profile, now_iso,
     profiled_cluster, save_profile, set_params,
 )
+from simexec.trace.schema import steady_step
 from simexec.specs.cluster import ClusterSpec, get_cluster
 from simexec.errors import SimexecError
 from simexec.specs.plan import parse_plan
@@ -57,17 +57,6 @@ class TraceCase:
     def offloads(self) -> bool:
         """Whether the plan steps its optimizer on the host (the trace then times the host's Adam)."""
         return parse_plan(self.plan).offload != "none"
-
-
-def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
-    """A run's steady-state step time: the median of its second half of steps. The executor's own
-    `step_time_s` (the median after the first step) still carries warm-up: on CPU ranks the steps
-    after the first get ~10-20% faster over the next few. The trace holds the step of the second half
-    nearest this median (`simexec.exec.measure.tracer.pick_step`)."""
-    xs = [float(x) for x in step_times if x]
-    if len(xs) >= 4:
-        return statistics.median(xs[len(xs) // 2:])
-    return fallback
 
 
 def trace_case(trace, where: str) -> TraceCase:

@@ -473,7 +473,7 @@ def cpu_of(trace: Trace) -> Optional[dict]:
     (`cores_busy`); None where it carries no CPU times. A prediction holds one step per rank
     (`cpu_s_per_rank`, a symmetric rank weighted by the ranks it stands for); a run holds every
     step (`cpu_times_s_per_rank`), read at its steady state as its step time is."""
-    from simexec.calibrate.traces import steady_step
+    from simexec.trace.schema import steady_step
 
     s = trace.meta.get("summary") or {}
     if s.get("cpu_s_per_rank"):

@@ -10,8 +10,10 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Optional, Sequence
 
 from simexec.errors import TraceError
 from simexec.outputs import write_atomic
@@ -187,3 +189,13 @@ def _jsonable(obj):
         return list(obj)
     raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
 
+
+def steady_step(step_times: Sequence[float], fallback: Optional[float] = None) -> Optional[float]:
+    """A run's steady-state step time: the median of its second half of steps. The executor's own
+    `step_time_s` (the median after the first step) still carries warm-up: on CPU ranks the steps
+    after the first get ~10-20% faster over the next few. The trace holds the step of the second half
+    nearest this median (`simexec.exec.measure.tracer.pick_step`)."""
+    xs = [float(x) for x in step_times if x]
+    if len(xs) >= 4:
+        return statistics.median(xs[len(xs) // 2:])
+    return fallback

@@ -291,9 +291,9 @@ def clock_offsets(clocks: dict[int, dict]) -> dict[int, int]:
 def pick_step(exports: Iterable[dict], step_times: Sequence[float] = ()) -> int:
     """The step the trace keeps (-1 if none has events). With the run's step times (4 or more): the
     steady step, the one of the second half whose time is nearest that half's median (the run's
-    steady-state step time, `simexec.calibrate.traces.steady_step`), so that the trace shows what
+    steady-state step time, `simexec.trace.schema.steady_step`), so that the trace shows what
     the step time measures and not a step a stall happened to hit. Else the last step with any event."""
-    from simexec.calibrate.traces import steady_step
+    from simexec.trace.schema import steady_step
 
     recorded = {rec[1] for ex in exports for rec in ex["records"]}
     if not recorded:

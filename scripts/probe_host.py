@@ -49,7 +49,7 @@ and what the all-reduce and the sleep add to the main thread's CPU. gloo's main 
 a collective without spinning; what it pays is waking up again (the scheduler, and on a virtual
 machine a halted vCPU's exit and entry) and refilling its caches. The host model charges a
 collective's CPU to the communication thread (`costs.comm_cpu_s`) and the main thread only its
-interpreter's Python around the call (docs/calibration_findings.md).
+interpreter's Python around the call (docs/host_model.md).
 """,
     "call-cpu": """What a collective's call costs its calling thread alone: the micro-benchmarks' `issue`.
 
@@ -57,7 +57,7 @@ interpreter's Python around the call (docs/calibration_findings.md).
 
 Two gloo ranks on 127.0.0.1 (one intra-op thread, gloo's event loops at idle priority, as the
 executor runs them) call an asynchronous 8 KB all-reduce together after a barrier, `--reps` times
-(`simexec.calibrate.microbench._Bench.issue`); rank 0 prints the median CPU its thread spent in the call
+(`simexec.calibrate.microbench.Bench.issue`); rank 0 prints the median CPU its thread spent in the call
 (`time.thread_time`: torch.distributed's Python, gloo's work set up and queued), which a
 micro-benchmark profile keeps as `costs.collective_issue_s`, beside an 8 KB add for scale.
 """,
@@ -136,7 +136,7 @@ sample in order, then the median, the mean and the share of samples over `--slow
 (`simexec.exec.runtime.gloo_loops`), `default` as gloo leaves them. Under `default` the samples are
 bimodal: the all-reduce runs at the speed its CPU allows, or it waits for the scheduler's next
 tick while gloo's loops spin on the cores; after 20 ms of compute most samples wait
-(docs/calibration_findings.md, "gloo's spinning event loop"). The environment's `SIMEXEC_GLOO_LOOPS=default`
+(docs/host_model.md, "gloo's event loops at idle priority"). The environment's `SIMEXEC_GLOO_LOOPS=default`
 overrides `idle`, as in the executor. `--recording` reads the same benchmark (alone after a
 barrier, `solo`) from a recording's micro-benchmarks instead of running it.
 """,
@@ -226,8 +226,8 @@ Runs one step of PLAN on local Ray CPU ranks with a runner that wraps the execut
 the aten operator that made it. Prints the rank's measured and predicted peak, then the storages
 alive at the end of the instruction where the peak fell, grouped by the instruction that made them
 (layer 0 in full, the other layers summed), and the predicted activations the program saves per
-block of a layer (`simexec.program.blocks.Anatomy`). This is how docs/calibration_findings.md traced moe-tiny's
-`dp=4,ep=2` gap to the norms, the rotary tables and the combine's tokens.
+block of a layer (`simexec.program.blocks.Anatomy`): it traces a gap such as moe-tiny's
+`dp=4,ep=2` one to the norms, the rotary tables and the combine's tokens.
 """,
     "memory-sweep": """Each rank's measured peak memory against the simulator's prediction, over a list of plans.
 
@@ -254,7 +254,7 @@ In one Ray session, alternating, each round measures
   traced step (every rank),
 and prints each pair's ratio. `compute_contention` comes from the first; the trace fit sees the
 second. If the benchmark missed something the plans have, the first ratio would stay below the
-second round after round; docs/calibration_findings.md ("What limits the numbers") quotes a run.
+second round after round.
 """,
     "bench-drift": """Do the micro-benchmarks and the plans see the same host? Run them side by side, alternating.
 

@@ -109,7 +109,7 @@ Predicts every plan of a recording (`manifest.json` of `scripts/record_traces.py
 once per `--swap` with those numbers taken from `--donor`, and prints each plan's error against the
 median of its measured rounds and the calibration and held-out plans' MAPE. A swap is comma-separated
 dotted keys (`costs.idle_wake_s,node.intra_bw`) or a group: `comm` (the host model's communication
-numbers) or `compute` (its compute numbers). docs/calibration_findings.md ("What limits the numbers") quotes it.
+numbers) or `compute` (its compute numbers).
 """,
     "core-use": """How the simulated host's cores spend a step: CPU asked for, cores busy, time idle.
 

@@ -42,7 +42,7 @@ pytestmark = pytest.mark.skipif(not (DIR / "manifest.json").exists(), reason="no
 LOCAL = get_cluster("local")
 # The held-out step-time MAPE the recorded profile reaches on the recorded held-out traces (per
 # round: 6.0% for the 2026-11-24 17:12 recording, 5.7% against each plan's median), with room for
-# the simulator's own changes. docs/calibration.md has the table, docs/calibration_findings.md what limits it.
+# the simulator's own changes. docs/calibration.md has the table.
 HELDOUT_MAPE_MAX = 0.16
 
 

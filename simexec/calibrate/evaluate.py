@@ -223,8 +223,8 @@ def fit_memory(runs: Sequence[Run], cluster: ClusterSpec, profile: dict) -> dict
         ys.append(max(run.peak.values()) - res.peak_memory_bytes)
     if not rows:
         return profile
-    # The executor's extra bytes over the model's are partly structural (see docs/calibration_findings.md,
-    # "What limits the numbers"): a robust constant (the median gap) rather than a least-squares
+    # The executor's extra bytes over the model's are partly structural (see docs/host_model.md,
+    # "What the model leaves out"): a robust constant (the median gap) rather than a least-squares
     # pair that one structural outlier would drag.
     ws, alloc = max(0.0, float(np.median(ys))), 0.0
     out = json.loads(json.dumps(profile))

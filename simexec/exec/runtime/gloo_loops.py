@@ -10,7 +10,7 @@ next tick (4 ms at HZ=250): a 1 MB two-rank all-reduce issued right after 20 ms 
 median 3.8 ms, 95% of samples over 2 ms, on a 2-core VM (`python scripts/probe_host.py collective-series
 --compute-ms 20 --gloo-loops default`). With the loop threads at `SCHED_IDLE`, which any other
 runnable thread preempts, the same all-reduce took 1.8 ms, 18% over 2 ms (`--gloo-loops idle`;
-docs/calibration_findings.md, "gloo's spinning event loop"). The loop still runs whenever a core has nothing
+docs/host_model.md, "gloo's event loops at idle priority"). The loop still runs whenever a core has nothing
 else to do. `SIMEXEC_GLOO_LOOPS=default` in the environment of the ranks leaves the loops as gloo
 starts them (to measure the difference).
 """

@@ -116,7 +116,7 @@ SP_OPS: dict[str, dict[str, int]] = {
         "fwd.router": 18, "bwd.router": 28,
     },
 }
-# Every table counts fp32. Under 16-bit types the executor's RMSNorm (`simexec.exec.nn.gpt._RMSNorm`)
+# Every table counts fp32. Under 16-bit types the executor's RMSNorm (`simexec.exec.nn.ops.rms_norm`)
 # normalises in fp32, whose casts add operators to each block that holds one (the norms of their own
 # under sp, else the blocks they open: qkv, fc1 or the router, the head), and the head casts its
 # logits: counted on tests/data/window-tiny.yaml, moe-tiny and gpt-tiny in bf16 against fp32.

@@ -1,4 +1,4 @@
-"""Parameter tensors in the executor's layout (`simexec.exec.nn.gpt.param_specs`), counted per unit,
+"""Parameter tensors in the executor's layout (`simexec.exec.nn.param_layout.param_specs`), counted per unit,
 per block and per optimizer step: the passes that go one tensor at a time (the optimizer's, the
 main-gradient hooks', a collective's views) cost an operator's dispatch each."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ from simexec.sim.host.operators import SP_NORM_BLOCKS
 
 def grad_tensors(block: str, model, sp: bool, tp: int = 1, ep: int = 1) -> int:
     """Parameter tensors whose gradient a block's backward makes and the main-gradient hook moves
-    (`simexec.exec.nn.gpt.param_specs`): a block's own norm unless sp gives the norm a block of its
+    (`simexec.exec.nn.param_layout.param_specs`): a block's own norm unless sp gives the norm a block of its
     own; under tp > 1 not those replicated over tp with partial gradients (norms, the router, MLA's
     down projections), which the tensor-parallel collective sums instead."""
     if model is None:
@@ -49,7 +49,7 @@ def grad_tensors(block: str, model, sp: bool, tp: int = 1, ep: int = 1) -> int:
 
 def unit_tensors(model) -> tuple[int, int, int, int]:
     """Parameter tensors of (the embedding, a dense layer, the head, one MoE expert's FFN) in the
-    executor's layout (simexec.exec.nn.gpt.param_specs)."""
+    executor's layout (simexec.exec.nn.param_layout.param_specs)."""
     norm = 2 if model.norm == "layernorm" else 1
     ffn = (2 if model.gated else 1) * (2 if model.bias else 1) + (2 if model.bias else 1)
     qkv_bias = 3 if (model.bias or getattr(model, "qkv_bias", False)) else 0

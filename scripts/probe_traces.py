@@ -133,7 +133,7 @@ def cmd_trace_sharing(argv=None) -> int:
     ap.add_argument("--cores", type=int, default=None, help="the host's cores (default: the traces' metadata)")
     ap.add_argument("--profile", default=None, help="also predict each trace with this profile and compare")
     args = ap.parse_args(argv)
-    from simexec.calibrate.profiles import load_profile
+    from simexec.sim.profile import load_profile
     from simexec.errors import SimexecError
     from simexec.trace.late_waits import collective_groups
     from simexec.trace.schema import Trace, load_json
@@ -242,7 +242,7 @@ def versus(mine: dict[str, list[float]], ref: dict[str, list[float]]) -> tuple[f
 
 def report(directory: Path, profile_path: Optional[Path] = None, versus_plan: Optional[str] = None) -> list[str]:
     """The table's lines; raises SimexecError for a directory, profile or trace that cannot be read."""
-    from simexec.calibrate.profiles import load_profile
+    from simexec.sim.profile import load_profile
     from simexec.calibrate.traces import trace_case, predict_case
     from simexec.calibrate.evaluate import profile_sections
     from simexec.specs.cluster import get_cluster
@@ -361,7 +361,7 @@ def cmd_recording_cpu(argv=None) -> int:
         print(f"probe_traces.py recording-cpu: {recording} holds no manifest.json (a directory "
               "scripts/record_traces.py wrote)", file=sys.stderr)
         return 2
-    from simexec.calibrate.profiles import load_profile
+    from simexec.sim.profile import load_profile
     from simexec.errors import SimexecError
 
     plans = tuple(p for p in args.plans.split(",") if p)

@@ -11,6 +11,6 @@ __all__ = ["PlanError", "SimexecError", "SpecError", "simulate", "__version__"]
 
 def simulate(*args, **kwargs):
     """Predict one training step; see `simexec.sim.simulate.simulate`."""
-    from simexec.sim.simulate import simulate as _simulate
+    from simexec.sim.simulate import simulate as run_simulation
 
-    return _simulate(*args, **kwargs)
+    return run_simulation(*args, **kwargs)

@@ -301,11 +301,10 @@ def cmd_execute(args) -> int:
 def cmd_calibrate(args) -> int:
     from simexec.calibrate.micro import calibrate_from_microbench
     from simexec.calibrate.traces import calibrate_from_traces
-    from simexec.errors import SimexecError as _Err
 
     if args.method == "traces":
         if not args.traces:
-            raise _Err("calibrate traces needs at least one measured trace file")
+            raise SimexecError("calibrate traces needs at least one measured trace file")
         profile = calibrate_from_traces(args.traces, args.cluster, args.out, base_profile=args.base_profile)
     else:
         t0 = time.perf_counter()

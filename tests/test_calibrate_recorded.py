@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from simexec.calibrate.profiles import load_profile
+from simexec.sim.profile import load_profile
 from simexec.calibrate.micro import fit_microbench
 from simexec.calibrate.traces import load_cases, predict_case
 from simexec.specs.cluster import get_cluster
@@ -245,12 +245,22 @@ def test_validate_calibration_attempts_must_be_a_whole_number():
 GPU = ROOT / "traces" / "gpu"
 
 
+def _gpu_steps_plan_names() -> set[str]:
+    """The plan names `scripts/gpu_steps.py` records (its `PLANS`), read from its source, not imported."""
+    import ast
+
+    tree = ast.parse((ROOT / "scripts" / "gpu_steps.py").read_text())
+    plans = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "PLANS")
+    return {ast.literal_eval(t.elts[0]) for t in plans.elts}
+
+
 def test_h100_trace_profile_predicts_the_held_out_gpu_steps_better_than_the_datasheet():
     """The executor's steps on one H100 (traces/gpu/steps, scripts/gpu_steps.py): the traces rebuild
     their models from the specs they carry (Hugging Face configs, no preset name), and the profile
     fitted to the calibration plans' traces halves the datasheet preset's error on the held-out ones."""
     cluster = get_cluster(str(GPU / "h100-1gpu.yaml"))
     runs = json.loads((GPU / "steps" / "manifest.json").read_text())["runs"]
+    assert {r["name"] for r in runs} == _gpu_steps_plan_names()
     profile = load_profile(PROFILES / "h100-traces.json")
     fitted = {Path(t).name.removesuffix(".json.gz") for t in profile["fit"]["traces"]}
     held = [r for r in runs if r["name"] not in fitted and not r.get("error")]

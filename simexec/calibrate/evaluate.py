@@ -407,7 +407,7 @@ def refit(out_dir: Path, *, max_nfev: int = 40, name: str = "local",
     """Fit and predict again from a validation run's products (its raw micro-benchmark timings and its
     traces), measuring nothing: how a change of the cost model moves the same measurements. `cluster`:
     the `local` preset by default (another, e.g. with `costs.cpu_scheduler` "slices", compares models)."""
-    from simexec.calibrate.profiles import load_profile
+    from simexec.sim.profile import load_profile
     from simexec.calibrate.micro import fit_microbench
     from simexec.trace.schema import load_json
 

@@ -89,12 +89,6 @@ def save_profile(profile: dict, path: PathLike) -> Path:
     return write_atomic(path, (json.dumps(profile, indent=2, sort_keys=False) + "\n").encode())
 
 
-def load_profile(path: PathLike) -> dict:
-    from simexec.sim.profile import load_profile as _load
-
-    return _load(path)
-
-
 def profiled_cluster(cluster: Union[str, ClusterSpec], profile: Optional[Union[PathLike, dict]]) -> ClusterSpec:
     from simexec.sim.profile import apply_profile
 

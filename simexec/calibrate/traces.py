@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, Sequence, Union
 
 from simexec.calibrate.profiles import (
-    PARAMS, CalibrationError, Param, PathLike, jsonable, host_cores, load_profile, make_profile, now_iso,
+    PARAMS, CalibrationError, Param, PathLike, jsonable, host_cores, make_profile, now_iso,
     profiled_cluster, save_profile, set_params,
 )
+from simexec.sim.profile import load_profile
 from simexec.trace.schema import steady_step
 from simexec.specs.cluster import ClusterSpec, get_cluster
 from simexec.errors import SimexecError

@@ -57,6 +57,10 @@ class Block:
     # rest, which the weight pass's autograd graph still holds, until that pass; a block without
     # weights frees all it saved there.
     bwd_only: float = 0.0
+    # backward FLOPs per forward FLOP: a matmul's backward is two matmuls (input and weight gradients);
+    # a fused attention kernel's backward is five against its forward's two (FlashAttention recomputes
+    # the scores Q.K^T, then dV, dP, dQ, dK: Dao 2023, Algorithm 2), 2.5x
+    bwd_flop_ratio: float = 2.0
 
     @property
     def kept_for_weight_pass(self) -> float:
@@ -65,12 +69,15 @@ class Block:
 
     @property
     def bwd_flops(self) -> float:
-        """Backward of a matmul is two matmuls (input and weight gradients): 2x forward."""
-        return 2.0 * self.flops
+        return self.bwd_flop_ratio * self.flops
 
     @property
     def bwd_bytes(self) -> float:
         return 2.0 * self.bytes if self.bwd is None else self.bwd
+
+
+FUSED_ATTENTION_BWD_RATIO = 2.5
+HIGH_PRECISION_GEMM = "gemm_bf16"  # op class of a GEMM an FP8 recipe leaves in bf16
 
 
 def _gemm(m: float, k: float, n: float, dt: int) -> tuple[float, float]:
@@ -136,6 +143,15 @@ class Anatomy:
         # too); LayerNorm's mean and 1/std in fp32 on GPUs (Apex, TransformerEngine, torch's CUDA
         # kernel), in the input's type from torch's CPU kernel
         self.norm_stats_per_token = 4.0 if m.norm == "rmsnorm" else 2.0 * (self.dt if self.eager_kernels else 4)
+        # a fused attention kernel's backward FLOPs per forward FLOP on GPUs; the CPU executor's
+        # attention is priced per operator by the host model (simexec.sim.host), which counts 2
+        self.attention_bwd_ratio = 2.0 if self.eager_kernels else FUSED_ATTENTION_BWD_RATIO
+        # FP8 training: the linear layers' GEMMs take FP8 operands cast by the stack's recipe; every
+        # activation, weight and gradient the program keeps stays bf16 (`dt`)
+        self.fp8 = rp.stack.fp8 if p.dtype == "fp8" else None
+        # the LM head's GEMM stays in bf16 under FP8 recipes (Megatron-Core's output layer is not a TE module;
+        # torchtitan's float8 converter skips `output`: torchtitan/components/quantization/float8.py)
+        self.head_op = HIGH_PRECISION_GEMM if self.fp8 else "gemm"
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
@@ -179,6 +195,40 @@ class Anatomy:
         """Accumulating a weight gradient over micro-batches: read the sum and the new one, write the sum
         (the sum in fp32 under `grad_fp32`: 10 bytes per parameter instead of 6)."""
         return (2 * self.acc_dt + self.grad_dt) * params
+
+    def fp8_casts(self, m: float, k: float, n: float, after_norm: bool = False, weights: float = -1.0
+                  ) -> tuple[float, float]:
+        """(forward, backward) bytes of the casts one linear GEMM (m x k) @ (k x n) needs under an FP8
+        recipe (`Fp8Recipe`), 0 without one. A cast reads bf16 and writes FP8 (3 bytes per element),
+        plus one more read of the bf16 tensor for its amax under per-tensor current scaling; its
+        transposed copy is one more byte in the same kernel (TE's cast_transpose) or, without that
+        kernel, a second cast in the backward. Forward: the input (none where the norm before it
+        writes FP8) and the weights (`weights` elements, default k x n; once per step where cached,
+        so a micro-batch's share); backward: the output gradient in both layouts, and without the
+        fused transpose, the input and weights again along the other axis."""
+        r = self.fp8
+        if r is None:
+            return 0.0, 0.0
+        w = k * n if weights < 0 else weights
+        cast = 3.0 + (2.0 if r.scaling == "current" else 0.0)
+        transpose = 1.0 if r.cast_writes_transpose else 0.0
+        fused_input = after_norm and r.norm_cast_fused
+        per_weight = (cast + transpose) / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
+        fwd = ((0.0 if fused_input else cast) + transpose) * m * k + per_weight * w
+        bwd = (cast + (transpose or cast)) * m * n
+        if not r.cast_writes_transpose:
+            bwd += cast * (m * k + w)
+        return fwd, bwd
+
+    def _with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
+        """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""
+        if self.fp8 is None:
+            return block
+        f = b = 0.0
+        for g in gemms:
+            df, db = self.fp8_casts(*g)
+            f, b = f + df, b + db
+        return replace(block, bytes=block.bytes + f, bwd=block.bwd_bytes + b)
 
     # --- activations crossing block boundaries -------------------------------------------------------
     @cached_property
@@ -451,7 +501,7 @@ class Anatomy:
                 # the kernel keeps its output in the heads-split layout for its backward, while the output
                 # projection keeps the all-to-all's sequence-split copy (a padded output is counted above)
                 saved_attn += ctx_bytes
-            attn = Block("attention", f_attn, 0.0, saved_attn, 0.0)
+            attn = Block("attention", f_attn, 0.0, saved_attn, 0.0, bwd_flop_ratio=self.attention_bwd_ratio)
         else:
             # unfused (Megatron-LM 2021): baddbmm Q.K^T over all s x s scores, fused scale-mask-softmax,
             # dropout, bmm with V, then the context is made contiguous again ([b, a, s, d] -> [s, b, h])
@@ -473,9 +523,10 @@ class Anatomy:
         mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
         return {
             **self._sp_norm("norm1"),
-            "qkv": Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv),
+            "qkv": self._with_fp8_casts(Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv), (T, h, qkv_rank / h, True)),
             "attn": attn,
-            "proj": Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
+            "proj": self._with_fp8_casts(Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
+                                         (T, m.heads * v / t, h)),
         }
 
     def _sp_norm(self, name: str) -> dict[str, Block]:
@@ -512,10 +563,12 @@ class Anatomy:
         norm_f, norm_b = self._opening_norm()
         return {
             **self._sp_norm("norm2"),
-            "fc1": Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self._opening_stats + T * width * dt / t,
-                         norm_b + a_b + self._wgrad(h * width / t), bwd_only=T * width * dt / t),
-            "fc2": Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
-                         self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t), bwd_only=self._mask),
+            "fc1": self._with_fp8_casts(
+                Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self._opening_stats + T * width * dt / t,
+                      norm_b + a_b + self._wgrad(h * width / t), bwd_only=T * width * dt / t), (T, h, width / t, True)),
+            "fc2": self._with_fp8_casts(
+                Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
+                      self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t), bwd_only=self._mask), (T, m.ffn / t, h)),
         }
 
     def _moe(self) -> dict[str, Block]:
@@ -551,14 +604,18 @@ class Anatomy:
             "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + self._opening_stats
                             + T * moe.experts * 4,
                             bb_router, bwd_only=T * moe.experts * 4),
-            "experts": Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
-                             ea_b + self._wgrad(expert_w)),
-            "moe_out": Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
+            "experts": self._with_fp8_casts(
+                Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
+                      ea_b + self._wgrad(expert_w)),
+                (slots, h, width / t, False, local_experts * h * width / t),
+                (slots, moe.expert_ffn / t, h, False, local_experts * moe.expert_ffn * h / t)),
+            "moe_out": self._with_fp8_casts(Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
                              (routed * h + T * moe.top_k + T * shared_ffn * (3 if m.gated else 2) / t) * dt
                              + self._mask,
                              sa_b + 2 * combine + self._residual_bwd(False)
                              + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t),
                              bwd_only=(routed * h + T * moe.top_k) * dt + self._mask),
+                *(((T, h, shared_ffn * (2 if m.gated else 1) / t, True), (T, shared_ffn / t, h)) if shared_ffn else ())),
         }
 
     # --- embedding and head --------------------------------------------------------------------------
@@ -594,14 +651,14 @@ class Anatomy:
             blocks = {
                 "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes + self.norm_stats, norm_b,
                               self.hidden_bytes + self._norm_bwd_temps(T * h / self.sp_div)),  # as norm1
-                "head": Block("gemm", f, b_head, self.hidden_bytes + logits, bb_head,
+                "head": Block(self.head_op, f, b_head, self.hidden_bytes + logits, bb_head,
                               self.full_hidden_bytes + wgrad_tmp + cast),
             }
         else:
             # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
             # and the norm's, plus autograd's weight-gradient temporary; then the norm's backward
             n = self.full_hidden_bytes
-            blocks = {"head": Block("gemm", f, b_head, 2 * T * h * dt + self.norm_stats + logits, bb_head,
+            blocks = {"head": Block(self.head_op, f, b_head, 2 * T * h * dt + self.norm_stats + logits, bb_head,
                                     max(2 * n + wgrad_tmp + cast, n + self._norm_bwd_temps(T * h)))}
         # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
         # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt

@@ -35,6 +35,7 @@ from typing import Any, Iterable, Optional
 from simexec.specs.cluster import ClusterSpec
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
+from simexec.specs.stack import StackSpec
 from simexec.search.comm_costs import CommCosts
 from simexec.search.pipeline import PipelineTimes, ReplayEnd
 from simexec.search.space import Structure
@@ -85,10 +86,10 @@ class Bounds:
         self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
         self.threads = cluster.costs.collective_threads
 
-    def cm(self, dtype: str):
-        cm = self._cm.get(dtype)
+    def cm(self, dtype: str, stack: StackSpec):
+        cm = self._cm.get((dtype, stack.name))
         if cm is None:
-            cm = self._cm[dtype] = self.ComputeModel(self.cluster, dtype)
+            cm = self._cm[(dtype, stack.name)] = self.ComputeModel(self.cluster, dtype, stack)
         return cm
 
     def comm(self, rp: ResolvedPlan) -> tuple[tuple, CommCosts]:

@@ -64,7 +64,7 @@ class StageCosts:
         self.b = b
         self.rp = rp = st.rp
         self.p = p = rp.plan
-        self.cm = b.cm(p.dtype)
+        self.cm = b.cm(p.dtype, rp.stack)
         self.comm_key, self.comm = b.comm(rp)
         self.an = an = Anatomy(rp)
         self.pp, self.vpp, self.m = p.pp, p.vpp, rp.micro_batches
@@ -118,7 +118,7 @@ class StageCosts:
                 ef, eb = self._tp("embed_out", 0, r), self._tp("embed_out", 1, r)
                 f += self._fwd(an.embed) + ef
                 if self.split:  # the embedding's backward is all weight gradient
-                    w += self.cm.time(an.embed.op, an.embed.bwd_flops, an.embed.bwd_bytes)
+                    w += self.cm.time(an.embed.op, an.embed.bwd_flops, an.embed.bwd_bytes, "bwd")
                     b_ += eb
                 else:
                     b_ += self._bwd(an.embed) + eb  # eb runs before the embedding's backward compute
@@ -167,15 +167,15 @@ class StageCosts:
     def _bwd(self, blk) -> float:
         if self.split:
             return self._input_pass(blk)
-        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes)
+        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes, "bwd")
 
     def _input_pass(self, blk) -> float:
         """A block's backward without its weight gradients (`bwd` of a split backward)."""
-        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes)
+        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes, "bwd")
 
     def _weight_pass(self, blk) -> float:
         """A block's weight gradients alone (`wgrad` of a split backward)."""
-        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes)
+        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes, "wgrad")
 
     def _wgrad(self, blk) -> float:
         """A block's weight-gradient pass (zero-bubble schedules only)."""
@@ -231,7 +231,7 @@ class StageCosts:
         p = self.p
         if p.cp > 1 and p.cp_impl == "ring":
             f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
-            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp)
+            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp, "bwd" if bwd else "fwd")
         if p.cp > 1 and p.cp_impl == "a2a":
             qkv, out = self.an.heads_exchange_bytes
             exchanges = self._coll("alltoall", rank, "cp", qkv) + self._coll("alltoall", rank, "cp", out)
@@ -246,7 +246,7 @@ class StageCosts:
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
-               moe, window, rank, self.split, p.tp_overlap)
+               moe, window, rank, self.split, p.tp_overlap, self.rp.stack.name)
         out = self.b.layers.get(key)
         if out is not None:
             return out

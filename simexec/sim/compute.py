@@ -1,9 +1,9 @@
 """Cost of one compute instruction.
 
 A compute instruction is a chain of kernels (simexec.program.blocks): tensor-core GEMMs doing `flops` and
-memory-bound kernels (norms, bias, activation, dropout, residual, softmax, copies) moving `bytes`.
-They run one after the other on the device, each bound by its own resource, so for the FLOP-bound
-op classes (gemm, attention)
+memory-bound kernels (norms, bias, activation, dropout, residual, softmax, copies, FP8 casts) moving
+`bytes`. They run one after the other on the device, each bound by its own resource, so for the
+FLOP-bound op classes (gemm, attention)
 
     time = flops / (peak[dtype] * eff(op, flops)) + bytes / (memory_bw * memory_eff) + launch overhead,
 
@@ -13,56 +13,78 @@ quantization" / "wave quantization"); a GEMM's own operand traffic is inside eff
 the two terms instead (one roofline over the whole chain) would hide the memory-bound kernels behind
 the GEMMs, which they never overlap (validation against Megatron-LM, docs/validation.md).
 Memory-bound classes (one streaming kernel) keep the roofline: max(flops / peak, bytes / bandwidth).
-The two parameters per op class are what calibration fits. Everything hardware-specific comes from
-`ClusterSpec` (Calculon's split: algorithms hold no constants).
+
+Which peak a class runs at follows the stacks' FP8 recipes (simexec.specs.stack): under `dtype=fp8`
+the linear layers' GEMMs (`gemm`) run at the FP8 peak with the FP8 efficiency, while the LM head
+(`gemm_bf16`) and fused attention stay at the bf16 peak. Fused attention has its own forward and
+backward efficiencies. Everything hardware-specific comes from `ClusterSpec` (Calculon's split:
+algorithms hold no constants).
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from simexec.specs.cluster import ClusterSpec
+from simexec.specs.stack import StackSpec
 
 # Op classes whose time is set by their FLOPs (tensor cores); the rest are memory-bound.
-FLOP_BOUND = ("gemm", "attention")
+FLOP_BOUND = ("gemm", "gemm_bf16", "attention")
 MEMORY_BOUND = ("elementwise", "embedding", "loss", "optimizer", "norm", "softmax")
+BACKWARD_PHASES = ("bwd", "wgrad")
 
 
 class ComputeModel:
-    """Seconds of one compute instruction on one device, cached by (op, flops, bytes)."""
+    """Seconds of one compute instruction on one device, cached by (op, flops, bytes, phase)."""
 
-    __slots__ = ("peak", "eff", "mem_bw", "launch", "contention", "cpu_rate", "_cache")
+    __slots__ = ("peak", "peaks", "eff", "mem_bw", "launch", "contention", "cpu_rate", "_cache")
 
-    def __init__(self, cluster: ClusterSpec, dtype: str):
+    def __init__(self, cluster: ClusterSpec, dtype: str, stack: Optional[StackSpec] = None):
         c, d = cluster.costs, cluster.device
-        # fp8 training keeps bf16 for everything but the GEMMs; a dtype the device lacks falls back to fp32.
-        self.peak = d.peak_flops.get(dtype) or d.peak_flops.get("fp32") or max(d.peak_flops.values())
+
+        def peak_of(dt: str) -> float:  # a dtype the device lacks falls back to fp32
+            return d.peak_flops.get(dt) or d.peak_flops.get("fp32") or max(d.peak_flops.values())
+
+        self.peak = peak_of(dtype)
+        high = "bf16" if dtype == "fp8" else dtype  # what an FP8 recipe leaves in higher precision
+        fp8_attention = dtype == "fp8" and stack is not None and stack.fp8_attention
+        self.peaks = {"gemm": self.peak, "gemm_bf16": peak_of(high),
+                      "attention": self.peak if fp8_attention else peak_of(high)}
+        gemm = (c.gemm_eff, c.gemm_half_flops)
+        if dtype == "fp8" and c.fp8_gemm_eff is not None:
+            gemm = (c.fp8_gemm_eff, c.gemm_half_flops if c.fp8_gemm_half_flops is None else c.fp8_gemm_half_flops)
         self.eff = {
-            "gemm": (c.gemm_eff, c.gemm_half_flops),
+            "gemm": gemm,
+            "gemm_bf16": (c.gemm_eff, c.gemm_half_flops),
             "attention": (c.attention_eff, c.attention_half_flops),
+            "attention.bwd": (c.attention_bwd_eff or c.attention_eff, c.attention_half_flops),
         }
         self.mem_bw = d.memory_bw * c.memory_eff
         self.launch = d.launch_overhead_s
         self.contention = c.compute_contention
         self.cpu_rate = cluster.node.cpu_optimizer_params_per_s
-        self._cache: dict[tuple[str, float, float], float] = {}
+        self._cache: dict[tuple[str, float, float, str], float] = {}
 
-    def efficiency(self, op: str, flops: float) -> float:
-        """Fraction of peak reached by a kernel of `flops` FLOPs of class `op`."""
-        max_eff, half = self.eff.get(op, self.eff["gemm"])
+    def efficiency(self, op: str, flops: float, phase: str = "") -> float:
+        """Fraction of peak reached by a kernel of `flops` FLOPs of class `op` in `phase`."""
+        key = op + ".bwd" if phase in BACKWARD_PHASES and op + ".bwd" in self.eff else op
+        max_eff, half = self.eff.get(key, self.eff["gemm"])
         return max_eff * flops / (flops + half)
 
-    def time(self, op: str, flops: float, nbytes: float) -> float:
+    def time(self, op: str, flops: float, nbytes: float, phase: str = "") -> float:
         """Seconds on an idle device (before overlap slowdown)."""
-        key = (op, flops, nbytes)
+        key = (op, flops, nbytes, phase)
         t = self._cache.get(key)
         if t is None:
-            t = self._cache[key] = self._time(op, flops, nbytes)
+            t = self._cache[key] = self._time(op, flops, nbytes, phase)
         return t
 
-    def _time(self, op: str, flops: float, nbytes: float) -> float:
+    def _time(self, op: str, flops: float, nbytes: float, phase: str) -> float:
         t_mem = nbytes / self.mem_bw
+        peak = self.peaks.get(op, self.peak)
         if op in MEMORY_BOUND or flops <= 0:
-            return (max(flops / self.peak, t_mem) + self.launch) * self.contention
+            return (max(flops / peak, t_mem) + self.launch) * self.contention
         # gemm, attention, and any unknown op that carries FLOPs: GEMMs, then the memory-bound kernels
-        t_flop = flops / (self.peak * self.efficiency(op, flops))
+        t_flop = flops / (peak * self.efficiency(op, flops, phase))
         return (t_flop + t_mem + self.launch) * self.contention
 
     def cpu_optimizer_params(self, flops: float, nbytes: float) -> float:

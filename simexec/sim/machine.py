@@ -49,7 +49,8 @@ class Machine:
     def __init__(self, cluster: ClusterSpec, program: Program, dtype: str = "bf16"):
         self.cluster = cluster
         self.program = program
-        self.compute = ComputeModel(cluster, dtype)
+        resolved = program.resolved
+        self.compute = ComputeModel(cluster, dtype, resolved.stack if resolved is not None else None)
         self.network = Network(cluster, program.ranks, program.represents or {})
         self.slow_rate = 1.0 / cluster.costs.overlap_slowdown
         self.fluid: Fluid | None = None
@@ -65,7 +66,7 @@ class Machine:
 
     def work(self, ins: Instr) -> float:
         """Seconds of a compute instruction on an idle device."""
-        return self.compute.time(ins.op, ins.flops, ins.bytes)
+        return self.compute.time(ins.op, ins.flops, ins.bytes, ins.phase)
 
     def compute_rate(self, transfers_in_flight: int) -> float:
         """Compute speed (1 = idle device) while `transfers_in_flight` transfers of the rank run:

@@ -14,6 +14,7 @@ from typing import Optional, Union
 from simexec.specs.cluster import ClusterSpec, GiB, get_cluster
 from simexec.specs.model import ModelSpec, get_model
 from simexec.specs.plan import Plan, ResolvedPlan, load_plan, resolve
+from simexec.specs.stack import StackSpec, get_stack
 from simexec.program.instructions import Program
 from simexec.trace.schema import Counter, Event, Trace
 
@@ -87,10 +88,11 @@ def _size(n: float) -> str:
 
 def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], plan: Union[str, Plan],
              seq_len: Optional[int] = None, *, symmetric: bool = True, profile: ProfileArg = None,
-             trace: bool = False) -> SimResult:
+             trace: bool = False, stack: Union[str, StackSpec, None] = None) -> SimResult:
     """Predict one training step.
 
     model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
+    stack: the framework that runs it (`megatron-core`, `torchtitan`, ... or a file; None: the default).
     symmetric: simulate one rank per pipeline stage (the others behave alike); False: every rank.
     profile: a calibrated profile (path or dict) whose costs replace the cluster's.
     trace: also return the predicted trace (`result.trace`).
@@ -105,7 +107,8 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
         from simexec.sim.profile import apply_profile
 
         cluster = apply_profile(cluster, profile)
-    rp = resolve(model, cluster, plan, seq_len)
+    stack = stack if isinstance(stack, StackSpec) else get_stack(stack)
+    rp = resolve(model, cluster, plan, seq_len, stack)
     program = lower(rp, symmetric=symmetric)
     return simulate_program(rp, program, trace=trace, t0=t0)
 

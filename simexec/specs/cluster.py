@@ -82,6 +82,13 @@ class CostParams(_Spec):
     gemm_half_flops: float = Field(ge=0, description="GEMM size (FLOPs) at which half of gemm_eff is reached")
     attention_eff: float = Field(gt=0, le=1, description="fused attention fraction of peak")
     attention_half_flops: float = Field(ge=0)
+    attention_bwd_eff: Optional[float] = Field(
+        None, gt=0, le=1, description="fused attention backward fraction of peak, its FLOPs counted as 2.5x the "
+        "forward's (FlashAttention's convention); None = attention_eff")
+    fp8_gemm_eff: Optional[float] = Field(
+        None, gt=0, le=1, description="large FP8 GEMM fraction of the FP8 peak; None = gemm_eff")
+    fp8_gemm_half_flops: Optional[float] = Field(
+        None, ge=0, description="FP8 GEMM size (FLOPs) at which half of fp8_gemm_eff is reached; None = gemm_half_flops")
     memory_eff: float = Field(gt=0, le=1, description="fraction of memory bandwidth for element-wise kernels")
     intra_bw_eff: float = Field(gt=0, le=1, description="intra-node bus-bandwidth efficiency (nccl-tests)")
     inter_bw_eff: float = Field(gt=0, le=1, description="inter-node bus-bandwidth efficiency (nccl-tests)")
@@ -374,10 +381,11 @@ def one_line(exc: ValidationError) -> str:
     return (f"{loc}: {msg}" if loc else msg) + (f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else "")
 
 
-def _merge(base: dict, over: dict) -> dict:
+def deep_merge(base: dict, over: dict) -> dict:
+    """`over` laid onto `base`, mappings merged key by key."""
     out = dict(base)
     for key, val in over.items():
-        out[key] = _merge(out[key], val) if isinstance(val, dict) and isinstance(out.get(key), dict) else val
+        out[key] = deep_merge(out[key], val) if isinstance(val, dict) and isinstance(out.get(key), dict) else val
     return out
 
 
@@ -392,7 +400,7 @@ def load_cluster_file(path: Path) -> ClusterSpec:
             raise SpecError(
                 f"cluster file {path}: base: unknown preset {base_name!r}; presets: {', '.join(PRESETS)} (or NxPRESET)"
             )
-        data = _merge(base.model_dump(), data)
+        data = deep_merge(base.model_dump(), data)
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as exc:

@@ -6,7 +6,7 @@ rule a plan can break has its own message naming the rule and the values.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Optional
 
@@ -16,11 +16,14 @@ from simexec.specs.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
 from simexec.specs.mesh import Mesh
 from simexec.specs.model import ModelSpec
+from simexec.specs.stack import StackSpec, get_stack
 from simexec.program.schedules import SCHEDULES, Schedule, default_schedule, schedule
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS, Zero3Flavour, zero3_flavour
 
 AXES = ("tp", "cp", "dp", "pp")
-DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 1}
+# bytes of the activations, weights and gradients a plan keeps: FP8 recipes keep them in bf16 and cast
+# only the linear GEMMs' operands (simexec.specs.stack.Fp8Recipe)
+DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
 
 
 class Plan(BaseModel):
@@ -246,6 +249,7 @@ class ResolvedPlan:
     micro_batches: int
     stage_layers: tuple[tuple[int, ...], ...]  # layer indices of each virtual stage
     mesh: Mesh
+    stack: StackSpec = field(default_factory=lambda: get_stack(None))  # the framework that runs it
 
     @property
     def world(self) -> int:
@@ -392,8 +396,10 @@ class ResolvedPlan:
         return out
 
 
-def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optional[int] = None) -> ResolvedPlan:
-    """Check every rule; return the plan with derived numbers, or raise PlanError naming the rule."""
+def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optional[int] = None,
+            stack: Optional[StackSpec] = None) -> ResolvedPlan:
+    """Check every rule; return the plan with derived numbers, or raise PlanError naming the rule.
+    `stack`: the framework that runs it (None: the default stack)."""
     p = plan
     seq = model.seq_len if seq_len is None else seq_len
     if seq <= 0:
@@ -431,7 +437,7 @@ def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optiona
         )
     plan = p.model_copy(update={"dp": dp, "gbs": gbs})
     mesh = Mesh(sizes={"tp": p.tp, "cp": p.cp, "dp": dp, "pp": p.pp}, order=tuple(p.rank_order.split("-")))
-    return ResolvedPlan(model, cluster, plan, seq, dp, micro, stage_layers, mesh)
+    return ResolvedPlan(model, cluster, plan, seq, dp, micro, stage_layers, mesh, stack or get_stack(None))
 
 
 def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:

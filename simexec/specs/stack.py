@@ -1,0 +1,130 @@
+"""Software stacks: what a training framework does that changes step time, apart from the hardware and the plan.
+
+A stack is data, like a cluster. The hardware (a `ClusterSpec`) says how fast kernels can run; the
+plan says how the work is split; the stack says which kernels the framework launches for that work:
+which GEMMs run in FP8 and what casting them costs, which element-wise kernels it fuses, whether
+its host keeps ahead of the GPU. Every value cites the framework code it comes from
+(docs/stacks.md). The default stack is `megatron-core`, the kernels simexec's blocks have always
+described (Megatron-LM's fused kernels).
+"""
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from simexec.errors import SpecError
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+
+class Fp8Recipe(_Spec):
+    """How a stack runs a linear layer's three GEMMs in FP8 (forward, input gradient, weight gradient).
+
+    Each GEMM operand is cast from bf16 to FP8 by a memory-bound kernel before the GEMM, which reads
+    the FP8 copies; Hopper's FP8 tensor cores take only the `TN` layout, so the weight gradient
+    (X^T dY) and the input gradient (dY W) need transposed FP8 copies as well. What this costs
+    depends on where the stack casts (see the fields); the GEMM outputs, attention, norms, softmax
+    and the loss stay in bf16.
+    """
+
+    scaling: Literal["delayed", "current", "rowwise", "blockwise", "mxfp8"] = Field(
+        description="delayed: per-tensor scale from an amax history, amax taken inside the cast kernel (TE's "
+        "DelayedScaling); current: per-tensor scale from the tensor's own amax, one more read of the bf16 "
+        "tensor before the cast (TE's Float8CurrentScaling, torchao's tensorwise); rowwise / blockwise / "
+        "mxfp8: a scale per row, per 128-element block or per 32 elements, found inside the cast kernel")
+    norm_cast_fused: bool = Field(
+        description="the norm ahead of the QKV and FC1 GEMMs writes their FP8 input itself (TE's "
+        "LayerNormLinear / LayerNormMLP): no separate cast of those inputs")
+    cast_writes_transpose: bool = Field(
+        description="a cast writes the transposed FP8 copy in the same kernel (TE's cast_transpose); False: "
+        "the backward casts the saved bf16 tensor again along the other axis (torchao)")
+    weights_cast_once_per_step: bool = Field(
+        description="a weight's FP8 copy is made on the first micro-batch and reused by the rest (TE's "
+        "is_first_microbatch, which Megatron-Core passes); False: cast on every micro-batch")
+
+
+class StackSpec(_Spec):
+    """One training framework as it runs a transformer on GPUs."""
+
+    name: str
+    fp8: Fp8Recipe
+    fp8_attention: bool = Field(
+        False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
+        "keep it in bf16")
+    source: str = ""
+
+
+# --- presets ------------------------------------------------------------------------------------
+STACKS: dict[str, StackSpec] = {
+    "megatron-core": StackSpec(
+        name="megatron-core",
+        # Transformer Engine as Megatron-Core builds its layers (megatron/core/extensions/transformer_engine.py:
+        # TELayerNormColumnParallelLinear for QKV and FC1, TERowParallelLinear for the projection and FC2);
+        # TE's default recipe is DelayedScaling (transformer_engine/common/recipe/__init__.py); its
+        # cast_transpose kernels write both layouts (transformer_engine/pytorch/module/base.py); Megatron-Core
+        # passes is_first_microbatch so weight casts are cached (megatron/core/transformer/transformer_block.py).
+        fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
+                      weights_cast_once_per_step=True),
+        source="Megatron-Core with Transformer Engine (NeMo, Megatron-Bridge)",
+    ),
+    "torchtitan": StackSpec(
+        name="torchtitan",
+        # torchao Float8Linear, tensorwise dynamic scaling (torchao/float8/config.py: recipe "tensorwise"),
+        # casts inside each linear's forward and backward (torchao/float8/float8_linear.py); every micro-batch
+        # casts its weights again.
+        fp8=Fp8Recipe(scaling="current", norm_cast_fused=False, cast_writes_transpose=False,
+                      weights_cast_once_per_step=False),
+        source="torchtitan, eager (torchao float8)",
+    ),
+    "torchtitan-compile": StackSpec(
+        name="torchtitan-compile",
+        # torch.compile fuses the amax reduction and the casts into the kernels around them
+        # (torchao/float8/README.md: "torch.compile is required for good performance").
+        fp8=Fp8Recipe(scaling="current", norm_cast_fused=True, cast_writes_transpose=True,
+                      weights_cast_once_per_step=False),
+        source="torchtitan with torch.compile per block (torchao float8)",
+    ),
+    "deepspeed": StackSpec(
+        name="deepspeed",
+        # Megatron-DeepSpeed runs Transformer Engine's layers for FP8 the way Megatron-LM does.
+        fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
+                      weights_cast_once_per_step=True),
+        source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
+    ),
+}
+DEFAULT_STACK = "megatron-core"
+
+
+def get_stack(name_or_path: str | None) -> StackSpec:
+    """A preset by name (None: the default), or a YAML/JSON file (`base: <preset>` plus fields to change)."""
+    if name_or_path is None:
+        return STACKS[DEFAULT_STACK]
+    if name_or_path in STACKS:
+        return STACKS[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
+        return load_stack_file(path)
+    close = difflib.get_close_matches(name_or_path, list(STACKS), n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; stacks: {', '.join(STACKS)}"
+    raise SpecError(f"unknown stack {name_or_path!r}{hint}")
+
+
+def load_stack_file(path: Path) -> StackSpec:
+    from simexec.specs.cluster import deep_merge, one_line, read_mapping
+
+    data = read_mapping(Path(path), "stack")
+    data.setdefault("name", Path(path).stem)
+    base_name = data.pop("base", None)
+    if base_name is not None:
+        if base_name not in STACKS:
+            raise SpecError(f"stack file {path}: base: unknown stack {base_name!r}; stacks: {', '.join(STACKS)}")
+        data = deep_merge(STACKS[base_name].model_dump(), data)
+    try:
+        return StackSpec.model_validate(data)
+    except ValidationError as exc:
+        raise SpecError(f"stack file {path}: {one_line(exc)}") from None

@@ -28,7 +28,7 @@ class DeviceSpec(_Spec):
     """One accelerator (or one CPU rank of the `local` cluster)."""
 
     name: str
-    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, fp8")
+    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, tf32, fp8, fp4")
     memory_bytes: float = Field(gt=0, description="device memory a process can allocate: the capacity CUDA reports"
                                 " (torch.cuda.get_device_properties().total_memory), under the HBM's nominal size")
     memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
@@ -351,6 +351,8 @@ _GB200_TRAY = dict(
 # it stands. Not sourced for this platform, borrowed from the H100 generation and said so: launch
 # overhead, attention, memory-bound and PCIe efficiencies, InfiniBand efficiency, and the host (AMD
 # publishes no reference host: an HGX-class 2-socket, 112-core, 2 TB host as the DGX H100's).
+# Network: 8x 400 Gb/s NICs, one per GPU on its own rail (TensorWave's MI300X clusters,
+# docs.tensorwave.com/slurm/performance).
 _MI300X = dict(
     peak_flops={"bf16": 1307.4e12, "fp16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
     launch_overhead_s=4e-6,

@@ -171,7 +171,8 @@ def cmd_clusters(args) -> int:
         print(f"{c.name:<14}{c.device.name:<18}{c.device.peak_flops.get('bf16', 0) / 1e12:>13.0f}"
               f"{c.device.memory_bytes / 2**30:>8.0f}Gi{gpn:>10}{c.node.intra_bw / 1e9:>12.0f}"
               f"{c.network.nics_per_node:>3}x{c.network.nic_bw * 8 / 1e9:.0f}G")
-    print("NxNAME means N nodes, e.g. 4xdgx-h100; --cluster also takes a YAML/JSON file (docs/cluster.md).")
+    print("NxNAME means N copies, e.g. 4xdgx-h100 (4 nodes), 2xgb200-nvl72 (2 racks);"
+          " --cluster also takes a YAML/JSON file (docs/cluster.md).")
     return 0
 
 

@@ -194,7 +194,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
     fix = dict(fix or {})
     stats = stats if stats is not None else SpaceStats()
     world = search_world(cluster, fix)
-    gpn = cluster.node.gpus_per_node or world
+    gpn = cluster.nvlink_domain or world  # tp and HSDP shards stay inside one NVLink domain
     extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
     state_ok: dict[tuple, str] = {}  # (dp, ep, split, *state) -> the rule it breaks, "" if none
     pair = -1

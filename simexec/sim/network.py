@@ -3,7 +3,9 @@
 Links (each one direction, capacities after the cluster's efficiency factors):
 
 - per device: NVLink port out / in (`node.intra_bw * intra_bw_eff`); PCIe device-to-host and
-  host-to-device (`node.host_link_bw * host_link_eff`);
+  host-to-device (`node.host_link_bw * host_link_eff`). Ranks of one NVLink domain
+  (`ClusterSpec.nvlink_domain`: the node, or a whole GB200 NVL72 rack of 18 nodes) talk over these
+  ports; on a switchless mesh (`node.intra_peer_bw`) a group of k devices reaches only its k-1 links;
 - per node: the NICs together (`nics_per_node * nic_bw * inter_bw_eff`), out / in; one device can
   drive only its own share of them (its rail: NICs / GPUs per node), a cap on each of its flows;
 - per pod (when `network.pod_nodes` splits the cluster): the uplinks, the pod's NIC total divided by
@@ -13,6 +15,9 @@ Links (each one direction, capacities after the cluster's efficiency factors):
 Sharing is a fluid model: a transfer advances at the rate of its most loaded link, where a link's
 capacity is split in proportion to the bytes each transfer puts on it per unit of progress ("each of
 n equal flows gets bw/n"); rates are recomputed whenever a transfer starts or ends.
+
+A group spanning several NVLink domains crosses between them over the NICs of the nodes its members
+sit on, each node carrying its members' share of their domain's traffic.
 
 Symmetric programs simulate one rank per pipeline rank. A collective's group keeps all its ranks,
 and the ranks a present rank stands for run the same collective over their own groups at the same
@@ -192,9 +197,15 @@ class Fluid:
 
 
 class _Geometry:
-    """Where a group's members sit, and how many concurrent copies of it share each node and pod."""
+    """Where a group's members sit (NVLink domains, nodes, pods), and how many concurrent copies of it
+    share each node and pod.
 
-    __slots__ = ("n", "nodes", "k", "present", "node_mult", "pods", "pod_mult", "pod_k")
+    `domains` and `k` (the most members in one domain) decide NVLink against network; `node_share` is
+    the fraction of its domain's members a node holds (1 where the domain is the node), the share of
+    the domain's network traffic that node's NICs carry.
+    """
+
+    __slots__ = ("n", "domains", "k", "present", "node_mult", "node_share", "pods", "pod_mult", "pod_k")
 
 
 class Network:
@@ -203,10 +214,12 @@ class Network:
     def __init__(self, cluster: ClusterSpec, present: Iterable[int], represents: dict[int, tuple[int, ...]]):
         c, node, net = cluster.costs, cluster.node, cluster.network
         self.gpn = max(1, node.gpus_per_node)
+        self.domain = max(self.gpn, cluster.nvlink_domain)
         self.nodes = cluster.nodes
         self.pod_nodes = net.pod_nodes if 0 < net.pod_nodes < cluster.nodes else 0
         self.nvl_bw = node.intra_bw * c.intra_bw_eff
         self.pcie_bw = node.host_link_bw * c.host_link_eff
+        self.peer_bw = node.intra_peer_bw * c.intra_bw_eff  # 0: switched fabric
         self.node_nic_bw = net.nics_per_node * net.nic_bw * c.inter_bw_eff
         self.rail_bw = self.node_nic_bw / self.gpn if self.node_nic_bw > 0 else self.nvl_bw
         if self.node_nic_bw <= 0:
@@ -227,6 +240,10 @@ class Network:
 
     def node_of(self, rank: int) -> int:
         return rank // self.gpn
+
+    def domain_of(self, rank: int) -> int:
+        """The NVLink domain of a rank: ranks of one domain talk over NVLink, others over the NICs."""
+        return rank // self.domain
 
     def pod_of(self, node: int) -> int:
         return node // self.pod_nodes if self.pod_nodes else 0
@@ -252,17 +269,20 @@ class Network:
             return g
         g = _Geometry()
         g.n = len(group)
+        per_dom = Counter(self.domain_of(r) for r in group)
+        g.domains = len(per_dom)
+        g.k = max(per_dom.values())
         per_node = Counter(self.node_of(r) for r in group)
-        g.nodes = len(per_node)
-        g.k = max(per_node.values())
         g.present = tuple(r for r in group if r in self.present) or (group[0],)
         stood = Counter()
         for r in g.present:
             stood.update(self.node_of(x) for x in self._stands_for(r))
         g.node_mult = {}
+        g.node_share = {}
         for r in g.present:
             nd = self.node_of(r)
             g.node_mult[nd] = max(1.0, stood[nd] / per_node[nd])
+            g.node_share[nd] = per_node[nd] / per_dom[self.domain_of(r)]
         per_pod = Counter(self.pod_of(nd) for nd in per_node.elements())
         g.pods = len(per_pod) if self.pod_nodes else 1
         g.pod_k = dict(per_pod)
@@ -284,8 +304,9 @@ class Network:
     def _nic(self, g: _Geometry, demand: float) -> list[tuple[int, float]]:
         out = []
         for nd, mult in g.node_mult.items():
-            out.append((self.link("nic_tx", nd), demand * mult))
-            out.append((self.link("nic_rx", nd), demand * mult))
+            d = demand * mult * g.node_share[nd]
+            out.append((self.link("nic_tx", nd), d))
+            out.append((self.link("nic_rx", nd), d))
         if g.pods > 1:
             for pod, mult in g.pod_mult.items():
                 out.append((self.link("pod_tx", pod), demand * mult))
@@ -297,21 +318,27 @@ class Network:
     def _ring(self, g: _Geometry, amount: float, steps: int) -> Phase:
         """A ring step pattern over the whole group: every rank sends `amount` to its successor.
 
-        Rings are laid out node by node (as NCCL builds them), so a ring enters and leaves each node
-        once; inside a node a device forwards (k-1)/k of the data over NVLink, the rest crosses the NICs.
+        Rings are laid out domain by domain (as NCCL builds them node by node), so a ring enters and
+        leaves each NVLink domain once; inside a domain a device forwards (k-1)/k of the data over
+        NVLink, the rest crosses the NICs.
         """
-        if g.nodes == 1:
-            return (amount, tuple(self._nvl(g.present, 1.0)), INF, steps * self.a_intra)
+        if g.domains == 1:
+            return (amount, tuple(self._nvl(g.present, 1.0)), self._mesh_cap(g), steps * self.a_intra)
         links = self._nvl(g.present, (g.k - 1) / g.k) if g.k > 1 else []
         links += self._nic(g, 1.0)
         return (amount, tuple(links), g.k * self.rail_bw, steps * self.a_inter)
 
     def _intra(self, g: _Geometry, amount: float, steps: int) -> Phase:
-        """A ring inside each node (the k members of one node), all nodes at once."""
-        return (amount, tuple(self._nvl(g.present, 1.0)), INF, steps * self.a_intra)
+        """A ring inside each NVLink domain (its k members), all domains at once."""
+        return (amount, tuple(self._nvl(g.present, 1.0)), self._mesh_cap(g), steps * self.a_intra)
+
+    def _mesh_cap(self, g: _Geometry) -> float:
+        """A device's rate inside a switchless mesh: its k-1 links to the group's other members
+        (RCCL lays rings over all of them); unbounded (the port decides) on a switched fabric."""
+        return (g.k - 1) * self.peer_bw if self.peer_bw > 0 and g.k > 1 else INF
 
     def _inter(self, g: _Geometry, amount: float, steps: int) -> Phase:
-        """k parallel rings across nodes, one per local rank; `amount` is what each node sends."""
+        """k parallel rings across domains, one per local rank; `amount` is what each domain sends."""
         return (amount, tuple(self._nic(g, 1.0)), g.k * self.rail_bw, steps * self.a_inter)
 
     def collective(self, verb: str, group: tuple[int, ...], nbytes: float) -> tuple[Phase, ...]:
@@ -328,7 +355,7 @@ class Network:
         return out
 
     def _candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[Phase, ...]]:
-        n, N, k = g.n, g.nodes, g.k
+        n, N, k = g.n, g.domains, g.k
         if n == 1:
             return [((0.0, (), INF, 0.0),)]
         if verb == "allreduce":
@@ -367,12 +394,13 @@ class Network:
         """Pairwise exchange: each rank sends S/n to every other rank in n-1 steps."""
         n, k = g.n, g.k
         links = self._nvl(g.present, (k - 1) / n) if k > 1 else []
-        if g.nodes == 1:
-            return (S, tuple(links), INF, (n - 1) * self.a_intra)
-        out_frac = (n - k) / n  # of each rank's data, what leaves its node
+        if g.domains == 1:
+            return (S, tuple(links), self._mesh_cap(g) * n / max(1, k - 1), (n - 1) * self.a_intra)
+        out_frac = (n - k) / n  # of each rank's data, what leaves its NVLink domain
         for nd, mult in g.node_mult.items():
-            links.append((self.link("nic_tx", nd), k * out_frac * mult))
-            links.append((self.link("nic_rx", nd), k * out_frac * mult))
+            d = k * out_frac * mult * g.node_share[nd]
+            links.append((self.link("nic_tx", nd), d))
+            links.append((self.link("nic_rx", nd), d))
         if g.pods > 1:
             for pod, mult in g.pod_mult.items():
                 kp = g.pod_k[pod]
@@ -386,9 +414,9 @@ class Network:
         out = self._cache.get(key)
         if out is None:
             a, b = self.node_of(src), self.node_of(dst)
-            if a == b:
+            if self.domain_of(src) == self.domain_of(dst):
                 links = ((self.link("nvl_tx", src), 1.0), (self.link("nvl_rx", dst), 1.0))
-                out = ((float(nbytes), links, INF, self.a_intra),)
+                out = ((float(nbytes), links, self.peer_bw or INF, self.a_intra),)
             else:
                 ma, mb = self._node_share(src), self._node_share(dst)
                 links = [(self.link("nic_tx", a), ma), (self.link("nic_rx", b), mb)]

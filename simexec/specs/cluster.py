@@ -28,7 +28,7 @@ class DeviceSpec(_Spec):
     """One accelerator (or one CPU rank of the `local` cluster)."""
 
     name: str
-    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, fp8")
+    peak_flops: dict[str, float] = Field(description="dense peak FLOP/s per dtype: bf16, fp16, fp32, tf32, fp8, fp4")
     memory_bytes: float = Field(gt=0, description="device memory a process can allocate: the capacity CUDA reports"
                                 " (torch.cuda.get_device_properties().total_memory), under the HBM's nominal size")
     memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
@@ -58,6 +58,21 @@ class NodeSpec(_Spec):
     host_memory_bytes: float = Field(gt=0)
     cpu_cores: int = Field(gt=0, description="host cores (ranks of `local` share them)")
     cpu_optimizer_params_per_s: float = Field(gt=0, description="Adam steps per second on the host, whole node")
+    nvlink_domain_gpus: int = Field(
+        0, ge=0, description="consecutive ranks that share one NVLink fabric, a multiple of gpus_per_node (a GB200 "
+        "NVL72 rack: 72 GPUs over 18 trays of 4); 0 = the node's GPUs. Ranks of one domain talk at `intra_bw`; "
+        "host memory, CPU and NICs stay per node")
+    intra_peer_bw: float = Field(
+        0.0, ge=0, description="a fabric without a switch (a full mesh, e.g. MI300X Infinity Fabric): the one "
+        "link between two devices, bytes/s per direction, so a group of k devices of a node reaches at most "
+        "(k-1) of them; 0 = switched (NVSwitch): any group gets `intra_bw`")
+
+    @model_validator(mode="after")
+    def _domain(self) -> "NodeSpec":
+        d, g = self.nvlink_domain_gpus, self.gpus_per_node
+        if d and (g == 0 or d % g):
+            raise ValueError(f"nvlink_domain_gpus {d} must be a multiple of gpus_per_node {g}")
+        return self
 
 
 class NetworkSpec(_Spec):
@@ -185,6 +200,14 @@ class ClusterSpec(_Spec):
     def node_of(self, rank: int) -> int:
         return rank // self.node.gpus_per_node
 
+    @property
+    def nvlink_domain(self) -> int:
+        """Consecutive ranks on one NVLink fabric: the node's GPUs unless `node.nvlink_domain_gpus` says more."""
+        return self.node.nvlink_domain_gpus or self.node.gpus_per_node
+
+    def domain_of(self, rank: int) -> int:
+        return rank // self.nvlink_domain
+
 
 # --- presets ------------------------------------------------------------------------------------
 # Efficiency defaults, shared by every GPU preset of a generation:
@@ -258,6 +281,99 @@ _HOPPER_NODE = dict(
     host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
 )
 
+# --- Blackwell: HGX B200 and the GB200 NVL72 rack ---
+# Peaks are the dense (no 2:4 sparsity) halves of NVIDIA's tensor-core figures, which NVIDIA prints with
+# sparsity: NVIDIA Blackwell datasheet / HGX B200 page (https://www.nvidia.com/en-us/data-center/hgx/),
+# per B200 of HGX B200 at 1000 W: 4.5 PFLOP/s bf16/fp16, 9 fp8, 18 fp4, 2.2 tf32 (sparse); 75 TFLOP/s fp32.
+# GB200 NVL72 datasheet (https://www.nvidia.com/en-us/data-center/gb200-nvl72/), rack totals / 72 at
+# 1200 W: 360 PFLOP/s bf16 -> 5 per GPU, 720 fp8 -> 10, 1440 fp4 -> 20, 180 tf32 -> 2.5 (sparse);
+# 5760 TFLOP/s fp32 -> 80. The same dense figures per GPU: S. Bekman, ml-engineering
+# compute/accelerator/README.md "TFLOPS comparison table" (B200 2250 bf16, GB200 2500).
+_B200 = dict(
+    peak_flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "tf32": 1100e12, "fp32": 75e12},
+    launch_overhead_s=4e-6,  # not measured on Blackwell: the Hopper presets' value
+)
+_GB200 = dict(
+    peak_flops={"bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "tf32": 1250e12, "fp32": 80e12},
+    launch_overhead_s=4e-6,  # as _B200
+)
+# Device memory as CUDA reports it: B200 178.35 GiB (cudaDeviceProp.totalGlobalMem in pytorch/ao PR #4002,
+# and "GPU 0 has a total capacity of 178.35 GiB" in public out-of-memory reports; nvidia-smi shows
+# 183359 MiB); GB200 184.31 GiB ("total capacity of 184.31 GiB" in public out-of-memory reports on GB200;
+# nvidia-smi 189471 MiB). Both under the datasheets' 180 GB (HGX B200) and 186 GB (GB200) of HBM3e.
+_B200_CUDA_BYTES = 178.35 * GiB
+_GB200_CUDA_BYTES = 184.31 * GiB
+# HBM bandwidth: HGX B200 7.7 TB/s per GPU (Blackwell datasheet; 62 TB/s per board; pytorch/ao PR #4002
+# derives 7.67 TB/s from the 7680-bit bus at 3996 MHz, where early material said 8 TB/s);
+# GB200 8 TB/s (576 TB/s per rack / 72).
+# Efficiencies, per field (the Hopper figures where Blackwell has no published one, said so):
+# - GEMM: the best bf16 matmul shape reaches 1745 of 2250 TFLOP/s on B200 (0.776) and 1822 of 2500 on
+#   GB200 (0.729): S. Bekman, ml-engineering "Maximum Achievable Matmul FLOPS comparison table"
+#   (mamf-finder). The table figure as it stands: the A100's derating for the clock under a training
+#   load and for non-ideal shapes has no published counterpart on Blackwell, so these are best-shape
+#   figures, likely above what a training step's GEMMs reach. Half efficiency at 2 GFLOP: the H100's.
+# - Attention: the H100 generation's field values; attention on Blackwell is modelled separately by a
+#   sibling change, not by this scalar.
+# - NVLink 5 all-reduce bus bandwidth 835-847 GB/s of 900 across a full GB200 NVL72 rack (nccl-tests
+#   all_reduce_perf, 72 GPUs, 4-8 GiB; coreweave/nccl-tests PR #43) -> 0.93; the HGX B200 board has
+#   the same per-GPU NVLink 5 port and NVSwitch generation, so the same figure.
+# - InfiniBand: both use ConnectX-7 NDR 400 Gb/s, as DGX H100 does: its 0.90.
+# - Memory-bound kernels, PCIe, latencies, workspace: the H100 generation's.
+_BLACKWELL_COSTS = dict(
+    gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    memory_eff=0.85, intra_bw_eff=0.93, inter_bw_eff=0.90, host_link_eff=0.80,
+    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+)
+_B200_COSTS = CostParams(gemm_eff=0.776, **_BLACKWELL_COSTS)
+_GB200_COSTS = CostParams(gemm_eff=0.729, **_BLACKWELL_COSTS)
+_HGX_B200_NODE = dict(
+    # DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 B200,
+    # NVLink 5 1.8 TB/s bidirectional per GPU (900 GB/s each way) over NVSwitch, 2x Xeon 8570 (56 cores
+    # each), 2 TB host memory, 8x ConnectX-7 400 Gb/s; PCIe Gen5 x16 to the host (128 GB/s bidirectional,
+    # Blackwell datasheet). Host Adam rate: the DGX H100's, a host of the same 112 cores.
+    gpus_per_node=8, intra_bw=900 * GB, intra_latency_s=3e-6, host_link_bw=64 * GB,
+    host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
+)
+_GB200_TRAY = dict(
+    # DGX GB200 user guide (docs.nvidia.com/dgx/dgxgb200-user-guide/hardware.html): a rack is 18 compute
+    # trays of 2 Grace CPUs + 4 Blackwell GPUs, all 72 GPUs on one NVLink 5 fabric through 9 NVLink switch
+    # trays (900 GB/s each way per GPU); each tray has 4x ConnectX-7 single-port 400G NICs. A Grace has 72
+    # Neoverse V2 cores and 480 GB LPDDR5X (GB200 NVL72 datasheet: 2592 cores, 17 TB per rack), so a tray
+    # holds 144 cores and 960 GB. The host link is NVLink-C2C, 900 GB/s bidirectional between a Grace and
+    # its two GPUs (NVIDIA technical blog "GB200 NVL72 delivers trillion-parameter LLM training"):
+    # 225 GB/s each way per GPU. Host Adam rate: the Hopper host's (no published Grace figure).
+    gpus_per_node=4, nvlink_domain_gpus=72, intra_bw=900 * GB, intra_latency_s=3e-6, host_link_bw=225 * GB,
+    host_memory_bytes=960e9, cpu_cores=144, cpu_optimizer_params_per_s=5e9,
+)
+
+# --- AMD MI300X platform (8 OAM GPUs on one baseboard) ---
+# AMD Instinct MI300X datasheet: 1307.4 TFLOP/s bf16/fp16 dense, 2614.9 fp8, 653.7 tf32, 163.4 fp32;
+# 192 GB HBM3 at 5.3 TB/s (the same dense figures: ml-engineering "TFLOPS comparison table").
+# ROCm reports 191.98 GiB to a process ("GPU 0 has a total capacity of 191.98 GiB", AMD ROCm blog
+# "GPTQModel ... on AMD GPUs", rocm.blogs.amd.com; virtualised instances report 191.69 GiB).
+# Fabric: each GPU has 7 Infinity Fabric (xGMI) links, one to each peer, 64 GB/s each way per link, no
+# switch; RCCL reaches ~48 GB/s of a link (CRC and protocol overhead: AMD ROCm blog "Understanding RCCL
+# Bandwidth and xGMI Performance on AMD Instinct MI300X", 2025) -> 0.75. GEMM: best bf16 shape 668.4 of
+# 1300 TFLOP/s (0.514, PYTORCH_TUNABLEOP_ENABLED=1; ml-engineering MAMF table), the table figure as
+# it stands. Not sourced for this platform, borrowed from the H100 generation and said so: launch
+# overhead, attention, memory-bound and PCIe efficiencies, InfiniBand efficiency, and the host (AMD
+# publishes no reference host: an HGX-class 2-socket, 112-core, 2 TB host as the DGX H100's).
+# Network: 8x 400 Gb/s NICs, one per GPU on its own rail (TensorWave's MI300X clusters,
+# docs.tensorwave.com/slurm/performance).
+_MI300X = dict(
+    peak_flops={"bf16": 1307.4e12, "fp16": 1307.4e12, "fp8": 2614.9e12, "tf32": 653.7e12, "fp32": 163.4e12},
+    launch_overhead_s=4e-6,
+)
+_MI300X_NODE = dict(
+    gpus_per_node=8, intra_bw=7 * 64 * GB, intra_peer_bw=64 * GB, intra_latency_s=3e-6, host_link_bw=64 * GB,
+    host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
+)
+_MI300X_COSTS = CostParams(
+    gemm_eff=0.514, gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    memory_eff=0.85, intra_bw_eff=0.75, inter_bw_eff=0.90, host_link_eff=0.80,
+    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+)
+
 # The `local` cluster: CPU ranks on this host. Its numbers are placeholders of the right order
 # (one AVX2 core: ~50 GFLOP/s fp32; DDR4 ~20 GB/s; loopback gloo ~2 GB/s) until
 # `simexec calibrate` measures the machine and writes a profile. Its ranks talk gloo, whose process
@@ -299,6 +415,30 @@ PRESETS: dict[str, ClusterSpec] = {
         costs=_H100_COSTS,
         source="NVIDIA H200 datasheet; HGX H200 reference (8x NDR 400 Gb/s)",
     ),
+    "hgx-b200": ClusterSpec(
+        name="hgx-b200", nodes=1,
+        device=DeviceSpec(name="B200-SXM-180GB", memory_bytes=_B200_CUDA_BYTES, memory_bw=7700 * GB, **_B200),
+        node=NodeSpec(**_HGX_B200_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
+        costs=_B200_COSTS,
+        source="NVIDIA Blackwell datasheet (HGX B200); DGX B200 user guide (8x ConnectX-7 400 Gb/s)",
+    ),
+    "gb200-nvl72": ClusterSpec(
+        name="gb200-nvl72", nodes=18,
+        device=DeviceSpec(name="GB200-186GB", memory_bytes=_GB200_CUDA_BYTES, memory_bw=8000 * GB, **_GB200),
+        node=NodeSpec(**_GB200_TRAY),
+        network=NetworkSpec(topology="rail-optimized", nics_per_node=4, nic_bw=50 * GB, latency_s=5e-6),
+        costs=_GB200_COSTS,
+        source="NVIDIA GB200 NVL72 datasheet; DGX GB200 user guide (18 trays of 4 GPUs, 4x ConnectX-7 400 Gb/s"
+               " per tray, one 72-GPU NVLink domain)",
+    ),
+    "mi300x-8": ClusterSpec(
+        name="mi300x-8", nodes=1,
+        device=DeviceSpec(name="MI300X-192GB", memory_bytes=191.98 * GiB, memory_bw=5300 * GB, **_MI300X),
+        node=NodeSpec(**_MI300X_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
+        costs=_MI300X_COSTS,
+        source="AMD Instinct MI300X datasheet; AMD ROCm blogs (xGMI/RCCL bandwidth, reported capacity);"
+               " host and several efficiencies borrowed from the H100 generation",
+    ),
     "local": ClusterSpec(
         name="local", nodes=1,
         device=DeviceSpec(
@@ -334,7 +474,8 @@ def _preset(name: str) -> Optional[ClusterSpec]:
     base = PRESETS[m.group(2)]
     if base.sized_to_plan and nodes > 1:
         raise SpecError(f"cluster {name!r}: {m.group(2)} is one host sized to the plan; it takes no node count")
-    return base.model_copy(update={"nodes": nodes, "name": name})
+    # N copies of the preset: N nodes of a one-node preset, N racks of a rack preset (gb200-nvl72: 18 trays)
+    return base.model_copy(update={"nodes": nodes * base.nodes, "name": name})
 
 
 def get_cluster(name_or_path: str) -> ClusterSpec:

@@ -61,6 +61,9 @@ class Block:
     # a fused attention kernel's backward is five against its forward's two (FlashAttention recomputes
     # the scores Q.K^T, then dV, dP, dQ, dK: Dao 2023, Algorithm 2), 2.5x
     bwd_flop_ratio: float = 2.0
+    # a fused attention kernel on a GPU: the keys its average query attends to, which sets how far the
+    # kernel's inner loop amortises its prologue and epilogue (simexec.sim.compute); 0 elsewhere
+    keys: float = 0.0
 
     @property
     def kept_for_weight_pass(self) -> float:
@@ -501,7 +504,8 @@ class Anatomy:
                 # the kernel keeps its output in the heads-split layout for its backward, while the output
                 # projection keeps the all-to-all's sequence-split copy (a padded output is counted above)
                 saved_attn += ctx_bytes
-            attn = Block("attention", f_attn, 0.0, saved_attn, 0.0, bwd_flop_ratio=self.attention_bwd_ratio)
+            attn = Block("attention", f_attn, 0.0, saved_attn, 0.0, bwd_flop_ratio=self.attention_bwd_ratio,
+                         keys=0.0 if self.eager_kernels else ctx)
         else:
             # unfused (Megatron-LM 2021): baddbmm Q.K^T over all s x s scores, fused scale-mask-softmax,
             # dropout, bmm with V, then the context is made contiguous again ([b, a, s, d] -> [s, b, h])

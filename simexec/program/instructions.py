@@ -60,6 +60,7 @@ class Instr:
     peer: int = -1
     items: tuple[int, ...] = ()
     category: str = ""
+    keys: float = 0.0  # attention on a GPU: the keys its average query attends to (Block.keys)
 
     @property
     def id(self) -> str:
@@ -79,7 +80,7 @@ class Instr:
                 continue
             if isinstance(val, tuple):
                 val = ",".join(str(v) for v in val)
-            elif f.name in ("flops", "bytes"):
+            elif f.name in ("flops", "bytes", "keys"):
                 val = repr(float(val))
             parts.append(f"{f.name}={val}")
         return " ".join(parts)
@@ -97,7 +98,7 @@ class Instr:
                 kw[key] = tuple(int(v) for v in val.split(",")) if val else ()
             elif key in ("layer", "mb", "chunk", "peer"):
                 kw[key] = int(val)
-            elif key in ("flops", "bytes"):
+            elif key in ("flops", "bytes", "keys"):
                 kw[key] = float(val)
             else:
                 kw[key] = val

@@ -162,16 +162,16 @@ class StageCosts:
 
     # --- prices --------------------------------------------------------------------------------
     def _fwd(self, blk) -> float:
-        return self.cm.time(blk.op, blk.flops, blk.bytes)
+        return self.cm.time(blk.op, blk.flops, blk.bytes, "fwd", blk.keys)
 
     def _bwd(self, blk) -> float:
         if self.split:
             return self._input_pass(blk)
-        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes, "bwd")
+        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes, "bwd", blk.keys)
 
     def _input_pass(self, blk) -> float:
         """A block's backward without its weight gradients (`bwd` of a split backward)."""
-        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes, "bwd")
+        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes, "bwd", blk.keys)
 
     def _weight_pass(self, blk) -> float:
         """A block's weight gradients alone (`wgrad` of a split backward)."""
@@ -231,7 +231,7 @@ class StageCosts:
         p = self.p
         if p.cp > 1 and p.cp_impl == "ring":
             f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
-            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp, "bwd" if bwd else "fwd")
+            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp, "bwd" if bwd else "fwd", attn.keys / p.cp)
         if p.cp > 1 and p.cp_impl == "a2a":
             qkv, out = self.an.heads_exchange_bytes
             exchanges = self._coll("alltoall", rank, "cp", qkv) + self._coll("alltoall", rank, "cp", out)

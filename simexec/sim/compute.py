@@ -24,19 +24,43 @@ from __future__ import annotations
 
 from typing import Optional
 
-from simexec.specs.cluster import ClusterSpec
+from simexec.specs.cluster import ClusterSpec, CostParams
+from simexec.specs.kernel_tables import ATTENTION_KERNELS
 from simexec.specs.stack import StackSpec
 
 # Op classes whose time is set by their FLOPs (tensor cores); the rest are memory-bound.
 FLOP_BOUND = ("gemm", "gemm_bf16", "attention")
 MEMORY_BOUND = ("elementwise", "embedding", "loss", "optimizer", "norm", "softmax")
 BACKWARD_PHASES = ("bwd", "wgrad")
+# kernel names of the published tables that are the same code as a stack's kernel: torch SDPA's
+# flash backend is FlashAttention-2
+KERNEL_ALIASES = {"fa2": ("fa2", "torch-sdpa-flash"), "fa3": ("fa3",), "cudnn": ("cudnn",)}
+
+
+def device_family(device_name: str) -> str:
+    """The kernel tables' device key of a device (`H100-SXM5-80GB` -> `h100`)."""
+    return device_name.split("-")[0].lower()
+
+
+def attention_efficiency(costs: CostParams, device_name: str, kernel: Optional[str]
+                         ) -> tuple[float, float, Optional[float]]:
+    """(forward, backward, half_keys) of causal fused attention: the cluster's fields for the kernel they
+    describe; for another kernel, its published micro-benchmark figures on this device where the tables
+    have them (times their causal ratio: decoders train causal), else the cluster's fields."""
+    own = (costs.attention_eff, costs.attention_bwd_eff or costs.attention_eff, costs.attention_half_keys)
+    if kernel is None or kernel == costs.attention_kernel:
+        return own
+    family = device_family(device_name)
+    for k in ATTENTION_KERNELS:
+        if k.device == family and k.dtype == "bf16" and k.name in KERNEL_ALIASES.get(kernel, (kernel,)):
+            return k.fwd_eff * k.causal_ratio, k.bwd_eff * k.causal_ratio, k.half_keys
+    return own
 
 
 class ComputeModel:
     """Seconds of one compute instruction on one device, cached by (op, flops, bytes, phase)."""
 
-    __slots__ = ("peak", "peaks", "eff", "mem_bw", "launch", "contention", "cpu_rate", "_cache")
+    __slots__ = ("peak", "peaks", "eff", "half_keys", "mem_bw", "launch", "contention", "cpu_rate", "_cache")
 
     def __init__(self, cluster: ClusterSpec, dtype: str, stack: Optional[StackSpec] = None):
         c, d = cluster.costs, cluster.device
@@ -52,39 +76,43 @@ class ComputeModel:
         gemm = (c.gemm_eff, c.gemm_half_flops)
         if dtype == "fp8" and c.fp8_gemm_eff is not None:
             gemm = (c.fp8_gemm_eff, c.gemm_half_flops if c.fp8_gemm_half_flops is None else c.fp8_gemm_half_flops)
+        fwd, bwd, self.half_keys = attention_efficiency(c, d.name, stack.attention_kernel if stack else None)
         self.eff = {
             "gemm": gemm,
             "gemm_bf16": (c.gemm_eff, c.gemm_half_flops),
-            "attention": (c.attention_eff, c.attention_half_flops),
-            "attention.bwd": (c.attention_bwd_eff or c.attention_eff, c.attention_half_flops),
+            "attention": (fwd, c.attention_half_flops),
+            "attention.bwd": (bwd, c.attention_half_flops),
         }
         self.mem_bw = d.memory_bw * c.memory_eff
         self.launch = d.launch_overhead_s
         self.contention = c.compute_contention
         self.cpu_rate = cluster.node.cpu_optimizer_params_per_s
-        self._cache: dict[tuple[str, float, float, str], float] = {}
+        self._cache: dict[tuple[str, float, float, str, float], float] = {}
 
-    def efficiency(self, op: str, flops: float, phase: str = "") -> float:
-        """Fraction of peak reached by a kernel of `flops` FLOPs of class `op` in `phase`."""
+    def efficiency(self, op: str, flops: float, phase: str = "", keys: float = 0.0) -> float:
+        """Fraction of peak reached by a kernel of `flops` FLOPs of class `op` in `phase`; a fused
+        attention kernel whose queries attend to `keys` keys each, by keys where the cluster says how."""
         key = op + ".bwd" if phase in BACKWARD_PHASES and op + ".bwd" in self.eff else op
         max_eff, half = self.eff.get(key, self.eff["gemm"])
+        if keys > 0 and self.half_keys is not None and op == "attention":
+            return max_eff * keys / (keys + self.half_keys)
         return max_eff * flops / (flops + half)
 
-    def time(self, op: str, flops: float, nbytes: float, phase: str = "") -> float:
+    def time(self, op: str, flops: float, nbytes: float, phase: str = "", keys: float = 0.0) -> float:
         """Seconds on an idle device (before overlap slowdown)."""
-        key = (op, flops, nbytes, phase)
+        key = (op, flops, nbytes, phase, keys)
         t = self._cache.get(key)
         if t is None:
-            t = self._cache[key] = self._time(op, flops, nbytes, phase)
+            t = self._cache[key] = self._time(op, flops, nbytes, phase, keys)
         return t
 
-    def _time(self, op: str, flops: float, nbytes: float, phase: str) -> float:
+    def _time(self, op: str, flops: float, nbytes: float, phase: str, keys: float) -> float:
         t_mem = nbytes / self.mem_bw
         peak = self.peaks.get(op, self.peak)
         if op in MEMORY_BOUND or flops <= 0:
             return (max(flops / peak, t_mem) + self.launch) * self.contention
         # gemm, attention, and any unknown op that carries FLOPs: GEMMs, then the memory-bound kernels
-        t_flop = flops / (peak * self.efficiency(op, flops, phase))
+        t_flop = flops / (peak * self.efficiency(op, flops, phase, keys))
         return (t_flop + t_mem + self.launch) * self.contention
 
     def cpu_optimizer_params(self, flops: float, nbytes: float) -> float:

@@ -100,6 +100,12 @@ class CostParams(_Spec):
     attention_bwd_eff: Optional[float] = Field(
         None, gt=0, le=1, description="fused attention backward fraction of peak, its FLOPs counted as 2.5x the "
         "forward's (FlashAttention's convention); None = attention_eff")
+    attention_half_keys: Optional[float] = Field(
+        None, gt=0, description="keys per query at which a fused attention kernel reaches half its efficiency "
+        "(the inner loop amortising the prologue and epilogue); set, it replaces attention_half_flops' size curve")
+    attention_kernel: str = Field(
+        "", description="the fused attention kernel the attention_* fields describe (cudnn, fa2, fa3); a stack "
+        "running another kernel takes that kernel's published efficiencies (simexec.specs.kernel_tables)")
     fp8_gemm_eff: Optional[float] = Field(
         None, gt=0, le=1, description="large FP8 GEMM fraction of the FP8 peak; None = gemm_eff")
     fp8_gemm_half_flops: Optional[float] = Field(
@@ -234,13 +240,31 @@ _A100_COSTS = CostParams(
     memory_eff=0.85, intra_bw_eff=0.78, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
-# H100: cuBLAS bf16 large GEMMs reach ~700-750 of 989 TFLOP/s (~0.72); FlashAttention-2 on H100
-# ~350-400 TFLOP/s forward (~0.38 of peak, Dao 2023); NVLink4 busbw ~370/450.
+# H100: cuBLAS bf16 large GEMMs reach ~700-750 of 989 TFLOP/s (~0.72); NVLink4 busbw ~370/450.
+# - GEMM shapes of a training step against the best shape: 0.72 of the best shape's 0.803 (794.5 of
+#   989 TFLOP/s, mamf-finder: docs/kernel_efficiency.md) is 0.897. Devices without a published
+#   training-shape figure (FP8 on Hopper, Blackwell, MI300X) take their best-shape figure times this
+#   same ratio (`TRAINING_SHAPES`). FP8: 1402.6 of 1979 best shape (0.709) -> 0.636; half efficiency
+#   at 3.5 GFLOP (the bf16 curve's fixed per-kernel time at the FP8 rate).
+# - Fused attention as Transformer Engine runs it on Hopper (cuDNN; `simexec.specs.stack`): forward
+#   0.659 and backward 0.504 of peak at long sequences, 0.876 of that under a causal mask, half of it
+#   at 215 keys per query (cuDNN bars of the FlashAttention-3 paper, Shah et al. 2024, Figs. 5-6;
+#   the fit in docs/kernel_efficiency.md). Other kernels: simexec.specs.kernel_tables.
+TRAINING_SHAPES = 0.72 / 0.803
 _H100_COSTS = CostParams(
-    gemm_eff=0.72, gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    gemm_eff=0.72, gemm_half_flops=2.0e9, fp8_gemm_eff=round(0.709 * TRAINING_SHAPES, 3), fp8_gemm_half_flops=3.5e9,
+    attention_eff=round(0.659 * 0.876, 3), attention_bwd_eff=round(0.504 * 0.876, 3), attention_half_flops=2.0e9,
+    attention_half_keys=215, attention_kernel="cudnn",
     memory_eff=0.85, intra_bw_eff=0.82, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
+# H200: the H100's SMs and clocks. FP8 GEMM 1453.4 of 1979 best shape (mamf-finder) -> 0.658, half at
+# 3.7 GFLOP; cuDNN 9.19 attention forward 0.750, backward 0.622, causal 0.965, half at 499 keys
+# (NVIDIA/cudnn-frontend benchmark/sdpa_benchmark_training results on H200: docs/kernel_efficiency.md).
+_H200_COSTS = _H100_COSTS.model_copy(update=dict(
+    fp8_gemm_eff=round(0.734 * TRAINING_SHAPES, 3), fp8_gemm_half_flops=3.7e9,
+    attention_eff=round(0.750 * 0.965, 3), attention_bwd_eff=round(0.622 * 0.965, 3), attention_half_keys=499,
+))
 
 _A100 = dict(
     # NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32.
@@ -320,12 +344,21 @@ _GB200_CUDA_BYTES = 184.31 * GiB
 # - InfiniBand: both use ConnectX-7 NDR 400 Gb/s, as DGX H100 does: its 0.90.
 # - Memory-bound kernels, PCIe, latencies, workspace: the H100 generation's.
 _BLACKWELL_COSTS = dict(
-    gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    gemm_half_flops=2.0e9, attention_half_flops=2.0e9,
+    # cuDNN attention on GB200 (cuDNN 9.22): forward 0.707, backward 0.564, causal 0.974, half at 498 keys
+    # (NVIDIA/cudnn-frontend sdpa_benchmark_training results: docs/kernel_efficiency.md); B200 is the same
+    # chip, so the same fractions of its own peak
+    attention_eff=round(0.707 * 0.974, 3), attention_bwd_eff=round(0.564 * 0.974, 3), attention_half_keys=498,
+    attention_kernel="cudnn",
     memory_eff=0.85, intra_bw_eff=0.93, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
-_B200_COSTS = CostParams(gemm_eff=0.776, **_BLACKWELL_COSTS)
-_GB200_COSTS = CostParams(gemm_eff=0.729, **_BLACKWELL_COSTS)
+# GEMMs: the best-shape figures times the training-shape ratio measured on H100 (`TRAINING_SHAPES`);
+# B200's best FP8 shape reaches 3432.5 of 4500 (0.763), within 2% of its bf16 fraction, so GB200's FP8
+# takes its bf16 fraction
+_B200_COSTS = CostParams(gemm_eff=round(0.776 * TRAINING_SHAPES, 3), fp8_gemm_eff=round(0.763 * TRAINING_SHAPES, 3),
+                         **_BLACKWELL_COSTS)
+_GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES, 3), **_BLACKWELL_COSTS)
 _HGX_B200_NODE = dict(
     # DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 B200,
     # NVLink 5 1.8 TB/s bidirectional per GPU (900 GB/s each way) over NVSwitch, 2x Xeon 8570 (56 cores
@@ -369,7 +402,7 @@ _MI300X_NODE = dict(
     host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
 )
 _MI300X_COSTS = CostParams(
-    gemm_eff=0.514, gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
+    gemm_eff=round(0.514 * TRAINING_SHAPES, 3), gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
     memory_eff=0.85, intra_bw_eff=0.75, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
@@ -412,7 +445,7 @@ PRESETS: dict[str, ClusterSpec] = {
         # H200 datasheet: H100 compute, 141 GB HBM3e at 4.8 TB/s.
         device=DeviceSpec(name="H200-SXM-141GB", memory_bytes=_H200_CUDA_BYTES, memory_bw=4800 * GB, **_H100),
         node=NodeSpec(**_HOPPER_NODE), network=NetworkSpec(topology="rail-optimized", **_NDR_IB),
-        costs=_H100_COSTS,
+        costs=_H200_COSTS,
         source="NVIDIA H200 datasheet; HGX H200 reference (8x NDR 400 Gb/s)",
     ),
     "hgx-b200": ClusterSpec(

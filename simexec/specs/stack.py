@@ -53,6 +53,9 @@ class StackSpec(_Spec):
 
     name: str
     fp8: Fp8Recipe
+    attention_kernel: Literal["cudnn", "fa2", "fa3"] = Field(
+        description="the fused attention kernel: cudnn (Transformer Engine's FusedAttention, which it prefers "
+        "over FlashAttention on Hopper and newer), fa2 (FlashAttention-2, torch SDPA's flash backend), fa3")
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
@@ -70,6 +73,9 @@ STACKS: dict[str, StackSpec] = {
         # passes is_first_microbatch so weight casts are cached (megatron/core/transformer/transformer_block.py).
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=True),
+        # TE's backend selection gives FusedAttention (cuDNN) preference on compute capability >= 9.0
+        # (transformer_engine/pytorch/attention/dot_product_attention/utils.py, get_attention_backend)
+        attention_kernel="cudnn",
         source="Megatron-Core with Transformer Engine (NeMo, Megatron-Bridge)",
     ),
     "torchtitan": StackSpec(
@@ -79,6 +85,10 @@ STACKS: dict[str, StackSpec] = {
         # casts its weights again.
         fp8=Fp8Recipe(scaling="current", norm_cast_fused=False, cast_writes_transpose=False,
                       weights_cast_once_per_step=False),
+        # F.scaled_dot_product_attention: flash first, cuDNN last in torch 2.5.1-2.7's priority order
+        # (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority_order); newer torch prefers cuDNN
+        # on sm90+ (check_prefer_cudnn_attention): a stack file with attention_kernel: cudnn says so
+        attention_kernel="fa2",
         source="torchtitan, eager (torchao float8)",
     ),
     "torchtitan-compile": StackSpec(
@@ -87,6 +97,7 @@ STACKS: dict[str, StackSpec] = {
         # (torchao/float8/README.md: "torch.compile is required for good performance").
         fp8=Fp8Recipe(scaling="current", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=False),
+        attention_kernel="fa2",  # compile leaves SDPA one opaque kernel, as eager
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
     "deepspeed": StackSpec(
@@ -94,6 +105,7 @@ STACKS: dict[str, StackSpec] = {
         # Megatron-DeepSpeed runs Transformer Engine's layers for FP8 the way Megatron-LM does.
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=True),
+        attention_kernel="fa2",  # Megatron-DeepSpeed's --use-flash-attn-v2 (megatron/model/transformer.py)
         source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
     ),
 }

@@ -81,7 +81,7 @@ class RankEmitter:
         self.memory("alloc", "activations", ws, name, deps=deps)
         out = self.emit(Instr(
             self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
-            chunk=chunk, flops=flops, bytes=nbytes, deps=deps,
+            chunk=chunk, flops=flops, bytes=nbytes, deps=deps, keys=b.keys,
         ))
         self.memory("free", "activations", ws, name, deps=(name,), defer=False)
         if phase == "wgrad" or (phase == "bwd" and (self.split or input_only)):

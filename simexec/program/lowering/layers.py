@@ -89,7 +89,7 @@ class LayerLowering(TensorParallel):
         gradients (cp-1 hops), and a last hop brings each dK/dV home."""
         cp, me = self.p.cp, self.coords["cp"]
         chunk = self.an.kv_bytes / cp
-        part = Block(attn.op, attn.flops / cp, attn.bytes / cp, 0.0, bwd_flop_ratio=attn.bwd_flop_ratio)
+        part = Block(attn.op, attn.flops / cp, attn.bytes / cp, 0.0, bwd_flop_ratio=attn.bwd_flop_ratio, keys=attn.keys / cp)
         nxt = self.rp.mesh.rank(**{**self.coords, "cp": (me + 1) % cp})
         prv = self.rp.mesh.rank(**{**self.coords, "cp": (me - 1) % cp})
         bwd = phase == "bwd"

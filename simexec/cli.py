@@ -36,6 +36,10 @@ def _sub(subs, name: str, help: str, key: Optional[str] = None) -> argparse.Argu
                            formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
+STACK_HELP = ("training framework: megatron-core (default), torchtitan, torchtitan-compile, deepspeed, "
+              "or a YAML/JSON file (docs/stacks.md)")
+
+
 def _spec_args(p: argparse.ArgumentParser, plan: bool = True) -> None:
     p.add_argument("--model", required=True, help="preset name, or a Hugging Face config.json / YAML / JSON file")
     p.add_argument("--cluster", required=True, help="preset (dgx-h100), N nodes of one (4xdgx-h100), or a YAML/JSON file")
@@ -68,6 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subs, "simulate", "predict step time, memory and a timeline of one training step")
     _spec_args(p)
     p.add_argument("--profile", default=None, help="hardware profile JSON from `simexec calibrate`")
+    p.add_argument("--stack", default=None, help=STACK_HELP)
     p.add_argument("--full", action="store_true", help="simulate every rank (default: one per pipeline stage)")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
@@ -103,6 +108,7 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--against", default=None, metavar="PLAN",
                        help="a plan of yours (e.g. the one you run): where it ranks and why the best beats it")
         p.add_argument("--profile", default=None, help="hardware profile JSON")
+        p.add_argument("--stack", default=None, help=STACK_HELP + "; the search tries only what it can run")
         p.add_argument("--ray-address", default=None, help="spread the sweep over a Ray cluster")
         p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core; 1: in this process)")
         p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
@@ -231,11 +237,12 @@ def cmd_simulate(args) -> int:
     from simexec.specs.model import get_model
     from simexec.specs.plan import load_plan
     from simexec.sim.simulate import simulate
+    from simexec.specs.stack import get_stack
     from simexec.trace.schema import save_json
 
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
-                      trace=args.trace_path is not None)
+                      trace=args.trace_path is not None, stack=get_stack(args.stack))
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)
@@ -273,7 +280,8 @@ def cmd_search(args) -> int:
 
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
-                    profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against)
+                    profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against,
+                    stack=args.stack)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

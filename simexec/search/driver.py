@@ -37,11 +37,12 @@ from simexec.specs.cluster import ClusterSpec, GiB, get_cluster
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec, get_model
 from simexec.specs.plan import Plan, validate_fields, load_plan, resolve, split_pairs
+from simexec.specs.stack import StackSpec, get_stack
 from simexec.search.bounds import Bounds, Candidate
 from simexec.search.report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
                                    sort_key)
 from simexec.search.runners import Context, evaluate, make_runner
-from simexec.search.space import ALTERNATIVE_KEYS, AnyOf, SpaceStats, search_world, structures
+from simexec.search.space import ALTERNATIVE_KEYS, Allowed, AnyOf, SpaceStats, search_world, structures
 
 WAVE = 16  # plans simulated between two pruning decisions (fixed: results must not depend on workers)
 PARETO_WINDOW = 0.0  # the Pareto front is exact over plans as fast as the K-th best (widen: pareto_window)
@@ -128,7 +129,8 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
            top: int = 10, objective: str = "throughput", fix: Optional[dict] = None, profile: Any = None,
            ray_address: Optional[str] = None, workers: Optional[int] = None, progress: bool = True,
            pareto_window: float = PARETO_WINDOW, prune: bool = True, limit: Optional[float] = None,
-           simulator: Optional[Callable] = None, against: Optional[str] = None) -> SearchResult:
+           simulator: Optional[Callable] = None, against: Optional[str] = None,
+           stack: Union[str, StackSpec, None] = None) -> SearchResult:
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
     top: plans to return; objective: "throughput" (shortest step) or "memory" (smallest peak);
@@ -146,6 +148,9 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     simulator: stand-in for `simexec.sim.simulate.simulate` (tests; runs in this process).
     against: a plan of the user's, a string or a plan file (its gbs, when given, the search's): simulated first, it
     becomes the limit when it fits, and the result says where it ranks and why the best beats it.
+    stack: the framework the plans run on (`megatron-core`, `torchtitan`, ... or a file): prices them as it
+    runs them, and the space holds only the knobs it can run (`StackSpec.search_choices`, under `fix`);
+    None: the default stack, every knob.
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
     """
@@ -167,6 +172,11 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     model = model if isinstance(model, ModelSpec) else get_model(model, seq_len=seq_len)
     cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
     fix = normalize_fix(fix)
+    if stack is not None:
+        stack = stack if isinstance(stack, StackSpec) else get_stack(stack)
+        if stack.search_choices:
+            allowed = {k: Allowed(v if isinstance(v, AnyOf) else (v,)) for k, v in parse_fix(stack.search_choices).items()}
+            fix = {**allowed, **fix}
     if fix.get("gbs") not in (None, gbs):
         raise PlanError(f"fix gbs={fix['gbs']} contradicts the global batch {gbs}")
     fix.pop("gbs", None)
@@ -181,12 +191,12 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
 
     yours = None
     if against is not None:
-        yours = _evaluate_against(against, model, cluster, gbs, seq, seq_len, profile, simulator)
+        yours = _evaluate_against(against, model, cluster, gbs, seq, seq_len, profile, simulator, stack)
         if yours["fits"]:
             cut = min(cut, yours[objective_attr(objective)])
 
     # 1. the space, with bounds: shared among local worker processes, which then simulate
-    ctx = Context(model, cluster, seq_len, profile)
+    ctx = Context(model, cluster, seq_len, profile, stack)
     stats = SpaceStats()
     bounds = Bounds(model, bound_cluster, seq)
     cands: list[Candidate] = []
@@ -195,9 +205,9 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     try:
         runner = make_runner(ctx, simulator=simulator, ray_address=ray_address, workers=workers, local_only=True)
         if runner is not None:
-            cands = _bound_by_workers(runner, model, bound_cluster, gbs, seq, fix, stats)
+            cands = _bound_by_workers(runner, model, bound_cluster, gbs, seq, fix, stats, stack)
         else:
-            for st in structures(model, bound_cluster, gbs, seq, fix, stats):
+            for st in structures(model, bound_cluster, gbs, seq, fix, stats, stack=stack):
                 cands.extend(bounds.candidates(st, len(cands)))
     except KeyboardInterrupt:  # nothing simulated yet: an empty, interrupted result
         interrupted = True
@@ -296,15 +306,16 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
 
 
 def _evaluate_against(text: str, model: ModelSpec, cluster: ClusterSpec, gbs: int, seq: int,
-                      seq_len: Optional[int], profile: Any, simulator: Optional[Callable]) -> dict:
+                      seq_len: Optional[int], profile: Any, simulator: Optional[Callable],
+                      stack: Optional[StackSpec] = None) -> dict:
     """The user's plan (`search(against=...)`), checked as `simulate` checks it and simulated."""
     plan = load_plan(text)
     if plan.gbs is None:
         plan = plan.model_copy(update={"gbs": gbs})
     elif plan.gbs != gbs:
         raise PlanError(f"--against plan has gbs={plan.gbs}, the search's global batch is {gbs}")
-    text = resolve(model, cluster, plan, seq).plan.to_string()  # dp filled in; a one-line PlanError
-    r = evaluate(text, Context(model, cluster, seq_len, profile), simulator)
+    text = resolve(model, cluster, plan, seq, stack).plan.to_string()  # dp filled in; a one-line PlanError
+    r = evaluate(text, Context(model, cluster, seq_len, profile, stack), simulator)
     if "error" in r:
         raise PlanError(f"--against plan {text}: {r['error']}")
     return r
@@ -334,12 +345,12 @@ def _limits(ok: list[dict], top: int, objective: str, window: float) -> tuple[fl
 
 
 def _bound_by_workers(runner, model: ModelSpec, cluster: ClusterSpec, gbs: int, seq: int, fix: dict,
-                      stats: SpaceStats) -> list[Candidate]:
+                      stats: SpaceStats, stack: Optional[StackSpec] = None) -> list[Candidate]:
     """The first bounds of every plan, the space shared among the runner's workers while this process
     enumerates it (for the structures and the counts); in the order, and with the values, of the
     serial enumeration."""
     futures = runner.first_bounds(gbs, seq, fix)
-    sts = list(structures(model, cluster, gbs, seq, fix, stats))
+    sts = list(structures(model, cluster, gbs, seq, fix, stats, stack=stack))
     parts = [iter(f.result()) for f in futures]
     cands: list[Candidate] = []
     for st in sts:

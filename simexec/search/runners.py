@@ -13,6 +13,7 @@ from typing import Any, Callable, Optional
 from simexec.specs.cluster import ClusterSpec
 from simexec.errors import SimexecError
 from simexec.specs.model import ModelSpec
+from simexec.specs.stack import StackSpec
 from simexec.specs.plan import parse_plan
 
 _RESULT_KEYS = ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes", "fits",
@@ -28,6 +29,7 @@ class Context:
     cluster: ClusterSpec
     seq_len: Optional[int]
     profile: Any = None
+    stack: Optional[StackSpec] = None  # None: the default stack
 
 
 _CTX: Optional[Context] = None
@@ -45,7 +47,8 @@ def evaluate(plan_string: str, ctx: Optional[Context] = None, simulator: Optiona
     if simulator is None:
         from simexec.sim.simulate import simulate as simulator
     try:
-        res = simulator(ctx.model, ctx.cluster, parse_plan(plan_string), ctx.seq_len, profile=ctx.profile)
+        extra = {"stack": ctx.stack} if ctx.stack is not None else {}
+        res = simulator(ctx.model, ctx.cluster, parse_plan(plan_string), ctx.seq_len, profile=ctx.profile, **extra)
     except SimexecError as exc:  # a plan the simulator refuses is reported, not fatal to the search
         return {"plan": plan_string, "error": f"{type(exc).__name__}: {exc}"}
     d = res.to_json() if hasattr(res, "to_json") else dict(res)
@@ -68,7 +71,8 @@ def first_bounds(gbs: int, seq_len: int, fix: dict, part: tuple[int, int], ctx: 
         from simexec.sim.profile import apply_profile
 
         cluster = apply_profile(cluster, ctx.profile)
-    return Bounds(ctx.model, cluster, seq_len).first_bounds(structures(ctx.model, cluster, gbs, seq_len, fix, part=part))
+    return Bounds(ctx.model, cluster, seq_len).first_bounds(
+        structures(ctx.model, cluster, gbs, seq_len, fix, part=part, stack=ctx.stack))
 
 
 class _Serial:

@@ -79,6 +79,7 @@ from typing import Iterator, Optional
 from simexec.specs.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
+from simexec.specs.stack import StackSpec
 from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
 from simexec.program.schedules import SCHEDULES, default_schedule, schedule
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS
@@ -164,6 +165,12 @@ class AnyOf(tuple):
     enumerates these values of the knob instead of its own list."""
 
 
+class Allowed(AnyOf):
+    """What a framework can run of a knob (`StackSpec.search_choices`): the space's own values that are
+    among these. Where the space has one value only (the knob does not apply: cp_impl without cp, a
+    schedule without pp) that value stays."""
+
+
 # the enumerated knobs a fix may give alternatives for (gbs is the search's, stages a value of its own)
 ALTERNATIVE_KEYS = ENUMERATED - {"gbs", "stages"}
 
@@ -183,11 +190,15 @@ def _choices(fix: dict, key: str, default: list) -> list:
     if key not in fix:
         return default
     val = fix[key]
+    if isinstance(val, Allowed):
+        kept = [v for v in default if v in val]
+        return kept if kept or len(default) > 1 else default
     return list(val) if isinstance(val, AnyOf) else [val]
 
 
 def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, fix: Optional[dict] = None,
-               stats: Optional[SpaceStats] = None, part: Optional[tuple[int, int]] = None) -> Iterator[Structure]:
+               stats: Optional[SpaceStats] = None, part: Optional[tuple[int, int]] = None,
+               stack: Optional[StackSpec] = None) -> Iterator[Structure]:
     """Every structure of the space with the state variants `resolve` accepts, in a fixed order.
     part=(k, n): only those of every n-th (tp, cp) pair from the k-th (`Structure.pair` says whose a
     structure is), so that n workers can share the space without enumerating it all."""
@@ -217,19 +228,19 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
                 for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp):
                     states = state_variants(fix, dp, tp, cp, gpn)
                     stats.combinations += len(states)
-                    st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats)
+                    st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats, stack)
                     if st is not None:
                         st.pair = pair
                         yield st
 
 
-def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -> Optional[Structure]:
+def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats, stack=None) -> Optional[Structure]:
     """Resolve the structure with its first passing state; check the other states once per (dp, ep)."""
     rp, first = None, None
     failed = []
     for i, state in enumerate(states):
         try:
-            rp = resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+            rp = resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len, stack)
             first = i
             break
         except (PlanError, ValueError) as e:
@@ -248,7 +259,7 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats) -
         rule = state_ok.get(key)  # "": valid
         if rule is None:
             try:
-                resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len)
+                resolve(model, cluster, Plan(**fields, **dict(zip(STATE_KEYS, state)), **extra), seq_len, stack)
                 rule = ""
             except (PlanError, ValueError) as e:
                 rule = stats.rule(e)
@@ -290,7 +301,10 @@ def structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
 
 def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
     tp, cp, dp = split["tp"], split["cp"], split["dp"]
-    for schedule_name in _choices(fix, "schedule", scheds):
+    if isinstance(fix.get("schedule"), Allowed):  # None stands for the default schedule of its vpp
+        named = [s for s in scheds if (s or default_schedule(split["vpp"])) in fix["schedule"]]
+        scheds = named if named or len(scheds) == 1 else []
+    for schedule_name in scheds if isinstance(fix.get("schedule"), Allowed) else _choices(fix, "schedule", scheds):
         sched = schedule(schedule_name or default_schedule(split["vpp"]))
         # a zero-bubble schedule refuses sp (`simexec.specs.plan`): not enumerated, rather than refused
         sps = [False, True] if tp > 1 and not sched.splits_backward else [False]
@@ -337,7 +351,12 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
 
 def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
     """The (zero, zero_impl, dp_shard, offload) variants of one mesh under `fix`."""
-    if "zero" in fix:
+    if isinstance(fix.get("zero"), Allowed):
+        zeros = [zv for zv in ZERO_VARIANTS if (zv[0] == 0 or dp > 1) and zv[0] in fix["zero"]]
+        if isinstance(fix.get("zero_impl"), Allowed):  # the framework's own ZeRO-3
+            zeros = [zv for zv in zeros if zv[0] != 3] + [
+                (3, None if name == DEFAULT_ZERO3_FLAVOUR else name) for name in fix["zero_impl"] if 3 in fix["zero"] and dp > 1]
+    elif "zero" in fix:
         zeros = [(z, impl) for z in _choices(fix, "zero", []) for impl in _choices(fix, "zero_impl", [None])]
     elif "zero_impl" in fix:
         zeros = [(3, impl) for impl in _choices(fix, "zero_impl", [])]
@@ -350,10 +369,9 @@ def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple
             shards = _choices(fix, "dp_shard", [])
         else:
             shards = [None] + ([node_shard] if zero == 3 and 1 < node_shard < dp and dp % node_shard == 0 else [])
+        offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
         if "offload" in fix:
-            offloads = _choices(fix, "offload", [])
-        else:
-            offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
+            offloads = _choices(fix, "offload", offloads if isinstance(fix["offload"], Allowed) else [])
         for dp_shard in shards:
             for offload in offloads:
                 out.append((zero, zero_impl, dp_shard, offload))

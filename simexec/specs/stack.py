@@ -59,8 +59,14 @@ class StackSpec(_Spec):
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
+    search_choices: str = Field(
+        "", description="the plan knobs this framework can run, as `simexec search --fix` alternatives "
+        "(`zero=0|1,schedule=1f1b|interleaved-1f1b`): the search enumerates only these; a user's --fix overrides a key")
     source: str = ""
 
+
+TORCHTITAN_CHOICES = ("zero=0|3,zero_impl=fsdp,cp_impl=allgather,schedule=1f1b|gpipe|interleaved-1f1b|interleaved-zb|zb-v,"
+                      "offload=none,tp_overlap=0")
 
 # --- presets ------------------------------------------------------------------------------------
 STACKS: dict[str, StackSpec] = {
@@ -76,6 +82,10 @@ STACKS: dict[str, StackSpec] = {
         # TE's backend selection gives FusedAttention (cuDNN) preference on compute capability >= 9.0
         # (transformer_engine/pytorch/attention/dot_product_attention/utils.py, get_attention_backend)
         attention_kernel="cudnn",
+        # DDP or the distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), Megatron-FSDP
+        # (megatron/core/distributed/fsdp); context parallel as TE's p2p ring or a2a (cp_comm_type); the
+        # pipeline schedules of megatron/core/pipeline_parallel/schedules.py; async TP gradients always on
+        search_choices="zero=0|1|3,zero_impl=fsdp,cp_impl=ring|a2a,schedule=1f1b|interleaved-1f1b,offload=none,tp_overlap=1",
         source="Megatron-Core with Transformer Engine (NeMo, Megatron-Bridge)",
     ),
     "torchtitan": StackSpec(
@@ -89,6 +99,9 @@ STACKS: dict[str, StackSpec] = {
         # (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority_order); newer torch prefers cuDNN
         # on sm90+ (check_prefer_cudnn_attention): a stack file with attention_kernel: cudnn says so
         attention_kernel="fa2",
+        # FSDP2 (fully_shard) or plain replication; torch's context parallel (all-gather of K/V); the
+        # schedules of torch.distributed.pipelining; DTensor's TP collectives after each backward
+        search_choices=TORCHTITAN_CHOICES,
         source="torchtitan, eager (torchao float8)",
     ),
     "torchtitan-compile": StackSpec(
@@ -98,6 +111,7 @@ STACKS: dict[str, StackSpec] = {
         fp8=Fp8Recipe(scaling="current", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=False),
         attention_kernel="fa2",  # compile leaves SDPA one opaque kernel, as eager
+        search_choices=TORCHTITAN_CHOICES,
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
     "deepspeed": StackSpec(
@@ -106,6 +120,9 @@ STACKS: dict[str, StackSpec] = {
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=True),
         attention_kernel="fa2",  # Megatron-DeepSpeed's --use-flash-attn-v2 (megatron/model/transformer.py)
+        # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
+        # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
+        search_choices="zero=0|1|2|3,zero_impl=deepspeed,cp_impl=a2a,schedule=1f1b,tp_overlap=0",
         source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
     ),
 }

@@ -1,0 +1,112 @@
+"""Software stacks: FP8 recipes, attention kernels, and what the search may try for each framework."""
+import subprocess
+import sys
+
+import pytest
+
+from simexec import simulate
+from simexec.errors import SpecError
+from simexec.program.blocks import FUSED_ATTENTION_BWD_RATIO, HIGH_PRECISION_GEMM, Anatomy
+from simexec.program.lower import lower
+from simexec.sim.compute import ComputeModel, attention_efficiency
+from simexec.specs.cluster import get_cluster
+from simexec.specs.model import get_model
+from simexec.specs.plan import parse_plan, resolve
+from simexec.specs.stack import STACKS, get_stack
+
+
+def _resolved(plan: str, cluster: str = "dgx-h100", stack: str = "megatron-core", model: str = "llama3-8b"):
+    return resolve(get_model(model), get_cluster(cluster), parse_plan(plan), None, get_stack(stack))
+
+
+def test_unknown_stack_is_one_line():
+    with pytest.raises(SpecError, match="unknown stack 'megatron'.*did you mean megatron-core"):
+        get_stack("megatron")
+
+
+def test_stack_file_changes_fields_over_a_base(tmp_path):
+    f = tmp_path / "mine.yaml"
+    f.write_text("base: torchtitan\nattention_kernel: cudnn\n")
+    s = get_stack(str(f))
+    assert s.name == "mine" and s.attention_kernel == "cudnn" and s.fp8 == STACKS["torchtitan"].fp8
+    f.write_text("base: torchtitan\nattention_kernel: fa9\n")
+    with pytest.raises(SpecError, match="stack file .*attention_kernel"):
+        get_stack(str(f))
+
+
+def test_fp8_keeps_activations_bf16_and_the_head_gemm_in_bf16():
+    an = Anatomy(_resolved("dp=8,dtype=fp8"))
+    assert an.dt == 2
+    assert an.head["head"].op == HIGH_PRECISION_GEMM
+    assert Anatomy(_resolved("dp=8")).head["head"].op == "gemm"
+    cm = ComputeModel(get_cluster("dgx-h100"), "fp8", get_stack(None))
+    assert cm.peaks["gemm"] == 1979e12 and cm.peaks["attention"] == 989e12 and cm.peaks["gemm_bf16"] == 989e12
+
+
+def test_fp8_casts_cost_more_where_the_stack_does_not_fuse_them():
+    fused = Anatomy(_resolved("dp=8,dtype=fp8", stack="megatron-core"))
+    eager = Anatomy(_resolved("dp=8,dtype=fp8", stack="torchtitan"))
+    plain = Anatomy(_resolved("dp=8"))
+    for name in ("qkv", "proj", "fc1", "fc2"):
+        assert plain.dense[name].bytes < fused.dense[name].bytes < eager.dense[name].bytes
+        assert fused.dense[name].bwd_bytes < eager.dense[name].bwd_bytes
+    # the norm writes the QKV input in FP8 under TE: only the transposed copy and the weights are cast
+    tokens, h = fused.tokens, fused.h
+    assert fused.fp8_casts(tokens, h, h, True)[0] < fused.fp8_casts(tokens, h, h, False)[0]
+
+
+def test_fp8_speedup_comes_from_the_mechanics_not_the_peak_ratio():
+    speedups = {}
+    for stack in ("megatron-core", "torchtitan"):
+        bf16 = simulate("llama3-8b", "dgx-h100", "dp=8,gbs=32", stack=stack).step_time_s
+        fp8 = simulate("llama3-8b", "dgx-h100", "dp=8,gbs=32,dtype=fp8", stack=stack).step_time_s
+        speedups[stack] = bf16 / fp8
+    # the FP8 peak is twice bf16's; attention, the head, casts and element-wise kernels keep it far below
+    assert 1.15 < speedups["torchtitan"] < speedups["megatron-core"] < 1.6
+
+
+def test_fused_attention_backward_counts_two_and_a_half_forwards_on_gpus_only():
+    gpu = Anatomy(_resolved("dp=8")).dense["attn"]
+    assert gpu.bwd_flops == pytest.approx(FUSED_ATTENTION_BWD_RATIO * gpu.flops) and gpu.keys > 0
+    cpu = Anatomy(resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=1,dtype=fp32"))).dense["attn"]
+    assert cpu.bwd_flops == pytest.approx(2 * cpu.flops) and cpu.keys == 0
+
+
+def test_attention_efficiency_rises_with_keys_per_query_and_backward_is_slower():
+    cm = ComputeModel(get_cluster("dgx-h100"), "bf16", get_stack(None))
+    short, long = cm.efficiency("attention", 1e12, "fwd", 512), cm.efficiency("attention", 1e12, "fwd", 8192)
+    assert short < long < get_cluster("dgx-h100").costs.attention_eff
+    assert cm.efficiency("attention", 1e12, "bwd", 8192) < long
+    # a longer sequence gives each query more keys: attention's share of the step grows faster than its FLOPs
+    program = lower(_resolved("dp=8,gbs=8"))
+    assert any(i.keys == pytest.approx(4096) for i in program.ranks[0] if i.op == "attention")
+
+
+def test_a_stack_on_another_kernel_takes_its_published_figures_where_there_are_some():
+    h100 = get_cluster("dgx-h100").costs
+    cudnn = attention_efficiency(h100, "H100-SXM5-80GB", "cudnn")
+    fa2 = attention_efficiency(h100, "H100-SXM5-80GB", "fa2")
+    assert cudnn == (h100.attention_eff, h100.attention_bwd_eff, h100.attention_half_keys)
+    assert fa2[0] < cudnn[0] and fa2[1] < cudnn[1]
+    a100 = get_cluster("dgx-a100-80g").costs  # no table for A100: its own fields
+    assert attention_efficiency(a100, "A100-SXM4-80GB", "fa2")[0] == a100.attention_eff
+
+
+def test_search_tries_only_what_the_stack_can_run():
+    from simexec.search.driver import search
+
+    for stack, check in (
+        ("torchtitan", lambda p: p.cp_impl == "allgather" and not p.tp_overlap and p.zero in (0, 3)
+         and p.zero_impl in (None, "fsdp")),
+        ("deepspeed", lambda p: p.schedule_name == "1f1b" and not p.tp_overlap
+         and (p.zero < 3 or p.zero_impl == "deepspeed")),
+    ):
+        res = search("llama3-8b", "dgx-h100", 16, workers=1, progress=False, top=5, stack=stack)
+        plans = [parse_plan(e["plan"]) for e in res.to_json()["plans"]]
+        assert plans and all(check(p) for p in plans), (stack, [e["plan"] for e in res.to_json()["plans"]])
+
+
+def test_cli_refuses_an_unknown_stack_in_one_line():
+    r = subprocess.run([sys.executable, "-m", "simexec.cli", "simulate", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                        "--plan", "dp=8", "--stack", "titan"], capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "unknown stack 'titan'" in r.stderr

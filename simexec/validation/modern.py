@@ -24,7 +24,11 @@ current scaling); the stack's other FP8 traits (where it casts) stay.
 
 Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),
 recompute (none | selective | full: `selective:<modules>` -> selective, `full:block N layers` -> full with
-recompute_layers=N), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). What the
+recompute_layers=N), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
+does not divide the layers (Llama 3.1 405B's 126, DeepSeek-V3's 61, Qwen3-235B's 94), the virtual stages
+are `simexec.specs.plan.balanced_stages`: the embedding and the loss count as a layer each (Megatron's
+--account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the DeepSeek-V3 and Qwen3
+recipes give a hand-written pipeline layout of the same kind, approximated by this split). What the
 framework does beyond the columns, by stack:
 
 | stack | settings |
@@ -60,7 +64,7 @@ from simexec.errors import PlanError, SpecError
 from simexec.specs.cluster import ClusterSpec, get_cluster
 from simexec.specs.model import ModelSpec, MoESpec
 from simexec.specs.model_presets import MODELS
-from simexec.specs.plan import Plan
+from simexec.specs.plan import Plan, balanced_stages
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.validation.markdown import replace_block
 from simexec.validation.published import DATA, read_published_csv
@@ -168,6 +172,11 @@ def row_plan(r: dict) -> str:
                         dtype=r["dtype"], flash_attention=True, **recompute_fields(r["recompute"]))
     if r["moe_experts"]:
         fields["ep"] = _int(r, "ep")
+    layers = int(r["layers"])
+    if pp > 1 and layers % (pp * vpp):
+        stages = balanced_stages(layers, pp * vpp)
+        if stages:
+            fields["stages"] = stages
     fsdp = r["fsdp"] == "1"
     stack = STACK_ALIASES.get(r["stack"], r["stack"])
     if stack == "megatron-core":

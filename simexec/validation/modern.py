@@ -248,7 +248,8 @@ def predict_row(r: dict) -> dict:
 
     out = {"name": r["name"], "source": r["source"], "device": r["device"], "gpus": int(r["gpus"]),
            "stack": r["stack"], "model": r["model"], "seq_len": int(r["seq_len"]), "metric": r["metric"],
-           "value": float(r["value"]), "families": families(r), "status": "ok", "reason": "",
+           "value": float(r["value"]), "published_peak_gib": float(r["peak_mem_gib"]) if r["peak_mem_gib"] else None,
+           "families": families(r), "status": "ok", "reason": "",
            "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None}
     try:
         out["measured_s"] = measured_step_s(r)

@@ -342,13 +342,12 @@ def to_markdown(rows: list[dict], command: str) -> str:
                 f" | | {r['status']}: {r['reason']}"
         lines.append(f"| {r['name']} | {r['device']} | {r['stack']} | {plan} | {nums} |")
     if s:
-        lines += ["", f"{s['rows']} rows compared ({s['refused']} refused, {s['not_comparable']} not comparable): "
-                      f"median |error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, "
-                      f"median error {100 * s['median_error']:+.1f}%.", "",
-                  "| family | rows | median abs error | within 15% | median error |", "| --- | ---: | ---: | ---: | ---: |"]
+        lines += ["", summary_lines(s)[0] + ".", "",
+                  "| family | rows | median abs error | within 15% | median error |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
         for f, st in s["families"].items():
-            lines.append(f"| {f} | {st['rows']} | {100 * st['median_abs_error']:.1f}% | {100 * st['within_15pct']:.0f}% | "
-                         f"{100 * st['median_error']:+.1f}% |")
+            lines.append(f"| {f} | {st['rows']} | {100 * st['median_abs_error']:.1f}% | "
+                         f"{100 * st['within_15pct']:.0f}% | {100 * st['median_error']:+.1f}% |")
     lines += ["", END]
     return "\n".join(lines)
 

@@ -1,0 +1,356 @@
+"""Predict the published H100/H200/B200/GB200 training runs of simexec/validation/data/modern_runs.csv, and compare.
+
+Every row is predicted by one rule, from its own columns (the CSV's header names the sources and the
+rules by which its columns were filled); nothing here is fitted to the rows.
+
+Model: the simexec preset when `model` names one (simexec.specs.model_presets.MODELS), else a ModelSpec
+from the row's fields built as the Llama 3 / Mixtral / DeepSeek-V3 presets are: RMSNorm, gated SwiGLU
+FFN, RoPE, no biases, untied embeddings; MoE rows every layer sparse, `moe_experts` routed experts of
+`moe_ffn` picking `moe_top_k`, `moe_shared` shared experts, dropless (capacity None: the Megatron-Bridge
+tables force balanced, dropless routing). Two facts of a non-preset model that the columns do not carry
+come from its Hugging Face config.json (`CONFIG_EXTRAS`): Qwen3-MoE's head_dim 128 (not hidden/heads)
+and its per-head q/k RMSNorm. The sequence length is the row's `seq_len`.
+
+Cluster: h100 -> `Nxdgx-h100`, h200 -> `Nxhgx-h200`, b200 -> `Nxhgx-b200` (N = gpus / 8); gb200 -> the
+`gb200-nvl72` preset cut to gpus / 4 trays of 4 GPUs (one NVLink domain per 72 GPUs). The torchtitan
+rows ran on Meta's Grand Teton H100 with 96 GB of HBM2e capped at 500 W (the rows' notes): dgx-h100 with
+96 GB of device memory. Neither the 500 W power cap nor that part's memory bandwidth is modelled: no
+sourced clock or bandwidth under the cap, so these rows carry the 700 W SXM5 part's speeds.
+
+Stack: the row's `stack` (megatron-core, torchtitan, torchtitan-compile, deepspeed are
+simexec.specs.stack.STACKS); `nemo` -> megatron-core; `other` (the Llama 3 paper's own framework) ->
+simexec's default. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
+current scaling); the stack's other FP8 traits (where it casts) stay.
+
+Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),
+recompute (none | selective | full: `selective:<modules>` -> selective, `full:block N layers` -> full with
+recompute_layers=N), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
+does not divide the layers (Llama 3.1 405B's 126, DeepSeek-V3's 61, Qwen3-235B's 94), the virtual stages
+are `simexec.specs.plan.balanced_stages`: the embedding and the loss count as a layer each (Megatron's
+--account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the DeepSeek-V3 and Qwen3
+recipes give a hand-written pipeline layout of the same kind, approximated by this split). What the
+framework does beyond the columns, by stack:
+
+| stack | settings |
+| --- | --- |
+| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` when tp > 1; `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
+| torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1, else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; tp collectives after the backward (DTensor): async TP is not modelled |
+| other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
+
+Not modelled (in the notes of the rows that have them): CUDA graphs, async TP, activation offloading,
+HybridEP, multi-token prediction; an MoE row whose expert tensor-parallel size (`etp`) differs from tp
+is refused, as simexec splits every expert over the whole tp group (Megatron's parallel folding, where
+ep spans tp, is a known gap). A row simexec refuses (PlanError, SpecError) is kept as `refused`.
+
+Measured step time: `step_s` as published; `tokens_per_s_per_gpu` -> gbs * seq_len / (value * gpus)
+(torchtitan counts a step's tokens before the cp split and divides by tp*cp*pp, train.py at 9dec370:
+the same per-GPU figure); `tflops_per_gpu` and `mfu` through the FLOP count the source states
+(`FLOP_COUNTS`). The Llama 3 paper (Table 4) states no FLOP count, so its rows are `not comparable`.
+
+Error = predicted / measured - 1 (positive: simexec predicts a slower step).
+Families (a row may be in several): fp8, long-context (seq_len >= 32768 or cp > 1), tp, pp, fsdp, moe,
+and the device.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from simexec.errors import PlanError, SpecError
+from simexec.specs.cluster import ClusterSpec, get_cluster
+from simexec.specs.model import ModelSpec, MoESpec
+from simexec.specs.model_presets import MODELS
+from simexec.specs.plan import Plan, balanced_stages
+from simexec.specs.stack import StackSpec, get_stack
+from simexec.validation.markdown import replace_block
+from simexec.validation.published import DATA, read_published_csv
+
+CSV = DATA / "modern_runs.csv"
+GB = 1e9
+
+# Hugging Face config.json facts the CSV's columns leave out: Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B
+# set "head_dim": 128 (hidden / heads would be 64) and Qwen3-MoE's attention norms each head's q and k
+# (transformers models/qwen3_moe/modeling_qwen3_moe.py: q_norm, k_norm).
+CONFIG_EXTRAS: dict[str, dict] = {
+    "Qwen/Qwen3-30B-A3B": {"head_dim": 128, "qk_norm": True},
+    "Qwen/Qwen3-235B-A22B": {"head_dim": 128, "qk_norm": True},
+}
+STACK_ALIASES = {"nemo": "megatron-core", "other": None}
+FP8_SCALING = {"tensorwise": "current"}  # torchao's dynamic tensorwise = per-tensor current scaling
+# Sources whose TFLOP/s (and MFU) can be turned back into a step time: source key -> FLOPs of one
+# step as that source counts them. None known for the rows so far.
+FLOP_COUNTS: dict[str, Callable[[dict], float]] = {}
+DEVICE_CLUSTERS = {"h100": "dgx-h100", "h200": "hgx-h200", "b200": "hgx-b200"}
+H100_96GB = 96 * GB  # Grand Teton H100 96GB HBM2e (tt-* rows' notes)
+LONG_CONTEXT = 32768
+
+
+class NotComparable(Exception):
+    """The row's published number cannot be turned into a step time."""
+
+
+@dataclass(frozen=True)
+class Mapped:
+    """What one row becomes for simexec.simulate."""
+
+    model: ModelSpec
+    cluster: ClusterSpec
+    plan: str
+    stack: StackSpec
+    seq_len: int
+
+
+def _int(r: dict, col: str, default: int = 1) -> int:
+    v = r[col].strip()
+    return int(v) if v else default
+
+
+def row_model(r: dict) -> ModelSpec:
+    if r["model"] in MODELS:
+        return MODELS[r["model"]]
+    hidden, heads = int(r["hidden"]), int(r["heads"])
+    moe = None
+    if r["moe_experts"]:
+        moe = MoESpec(experts=int(r["moe_experts"]), top_k=int(r["moe_top_k"]), expert_ffn=int(r["moe_ffn"]),
+                      shared_experts=int(r["moe_shared"]), first_dense_layers=0, capacity_factor=None)
+    fields = dict(name=r["model"], layers=int(r["layers"]), hidden=hidden, heads=heads, kv_heads=int(r["kv_heads"]),
+                  head_dim=hidden // heads, ffn=int(r["ffn"]), gated=True, vocab=int(r["vocab"]),
+                  seq_len=int(r["seq_len"]), tied_embeddings=False, norm="rmsnorm", bias=False, learned_pos=False,
+                  moe=moe, source=f"modern_runs.csv row {r['name']} ({r['source'].split(':')[0]})")
+    fields.update(CONFIG_EXTRAS.get(r["model"], {}))
+    return ModelSpec(**fields)
+
+
+def is_torchtitan(r: dict) -> bool:
+    return r["stack"].startswith("torchtitan")
+
+
+def row_cluster(r: dict) -> ClusterSpec:
+    gpus, device = int(r["gpus"]), r["device"]
+    if device == "gb200":
+        if gpus % 4:
+            raise SpecError(f"{gpus} GPUs is not a whole number of GB200 trays (4 GPUs each)")
+        return get_cluster("gb200-nvl72").model_copy(update={"nodes": gpus // 4, "name": f"gb200-nvl72-{gpus}gpu"})
+    if device not in DEVICE_CLUSTERS:
+        raise SpecError(f"device {device!r} has no simexec cluster")
+    if gpus % 8:
+        raise SpecError(f"{gpus} GPUs is not a whole number of 8-GPU nodes")
+    cluster = get_cluster(f"{gpus // 8}x{DEVICE_CLUSTERS[device]}")
+    if device == "h100" and is_torchtitan(r):
+        dev = cluster.device.model_copy(update={"memory_bytes": H100_96GB, "name": "H100-96GB-HBM2e"})
+        cluster = cluster.model_copy(update={"device": dev, "name": f"{cluster.name}-96g"})
+    return cluster
+
+
+def row_stack(r: dict) -> StackSpec:
+    stack = get_stack(STACK_ALIASES.get(r["stack"], r["stack"]))
+    if r["dtype"] == "fp8" and r["fp8_recipe"]:
+        scaling = FP8_SCALING.get(r["fp8_recipe"], r["fp8_recipe"])
+        stack = stack.model_copy(update={"fp8": stack.fp8.model_copy(update={"scaling": scaling})})
+    return stack
+
+
+def recompute_fields(text: str) -> dict:
+    """`none`, `selective`, `full`; `selective:<modules>` -> selective; `full:block N layers` -> full, N layers."""
+    kind, _, detail = text.strip().partition(":")
+    if kind not in ("none", "selective", "full"):
+        raise SpecError(f"recompute {text!r}: expected none, selective or full")
+    out: dict = {"recompute": kind}
+    m = re.search(r"(\d+)\s+layers", detail)
+    if kind == "full" and m:
+        out["recompute_layers"] = int(m.group(1))
+    return out
+
+
+def row_plan(r: dict) -> str:
+    tp, pp, cp, vpp = _int(r, "tp"), _int(r, "pp"), _int(r, "cp"), _int(r, "vpp")
+    fields: dict = dict(tp=tp, sp=r["sp"] == "1", pp=pp, vpp=vpp, cp=cp, mbs=int(r["mbs"]), gbs=int(r["gbs"]),
+                        dtype=r["dtype"], flash_attention=True, **recompute_fields(r["recompute"]))
+    if r["moe_experts"]:
+        fields["ep"] = _int(r, "ep")
+    layers = int(r["layers"])
+    if pp > 1 and layers % (pp * vpp):
+        stages = balanced_stages(layers, pp * vpp)
+        if stages:
+            fields["stages"] = stages
+    fsdp = r["fsdp"] == "1"
+    stack = STACK_ALIASES.get(r["stack"], r["stack"])
+    if stack == "megatron-core":
+        fields.update(dict(zero=3) if fsdp else dict(zero=1, param_overlap=True))
+        fields.update(grad_overlap=True, grad_fp32=True, tp_overlap=tp > 1)
+        if cp > 1:
+            fields["cp_impl"] = "ring"
+    elif is_torchtitan(r):
+        fields.update(zero=3 if fsdp else 0, grad_fp32=True)
+        if cp > 1:
+            fields["cp_impl"] = "allgather"
+    elif cp > 1:
+        fields["cp_impl"] = "allgather"
+    return Plan(**fields).to_string()
+
+
+def measured_step_s(r: dict) -> float:
+    value, gpus = float(r["value"]), int(r["gpus"])
+    metric = r["metric"]
+    if metric == "step_s":
+        return value
+    if metric == "tokens_per_s_per_gpu":
+        return int(r["gbs"]) * int(r["seq_len"]) / (value * gpus)
+    key = r["source"].split(":")[0]
+    if metric in ("tflops_per_gpu", "mfu"):
+        if key not in FLOP_COUNTS:
+            raise NotComparable(f"{key} states no FLOP count for its {metric}")
+        flops = FLOP_COUNTS[key](r)
+        if metric == "mfu":
+            peak = row_cluster(r).device.peak_flops[r["dtype"]]
+            return flops / (value * peak * gpus)
+        return flops / (value * 1e12 * gpus)
+    raise NotComparable(f"metric {metric!r}")
+
+
+def families(r: dict) -> list[str]:
+    out = []
+    if r["dtype"] == "fp8":
+        out.append("fp8")
+    if int(r["seq_len"]) >= LONG_CONTEXT or _int(r, "cp") > 1:
+        out.append("long-context")
+    if _int(r, "tp") > 1:
+        out.append("tp")
+    if _int(r, "pp") > 1:
+        out.append("pp")
+    if r["fsdp"] == "1":
+        out.append("fsdp")
+    if r["moe_experts"]:
+        out.append("moe")
+    return out + [r["device"]]
+
+
+def map_row(r: dict) -> Mapped:
+    return Mapped(model=row_model(r), cluster=row_cluster(r), plan=row_plan(r), stack=row_stack(r),
+                  seq_len=int(r["seq_len"]))
+
+
+def folding_gap(r: dict) -> Optional[str]:
+    """Why simexec cannot lay out this MoE row's experts as the source did, or None."""
+    if r["moe_experts"] and _int(r, "etp") != _int(r, "tp"):
+        return (f"expert tp {_int(r, 'etp')} != tp {_int(r, 'tp')} (parallel folding): simexec splits every "
+                f"expert over the tp group")
+    return None
+
+
+def predict_row(r: dict) -> dict:
+    """One result row: status ok | refused | not comparable, with the mapping and the comparison."""
+    from simexec.sim.simulate import simulate
+
+    out = {"name": r["name"], "source": r["source"], "device": r["device"], "gpus": int(r["gpus"]),
+           "stack": r["stack"], "model": r["model"], "seq_len": int(r["seq_len"]), "metric": r["metric"],
+           "value": float(r["value"]), "published_peak_gib": float(r["peak_mem_gib"]) if r["peak_mem_gib"] else None,
+           "families": families(r), "status": "ok", "reason": "",
+           "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None}
+    try:
+        out["measured_s"] = measured_step_s(r)
+    except NotComparable as exc:
+        out.update(status="not comparable", reason=str(exc))
+        return out
+    try:
+        m = map_row(r)
+        out.update(plan=m.plan, cluster=m.cluster.name)
+        gap = folding_gap(r)
+        if gap:
+            raise PlanError(gap)
+        t0 = time.perf_counter()
+        res = simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
+    except (PlanError, SpecError) as exc:
+        out.update(status="refused", reason=str(exc).splitlines()[0])
+        return out
+    out.update(predicted_s=res.step_time_s, error=res.step_time_s / out["measured_s"] - 1.0, fits=res.fits,
+               peak_memory_gib=res.peak_memory_bytes / 2**30, sim_wall_s=time.perf_counter() - t0,
+               breakdown={k: round(v / res.step_time_s, 4) for k, v in res.breakdown_s.items()})
+    return out
+
+
+def read_rows(path: Path = CSV) -> list[dict]:
+    return read_published_csv(path)
+
+
+def modern_rows(only: Optional[Callable[[str], bool]] = None, path: Path = CSV, log=print) -> list[dict]:
+    rows = []
+    for r in read_rows(path):
+        if only and not only(r["name"]):
+            continue
+        out = predict_row(r)
+        rows.append(out)
+        log(line(out))
+    return rows
+
+
+def line(o: dict) -> str:
+    if o["status"] != "ok":
+        return f"  {o['name']:<46} {o['device']:<6} {o['stack']:<19} {o['status']}: {o['reason']}"
+    return (f"  {o['name']:<46} {o['device']:<6} {o['stack']:<19} {o['predicted_s']:8.3f} {o['measured_s']:8.3f} "
+            f"{100 * o['error']:+7.1f}%  {o['plan']}  ({o['sim_wall_s']:.1f} s)")
+
+
+def _stats(errors: list[float]) -> dict:
+    return {"rows": len(errors), "median_abs_error": statistics.median(abs(e) for e in errors),
+            "within_15pct": sum(abs(e) <= 0.15 for e in errors) / len(errors),
+            "median_error": statistics.median(errors)}
+
+
+def summary(rows: list[dict]) -> dict:
+    """Statistics over the compared rows, overall and per family (refused and not comparable rows left out)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return {}
+    fams = sorted({f for r in ok for f in r["families"]})
+    return {**_stats([r["error"] for r in ok]),
+            "refused": sum(r["status"] == "refused" for r in rows),
+            "not_comparable": sum(r["status"] == "not comparable" for r in rows),
+            "families": {f: _stats([r["error"] for r in ok if f in r["families"]]) for f in fams}}
+
+
+def summary_lines(s: dict) -> list[str]:
+    if not s:
+        return ["no row compared"]
+    lines = [f"{s['rows']} rows compared ({s['refused']} refused, {s['not_comparable']} not comparable): median "
+             f"|error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, median error "
+             f"{100 * s['median_error']:+.1f}%"]
+    for f, st in s["families"].items():
+        lines.append(f"  {f:<13} {st['rows']:3d} rows: median |error| {100 * st['median_abs_error']:5.1f}%, "
+                     f"within 15% {100 * st['within_15pct']:3.0f}%, median error {100 * st['median_error']:+6.1f}%")
+    return lines
+
+
+BEGIN, END = "<!-- validate_modern:begin -->", "<!-- validate_modern:end -->"
+
+
+def to_markdown(rows: list[dict], command: str) -> str:
+    s = summary(rows)
+    lines = [BEGIN, "", f"Generated by `{command}`.", "",
+             "| row | device | stack | plan | predicted (s) | measured (s) | error |",
+             "| --- | --- | --- | --- | ---: | ---: | ---: |"]
+    for r in rows:
+        plan = f"`{r['plan']}`" if r["plan"] else ""
+        if r["status"] == "ok":
+            nums = f"{r['predicted_s']:.3g} | {r['measured_s']:.3g} | {100 * r['error']:+.1f}%"
+        else:
+            nums = f" | {r['measured_s']:.3g} | {r['status']}: {r['reason']}" if r["measured_s"] else \
+                f" | | {r['status']}: {r['reason']}"
+        lines.append(f"| {r['name']} | {r['device']} | {r['stack']} | {plan} | {nums} |")
+    if s:
+        lines += ["", summary_lines(s)[0] + ".", "",
+                  "| family | rows | median abs error | within 15% | median error |",
+                  "| --- | ---: | ---: | ---: | ---: |"]
+        for f, st in s["families"].items():
+            lines.append(f"| {f} | {st['rows']} | {100 * st['median_abs_error']:.1f}% | "
+                         f"{100 * st['within_15pct']:.0f}% | {100 * st['median_error']:+.1f}% |")
+    lines += ["", END]
+    return "\n".join(lines)
+
+
+def update_markdown(path: Path, block: str) -> None:
+    replace_block(path, block, BEGIN, END, new_doc="# Validation against published results\n\n")

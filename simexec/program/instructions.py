@@ -160,11 +160,11 @@ class Program:
 
     def executed_fingerprint(self) -> str:
         """Hash of the instructions that run, without the simulator's prices: the memory markers hold
-        its estimate of what the program holds, and a compute instruction's `flops` and `bytes` its
+        its estimate of what the program holds, and a compute instruction's `flops`, `bytes` and `keys` its
         estimate of the work, which a better cost model changes while the executor runs the same
         instructions. A recorded trace stays comparable across such a change
         (`simexec.trace.compare.check_pair`); the messages' sizes, which the executor sends, stay in."""
-        text = "\n".join((replace(i, flops=0.0, bytes=0.0) if i.kind == "compute" else i).to_text()
+        text = "\n".join((replace(i, flops=0.0, bytes=0.0, keys=0.0) if i.kind == "compute" else i).to_text()
                          for i in self if i.kind != "memory")
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

@@ -27,6 +27,7 @@ from typing import Optional
 from simexec.program.layer_order import LayerStep, layer_steps
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
+from simexec.specs.stack import DEFAULT_STACK, STACKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,8 +306,24 @@ class Anatomy:
         key = (moe, window)
         if key not in self._kinds:
             attention = self._attention(window)
-            self._kinds[key] = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
+            blocks = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
+            self._kinds[key] = self._with_stack_elementwise(blocks)
         return self._kinds[key]
+
+    def _with_stack_elementwise(self, blocks: dict[str, Block]) -> dict[str, Block]:
+        """The blocks with the element-wise traffic the stack's kernels move beyond the fused kernels they
+        count (`StackSpec.layer_elementwise` against Megatron-Core's), half on the attention's opening
+        block and half on the MLP's; none on CPU ranks, whose operators the host model prices."""
+        own, ref = self.rp.stack.layer_elementwise, STACKS[DEFAULT_STACK].layer_elementwise
+        if self.eager_kernels or own == ref:
+            return blocks
+        unit = self.tokens * self.h * self.dt / self.sp_div
+        fwd, bwd = (own.fwd_units - ref.fwd_units) * unit / 2, (own.bwd_units - ref.bwd_units) * unit / 2
+        out = dict(blocks)
+        for name in ("qkv", "fc1" if "fc1" in blocks else "router"):
+            b = out[name]
+            out[name] = replace(b, bytes=max(0.0, b.bytes + fwd), bwd=max(0.0, b.bwd_bytes + bwd))
+        return out
 
     # --- backward workspace ------------------------------------------------------------------------------
     def _wgrad_tmp(self, *params: float) -> float:

@@ -48,6 +48,15 @@ class Fp8Recipe(_Spec):
         "is_first_microbatch, which Megatron-Core passes); False: cast on every micro-batch")
 
 
+class ElementwiseTraffic(_Spec):
+    """A dense Llama-style layer's element-wise kernels (norms, rotary embedding, activation, residual adds,
+    gradient sums) as a framework launches them: their HBM traffic per token in units of one hidden-size
+    activation (hidden x 2 bytes), forward and backward. docs/stacks.md §1 derives them."""
+
+    fwd_units: float = Field(ge=0)
+    bwd_units: float = Field(ge=0)
+
+
 class StackSpec(_Spec):
     """One training framework as it runs a transformer on GPUs."""
 
@@ -56,6 +65,9 @@ class StackSpec(_Spec):
     attention_kernel: Literal["cudnn", "fa2", "fa3"] = Field(
         description="the fused attention kernel: cudnn (Transformer Engine's FusedAttention, which it prefers "
         "over FlashAttention on Hopper and newer), fa2 (FlashAttention-2, torch SDPA's flash backend), fa3")
+    layer_elementwise: ElementwiseTraffic = Field(
+        description="the element-wise kernels of a layer; simexec's blocks count Megatron-Core's fused ones, and "
+        "a stack that launches more moves the difference too")
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
@@ -82,6 +94,9 @@ STACKS: dict[str, StackSpec] = {
         # TE's backend selection gives FusedAttention (cuDNN) preference on compute capability >= 9.0
         # (transformer_engine/pytorch/attention/dot_product_attention/utils.py, get_attention_backend)
         attention_kernel="cudnn",
+        # TE's LayerNormLinear norms, fused RoPE, bias-SwiGLU and bias-dropout-add: 7 kernels forward, 9 backward,
+        # 23 and 34 units (megatron/core/models/gpt/gpt_layer_specs.py, docs/stacks.md §1.3): what the blocks count
+        layer_elementwise=ElementwiseTraffic(fwd_units=23, bwd_units=34),
         # DDP or the distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), Megatron-FSDP
         # (megatron/core/distributed/fsdp); context parallel as TE's p2p ring or a2a (cp_comm_type); the
         # pipeline schedules of megatron/core/pipeline_parallel/schedules.py; async TP gradients always on
@@ -99,6 +114,9 @@ STACKS: dict[str, StackSpec] = {
         # (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp, priority_order); newer torch prefers cuDNN
         # on sm90+ (check_prefer_cudnn_attention): a stack file with attention_kernel: cudnn says so
         attention_kernel="fa2",
+        # eager aten ops: nn.RMSNorm decomposed (torch <= 2.8) with an fp32 up-cast, complex RoPE in fp32, silu and
+        # mul apart, residual and gradient adds (torchtitan/models/llama3/model.py @238fa99; docs/stacks.md §1.1)
+        layer_elementwise=ElementwiseTraffic(fwd_units=72, bwd_units=190),
         # FSDP2 (fully_shard) or plain replication; torch's context parallel (all-gather of K/V); the
         # schedules of torch.distributed.pipelining; DTensor's TP collectives after each backward
         search_choices=TORCHTITAN_CHOICES,
@@ -111,6 +129,8 @@ STACKS: dict[str, StackSpec] = {
         fp8=Fp8Recipe(scaling="current", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=False),
         attention_kernel="fa2",  # compile leaves SDPA one opaque kernel, as eager
+        # Inductor fuses each block's pointwise chains and reductions (docs/stacks.md §1.2)
+        layer_elementwise=ElementwiseTraffic(fwd_units=22, bwd_units=32),
         search_choices=TORCHTITAN_CHOICES,
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
@@ -120,6 +140,8 @@ STACKS: dict[str, StackSpec] = {
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
                       weights_cast_once_per_step=True),
         attention_kernel="fa2",  # Megatron-DeepSpeed's --use-flash-attn-v2 (megatron/model/transformer.py)
+        # apex fused RMSNorm, unfused RoPE and SwiGLU, scripted bias-dropout-add (docs/stacks.md §1.4)
+        layer_elementwise=ElementwiseTraffic(fwd_units=40, bwd_units=72),
         # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
         search_choices="zero=0|1|2|3,zero_impl=deepspeed,cp_impl=a2a,schedule=1f1b,tp_overlap=0",

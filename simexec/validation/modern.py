@@ -13,9 +13,9 @@ and its per-head q/k RMSNorm. The sequence length is the row's `seq_len`.
 
 Cluster: h100 -> `Nxdgx-h100`, h200 -> `Nxhgx-h200`, b200 -> `Nxhgx-b200` (N = gpus / 8); gb200 -> the
 `gb200-nvl72` preset cut to gpus / 4 trays of 4 GPUs (one NVLink domain per 72 GPUs). The torchtitan
-rows ran on Meta's Grand Teton H100 with 96 GB of HBM2e capped at 500 W (the rows' notes): dgx-h100 with
-96 GB of device memory. Neither the 500 W power cap nor that part's memory bandwidth is modelled: no
-sourced clock or bandwidth under the cap, so these rows carry the 700 W SXM5 part's speeds.
+rows ran on Meta's Grand Teton H100 with 96 GB of HBM2e at its 500 W default (the rows' notes): the cluster
+file data/h100-hbm2e-500w.yaml (its memory, bandwidth, and peaks under the cap, each sourced there), gpus / 8
+nodes of it.
 
 Stack: the row's `stack` (megatron-core, torchtitan, torchtitan-compile, deepspeed are
 simexec.specs.stack.STACKS); `nemo` -> megatron-core; `other` (the Llama 3 paper's own framework) ->
@@ -70,7 +70,6 @@ from simexec.validation.markdown import replace_block
 from simexec.validation.published import DATA, read_published_csv
 
 CSV = DATA / "modern_runs.csv"
-GB = 1e9
 
 # Hugging Face config.json facts the CSV's columns leave out: Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B
 # set "head_dim": 128 (hidden / heads would be 64) and Qwen3-MoE's attention norms each head's q and k
@@ -85,7 +84,7 @@ FP8_SCALING = {"tensorwise": "current"}  # torchao's dynamic tensorwise = per-te
 # step as that source counts them. None known for the rows so far.
 FLOP_COUNTS: dict[str, Callable[[dict], float]] = {}
 DEVICE_CLUSTERS = {"h100": "dgx-h100", "h200": "hgx-h200", "b200": "hgx-b200"}
-H100_96GB = 96 * GB  # Grand Teton H100 96GB HBM2e (tt-* rows' notes)
+GRAND_TETON_H100 = DATA / "h100-hbm2e-500w.yaml"  # the tt-* rows' H100s (their notes)
 LONG_CONTEXT = 32768
 
 
@@ -139,11 +138,10 @@ def row_cluster(r: dict) -> ClusterSpec:
         raise SpecError(f"device {device!r} has no simexec cluster")
     if gpus % 8:
         raise SpecError(f"{gpus} GPUs is not a whole number of 8-GPU nodes")
-    cluster = get_cluster(f"{gpus // 8}x{DEVICE_CLUSTERS[device]}")
     if device == "h100" and is_torchtitan(r):
-        dev = cluster.device.model_copy(update={"memory_bytes": H100_96GB, "name": "H100-96GB-HBM2e"})
-        cluster = cluster.model_copy(update={"device": dev, "name": f"{cluster.name}-96g"})
-    return cluster
+        capped = get_cluster(str(GRAND_TETON_H100))
+        return capped.model_copy(update={"nodes": gpus // 8, "name": f"{gpus // 8}x{capped.name}"})
+    return get_cluster(f"{gpus // 8}x{DEVICE_CLUSTERS[device]}")
 
 
 def row_stack(r: dict) -> StackSpec:

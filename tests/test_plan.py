@@ -252,7 +252,7 @@ def test_offload_params_needs_zero3():
 
 
 def test_recompute_layers_needs_recompute():
-    refused(TINY, "local", "recompute_layers=1", "recompute_layers=1 needs recompute=selective or full")
+    refused(TINY, "local", "recompute_layers=1", "recompute_layers=1 needs recompute=selective, full or op")
 
 
 def test_dynamic_loss_scaling_needs_an_initial_scale():

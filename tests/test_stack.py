@@ -126,3 +126,25 @@ def test_eager_element_wise_kernels_move_the_traffic_their_stack_counts():
              for s in ("megatron-core", "torchtitan", "torchtitan-compile")}
     assert steps["torchtitan"] > 1.1 * steps["torchtitan-compile"]
     assert steps["torchtitan-compile"] / steps["megatron-core"] < 1.25  # FlashAttention-2 against cuDNN
+
+
+def test_per_operator_checkpointing_recomputes_every_other_matmul_and_the_element_wise_kernels():
+    rp = _resolved("dp=8,mbs=2,gbs=16,recompute=op", stack="torchtitan-compile")
+    an = Anatomy(rp)
+    again = an.op_recomputed(0)
+    dense = an.dense
+    m = rp.model
+    q, kv, _ = m.attention_widths
+    assert again["qkv"].flops == pytest.approx(dense["qkv"].flops * kv / (q + 2 * kv))  # wk of wq, wk, wv
+    assert again["proj"].flops == dense["proj"].flops and again["fc2"].flops == 0  # wo again, w2 kept
+    assert again["fc1"].flops == pytest.approx(dense["fc1"].flops / 2)  # w3 again, w1 kept
+    assert all(again[k].bytes == dense[k].bytes for k in again)  # every element-wise kernel again
+    program = lower(rp)
+    assert {i.block for i in program.ranks[0] if i.phase == "recompute" and i.layer == 0} == set(again)
+    steps = [simulate("llama3-8b", "dgx-h100", f"dp=8,mbs=2,gbs=16,recompute={r}", stack="torchtitan-compile").step_time_s
+             for r in ("none", "op", "full")]
+    assert steps[0] < steps[1] < steps[2]
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    tiny = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=1,dtype=fp32,recompute=op"))
+    assert "recompute=op" in (unsupported(tiny) or "")

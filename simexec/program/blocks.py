@@ -437,6 +437,27 @@ class Anatomy:
         m = self.rp.model
         return self.blocks(m.is_moe_layer(i), m.attention_window(i, self.seq))
 
+    def op_recomputed(self, i: int) -> dict[str, Block]:
+        """What `recompute=op` runs again before layer i's backward, per block: torchtitan's policy
+        (torchtitan/distributed/activation_checkpoint.py, `_get_custom_policy`) saves the outputs of the
+        attention kernel and of the matmuls, except every second matmul a block runs, and recomputes the
+        rest. A Llama layer's matmuls run wq, wk, wv, wo, w1, w3, w2 (w1, w2 without gating): wk, wo and w3
+        (w2) are recomputed, with every element-wise kernel. Blocks whose matmuls do not follow that order
+        (MoE, MLA) recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks'
+        saved activations."""
+        m, t = self.rp.model, self.tp
+        q, kv, _ = m.attention_widths
+        shares = {"qkv": kv / (q + 2 * kv) if not m.is_mla else 0.5, "proj": 1.0,
+                  "fc1": 0.5 if m.gated else 0.0, "fc2": 0.0 if m.gated else 1.0}
+        out = {}
+        for name, b in self.layer(i).items():
+            if b.op == "gemm" and b.flops:
+                share = shares.get(name, 0.5)
+                out[name] = Block("gemm", share * b.flops, b.bytes, 0.0)
+            elif b.op == "elementwise":
+                out[name] = Block(b.op, 0.0, b.bytes, 0.0)
+        return out
+
     def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
         """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""
         p = self.rp.plan

@@ -174,9 +174,11 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     fix = normalize_fix(fix)
     if stack is not None:
         stack = stack if isinstance(stack, StackSpec) else get_stack(stack)
-        if stack.search_choices:
-            allowed = {k: Allowed(v if isinstance(v, AnyOf) else (v,)) for k, v in parse_fix(stack.search_choices).items()}
-            fix = {**allowed, **fix}
+        unknown = sorted(set(stack.search_choices) - ALTERNATIVE_KEYS)
+        if unknown:
+            raise PlanError(f"stack {stack.name}: search_choices names {', '.join(unknown)}; the search enumerates "
+                            f"{', '.join(sorted(ALTERNATIVE_KEYS))}")
+        fix = {**{k: Allowed(tuple(v)) for k, v in stack.search_choices.items()}, **fix}
     if fix.get("gbs") not in (None, gbs):
         raise PlanError(f"fix gbs={fix['gbs']} contradicts the global batch {gbs}")
     fix.pop("gbs", None)

@@ -39,7 +39,7 @@ dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP
 offload            none; optimizer (zero >= 1, ZeRO-Offload builds on ZeRO); optimizer+params
                    (zero = 3)
 mbs                1, 2, 4, 8, 16 (dividing gbs/dp; Megatron-LM ran its smaller Table 1 models at 16)
-recompute          none, selective, full
+recompute          none, selective, full (op, torchtitan's per-operator policy, where the stack allows it)
 recompute_layers   all layers, or half of the layers of a virtual stage (recompute only as much
                    as memory needs, as YaFSDP advises; the lowering counts them per stage)
 =================  ============================================================================
@@ -95,6 +95,8 @@ ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None)) + tuple(
     (3, name) for name, flavour in ZERO3_FLAVOURS.items()
     if name != DEFAULT_ZERO3_FLAVOUR and not flavour.holds_grad_shards)
 RECOMPUTE = ("none", "selective", "full")
+# torchtitan's per-operator checkpointing, which only it runs: searched under a stack that allows it
+FRAMEWORK_RECOMPUTE = RECOMPUTE + ("op",)
 STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
@@ -315,7 +317,8 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
                 for ep in _choices(fix, "ep", _eps(model, dp)):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
-                        for recompute in _choices(fix, "recompute", list(RECOMPUTE)):
+                        own = FRAMEWORK_RECOMPUTE if isinstance(fix.get("recompute"), Allowed) else RECOMPUTE
+                        for recompute in _choices(fix, "recompute", list(own)):
                             if "recompute_layers" in fix:
                                 rls = _choices(fix, "recompute_layers", [])
                             elif recompute == "none":

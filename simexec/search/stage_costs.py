@@ -257,6 +257,8 @@ class StageCosts:
         f = self._layer_forward(blocks, rank)
         kf = self._k
         b = f if full else 0.0
+        if rc and p.recompute == "op":
+            b += sum(self._fwd(x) for x in an.op_recomputed(l).values())
         self._k = kf if full else 0.0
         b += self._tp("mlp_out", 1, rank)
         column = blocks["fc1"] if "fc1" in blocks else blocks["router"]  # before the mlp_in collective

@@ -59,7 +59,10 @@ class Plan(BaseModel):
         False, description="dualpipev: each pair's forward and whole backward interleaved kernel by kernel, so that"
         " one's communication (expert all-to-alls, tp collectives) runs under the other's compute (DeepSeek-V3's"
         " DualPipe); False: one after the other, as torch.distributed.pipelining's runtime runs a pair")
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal["none", "selective", "full", "op"] = Field(
+        "none", description="activation recomputation before a layer's backward: selective, the attention core "
+        "(Megatron-LM); full, the layer's forward; op, torchtitan's per-operator selective checkpointing, which keeps "
+        "the attention's output and every other matmul's and recomputes the other matmuls and the element-wise ops")
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
@@ -569,7 +572,7 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if p.loss_scale_hysteresis != Plan.model_fields["loss_scale_hysteresis"].default and not p.loss_scale_window:
         fail(f"loss_scale_hysteresis={p.loss_scale_hysteresis} needs dynamic loss scaling (loss_scale_window > 0)")
     if p.recompute_layers is not None and p.recompute == "none":
-        fail(f"recompute_layers={p.recompute_layers} needs recompute=selective or full")
+        fail(f"recompute_layers={p.recompute_layers} needs recompute=selective, full or op")
     if not cluster.device.supports(p.dtype):
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
     if p.pp > 1 and n_stages > model.layers:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import difflib
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -71,14 +71,16 @@ class StackSpec(_Spec):
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
-    search_choices: str = Field(
-        "", description="the plan knobs this framework can run, as `simexec search --fix` alternatives "
-        "(`zero=0|1,schedule=1f1b|interleaved-1f1b`): the search enumerates only these; a user's --fix overrides a key")
+    search_choices: dict[str, list[Union[bool, int, str]]] = Field(
+        default_factory=dict, description="the plan knobs this framework can run, as the values of each "
+        "(`{zero: [0, 1], schedule: [1f1b, interleaved-1f1b]}`): the search enumerates only these; a user's --fix "
+        "overrides a knob")
     source: str = ""
 
 
-TORCHTITAN_CHOICES = ("zero=0|3,zero_impl=fsdp,cp_impl=allgather,schedule=1f1b|gpipe|interleaved-1f1b|interleaved-zb|zb-v,"
-                      "offload=none,tp_overlap=0")
+TORCHTITAN_CHOICES = dict(zero=[0, 3], zero_impl=["fsdp"], cp_impl=["allgather"], recompute=["none", "op", "full"],
+                          schedule=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v"], offload=["none"],
+                          tp_overlap=[False])
 
 # --- presets ------------------------------------------------------------------------------------
 STACKS: dict[str, StackSpec] = {
@@ -100,7 +102,9 @@ STACKS: dict[str, StackSpec] = {
         # DDP or the distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), Megatron-FSDP
         # (megatron/core/distributed/fsdp); context parallel as TE's p2p ring or a2a (cp_comm_type); the
         # pipeline schedules of megatron/core/pipeline_parallel/schedules.py; async TP gradients always on
-        search_choices="zero=0|1|3,zero_impl=fsdp,cp_impl=ring|a2a,schedule=1f1b|interleaved-1f1b,offload=none,tp_overlap=1",
+        search_choices=dict(zero=[0, 1, 3], zero_impl=["fsdp"], cp_impl=["ring", "a2a"],
+                            recompute=["none", "selective", "full"], schedule=["1f1b", "interleaved-1f1b"],
+                            offload=["none"], tp_overlap=[True]),
         source="Megatron-Core with Transformer Engine (NeMo, Megatron-Bridge)",
     ),
     "torchtitan": StackSpec(
@@ -144,7 +148,8 @@ STACKS: dict[str, StackSpec] = {
         layer_elementwise=ElementwiseTraffic(fwd_units=40, bwd_units=72),
         # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
-        search_choices="zero=0|1|2|3,zero_impl=deepspeed,cp_impl=a2a,schedule=1f1b,tp_overlap=0",
+        search_choices=dict(zero=[0, 1, 2, 3], zero_impl=["deepspeed"], cp_impl=["a2a"],
+                            recompute=["none", "selective", "full"], schedule=["1f1b"], tp_overlap=[False]),
         source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
     ),
 }

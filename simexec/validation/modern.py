@@ -24,7 +24,8 @@ current scaling); the stack's other FP8 traits (where it casts) stay.
 
 Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),
 recompute (none | selective | full: `selective:<modules>` -> selective, `full:block N layers` -> full with
-recompute_layers=N), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
+recompute_layers=N; torchtitan's selective is its per-operator policy, `op`, which its llama3 configs choose:
+selective_ac_option = "op"), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
 does not divide the layers (Llama 3.1 405B's 126, DeepSeek-V3's 61, Qwen3-235B's 94), the virtual stages
 are `simexec.specs.plan.balanced_stages`: the embedding and the loss count as a layer each (Megatron's
 --account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the DeepSeek-V3 and Qwen3
@@ -184,6 +185,8 @@ def row_plan(r: dict) -> str:
             fields["cp_impl"] = "ring"
     elif is_torchtitan(r):
         fields.update(zero=3 if fsdp else 0, grad_fp32=True)
+        if fields["recompute"] == "selective":  # torchtitan's llama3 configs: selective_ac_option = "op"
+            fields["recompute"] = "op"
         if cp > 1:
             fields["cp_impl"] = "allgather"
     elif cp > 1:

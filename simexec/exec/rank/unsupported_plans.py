@@ -22,6 +22,9 @@ def unsupported(rp) -> Optional[str]:
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
+    if p.recompute == "op":
+        missing.append("recompute=op (torchtitan's per-operator checkpointing; the executor recomputes whole layers "
+                       "or the attention core)")
     if not missing and (p.sp or p.cp > 1):
         missing += _lowering_gaps(rp)
     if not missing:

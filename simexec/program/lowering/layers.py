@@ -141,6 +141,9 @@ class LayerLowering(TensorParallel):
         if full:
             self.layer_forward(l, mb, c, "recompute")
             self.memory("alloc", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
+        elif rc and self.p.recompute == "op":  # the region's first saved tensor the backward reads recomputes it
+            for name, b in an.op_recomputed(l).items():
+                self.compute("recompute", name, l, mb, c, b)
         return LayerBackward(l, mb, c, blocks, rc, full, saved, kept)
 
     def tp_backward(self, step: LayerStep, lb: LayerBackward) -> None:

@@ -148,3 +148,22 @@ def test_per_operator_checkpointing_recomputes_every_other_matmul_and_the_elemen
 
     tiny = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=1,dtype=fp32,recompute=op"))
     assert "recompute=op" in (unsupported(tiny) or "")
+
+
+def test_async_tp_pipelines_the_gathers_and_scatters_with_their_gemms():
+    plan = "tp=8,sp=1,mbs=4,gbs=32,recompute=op"
+    rp = _resolved(plan + ",tp_async=1", stack="torchtitan-compile")
+    program = lower(rp)
+    fwd = [i for i in program.ranks[0] if i.layer == 0 and i.phase == "fwd"]
+    names = [i.name for i in fwd]
+    gather, rest = names.index("fwd.attn_in.L0.m0"), names.index("fwd.attn_in.L0.m0.rest")
+    qkv = next(i for i in fwd if i.name == "fwd.qkv.L0.m0")
+    assert "fwd.attn_in.L0.m0" in qkv.deps and "fwd.attn_in.L0.m0.rest" not in qkv.deps
+    after = fwd[names.index("fwd.qkv.L0.m0") + 1:]
+    assert any("fwd.attn_in.L0.m0.rest" in i.deps for i in after if i.kind == "compute")
+    assert fwd[gather].bytes == pytest.approx(fwd[rest].bytes / 7)
+    sync = simulate("llama3-8b", "dgx-h100", plan, stack="torchtitan-compile")
+    pipelined = simulate("llama3-8b", "dgx-h100", plan + ",tp_async=1", stack="torchtitan-compile")
+    assert pipelined.step_time_s < sync.step_time_s
+    with pytest.raises(Exception, match="tp_async=1 needs sequence parallelism"):
+        _resolved("tp=8,mbs=4,gbs=32,tp_async=1")

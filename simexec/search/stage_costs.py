@@ -203,7 +203,10 @@ class StageCosts:
 
     def _tp(self, block: str, bwd: int, rank: int) -> float:
         verb = TP_CONJUGATES[block][self.sp][bwd]
-        return self._coll(verb, rank, "tp", self.an.full_hidden_bytes)
+        t = self._coll(verb, rank, "tp", self.an.full_hidden_bytes)
+        if self.p.tp_async and verb in ("allgather", "reducescatter"):
+            return t / self.p.tp  # one chunk exposed; the rest under the GEMM beside it (`chunked_tp`)
+        return t
 
     def _coll(self, verb: str, rank: int, axis: str, nbytes: float) -> float:
         """A collective the compute stream waits on (its seconds are also added up in `_k`)."""
@@ -246,7 +249,7 @@ class StageCosts:
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
-               moe, window, rank, self.split, p.tp_overlap, self.rp.stack.name)
+               moe, window, rank, self.split, p.tp_overlap, p.tp_async, self.rp.stack.name)
         out = self.b.layers.get(key)
         if out is not None:
             return out

@@ -78,6 +78,11 @@ class Plan(BaseModel):
         " (reduce-scatter under sp) before its weight-gradient GEMM, which runs under it (Megatron-LM's"
         " LinearWithGradAccumulationAndAsyncCommunication, on by default since Megatron-Core); False: the"
         " collective after the whole backward (torch's DTensor, torchtitan, Megatron-LM before September 2021)")
+    tp_async: bool = Field(
+        False, description="sp: each all-gather before a column-parallel GEMM and each reduce-scatter after a "
+        "row-parallel one is split into tp chunks that overlap the GEMM, which waits only for the first chunk (and "
+        "leaves only the last exposed): torchtitan's async TP (micro-pipelined fused all-gather-matmul and "
+        "matmul-reduce-scatter over SymmetricMemory), Megatron-Core's --tp-comm-overlap (userbuffers)")
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
@@ -531,6 +536,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         if p.pipeline_schedule.splits_backward:
             fail(f"tp_overlap=1 does not run with schedule={sched}, whose weight-gradient GEMMs wait for their own"
                  " W actions; use tp_overlap=0")
+    if p.tp_async and not (p.sp and p.tp > 1):
+        fail(f"tp_async=1 needs sequence parallelism over tp > 1 (sp=1), got tp={p.tp}, sp={int(p.sp)}")
     if p.pipeline_schedule.splits_backward:
         if p.pp < 2:
             fail(f"schedule={sched} needs pp >= 2")

@@ -34,8 +34,8 @@ framework does beyond the columns, by stack:
 
 | stack | settings |
 | --- | --- |
-| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` when tp > 1; `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
-| torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1, else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; tp collectives after the backward (DTensor): async TP is not modelled |
+| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
+| torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1, else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op") |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
 Not modelled (in the notes of the rows that have them): CUDA graphs, async TP, activation offloading,
@@ -180,13 +180,15 @@ def row_plan(r: dict) -> str:
     stack = STACK_ALIASES.get(r["stack"], r["stack"])
     if stack == "megatron-core":
         fields.update(dict(zero=3) if fsdp else dict(zero=1, param_overlap=True))
-        fields.update(grad_overlap=True, grad_fp32=True, tp_overlap=tp > 1)
+        # Megatron-Bridge's recipes turn on --tp-comm-overlap wherever tp > 1 (recipes/llama/h100/llama3.py)
+        fields.update(grad_overlap=True, grad_fp32=True, tp_overlap=tp > 1, tp_async=tp > 1 and r["sp"] == "1")
         if cp > 1:
             fields["cp_impl"] = "ring"
     elif is_torchtitan(r):
         fields.update(zero=3 if fsdp else 0, grad_fp32=True)
         if fields["recompute"] == "selective":  # torchtitan's llama3 configs: selective_ac_option = "op"
             fields["recompute"] = "op"
+        fields["tp_async"] = "async TP" in r["notes"]  # enable_async_tensor_parallel, as the row says
         if cp > 1:
             fields["cp_impl"] = "allgather"
     elif cp > 1:

@@ -22,6 +22,8 @@ def unsupported(rp) -> Optional[str]:
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
+    if p.tp_async:
+        missing.append("tp_async=1 (chunked tp collectives pipelined with their GEMMs)")
     if p.recompute == "op":
         missing.append("recompute=op (torchtitan's per-operator checkpointing; the executor recomputes whole layers "
                        "or the attention core)")

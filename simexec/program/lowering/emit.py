@@ -42,6 +42,7 @@ class RankEmitter:
         self.groups = rank_groups(rp, rank)
         self.out: list[Instr] = []
         self.wait: list[str] = []  # collectives the next compute instruction must wait on
+        self.wait_after_next: list[str] = []  # and those the compute after it must (tp_async's rest of a gather)
         # zero-bubble schedules: a backward computes the input gradients only, a weight pass the rest
         self.split = self.p.pipeline_schedule.splits_backward
         self.pending_weight_pass: Optional[PendingWeightPass] = None
@@ -69,7 +70,8 @@ class RankEmitter:
         name = f"{phase}.{block}.L{layer}.m{mb}{suffix}"
         pending = self.pending_weight_pass
         assert pending is None or phase == "wgrad", f"{name} before the pending weight pass of {pending.block}"
-        deps, self.wait = tuple(dict.fromkeys(self.wait)), []
+        deps, self.wait = tuple(dict.fromkeys(self.wait)), self.wait_after_next
+        self.wait_after_next = []
         if phase == "wgrad":
             flops, nbytes, ws = b.wgrad_flops, b.wgrad_bytes, b.wgrad_tmp
         elif phase == "bwd" and (self.split or input_only):
@@ -118,10 +120,13 @@ class RankEmitter:
             self.emit(ins, at)
         return ins
 
-    def last_compute(self) -> Optional[str]:
+    def last_compute(self, back: int = 0) -> Optional[str]:
+        """The last compute instruction emitted, or the one `back` computes before it."""
         for ins in reversed(self.out):
             if ins.kind == "compute":
-                return ins.name
+                if not back:
+                    return ins.name
+                back -= 1
         return None
 
     # --- the rank's share of the model ---------------------------------------------------------------

@@ -20,6 +20,9 @@ class TensorParallel(RankEmitter):
         verb = bwd_op if phase == "bwd" else fwd_op
         under, self.pending_weight_pass = self.pending_weight_pass, None
         name = None
+        if verb and self.p.tp_async and verb in ("allgather", "reducescatter") and under is None:
+            self.chunked_tp(verb, block, phase, layer, mb, chunk, nbytes)
+            return
         if verb:
             name = self.coll(f"{phase}.{block}.L{layer}.m{mb}", verb, "tp", self.groups.tp, nbytes,
                              (self.last_compute(),), phase=phase, block=block, layer=layer, mb=mb, chunk=chunk,
@@ -29,6 +32,23 @@ class TensorParallel(RankEmitter):
             under.after()
             if name:
                 self.wait.append(name)
+
+    def chunked_tp(self, verb: str, block: str, phase: str, layer: int, mb: int, chunk: int, nbytes: float) -> None:
+        """tp_async: a gather before a GEMM, or a reduce-scatter after one, in tp chunks pipelined with the
+        GEMM. A gather's first chunk is waited for and the GEMM runs under the rest, which the compute after
+        the GEMM waits for; a reduce-scatter's chunks but the last run under the GEMM that makes them (from
+        when the compute before it ends), its last after it."""
+        tp, group = self.p.tp, self.groups.tp
+        first, rest = nbytes / tp, nbytes * (tp - 1) / tp
+        tag = f"{phase}.{block}.L{layer}.m{mb}"
+        kw = dict(phase=phase, block=block, layer=layer, mb=mb, chunk=chunk)
+        if verb == "allgather":
+            self.coll(tag, verb, "tp", group, first, (self.last_compute(),), **kw)
+            rest_name = self.coll(f"{tag}.rest", verb, "tp", group, rest, (self.last_compute(),), wait=False, **kw)
+            self.wait_after_next.append(rest_name)
+        else:
+            self.coll(f"{tag}.rest", verb, "tp", group, rest, (self.last_compute(1),), **kw)
+            self.coll(tag, verb, "tp", group, first, (self.last_compute(),), **kw)
 
     def column_backward(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
                         after: Callable[[], None], wait: bool = True, release: bool = True) -> None:

@@ -167,3 +167,14 @@ def test_async_tp_pipelines_the_gathers_and_scatters_with_their_gemms():
     assert pipelined.step_time_s < sync.step_time_s
     with pytest.raises(Exception, match="tp_async=1 needs sequence parallelism"):
         _resolved("tp=8,mbs=4,gbs=32,tp_async=1")
+
+
+def test_fp8_parameter_gathers_move_one_byte_per_parameter_and_skip_the_weight_casts():
+    plain = lower(_resolved("dp=8,zero=3,mbs=1,gbs=8,dtype=fp8", stack="torchtitan-compile"))
+    fp8 = lower(_resolved("dp=8,zero=3,mbs=1,gbs=8,dtype=fp8,fp8_param_gather=1", stack="torchtitan-compile"))
+    gathers = [sum(i.bytes for i in p.ranks[0] if i.block == "gather") for p in (plain, fp8)]
+    assert gathers[1] == pytest.approx(gathers[0] / 2)
+    casts = [Anatomy(_resolved(f"dp=8,zero=3,dtype=fp8,fp8_param_gather={g}")).dense["fc1"].bytes for g in (0, 1)]
+    assert casts[1] < casts[0]
+    with pytest.raises(Exception, match="fp8_param_gather=1 needs dtype=fp8 and ZeRO"):
+        _resolved("dp=8,zero=0,dtype=fp8,fp8_param_gather=1")

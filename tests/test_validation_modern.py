@@ -21,7 +21,8 @@ def rows():
 def test_megatron_core_row_maps_to_the_distributed_optimizer_and_tp_overlap(rows):
     r = rows["mb2511-h100-llama3-70b-fp8cs-64"]
     m = modern.map_row(r)
-    assert m.plan == ("tp=4,sp=1,pp=8,vpp=5,zero=1,gbs=128,dtype=fp8,tp_overlap=1,tp_async=1,grad_fp32=1,"
+    assert m.plan == ("tp=4,sp=1,pp=8,vpp=5,zero=1,gbs=128,dtype=fp8,tp_overlap=1,tp_async=1,fp8_param_gather=1,"
+                      "grad_fp32=1,"
                       "param_overlap=1")
     assert m.model is MODELS["llama3-70b"] and m.cluster.name == "8xdgx-h100" and m.cluster.world_size == 64
     assert m.stack.name == "megatron-core" and m.stack.fp8.scaling == "current"  # the row's FP8-CS recipe
@@ -50,7 +51,7 @@ def test_gb200_moe_row_maps_to_trays_and_a_built_model(rows):
 
 def test_megatron_fsdp_and_block_recompute(rows):
     m = modern.map_row(rows["mb2511-h100-llama3-8b-fp8cs-fsdp-8"])
-    assert m.plan == "zero=3,gbs=128,recompute=full,recompute_layers=5,dtype=fp8,grad_fp32=1"
+    assert m.plan == "zero=3,gbs=128,recompute=full,recompute_layers=5,dtype=fp8,fp8_param_gather=1,grad_fp32=1"
     assert modern.recompute_fields("selective:mla_up_proj") == {"recompute": "selective"}
 
 

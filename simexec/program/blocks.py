@@ -218,6 +218,8 @@ class Anatomy:
         transpose = 1.0 if r.cast_writes_transpose else 0.0
         fused_input = after_norm and r.norm_cast_fused
         per_weight = (cast + transpose) / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
+        if self.rp.plan.fp8_param_gather:  # the gathered weights are FP8 already; the shard's cast is 1/dp of it
+            per_weight = 0.0
         fwd = ((0.0 if fused_input else cast) + transpose) * m * k + per_weight * w
         bwd = (cast + (transpose or cast)) * m * n
         if not r.cast_writes_transpose:

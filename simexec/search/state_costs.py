@@ -113,7 +113,7 @@ class StateCosts:
         groups = self.comm.groups(self.comm.rank_of_stage[0], p.ep, dp_shard)
         zero_size = len(groups["zero"])
         edp = max(1, len(groups["edp"]))
-        dt, gdt = self.dt, self.gdt
+        gdt = self.gdt
         preallocated = vrp.plan.zero3 is not None and vrp.plan.zero3.preallocated_buffers and zero_size > 1
         lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
         out = []
@@ -126,7 +126,7 @@ class StateCosts:
             big = prm.biggest
             shard = prm.dense / (zero_size if zero >= 1 else 1) + prm.expert / (edp if zero >= 1 else 1)
             out.append(RankMemory(model_states=static, early_model_states=static - min(made, ms["grads"]),
-                                  buffers=2 * big * dt + 2 * big * gdt if preallocated else 0.0,
+                                  buffers=2 * big * vrp.param_gather_bytes + 2 * big * gdt if preallocated else 0.0,
                                   shard_params=shard, main_grads=shard * vrp.master_grad_bytes))
         self.b.memory[key] = out
         return out
@@ -142,7 +142,7 @@ class StateCosts:
         zero, zero_impl, dp_shard, offload = state
         memory = self.memory(state)
         vrp = self._variant(state)
-        dt, gdt = self.dt, self.gdt
+        dt, gdt, pg = self.dt, self.gdt, vrp.param_gather_bytes
         comm, cm = self.comm, self.cm
         verb = "allreduce" if zero == 0 or (zero == 1 and p.grad_allreduce) else "reducescatter"
 
@@ -161,9 +161,9 @@ class StateCosts:
             red = zc(verb, rank, prm.last_dense * gdt)
             gather = 0.0
             if zero in (1, 2) and not p.param_overlap:  # parameters all-gathered after the step
-                gather = zc("allgather", rank, prm.dense * dt)
+                gather = zc("allgather", rank, prm.dense * pg)
                 if prm.expert > 0:
-                    gather = max(gather, zc("allgather", rank, prm.expert * dt, "edp"))
+                    gather = max(gather, zc("allgather", rank, prm.expert * pg, "edp"))
             # The ZeRO axis' stream runs its collectives one after another. Buckets split a
             # reduction in parts, and an idle-network collective costs at least as much in parts
             # as whole (affine in bytes per algorithm, the fastest taken: concave, so subadditive).
@@ -171,13 +171,13 @@ class StateCosts:
             if not p.grad_overlap and zero in (0, 1):  # every bucket waits for the last backward
                 red = max(red, total)
             if zero == 3:
-                z = sum(2 * zc("allgather", rank, u * dt) + zc(verb, rank, u * gdt) for ch in prm.chunks for u in ch)
+                z = sum(2 * zc("allgather", rank, u * pg) + zc(verb, rank, u * gdt) for ch in prm.chunks for u in ch)
                 fixed, per_mb = 0.0, z
             elif zero == 2:
                 z = sum(zc(verb, rank, sum(ch) * gdt) for ch in prm.chunks)
-                fixed, per_mb = zc("allgather", rank, prm.dense * dt), z
+                fixed, per_mb = zc("allgather", rank, prm.dense * pg), z
             elif zero == 1:
-                fixed, per_mb = total + zc("allgather", rank, prm.dense * dt), 0.0
+                fixed, per_mb = total + zc("allgather", rank, prm.dense * pg), 0.0
             else:
                 fixed, per_mb = total, 0.0
             out.append(RankState(memory=memory[r], last_reduction=red, after_reduction=opt + gather,

@@ -83,6 +83,10 @@ class Plan(BaseModel):
         "row-parallel one is split into tp chunks that overlap the GEMM, which waits only for the first chunk (and "
         "leaves only the last exposed): torchtitan's async TP (micro-pipelined fused all-gather-matmul and "
         "matmul-reduce-scatter over SymmetricMemory), Megatron-Core's --tp-comm-overlap (userbuffers)")
+    fp8_param_gather: bool = Field(
+        False, description="dtype=fp8 with ZeRO: parameters are all-gathered as their FP8 copies, cast on the shard "
+        "(torchtitan's enable_fsdp_float8_all_gather, Megatron-Core's --fp8-param-gather): half the bytes, and the "
+        "linear layers get their FP8 weights without casting them")
     grad_fp32: bool = Field(
         False, description="accumulate and reduce gradients in fp32 (Megatron-LM's"
         " --accumulate-allreduce-grads-in-fp32, its default for bf16)")
@@ -298,6 +302,12 @@ class ResolvedPlan:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.plan.dtype]
+
+    @property
+    def param_gather_bytes(self) -> int:
+        """Bytes per parameter a ZeRO all-gather moves and its gathered copy holds: FP8 under
+        `fp8_param_gather`, else the parameters' own."""
+        return 1 if self.plan.fp8_param_gather else self.dtype_bytes
 
     @property
     def grad_bytes(self) -> int:
@@ -536,6 +546,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         if p.pipeline_schedule.splits_backward:
             fail(f"tp_overlap=1 does not run with schedule={sched}, whose weight-gradient GEMMs wait for their own"
                  " W actions; use tp_overlap=0")
+    if p.fp8_param_gather and (p.dtype != "fp8" or p.zero == 0):
+        fail(f"fp8_param_gather=1 needs dtype=fp8 and ZeRO (zero >= 1), got dtype={p.dtype}, zero={p.zero}")
     if p.tp_async and not (p.sp and p.tp > 1):
         fail(f"tp_async=1 needs sequence parallelism over tp > 1 (sp=1), got tp={p.tp}, sp={int(p.sp)}")
     if p.pipeline_schedule.splits_backward:

@@ -34,7 +34,7 @@ framework does beyond the columns, by stack:
 
 | stack | settings |
 | --- | --- |
-| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
+| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
 | torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1, else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op") |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
@@ -182,6 +182,9 @@ def row_plan(r: dict) -> str:
         fields.update(dict(zero=3) if fsdp else dict(zero=1, param_overlap=True))
         # Megatron-Bridge's recipes turn on --tp-comm-overlap wherever tp > 1 (recipes/llama/h100/llama3.py)
         fields.update(grad_overlap=True, grad_fp32=True, tp_overlap=tp > 1, tp_async=tp > 1 and r["sp"] == "1")
+        # Megatron-Bridge's FP8 current-scaling recipe sets fp8_param_gather=True (training/mixed_precision.py,
+        # bf16_with_fp8_current_scaling_mixed)
+        fields["fp8_param_gather"] = r["fp8_recipe"] == "current"
         if cp > 1:
             fields["cp_impl"] = "ring"
     elif is_torchtitan(r):

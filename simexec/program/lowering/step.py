@@ -86,7 +86,7 @@ class StepLowering(GradientLowering):
     def gather_params(self, opt: str) -> None:
         """ZeRO-1/2: each final bucket's updated parameters all-gathered over its group, after the
         optimizer step (`opt`), or under `param_overlap` by the next step's forward."""
-        dt = self.rp.dtype_bytes
+        dt = self.rp.param_gather_bytes
         phase, deps = ("fwd", ()) if self.p.param_overlap else ("optim", (opt,))
         for bucket in self.buckets:
             if not bucket.axis:

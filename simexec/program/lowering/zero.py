@@ -64,7 +64,7 @@ class Zero3Lowering(RankEmitter):
         zero3 = self.p.zero3
         if zero3 is not None and zero3.preallocated_buffers and self.zero_size > 1:
             biggest = max(sum(self.unit_params(u)) for u in self.all_stage_units())
-            self.memory("alloc", "buffers", 2 * biggest * self.rp.dtype_bytes, f"{zero3.name}.params")
+            self.memory("alloc", "buffers", 2 * biggest * self.rp.param_gather_bytes, f"{zero3.name}.params")
             self.memory("alloc", "buffers", 2 * biggest * self.grad_dt, f"{zero3.name}.grads")
 
     # --- parameter gathers ---------------------------------------------------------------------------
@@ -76,11 +76,11 @@ class Zero3Lowering(RankEmitter):
 
     def gather_unit(self, unit: int, tag: str, phase: str, mb: int, c: int, deps: tuple) -> list[str]:
         dense, expert = self.unit_params(unit)
-        dt = self.rp.dtype_bytes
+        dt = self.rp.param_gather_bytes
         names = []
         if self.p.offload == "optimizer+params":
             # ZeRO-Infinity: the parameter shard lives in host memory and comes over PCIe first
-            shard = (dense / self.zero_size + expert / max(1, len(self.groups.edp))) * dt
+            shard = (dense / self.zero_size + expert / max(1, len(self.groups.edp))) * self.rp.dtype_bytes
             deps = (self.emit(Instr(self.rank, f"copy.{tag}", "copy", "copy.h2d", "h2d", phase=phase,
                                     block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
                                     deps=tuple(d for d in deps if d), items=(unit,))),)
@@ -116,7 +116,7 @@ class Zero3Lowering(RankEmitter):
         if self.zero3_sharded and not self.p.zero3.preallocated_buffers:
             tag = f"{phase}.gather.L{unit}.m{mb}"
             for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self.tied_head_gathers_embedding(unit) else []):
-                self.memory("free", "buffers", self.z3_bytes(u, self.rp.dtype_bytes), t)
+                self.memory("free", "buffers", self.z3_bytes(u, self.rp.param_gather_bytes), t)
 
     # --- gradient reduce-scatters --------------------------------------------------------------------
     def z3_grads_ready(self, unit: int, mb: int, c: int, after: str) -> None:

@@ -20,64 +20,15 @@ each stream the a·s²·b scores through HBM (Dao et al. 2022, §2.2).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import cached_property
 from typing import Optional
 
+from simexec.program.block import Block
 from simexec.program.layer_order import LayerStep, layer_steps
+from simexec.program.stack_kernels import FrameworkKernels
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
-from simexec.specs.stack import DEFAULT_STACK, STACKS
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One sub-block's forward cost and what its forward leaves saved for backward."""
-
-    op: str  # op class: gemm, attention, elementwise, embedding, loss
-    flops: float
-    bytes: float  # memory traffic of the forward's memory-bound kernels
-    saved: float  # activation bytes kept from forward to backward
-    bwd: Optional[float] = None  # memory traffic of the backward's memory-bound kernels; None: 2x forward
-    # transient bytes the backward holds beyond `saved` at its peak: the residual stream's gradient
-    # carried through the layer, the incoming and input gradients, intermediate activation gradients,
-    # and (autograd without fused wgrad) the largest weight-gradient temporary. Weight gradients that
-    # accumulate in place into main_grad (Megatron's gradient_accumulation_fusion) count nothing here.
-    bwd_workspace: float = 0.0
-    # Split by a zero-bubble schedule (`Schedule.splits_backward`) into the input-gradient pass
-    # and the weight-gradient pass: the latter's GEMM FLOPs and memory traffic (parts of the backward's),
-    # its weight-gradient temporary (part of `bwd_workspace`) and the output gradients it reads, which
-    # the input-gradient pass leaves kept until it runs
-    wgrad_flops: float = 0.0
-    wgrad_bytes: float = 0.0
-    wgrad_tmp: float = 0.0
-    grad_out: float = 0.0
-    # the part of `saved` that only the input-gradient pass reads: what the ops between the block's
-    # output and its last weight GEMM saved (an activation function's input, softmax probabilities,
-    # dropout masks, the MoE combine's operands). A zero-bubble schedule frees it there and keeps the
-    # rest, which the weight pass's autograd graph still holds, until that pass; a block without
-    # weights frees all it saved there.
-    bwd_only: float = 0.0
-    # backward FLOPs per forward FLOP: a matmul's backward is two matmuls (input and weight gradients);
-    # a fused attention kernel's backward is five against its forward's two (FlashAttention recomputes
-    # the scores Q.K^T, then dV, dP, dQ, dK: Dao 2023, Algorithm 2), 2.5x
-    bwd_flop_ratio: float = 2.0
-    # a fused attention kernel on a GPU: the keys its average query attends to, which sets how far the
-    # kernel's inner loop amortises its prologue and epilogue (simexec.sim.compute); 0 elsewhere
-    keys: float = 0.0
-
-    @property
-    def kept_for_weight_pass(self) -> float:
-        """Saved bytes that live until the weight-gradient pass under a zero-bubble schedule."""
-        return self.saved - self.bwd_only if self.wgrad_flops else 0.0
-
-    @property
-    def bwd_flops(self) -> float:
-        return self.bwd_flop_ratio * self.flops
-
-    @property
-    def bwd_bytes(self) -> float:
-        return 2.0 * self.bytes if self.bwd is None else self.bwd
 
 
 FUSED_ATTENTION_BWD_RATIO = 2.5
@@ -94,7 +45,7 @@ def ln_bytes(tokens: float, h: float, dt: int, sp: int) -> float:
     return tokens * h * dt / sp
 
 
-class Anatomy:
+class Anatomy(FrameworkKernels):
     """Per-rank block costs for one resolved plan (computed once, looked up per instruction)."""
 
     def __init__(self, rp: ResolvedPlan):
@@ -200,42 +151,6 @@ class Anatomy:
         (the sum in fp32 under `grad_fp32`: 10 bytes per parameter instead of 6)."""
         return (2 * self.acc_dt + self.grad_dt) * params
 
-    def fp8_casts(self, m: float, k: float, n: float, after_norm: bool = False, weights: float = -1.0
-                  ) -> tuple[float, float]:
-        """(forward, backward) bytes of the casts one linear GEMM (m x k) @ (k x n) needs under an FP8
-        recipe (`Fp8Recipe`), 0 without one. A cast reads bf16 and writes FP8 (3 bytes per element),
-        plus one more read of the bf16 tensor for its amax under per-tensor current scaling; its
-        transposed copy is one more byte in the same kernel (TE's cast_transpose) or, without that
-        kernel, a second cast in the backward. Forward: the input (none where the norm before it
-        writes FP8) and the weights (`weights` elements, default k x n; once per step where cached,
-        so a micro-batch's share); backward: the output gradient in both layouts, and without the
-        fused transpose, the input and weights again along the other axis."""
-        r = self.fp8
-        if r is None:
-            return 0.0, 0.0
-        w = k * n if weights < 0 else weights
-        cast = 3.0 + (2.0 if r.scaling == "current" else 0.0)
-        transpose = 1.0 if r.cast_writes_transpose else 0.0
-        fused_input = after_norm and r.norm_cast_fused
-        per_weight = (cast + transpose) / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
-        if self.rp.plan.fp8_param_gather:  # the gathered weights are FP8 already; the shard's cast is 1/dp of it
-            per_weight = 0.0
-        fwd = ((0.0 if fused_input else cast) + transpose) * m * k + per_weight * w
-        bwd = (cast + (transpose or cast)) * m * n
-        if not r.cast_writes_transpose:
-            bwd += cast * (m * k + w)
-        return fwd, bwd
-
-    def _with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
-        """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""
-        if self.fp8 is None:
-            return block
-        f = b = 0.0
-        for g in gemms:
-            df, db = self.fp8_casts(*g)
-            f, b = f + df, b + db
-        return replace(block, bytes=block.bytes + f, bwd=block.bwd_bytes + b)
-
     # --- activations crossing block boundaries -------------------------------------------------------
     @cached_property
     def hidden_bytes(self) -> float:
@@ -311,21 +226,6 @@ class Anatomy:
             blocks = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
             self._kinds[key] = self._with_stack_elementwise(blocks)
         return self._kinds[key]
-
-    def _with_stack_elementwise(self, blocks: dict[str, Block]) -> dict[str, Block]:
-        """The blocks with the element-wise traffic the stack's kernels move beyond the fused kernels they
-        count (`StackSpec.layer_elementwise` against Megatron-Core's), half on the attention's opening
-        block and half on the MLP's; none on CPU ranks, whose operators the host model prices."""
-        own, ref = self.rp.stack.layer_elementwise, STACKS[DEFAULT_STACK].layer_elementwise
-        if self.eager_kernels or own == ref:
-            return blocks
-        unit = self.tokens * self.h * self.dt / self.sp_div
-        fwd, bwd = (own.fwd_units - ref.fwd_units) * unit / 2, (own.bwd_units - ref.bwd_units) * unit / 2
-        out = dict(blocks)
-        for name in ("qkv", "fc1" if "fc1" in blocks else "router"):
-            b = out[name]
-            out[name] = replace(b, bytes=max(0.0, b.bytes + fwd), bwd=max(0.0, b.bwd_bytes + bwd))
-        return out
 
     # --- backward workspace ------------------------------------------------------------------------------
     def _wgrad_tmp(self, *params: float) -> float:
@@ -438,27 +338,6 @@ class Anatomy:
     def layer(self, i: int) -> dict[str, Block]:
         m = self.rp.model
         return self.blocks(m.is_moe_layer(i), m.attention_window(i, self.seq))
-
-    def op_recomputed(self, i: int) -> dict[str, Block]:
-        """What `recompute=op` runs again before layer i's backward, per block: torchtitan's policy
-        (torchtitan/distributed/activation_checkpoint.py, `_get_custom_policy`) saves the outputs of the
-        attention kernel and of the matmuls, except every second matmul a block runs, and recomputes the
-        rest. A Llama layer's matmuls run wq, wk, wv, wo, w1, w3, w2 (w1, w2 without gating): wk, wo and w3
-        (w2) are recomputed, with every element-wise kernel. Blocks whose matmuls do not follow that order
-        (MoE, MLA) recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks'
-        saved activations."""
-        m, t = self.rp.model, self.tp
-        q, kv, _ = m.attention_widths
-        shares = {"qkv": kv / (q + 2 * kv) if not m.is_mla else 0.5, "proj": 1.0,
-                  "fc1": 0.5 if m.gated else 0.0, "fc2": 0.0 if m.gated else 1.0}
-        out = {}
-        for name, b in self.layer(i).items():
-            if b.op == "gemm" and b.flops:
-                share = shares.get(name, 0.5)
-                out[name] = Block("gemm", share * b.flops, b.bytes, 0.0)
-            elif b.op == "elementwise":
-                out[name] = Block(b.op, 0.0, b.bytes, 0.0)
-        return out
 
     def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
         """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple, Optional
 
-from simexec.program.blocks import Anatomy, Block
+from simexec.program.block import Block
+from simexec.program.blocks import Anatomy
 from simexec.program.groups import rank_groups
 from simexec.program.instructions import Instr
 from simexec.program.schedules import Action

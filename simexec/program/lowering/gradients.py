@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Optional
 
-from simexec.program.blocks import Block
+from simexec.program.block import Block
 from simexec.program.instructions import Instr
 from simexec.program.lowering.zero import Zero3Lowering
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from simexec.program.blocks import Block
+from simexec.program.block import Block
 from simexec.program.instructions import Instr
 from simexec.program.layer_order import LayerStep
 from simexec.program.lowering.tensor_parallel import TensorParallel

@@ -5,7 +5,7 @@ ZeRO-1/2's parameter all-gathers (under `param_overlap`, the next step's forward
 from __future__ import annotations
 
 from simexec.program.adam import ADAM_BYTES_PER_PARAM, ADAM_FLOPS_PER_PARAM, adam_bytes_per_param
-from simexec.program.blocks import Block
+from simexec.program.block import Block
 from simexec.program.instructions import Instr
 from simexec.program.lowering.gradients import GradientLowering, gradient_copy_block
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-from simexec.program.blocks import Block
+from simexec.program.block import Block
 from simexec.program.layer_order import TP_CONJUGATES
 from simexec.program.lowering.emit import PendingWeightPass, RankEmitter
 

@@ -1,0 +1,89 @@
+"""What a training framework's kernels add to a layer's blocks (`simexec.specs.stack`): the casts of an FP8
+recipe around each linear GEMM, the element-wise kernels it launches beyond Megatron-Core's fused ones,
+and what its per-operator checkpointing runs again before a layer's backward.
+
+A mixin of `simexec.program.blocks.Anatomy`, whose sizes (`tokens`, `h`, `dt`, `tp`, `sp_div`) and
+blocks it reads.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from simexec.program.block import Block
+from simexec.specs.stack import DEFAULT_STACK, STACKS
+
+
+class FrameworkKernels:
+    """The stack's share of a layer's blocks."""
+
+    def fp8_casts(self, m: float, k: float, n: float, after_norm: bool = False, weights: float = -1.0
+                  ) -> tuple[float, float]:
+        """(forward, backward) bytes of the casts one linear GEMM (m x k) @ (k x n) needs under an FP8
+        recipe (`Fp8Recipe`), 0 without one. A cast reads bf16 and writes FP8 (3 bytes per element),
+        plus one more read of the bf16 tensor for its amax under per-tensor current scaling; its
+        transposed copy is one more byte in the same kernel (TE's cast_transpose) or, without that
+        kernel, a second cast in the backward. Forward: the input (none where the norm before it
+        writes FP8) and the weights (`weights` elements, default k x n; once per step where cached,
+        so a micro-batch's share); backward: the output gradient in both layouts, and without the
+        fused transpose, the input and weights again along the other axis."""
+        r = self.fp8
+        if r is None:
+            return 0.0, 0.0
+        w = k * n if weights < 0 else weights
+        cast = 3.0 + (2.0 if r.scaling == "current" else 0.0)
+        transpose = 1.0 if r.cast_writes_transpose else 0.0
+        fused_input = after_norm and r.norm_cast_fused
+        per_weight = (cast + transpose) / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
+        if self.rp.plan.fp8_param_gather:  # the gathered weights are FP8 already; the shard's cast is 1/dp of it
+            per_weight = 0.0
+        fwd = ((0.0 if fused_input else cast) + transpose) * m * k + per_weight * w
+        bwd = (cast + (transpose or cast)) * m * n
+        if not r.cast_writes_transpose:
+            bwd += cast * (m * k + w)
+        return fwd, bwd
+
+    def _with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
+        """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""
+        if self.fp8 is None:
+            return block
+        f = b = 0.0
+        for g in gemms:
+            df, db = self.fp8_casts(*g)
+            f, b = f + df, b + db
+        return replace(block, bytes=block.bytes + f, bwd=block.bwd_bytes + b)
+
+    def _with_stack_elementwise(self, blocks: dict[str, Block]) -> dict[str, Block]:
+        """The blocks with the element-wise traffic the stack's kernels move beyond the fused kernels they
+        count (`StackSpec.layer_elementwise` against Megatron-Core's), half on the attention's opening
+        block and half on the MLP's; none on CPU ranks, whose operators the host model prices."""
+        own, ref = self.rp.stack.layer_elementwise, STACKS[DEFAULT_STACK].layer_elementwise
+        if self.eager_kernels or own == ref:
+            return blocks
+        unit = self.tokens * self.h * self.dt / self.sp_div
+        fwd, bwd = (own.fwd_units - ref.fwd_units) * unit / 2, (own.bwd_units - ref.bwd_units) * unit / 2
+        out = dict(blocks)
+        for name in ("qkv", "fc1" if "fc1" in blocks else "router"):
+            b = out[name]
+            out[name] = replace(b, bytes=max(0.0, b.bytes + fwd), bwd=max(0.0, b.bwd_bytes + bwd))
+        return out
+
+    def op_recomputed(self, i: int) -> dict[str, Block]:
+        """What `recompute=op` runs again before layer i's backward, per block: torchtitan's policy
+        (torchtitan/distributed/activation_checkpoint.py, `_get_custom_policy`) saves the outputs of the
+        attention kernel and of the matmuls, except every second matmul a block runs, and recomputes the
+        rest. A Llama layer's matmuls run wq, wk, wv, wo, w1, w3, w2 (w1, w2 without gating): wk, wo and w3
+        (w2) are recomputed, with every element-wise kernel. Blocks whose matmuls do not follow that order
+        (MoE, MLA) recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks'
+        saved activations."""
+        m, t = self.rp.model, self.tp
+        q, kv, _ = m.attention_widths
+        shares = {"qkv": kv / (q + 2 * kv) if not m.is_mla else 0.5, "proj": 1.0,
+                  "fc1": 0.5 if m.gated else 0.0, "fc2": 0.0 if m.gated else 1.0}
+        out = {}
+        for name, b in self.layer(i).items():
+            if b.op == "gemm" and b.flops:
+                share = shares.get(name, 0.5)
+                out[name] = Block("gemm", share * b.flops, b.bytes, 0.0)
+            elif b.op == "elementwise":
+                out[name] = Block(b.op, 0.0, b.bytes, 0.0)
+        return out

@@ -73,6 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     _spec_args(p)
     p.add_argument("--profile", default=None, help="hardware profile JSON from `simexec calibrate`")
     p.add_argument("--stack", default=None, help=STACK_HELP)
+    p.add_argument("--memory-margin", type=float, default=0.0, metavar="GIB",
+                   help="device memory to keep free: the plan fits when every rank's peak leaves this many GiB")
     p.add_argument("--full", action="store_true", help="simulate every rank (default: one per pipeline stage)")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
@@ -109,6 +111,8 @@ def _add_optional_commands(subs) -> None:
                        help="a plan of yours (e.g. the one you run): where it ranks and why the best beats it")
         p.add_argument("--profile", default=None, help="hardware profile JSON")
         p.add_argument("--stack", default=None, help=STACK_HELP + "; the search tries only what it can run")
+        p.add_argument("--memory-margin", type=float, default=0.0, metavar="GIB",
+                       help="device memory every plan must leave free (GiB)")
         p.add_argument("--ray-address", default=None, help="spread the sweep over a Ray cluster")
         p.add_argument("--workers", type=int, default=None, help="local worker processes (default: one per core; 1: in this process)")
         p.add_argument("--json", dest="json_path", default=None, help="write the result as JSON here")
@@ -242,7 +246,8 @@ def cmd_simulate(args) -> int:
 
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
-                      trace=args.trace_path is not None, stack=get_stack(args.stack))
+                      trace=args.trace_path is not None, stack=get_stack(args.stack),
+                      memory_margin_bytes=args.memory_margin * 2**30)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)
@@ -281,7 +286,7 @@ def cmd_search(args) -> int:
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
                     profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against,
-                    stack=args.stack)
+                    stack=args.stack, memory_margin_bytes=args.memory_margin * 2**30)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

@@ -178,3 +178,28 @@ def test_fp8_parameter_gathers_move_one_byte_per_parameter_and_skip_the_weight_c
     assert casts[1] < casts[0]
     with pytest.raises(Exception, match="fp8_param_gather=1 needs dtype=fp8 and ZeRO"):
         _resolved("dp=8,zero=0,dtype=fp8,fp8_param_gather=1")
+
+
+def test_memory_margin_judges_fit_and_the_largest_category_says_what_shrinks_it():
+    plan = "dp=8,zero=3,mbs=1,gbs=16"
+    free = simulate("llama3-8b", "dgx-h100", plan)
+    assert free.fits and free.memory_margin_bytes == 0
+    room = free.memory_capacity_bytes - free.peak_memory_bytes
+    tight = simulate("llama3-8b", "dgx-h100", plan, memory_margin_bytes=room + 2**30)
+    assert not tight.fits and "DOES NOT FIT with" in tight.format()
+    assert "largest: activations" in free.format()
+    assert set(free.to_json()["peak_tensor_bytes_per_rank"]) == {str(r) for r in range(8)}
+    assert all(free.peak_tensor_bytes_per_rank[r] <= free.peak_memory_bytes_per_rank[r] for r in range(8))
+    r = subprocess.run([sys.executable, "-m", "simexec.cli", "search", "--model", "llama3-8b", "--cluster", "dgx-h100",
+                        "--gbs", "16", "--memory-margin", "100"], capture_output=True, text=True)
+    assert r.returncode == 2 and "memory margin 100 GiB" in r.stderr
+
+
+def test_search_with_a_margin_never_proposes_a_plan_that_eats_it():
+    from simexec.search.driver import search
+
+    margin = 30 * 2**30
+    res = search("llama3-8b", "dgx-h100", 16, workers=1, progress=False, top=5, memory_margin_bytes=margin)
+    cap = simulate("llama3-8b", "dgx-h100", "dp=8").memory_capacity_bytes
+    plans = res.to_json()["plans"]
+    assert plans and all(p["peak_memory_bytes"] + margin <= cap for p in plans)

@@ -130,7 +130,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
            ray_address: Optional[str] = None, workers: Optional[int] = None, progress: bool = True,
            pareto_window: float = PARETO_WINDOW, prune: bool = True, limit: Optional[float] = None,
            simulator: Optional[Callable] = None, against: Optional[str] = None,
-           stack: Union[str, StackSpec, None] = None) -> SearchResult:
+           stack: Union[str, StackSpec, None] = None, memory_margin_bytes: float = 0.0) -> SearchResult:
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
     top: plans to return; objective: "throughput" (shortest step) or "memory" (smallest peak);
@@ -151,6 +151,8 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     stack: the framework the plans run on (`megatron-core`, `torchtitan`, ... or a file): prices them as it
     runs them, and the space holds only the knobs it can run (`StackSpec.search_choices`, under `fix`);
     None: the default stack, every knob.
+    memory_margin_bytes: device memory every plan must leave free; the bounds prune and the simulations judge
+    with the same capacity less the margin.
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
     """
@@ -171,6 +173,12 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     # a name is loaded as `simexec simulate` loads it (the sequence length can size a learned position table)
     model = model if isinstance(model, ModelSpec) else get_model(model, seq_len=seq_len)
     cluster = cluster if isinstance(cluster, ClusterSpec) else get_cluster(cluster)
+    if memory_margin_bytes:
+        usable = cluster.device.memory_bytes - memory_margin_bytes
+        if not (memory_margin_bytes > 0 and usable > 0):
+            raise PlanError(f"memory margin {memory_margin_bytes / 2**30:g} GiB must be positive and below the device's"
+                            f" {cluster.device.memory_bytes / 2**30:.2f} GiB")
+        cluster = cluster.model_copy(update={"device": cluster.device.model_copy(update={"memory_bytes": usable})})
     fix = normalize_fix(fix)
     if stack is not None:
         stack = stack if isinstance(stack, StackSpec) else get_stack(stack)

@@ -31,8 +31,21 @@ class MemoryReport:
     timeline: dict[int, list[tuple[float, str, float]]] = field(default_factory=dict)
     tensor_peak: dict[int, float] = field(default_factory=dict)
 
-    def fits(self) -> bool:
-        return max(self.peak.values(), default=0.0) <= self.capacity
+    def fits(self, margin: float = 0.0) -> bool:
+        """Whether every rank's peak leaves `margin` bytes of the device free."""
+        return max(self.peak.values(), default=0.0) + margin <= self.capacity
+
+
+# What shrinks each category of the peak, for the largest one's hint (`SimResult.format`).
+SHRINKS = {
+    "params": "tp, pp or zero=3 shard the parameters",
+    "grads": "zero=2 or 3, tp or pp shard the gradients",
+    "optimizer": "zero >= 1 shards the optimizer states; offload=optimizer moves them to the host",
+    "activations": "recompute (selective, full), a smaller mbs, or more tp with sp, cp or pp split them",
+    "buffers": "smaller ZeRO-3 units or buckets, or fewer in flight",
+    "workspace": "the runtime's own: fixed per device",
+    "allocator": "follows the others: shrink the largest",
+}
 
 
 def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]], costs: CostParams,

@@ -11,11 +11,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+from simexec.errors import PlanError
 from simexec.specs.cluster import ClusterSpec, GiB, get_cluster
 from simexec.specs.model import ModelSpec, get_model
 from simexec.specs.plan import Plan, ResolvedPlan, load_plan, resolve
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.program.instructions import Program
+from simexec.sim.memory import SHRINKS
 from simexec.trace.schema import Counter, Event, Trace
 
 ProfileArg = Union[None, str, os.PathLike, dict]
@@ -41,18 +43,21 @@ class SimResult:
     peak_tensor_bytes: float
     memory_breakdown_bytes: dict[str, float]  # at the peak of the largest rank
     memory_capacity_bytes: float
-    fits: bool
+    fits: bool  # every rank's peak plus `memory_margin_bytes` within the capacity
+    peak_tensor_bytes_per_rank: dict[int, float]  # the tensors alone (max_memory_allocated), every real rank
     breakdown_s: dict[str, float]  # on the slowest rank's compute stream; sums to the step time
     slowest_rank: int
     peak_rank: int
     instructions: int
     wall_s: float
+    memory_margin_bytes: float = 0.0  # headroom the user keeps free (`--memory-margin`)
     trace: Optional[Trace] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         """Everything but the trace, JSON-ready (rank keys as strings)."""
         out = {k: v for k, v in self.__dict__.items() if k != "trace"}
         out["peak_memory_bytes_per_rank"] = {str(r): b for r, b in self.peak_memory_bytes_per_rank.items()}
+        out["peak_tensor_bytes_per_rank"] = {str(r): b for r, b in self.peak_tensor_bytes_per_rank.items()}
         return out
 
     def format(self) -> str:
@@ -63,14 +68,19 @@ class SimResult:
             f"  step time       {self.step_time_s:.4g} s    {self.tokens_per_s:,.0f} tokens/s    "
             f"{self.tflops_per_gpu:.3g} TFLOP/s per GPU    MFU {100 * self.mfu:.1f}%",
         ]
-        over = self.peak_memory_bytes - self.memory_capacity_bytes
-        verdict = "fits" if self.fits else f"DOES NOT FIT: {_size(over)} over"
+        over = self.peak_memory_bytes + self.memory_margin_bytes - self.memory_capacity_bytes
+        margin = f" with {_size(self.memory_margin_bytes)} kept free" if self.memory_margin_bytes else ""
+        verdict = f"fits{margin}" if self.fits else f"DOES NOT FIT{margin}: {_size(over)} over"
         lines.append(f"  peak memory     {_size(self.peak_memory_bytes)} of {_size(self.memory_capacity_bytes)}"
                      f" (rank {self.peak_rank}): {verdict}")
         if self.peak_tensor_bytes < 0.995 * self.peak_memory_bytes:
             lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
         parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
         lines.append("    " + ", ".join(parts))
+        if self.memory_breakdown_bytes:
+            largest, size = max(self.memory_breakdown_bytes.items(), key=lambda kv: kv[1])
+            if size and largest in SHRINKS:
+                lines.append(f"    largest: {largest} ({100 * size / self.peak_memory_bytes:.0f}%): {SHRINKS[largest]}")
         lines.append(f"  time on rank {self.slowest_rank}'s compute stream:")
         total = self.step_time_s or 1.0
         for k, v in sorted(self.breakdown_s.items(), key=lambda kv: -kv[1]):
@@ -88,11 +98,13 @@ def _size(n: float) -> str:
 
 def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], plan: Union[str, Plan],
              seq_len: Optional[int] = None, *, symmetric: bool = True, profile: ProfileArg = None,
-             trace: bool = False, stack: Union[str, StackSpec, None] = None) -> SimResult:
+             trace: bool = False, stack: Union[str, StackSpec, None] = None,
+             memory_margin_bytes: float = 0.0) -> SimResult:
     """Predict one training step.
 
     model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
     stack: the framework that runs it (`megatron-core`, `torchtitan`, ... or a file; None: the default).
+    memory_margin_bytes: device memory to keep free: the plan fits when every rank's peak leaves it.
     symmetric: simulate one rank per pipeline stage (the others behave alike); False: every rank.
     profile: a calibrated profile (path or dict) whose costs replace the cluster's.
     trace: also return the predicted trace (`result.trace`).
@@ -109,12 +121,14 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
         cluster = apply_profile(cluster, profile)
     stack = stack if isinstance(stack, StackSpec) else get_stack(stack)
     rp = resolve(model, cluster, plan, seq_len, stack)
+    if not memory_margin_bytes >= 0:
+        raise PlanError(f"memory margin must be >= 0, got {memory_margin_bytes / GiB:g} GiB")
     program = lower(rp, symmetric=symmetric)
-    return simulate_program(rp, program, trace=trace, t0=t0)
+    return simulate_program(rp, program, trace=trace, t0=t0, memory_margin_bytes=memory_margin_bytes)
 
 
 def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
-                     t0: Optional[float] = None) -> SimResult:
+                     t0: Optional[float] = None, memory_margin_bytes: float = 0.0) -> SimResult:
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
     from simexec.sim.breakdown import breakdown, slowest_rank
     from simexec.sim.engine import Engine
@@ -136,6 +150,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         for x in reps.get(r, (r,)):
             per_rank[x] = mem.peak[r]
     per_rank = dict(sorted(per_rank.items()))
+    tensors_per_rank = {x: mem.tensor_peak[r] for r in sorted(mem.tensor_peak) for x in reps.get(r, (r,))}
 
     slow = slowest_rank(eng)
     tokens = rp.tokens_per_step
@@ -149,8 +164,9 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         peak_memory_bytes=mem.peak[peak_rank], peak_memory_bytes_per_rank=per_rank,
         peak_tensor_bytes=mem.tensor_peak[peak_rank],
         memory_breakdown_bytes=mem.breakdown[peak_rank], memory_capacity_bytes=mem.capacity,
-        fits=mem.fits(), breakdown_s=breakdown(eng, slow, step), slowest_rank=slow, peak_rank=peak_rank,
-        instructions=len(eng.instrs), wall_s=0.0,
+        fits=mem.fits(memory_margin_bytes), peak_tensor_bytes_per_rank=dict(sorted(tensors_per_rank.items())),
+        breakdown_s=breakdown(eng, slow, step), slowest_rank=slow, peak_rank=peak_rank,
+        instructions=len(eng.instrs), wall_s=0.0, memory_margin_bytes=memory_margin_bytes,
     )
     if trace:
         result.trace = _trace(eng, program, result, mem)

@@ -75,9 +75,9 @@ class FrameworkKernels:
         (w2) are recomputed, with every element-wise kernel. Blocks whose matmuls do not follow that order
         (MoE, MLA) recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks'
         saved activations."""
-        m, t = self.rp.model, self.tp
-        q, kv, _ = m.attention_widths
-        shares = {"qkv": kv / (q + 2 * kv) if not m.is_mla else 0.5, "proj": 1.0,
+        m = self.rp.model
+        q, kv, _ = m.attention_widths  # kv: K and V together
+        shares = {"qkv": kv / 2 / (q + kv) if not m.is_mla else 0.5, "proj": 1.0,
                   "fc1": 0.5 if m.gated else 0.0, "fc2": 0.0 if m.gated else 1.0}
         out = {}
         for name, b in self.layer(i).items():

@@ -141,9 +141,14 @@ def test_per_operator_checkpointing_recomputes_every_other_matmul_and_the_elemen
     assert all(again[k].bytes == dense[k].bytes for k in again)  # every element-wise kernel again
     program = lower(rp)
     assert {i.block for i in program.ranks[0] if i.phase == "recompute" and i.layer == 0} == set(again)
-    steps = [simulate("llama3-8b", "dgx-h100", f"dp=8,mbs=2,gbs=16,recompute={r}", stack="torchtitan-compile").step_time_s
-             for r in ("none", "op", "full")]
-    assert steps[0] < steps[1] < steps[2]
+    runs = [simulate("llama3-8b", "dgx-h100", f"dp=8,mbs=2,gbs=16,recompute={r}", stack="torchtitan-compile")
+            for r in ("none", "op", "full")]
+    assert runs[0].step_time_s < runs[1].step_time_s < runs[2].step_time_s
+    # it keeps the layer input, wq's, wv's, w1's and w2's outputs and the attention's: between full and none
+    assert runs[2].peak_memory_bytes < runs[1].peak_memory_bytes < runs[0].peak_memory_bytes
+    kept, saved = an.op_kept(0), sum(b.saved for b in dense.values())
+    per_token = (m.hidden + q + kv / 2 + m.ffn + m.hidden) * an.dt + m.heads * m.value_head_dim * an.dt + m.heads * 4
+    assert kept == pytest.approx(an.tokens * per_token) and kept < saved
     from simexec.exec.rank.unsupported_plans import unsupported
 
     tiny = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan("dp=1,dtype=fp32,recompute=op"))

@@ -87,3 +87,18 @@ class FrameworkKernels:
             elif b.op == "elementwise":
                 out[name] = Block(b.op, 0.0, b.bytes, 0.0)
         return out
+
+    def op_kept(self, i: int) -> float:
+        """What `recompute=op` keeps of layer i's activations from its forward to its backward: the layer's
+        input (the region's), the kept matmuls' outputs (wq's, wv's; w1's and w2's, or without gating fc1's)
+        and the attention kernel's output with its log-sum-exp; the recomputed blocks' outputs and every
+        element-wise output are made again. Blocks that do not follow a Llama layer's order (MoE, MLA)
+        keep half of what they save."""
+        m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
+        blocks = self.layer(i)
+        if m.is_moe_layer(i) or m.is_mla:
+            return self.hidden_bytes + sum(b.saved for b in blocks.values()) / 2
+        q, kv, _ = m.attention_widths
+        matmuls = T * (q + kv / 2) / t + (T * m.ffn / t + T * h if m.gated else T * m.ffn / t)
+        attention = T * m.heads * m.value_head_dim / t * dt + T * m.heads / t * 4
+        return self.hidden_bytes + matmuls * dt + attention

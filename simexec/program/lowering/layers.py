@@ -25,6 +25,7 @@ class LayerBackward:
     full: bool  # full recompute: the layer's whole forward
     saved: float  # the activations its forward saved
     kept: float  # zero-bubble under sp: the first norm's saved input, kept for its backward
+    kept_forward: float  # what its forward left allocated: `saved`, or under recompute what the policy keeps
     regathered: Optional[str] = None  # the sub-layer's re-gathered input (sp), once issued
     regather_waited: bool = False  # a block before the column-parallel one already waited for it
 
@@ -131,20 +132,35 @@ class LayerLowering(TensorParallel):
             else:
                 self.block_backward(step, lb)
 
+    def forward_kept(self, l: int, c: int) -> float:
+        """What layer l's forward leaves allocated for its backward: what its blocks save; under full
+        recompute its input alone; under `recompute=op` what the policy keeps (`op_kept`)."""
+        rc = self.is_recompute_layer(l, c)
+        if rc and self.p.recompute == "full":
+            return self.an.hidden_bytes
+        if rc and self.p.recompute == "op":
+            return self.an.op_kept(l)
+        return sum(b.saved for b in self.an.layer(l).values())
+
     def start_layer_backward(self, l: int, mb: int, c: int) -> LayerBackward:
-        """Full recompute: the layer's forward again, its activations beyond the saved input held."""
+        """Recompute before the backward: under full, the layer's forward again; under op, the blocks its
+        policy did not keep (the region's first saved tensor the backward reads recomputes them). Either
+        way the activations beyond what the forward kept are held again."""
         an, blocks = self.an, self.an.layer(l)
         rc = self.is_recompute_layer(l, c)
         full = rc and self.p.recompute == "full"
+        op = rc and self.p.recompute == "op"
         saved = sum(b.saved for b in blocks.values())
-        kept = (an.hidden_bytes if full else blocks["norm1"].saved) if self.p.sp else 0.0
+        kept = (an.hidden_bytes if full or op else blocks["norm1"].saved) if self.p.sp else 0.0
+        kept_forward = self.forward_kept(l, c)
         if full:
             self.layer_forward(l, mb, c, "recompute")
-            self.memory("alloc", "activations", saved - an.hidden_bytes, f"act.recompute.L{l}.m{mb}")
-        elif rc and self.p.recompute == "op":  # the region's first saved tensor the backward reads recomputes it
+        elif op:
             for name, b in an.op_recomputed(l).items():
                 self.compute("recompute", name, l, mb, c, b)
-        return LayerBackward(l, mb, c, blocks, rc, full, saved, kept)
+        if full or op:
+            self.memory("alloc", "activations", saved - kept_forward, f"act.recompute.L{l}.m{mb}")
+        return LayerBackward(l, mb, c, blocks, rc, full, saved, kept, kept_forward)
 
     def tp_backward(self, step: LayerStep, lb: LayerBackward) -> None:
         """A tp conjugate's backward. After a sub-layer's output (`*_out`) the sub-layer's backward
@@ -214,10 +230,11 @@ class LayerLowering(TensorParallel):
             return
         an, l, mb = self.an, lb.layer, lb.mb
         early = an.freed_by_input_pass(l)
-        self.memory("free", "activations", (an.hidden_bytes if lb.full else lb.saved - early) - lb.kept,
+        recomputed = lb.kept_forward < lb.saved
+        self.memory("free", "activations", (lb.kept_forward if recomputed else lb.saved - early) - lb.kept,
                     f"act.L{l}.m{mb}")
-        if lb.full:
-            self.memory("free", "activations", lb.saved - an.hidden_bytes - early, f"act.recompute.L{l}.m{mb}")
+        if recomputed:
+            self.memory("free", "activations", lb.saved - lb.kept_forward - early, f"act.recompute.L{l}.m{mb}")
         self.memory("free", "activations", early, f"act.input_pass.L{l}.m{mb}", defer=False)
 
     def head_backward(self, mb: int, c: int) -> None:

@@ -27,10 +27,8 @@ class StagePasses(LayerLowering):
             elif unit == self.head_unit:
                 self.head_forward(mb, c)
             else:
-                full = self.is_recompute_layer(unit, c) and self.p.recompute == "full"
                 self.layer_forward(unit, mb, c, "fwd")
-                saved = self.an.hidden_bytes if full else sum(b.saved for b in self.an.layer(unit).values())
-                self.memory("alloc", "activations", saved, f"act.L{unit}.m{mb}")
+                self.memory("alloc", "activations", self.forward_kept(unit, c), f"act.L{unit}.m{mb}")
             self.release_gather(unit, "fwd", mb)
             self.prefetch_next(units, j, "fwd", mb, c)
         if vs < self.rp.virtual_stages - 1 and not self.holds(vs + 1):

@@ -1,6 +1,7 @@
 """scripts/validate_modern.py and simexec.validation.modern: the one rule mapping a published modern run
 to a simexec model, cluster, stack and plan; the unit conversion; refused rows; and one small row end to end."""
-import importlib.util
+import subprocess
+import sys
 import json
 from pathlib import Path
 
@@ -82,12 +83,12 @@ def test_refused_and_not_comparable_rows_are_kept_out_of_the_statistics(rows):
     assert s["rows"] == 1 and s["refused"] == 1 and s["not_comparable"] == 1 and s["median_error"] == 0.1
 
 
-def test_script_end_to_end_on_one_small_row(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("validate_modern", ROOT / "scripts" / "validate_modern.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+def test_script_end_to_end_on_one_small_row(tmp_path):
     out, md = tmp_path / "out.json", tmp_path / "v.md"
-    assert mod.main(["--only", "mb2511-b200-llama3-8b-fp8cs-8", "--json", str(out), "--markdown", str(md)]) == 0
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_modern.py"), "--only",
+                          "mb2511-b200-llama3-8b-fp8cs-8", "--json", str(out), "--markdown", str(md)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
     data = json.loads(out.read_text())
     (r,) = data["rows"]
     assert r["name"] == "mb2511-b200-llama3-8b-fp8cs-8" and r["status"] == "ok" and r["cluster"] == "1xhgx-b200"
@@ -96,4 +97,4 @@ def test_script_end_to_end_on_one_small_row(tmp_path, capsys):
     assert data["summary"]["rows"] == 1 and "b200" in data["summary"]["families"]
     text = md.read_text()
     assert modern.BEGIN in text and modern.END in text and "mb2511-b200-llama3-8b-fp8cs-8" in text
-    assert "mb2511-b200-llama3-8b-fp8cs-8" in capsys.readouterr().out
+    assert "mb2511-b200-llama3-8b-fp8cs-8" in run.stdout

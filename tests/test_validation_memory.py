@@ -1,0 +1,45 @@
+"""scripts/validate_memory.py and simexec.validation.memory: what each published peak measured, the rows
+mapped by validate_modern's rule, and a small row end to end."""
+import subprocess
+import sys
+import json
+from pathlib import Path
+
+import pytest
+
+from simexec.errors import SpecError
+from simexec.validation import memory, modern
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _row(**over):
+    base = {r["name"]: r for r in modern.read_rows()}["tt2412-h100-llama31-8b-fsdp-compile-8"]
+    return {**base, **over}
+
+
+def test_each_peak_says_what_it_measured():
+    assert memory.measured_kind(_row()) == "reserved"  # torchtitan logs max_memory_reserved
+    assert memory.measured_kind(_row(stack="megatron-core", notes="allocated; per rank")) == "allocated"
+    with pytest.raises(SpecError, match="notes must open with one of allocated"):
+        memory.measured_kind(_row(stack="megatron-core", notes="peak 70 GB"))
+
+
+def test_rows_with_a_published_peak_and_an_allocated_one_compares_tensors_only():
+    rows = memory.memory_rows_from_files()
+    assert rows and all(float(r["peak_mem_gib"]) > 0 for r in rows)
+    reserved = memory.predict_memory(_row())
+    allocated = memory.predict_memory(_row(stack="torchtitan-compile", notes="allocated; test"))
+    assert reserved["status"] == allocated["status"] == "ok" and reserved["fits"]
+    assert allocated["predicted_gib"] < reserved["predicted_gib"]
+    assert reserved["error"] == pytest.approx(reserved["predicted_gib"] / reserved["measured_gib"] - 1)
+
+
+def test_script_writes_json_for_one_row(tmp_path):
+    out = tmp_path / "m.json"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_memory.py"), "--only",
+                          "tt2412-h100-llama31-8b-fsdp-compile-8", "--json", str(out)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert [r["name"] for r in data["rows"]] == ["tt2412-h100-llama31-8b-fsdp-compile-8"]
+    assert data["summary"]["rows"] == 1 and data["summary"]["wrong_verdicts"] == []

@@ -11,7 +11,7 @@ tables force balanced, dropless routing). Two facts of a non-preset model that t
 come from its Hugging Face config.json (`CONFIG_EXTRAS`): Qwen3-MoE's head_dim 128 (not hidden/heads)
 and its per-head q/k RMSNorm. The sequence length is the row's `seq_len`.
 
-Cluster: h100 -> `Nxdgx-h100`, h200 -> `Nxhgx-h200`, b200 -> `Nxhgx-b200` (N = gpus / 8); gb200 -> the
+Cluster: h100 -> `Nxdgx-h100`, h200 -> `Nxhgx-h200`, b200 -> `Nxhgx-b200`, mi300x -> `Nxmi300x-8` (N = gpus / 8); gb200 -> the
 `gb200-nvl72` preset cut to gpus / 4 trays of 4 GPUs (one NVLink domain per 72 GPUs). The torchtitan
 rows ran on Meta's Grand Teton H100 with 96 GB of HBM2e at its 500 W default (the rows' notes): the cluster
 file data/h100-hbm2e-500w.yaml (its memory, bandwidth, and peaks under the cap, each sourced there), gpus / 8
@@ -84,7 +84,7 @@ FP8_SCALING = {"tensorwise": "current"}  # torchao's dynamic tensorwise = per-te
 # Sources whose TFLOP/s (and MFU) can be turned back into a step time: source key -> FLOPs of one
 # step as that source counts them. None known for the rows so far.
 FLOP_COUNTS: dict[str, Callable[[dict], float]] = {}
-DEVICE_CLUSTERS = {"h100": "dgx-h100", "h200": "hgx-h200", "b200": "hgx-b200"}
+DEVICE_CLUSTERS = {"h100": "dgx-h100", "h200": "hgx-h200", "b200": "hgx-b200", "mi300x": "mi300x-8"}
 GRAND_TETON_H100 = DATA / "h100-hbm2e-500w.yaml"  # the tt-* rows' H100s (their notes)
 LONG_CONTEXT = 32768
 

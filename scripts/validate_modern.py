@@ -8,44 +8,13 @@ The rule mapping a row to a model, cluster, stack and plan, and the comparison, 
 """
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import time
 from pathlib import Path
-from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from simexec.outputs import outputs_refused, write_atomic  # noqa: E402
-from simexec.validation.modern import modern_rows, summary, summary_lines, to_markdown, update_markdown  # noqa: E402
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", help="comma-separated row names or prefixes (e.g. mb2511-h100,tt2412)")
-    ap.add_argument("--json", help="write {'rows': [...], 'summary': {...}} here")
-    ap.add_argument("--markdown", help="write the table into this file (between its validate_modern markers)")
-    args = ap.parse_args(argv)
-    if outputs_refused("validate_modern.py", {"--json": args.json, "--markdown": args.markdown}):
-        return 2
-    keys = [k.strip() for k in args.only.split(",") if k.strip()] if args.only else None
-    only = (lambda name: any(name == k or name.startswith(k) for k in keys)) if keys else None
-    t0 = time.perf_counter()
-    print(f"  {'row':<46} {'device':<6} {'stack':<19} {'pred s':>8} {'meas s':>8} {'error':>8}  plan")
-    rows = modern_rows(only)
-    s = summary(rows)
-    for text in summary_lines(s):
-        print(text)
-    print(f"({time.perf_counter() - t0:.0f} s)")
-    if args.json:
-        write_atomic(args.json, json.dumps({"rows": rows, "summary": s}, indent=1).encode())
-    if args.markdown:
-        cmd = "python scripts/validate_modern.py" + "".join(
-            f" {flag} {val}" for flag, val in (("--only", args.only), ("--markdown", args.markdown)) if val)
-        update_markdown(Path(args.markdown), to_markdown(rows, cmd))
-    return 0
-
+from simexec.validation.modern import TABLE  # noqa: E402
+from simexec.validation.table_script import run_table  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_table(TABLE, __doc__.splitlines()[0]))

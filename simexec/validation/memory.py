@@ -22,6 +22,7 @@ from simexec.errors import PlanError, SpecError
 from simexec.validation.markdown import replace_block
 from simexec.validation.modern import CSV as MODERN_CSV, folding_gap, map_row
 from simexec.validation.published import DATA, read_published_csv
+from simexec.validation.table_script import Table, predicted_rows
 
 CSV = DATA / "published_memory.csv"
 KINDS = ("allocated", "reserved", "nvidia-smi")
@@ -72,14 +73,7 @@ def predict_memory(r: dict) -> dict:
 
 def memory_rows(only: Optional[Callable[[str], bool]] = None, log=print,
                 paths: tuple[Path, ...] = (MODERN_CSV, CSV)) -> list[dict]:
-    rows = []
-    for r in memory_rows_from_files(paths):
-        if only and not only(r["name"]):
-            continue
-        out = predict_memory(r)
-        rows.append(out)
-        log(line(out))
-    return rows
+    return predicted_rows(memory_rows_from_files(paths), predict_memory, line, only, log)
 
 
 def line(o: dict) -> str:
@@ -133,3 +127,7 @@ def to_markdown(rows: list[dict], command: str) -> str:
 
 def update_markdown(path: Path, block: str) -> None:
     replace_block(path, block, BEGIN, END, new_doc="# Validation against published results\n\n")
+
+
+TABLE = Table("validate_memory.py", f"  {'row':<46} {'device':<6} {'stack':<19} {'measured':<10} {'pred':>7} {'meas':>7} "
+              f"{'error':>8}  plan", lambda only: memory_rows(only), summary, summary_lines, to_markdown, update_markdown)

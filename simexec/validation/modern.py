@@ -69,6 +69,7 @@ from simexec.specs.plan import Plan, balanced_stages
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.validation.markdown import replace_block
 from simexec.validation.published import DATA, read_published_csv
+from simexec.validation.table_script import Table, predicted_rows
 
 CSV = DATA / "modern_runs.csv"
 
@@ -286,14 +287,7 @@ def read_rows(path: Path = CSV) -> list[dict]:
 
 
 def modern_rows(only: Optional[Callable[[str], bool]] = None, path: Path = CSV, log=print) -> list[dict]:
-    rows = []
-    for r in read_rows(path):
-        if only and not only(r["name"]):
-            continue
-        out = predict_row(r)
-        rows.append(out)
-        log(line(out))
-    return rows
+    return predicted_rows(read_rows(path), predict_row, line, only, log)
 
 
 def line(o: dict) -> str:
@@ -362,3 +356,7 @@ def to_markdown(rows: list[dict], command: str) -> str:
 
 def update_markdown(path: Path, block: str) -> None:
     replace_block(path, block, BEGIN, END, new_doc="# Validation against published results\n\n")
+
+
+TABLE = Table("validate_modern.py", f"  {'row':<46} {'device':<6} {'stack':<19} {'pred s':>8} {'meas s':>8} {'error':>8}  plan",
+              lambda only: modern_rows(only), summary, summary_lines, to_markdown, update_markdown)

@@ -516,12 +516,22 @@ def get_cluster(name_or_path: str) -> ClusterSpec:
     preset = _preset(name_or_path)
     if preset is not None:
         return preset
+    if names_a_file(name_or_path):
+        return load_cluster_file(Path(name_or_path))
+    raise unknown_name("cluster", name_or_path, list(PRESETS), "presets")
+
+
+def names_a_file(name_or_path: str) -> bool:
+    """Whether a spec argument is a file (a YAML/JSON suffix, or a path that exists) rather than a name."""
     path = Path(name_or_path)
-    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
-        return load_cluster_file(path)
-    close = difflib.get_close_matches(name_or_path, list(PRESETS), n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; presets: {', '.join(PRESETS)}"
-    raise SpecError(f"unknown cluster {name_or_path!r}{hint}")
+    return path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists()
+
+
+def unknown_name(what: str, name: str, names: list[str], listed: str) -> SpecError:
+    """The one-line error for a name that is neither a preset nor a file: the closest names, or all."""
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f"; did you mean {', '.join(close)}?" if close else f"; {listed}: {', '.join(names)}"
+    return SpecError(f"unknown {what} {name!r}{hint}")
 
 
 def read_mapping(path: Path, what: str) -> dict:

@@ -9,13 +9,13 @@ described (Megatron-LM's fused kernels).
 """
 from __future__ import annotations
 
-import difflib
 from pathlib import Path
 from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from simexec.errors import SpecError
+from simexec.specs.cluster import deep_merge, names_a_file, one_line, read_mapping, unknown_name
 
 
 class _Spec(BaseModel):
@@ -162,17 +162,12 @@ def get_stack(name_or_path: str | None) -> StackSpec:
         return STACKS[DEFAULT_STACK]
     if name_or_path in STACKS:
         return STACKS[name_or_path]
-    path = Path(name_or_path)
-    if path.suffix.lower() in (".yaml", ".yml", ".json") or path.exists():
-        return load_stack_file(path)
-    close = difflib.get_close_matches(name_or_path, list(STACKS), n=3)
-    hint = f"; did you mean {', '.join(close)}?" if close else f"; stacks: {', '.join(STACKS)}"
-    raise SpecError(f"unknown stack {name_or_path!r}{hint}")
+    if names_a_file(name_or_path):
+        return load_stack_file(Path(name_or_path))
+    raise unknown_name("stack", name_or_path, list(STACKS), "stacks")
 
 
 def load_stack_file(path: Path) -> StackSpec:
-    from simexec.specs.cluster import deep_merge, one_line, read_mapping
-
     data = read_mapping(Path(path), "stack")
     data.setdefault("name", Path(path).stem)
     base_name = data.pop("base", None)

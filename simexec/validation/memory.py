@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Callable, Optional
 
-from simexec.errors import PlanError, SpecError
+from simexec.errors import SpecError
 from simexec.validation.markdown import replace_block
-from simexec.validation.modern import CSV as MODERN_CSV, folding_gap, map_row
+from simexec.validation.modern import CSV as MODERN_CSV, simulate_row
 from simexec.validation.published import DATA, read_published_csv
 from simexec.validation.table_script import Table, predicted_rows
 
@@ -47,22 +47,17 @@ def memory_rows_from_files(paths: tuple[Path, ...] = (MODERN_CSV, CSV)) -> list[
 
 def predict_memory(r: dict) -> dict:
     """One result row: status ok | refused, the mapping, predicted and measured GiB, and the verdicts."""
-    from simexec.sim.simulate import simulate
-
     out = {"name": r["name"], "source": r["source"], "device": r["device"], "stack": r["stack"],
            "measured_gib": float(r["peak_mem_gib"]), "kind": "", "status": "ok", "reason": "", "plan": "",
            "predicted_gib": None, "error": None, "fits": None}
     try:
         out["kind"] = measured_kind(r)
-        m = map_row(r)
-        out["plan"] = m.plan
-        gap = folding_gap(r)
-        if gap:
-            raise PlanError(gap)
-        t0 = time.perf_counter()
-        res = simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
-    except (PlanError, SpecError) as exc:
-        out.update(status="refused", reason=str(exc).splitlines()[0])
+    except SpecError as exc:
+        out.update(status="refused", reason=str(exc))
+        return out
+    t0 = time.perf_counter()
+    res = simulate_row(r, out)
+    if res is None:
         return out
     predicted = res.peak_tensor_bytes if out["kind"] == "allocated" else res.peak_memory_bytes
     out.update(predicted_gib=predicted / GiB, error=predicted / GiB / out["measured_gib"] - 1.0, fits=res.fits,

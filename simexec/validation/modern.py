@@ -251,10 +251,25 @@ def folding_gap(r: dict) -> Optional[str]:
     return None
 
 
-def predict_row(r: dict) -> dict:
-    """One result row: status ok | refused | not comparable, with the mapping and the comparison."""
+def simulate_row(r: dict, out: dict):
+    """Simulate a row as mapped (`map_row`), its plan and cluster noted in `out`; None, with `out` marked
+    refused and why, where simexec refuses the mapping."""
     from simexec.sim.simulate import simulate
 
+    try:
+        m = map_row(r)
+        out.update(plan=m.plan, cluster=m.cluster.name)
+        gap = folding_gap(r)
+        if gap:
+            raise PlanError(gap)
+        return simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
+    except (PlanError, SpecError) as exc:
+        out.update(status="refused", reason=str(exc).splitlines()[0])
+        return None
+
+
+def predict_row(r: dict) -> dict:
+    """One result row: status ok | refused | not comparable, with the mapping and the comparison."""
     out = {"name": r["name"], "source": r["source"], "device": r["device"], "gpus": int(r["gpus"]),
            "stack": r["stack"], "model": r["model"], "seq_len": int(r["seq_len"]), "metric": r["metric"],
            "value": float(r["value"]), "published_peak_gib": float(r["peak_mem_gib"]) if r["peak_mem_gib"] else None,
@@ -265,16 +280,9 @@ def predict_row(r: dict) -> dict:
     except NotComparable as exc:
         out.update(status="not comparable", reason=str(exc))
         return out
-    try:
-        m = map_row(r)
-        out.update(plan=m.plan, cluster=m.cluster.name)
-        gap = folding_gap(r)
-        if gap:
-            raise PlanError(gap)
-        t0 = time.perf_counter()
-        res = simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
-    except (PlanError, SpecError) as exc:
-        out.update(status="refused", reason=str(exc).splitlines()[0])
+    t0 = time.perf_counter()
+    res = simulate_row(r, out)
+    if res is None:
         return out
     out.update(predicted_s=res.step_time_s, error=res.step_time_s / out["measured_s"] - 1.0, fits=res.fits,
                peak_memory_gib=res.peak_memory_bytes / 2**30, sim_wall_s=time.perf_counter() - t0,

@@ -208,3 +208,25 @@ def test_search_with_a_margin_never_proposes_a_plan_that_eats_it():
     cap = simulate("llama3-8b", "dgx-h100", "dp=8").memory_capacity_bytes
     plans = res.to_json()["plans"]
     assert plans and all(p["peak_memory_bytes"] + margin <= cap for p in plans)
+
+
+def test_the_loss_holds_what_its_kernels_keep_of_the_logits():
+    """An eager fp32 cross entropy holds two fp32 gradients beside its saved log-softmax; a compiled or
+    Transformer Engine one keeps the bf16 logits only; Megatron's native one its fp32 exp(z)."""
+    heads = {k: Anatomy(resolve(get_model("llama3-8b"), get_cluster("dgx-h100"), parse_plan("dp=8"), 8192,
+                                STACKS["megatron-core"].model_copy(update={"cross_entropy": k}))).head
+             for k in ("native", "te", "eager", "compiled")}
+    n = 8192 * 128256
+    saved = {k: h["head"].saved for k, h in heads.items()}
+    assert saved["native"] - saved["te"] == pytest.approx(2 * n)
+    assert saved["eager"] == saved["native"] and saved["compiled"] == saved["te"]
+    peak = {k: h["head"].saved + h["head"].bwd_workspace for k, h in heads.items()}
+    assert peak["eager"] - peak["native"] > 5.5 * n  # 12 B per logit against 4 + the 2-byte cast and the GEMMs'
+    assert peak["te"] < peak["compiled"] < peak["native"] < peak["eager"]
+    traffic = {k: h["xent"].bytes + h["xent"].bwd_bytes + h["head"].bytes for k, h in heads.items()}
+    assert traffic["te"] < traffic["native"] and traffic["compiled"] < traffic["eager"]
+    # the simulated peak follows: an eager loss needs more memory than Megatron's
+    peaks = {k: simulate("llama3-8b", "dgx-h100", "dp=8,zero=3", 8192,
+                         stack=STACKS["megatron-core"].model_copy(update={"cross_entropy": k})).peak_memory_bytes
+             for k in ("native", "eager")}
+    assert peaks["eager"] > peaks["native"] + 4 * n

@@ -26,7 +26,7 @@ from typing import Optional
 
 from simexec.program.block import Block
 from simexec.program.layer_order import LayerStep, layer_steps
-from simexec.program.stack_kernels import FrameworkKernels
+from simexec.program.stack_kernels import CrossEntropyCost, FrameworkKernels, cross_entropy_cost
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
 
@@ -168,11 +168,16 @@ class Anatomy(FrameworkKernels):
         return self.tokens * self.rp.model.vocab / self.tp
 
     @cached_property
+    def cross_entropy(self) -> CrossEntropyCost:
+        """The stack's cross entropy over this rank's logits; simexec's executor's on CPU ranks (native)."""
+        kind = "native" if self.eager_kernels else self.rp.stack.cross_entropy
+        return cross_entropy_cost(kind, self.dt)
+
+    @cached_property
     def logits_released(self) -> float:
-        """The head's fp32 logits (the saved exp(z)) that its backward lets go once it has cast their
-        gradient to a 16-bit dt, before any weight-gradient pass; in fp32 that gradient is the same
-        buffer, kept until the pass."""
-        return 4.0 * self.n_logits if self.dt < 4 else 0.0
+        """What the loss saved of the logits (Megatron's fp32 exp(z)) that the backward lets go once it
+        has made their gradient in the head's dtype, before any weight-gradient pass."""
+        return self.cross_entropy.released * self.n_logits
 
     def freed_by_input_pass(self, i: int) -> float:
         """Under a zero-bubble schedule, what layer i's input-gradient pass frees of its saved bytes;
@@ -560,14 +565,15 @@ class Anatomy(FrameworkKernels):
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
         f, _ = _gemm(T, h, m.vocab / t, dt)
         n_logits = self.n_logits
-        logits = n_logits * 4  # fp32 logits for the cross entropy
-        # final norm (a block of its own under sp), GEMM, logits cast to fp32 (read dt, write 4)
+        ce = self.cross_entropy
+        logits = ce.saved * n_logits  # what the loss keeps of the logits for its backward
+        # final norm (a block of its own under sp), GEMM, and a cast of the logits to fp32 where the loss has one
         norm_f, norm_b = self._norm_fwd(), 3 * dt * T * h / self.sp_div
-        b_head = (0.0 if self.sp else norm_f) + (dt + 4) * n_logits
+        b_head = (0.0 if self.sp else norm_f) + ce.head_cast * n_logits
         bb_head = (0.0 if self.sp else norm_b) + self._wgrad(h * m.vocab / t)
         wgrad_tmp = self._wgrad_tmp(h * m.vocab / t)
-        # the backward casts the fp32 logits' gradient to dt for the GEMM while the fp32 one is still held
-        cast = n_logits * dt if dt < 4 else 0.0
+        # the logits' gradient the GEMMs read, and what the loss's backward holds at its own peak
+        cast, loss_peak = ce.grad_out * n_logits, ce.bwd_workspace * n_logits
         if self.sp:
             # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
             # GEMM's input gradient (gathered), the norm's (this rank's slice)
@@ -575,23 +581,19 @@ class Anatomy(FrameworkKernels):
                 "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes + self.norm_stats, norm_b,
                               self.hidden_bytes + self._norm_bwd_temps(T * h / self.sp_div)),  # as norm1
                 "head": Block(self.head_op, f, b_head, self.hidden_bytes + logits, bb_head,
-                              self.full_hidden_bytes + wgrad_tmp + cast),
+                              max(loss_peak, self.full_hidden_bytes + wgrad_tmp + cast)),
             }
         else:
-            # backward: the logits' gradient is the saved exp(z), in place; the GEMM's input gradient
-            # and the norm's, plus autograd's weight-gradient temporary; then the norm's backward
+            # backward: the logits' gradient (`cast`); the GEMM's input gradient and the norm's, plus autograd's weight-gradient temporary; then the norm's backward
             n = self.full_hidden_bytes
             blocks = {"head": Block(self.head_op, f, b_head, 2 * T * h * dt + self.norm_stats + logits, bb_head,
-                                    max(2 * n + wgrad_tmp + cast, n + self._norm_bwd_temps(T * h)))}
-        # Megatron's vocab-parallel cross entropy in fp32: max (r), subtract (rw), exp (rw), sum (r),
-        # divide (rw) = 32 B per logit; backward: scale the softmax in place (rw) and cast back to dt
+                                    max(loss_peak, 2 * n + wgrad_tmp + cast, n + self._norm_bwd_temps(T * h)))}
         head = blocks["head"]
-        # the logits' gradient W reads: in fp32 the saved exp(z) itself, in place; else its cast (above)
         grad_out = cast + (0.0 if self.sp else self.full_hidden_bytes)
         blocks["head"] = replace(head, **self._weight_pass(head, h * m.vocab / t, grad_out))
         return {
             **blocks,
-            "xent": Block("loss", 0.0, 32.0 * n_logits, 0.0, (8.0 + 4.0 + dt) * n_logits),
+            "xent": Block("loss", 0.0, ce.fwd * n_logits, 0.0, ce.bwd * n_logits),
             "loss": Block("loss", 0.0, 8.0 * T, 0.0),
         }
 

@@ -1,16 +1,60 @@
 """What a training framework's kernels add to a layer's blocks (`simexec.specs.stack`): the casts of an FP8
 recipe around each linear GEMM, the element-wise kernels it launches beyond Megatron-Core's fused ones,
-and what its per-operator checkpointing runs again before a layer's backward.
+what its per-operator checkpointing runs again before a layer's backward, and what its cross-entropy
+kernels move and keep (`cross_entropy_cost`).
 
 A mixin of `simexec.program.blocks.Anatomy`, whose sizes (`tokens`, `h`, `dt`, `tp`, `sp_div`) and
 blocks it reads.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from simexec.program.block import Block
 from simexec.specs.stack import DEFAULT_STACK, STACKS
+
+
+@dataclass(frozen=True)
+class CrossEntropyCost:
+    """A cross entropy's memory traffic and what it holds, in bytes per logit of this rank."""
+
+    head_cast: float  # the head's output cast to fp32 by a kernel of its own, ahead of the loss
+    fwd: float  # the loss kernels' traffic, forward
+    bwd: float  # ... backward, through the logits' gradient in the head's dtype
+    saved: float  # kept from the forward to the backward
+    bwd_workspace: float  # held beyond `saved` at the loss backward's peak
+    grad_out: float  # the logits' gradient the head's GEMMs read, beyond `saved`
+    released: float  # of `saved`, what the loss backward frees before a weight-gradient pass
+
+
+def cross_entropy_cost(kind: str, dt: float) -> CrossEntropyCost:
+    """What a stack's cross entropy (`StackSpec.cross_entropy`) costs over logits of `dt` bytes.
+
+    native: Megatron's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py): the
+      logits cast to fp32, max, subtract, exp in place, sum, divide (32 B); the fp32 exp(z) saved; its
+      backward scales it in place and casts the gradient to dt.
+    te: Transformer Engine's Triton kernel (transformer_engine/pytorch/cross_entropy.py, Megatron's
+      cross_entropy_fusion_impl="te"): one pass for max and sum, one that writes the gradient into the
+      logits in place (3 dt); the backward scales that gradient (2 dt); nothing in fp32.
+    eager: torch's `cross_entropy(logits.float(), labels)` unfused (torchtitan's loss, uncompiled): the
+      fp32 copy, a log-softmax that reads its input three times and writes its fp32 output (16 B), which
+      it saves; the backward writes nll's dense fp32 gradient, log-softmax's fp32 input gradient beside
+      it and the saved output (8 B held beyond it), then casts to dt.
+    compiled: the same under torch.compile (Inductor): the forward reads the dt logits twice and saves
+      them; the backward reads them and writes the dt gradient in one kernel.
+    """
+    low = dt < 4  # a 16-bit head: casts to and from fp32 exist
+    if kind == "native":
+        return CrossEntropyCost(dt + 4, 32.0, 8.0 + 4.0 + dt, 4.0, dt if low else 0.0, dt if low else 0.0,
+                                4.0 if low else 0.0)
+    if kind == "te":
+        return CrossEntropyCost(0.0, 3 * dt, 2 * dt, dt, 0.0, 0.0, 0.0)
+    if kind == "eager":
+        return CrossEntropyCost(dt + 4 if low else 0.0, 16.0, 4.0 + 16.0 + (4.0 + dt if low else 0.0), 4.0, 8.0,
+                                dt if low else 4.0, 4.0)
+    if kind == "compiled":
+        return CrossEntropyCost(0.0, 2 * dt, 2 * dt, dt, dt, dt, dt)
+    raise ValueError(f"unknown cross entropy {kind!r}")
 
 
 class FrameworkKernels:

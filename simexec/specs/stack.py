@@ -68,6 +68,11 @@ class StackSpec(_Spec):
     layer_elementwise: ElementwiseTraffic = Field(
         description="the element-wise kernels of a layer; simexec's blocks count Megatron-Core's fused ones, and "
         "a stack that launches more moves the difference too")
+    cross_entropy: Literal["native", "te", "eager", "compiled"] = Field(
+        description="the loss kernels over the logits (simexec.program.stack_kernels.cross_entropy_cost): native "
+        "(Megatron's vocab-parallel cross entropy in fp32), te (Transformer Engine's Triton kernel, the gradient "
+        "written into the logits in the forward), eager (torch's cross_entropy on an fp32 copy, unfused), "
+        "compiled (the same under torch.compile)")
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
@@ -99,6 +104,10 @@ STACKS: dict[str, StackSpec] = {
         # TE's LayerNormLinear norms, fused RoPE, bias-SwiGLU and bias-dropout-add: 7 kernels forward, 9 backward,
         # 23 and 34 units (megatron/core/models/gpt/gpt_layer_specs.py, docs/stacks.md §1.3): what the blocks count
         layer_elementwise=ElementwiseTraffic(fwd_units=23, bwd_units=34),
+        # Megatron-Bridge's recipes set cross_entropy_loss_fusion=True with cross_entropy_fusion_impl="te"
+        # (Megatron-Bridge@067f987 src/megatron/bridge/recipes/llama/h100/llama3.py:98-99); Megatron-LM's own default is the
+        # native vocab-parallel one (--cross-entropy-loss-fusion off)
+        cross_entropy="te",
         # DDP or the distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), Megatron-FSDP
         # (megatron/core/distributed/fsdp); context parallel as TE's p2p ring or a2a (cp_comm_type); the
         # pipeline schedules of megatron/core/pipeline_parallel/schedules.py; async TP gradients always on
@@ -121,6 +130,8 @@ STACKS: dict[str, StackSpec] = {
         # eager aten ops: nn.RMSNorm decomposed (torch <= 2.8) with an fp32 up-cast, complex RoPE in fp32, silu and
         # mul apart, residual and gradient adds (torchtitan/models/llama3/model.py @238fa99; docs/stacks.md §1.1)
         layer_elementwise=ElementwiseTraffic(fwd_units=72, bwd_units=190),
+        # cross_entropy(pred.flatten(0, 1).float(), labels) (torchtitan/components/loss.py)
+        cross_entropy="eager",
         # FSDP2 (fully_shard) or plain replication; torch's context parallel (all-gather of K/V); the
         # schedules of torch.distributed.pipelining; DTensor's TP collectives after each backward
         search_choices=TORCHTITAN_CHOICES,
@@ -135,6 +146,11 @@ STACKS: dict[str, StackSpec] = {
         attention_kernel="fa2",  # compile leaves SDPA one opaque kernel, as eager
         # Inductor fuses each block's pointwise chains and reductions (docs/stacks.md §1.2)
         layer_elementwise=ElementwiseTraffic(fwd_units=22, bwd_units=32),
+        # the loss compiled with the model (torchtitan@bbb1b616e, 2025-04-02, build_cross_entropy_loss; since
+        # torchtitan@08b8b244f: compile.components ["model", "loss"]). Between torchtitan@e8977b007
+        # (2024-12-18, "turning off compile on loss function") and then it ran eager: a stack file with
+        # cross_entropy: eager says so
+        cross_entropy="compiled",
         search_choices=TORCHTITAN_CHOICES,
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
@@ -146,6 +162,7 @@ STACKS: dict[str, StackSpec] = {
         attention_kernel="fa2",  # Megatron-DeepSpeed's --use-flash-attn-v2 (megatron/model/transformer.py)
         # apex fused RMSNorm, unfused RoPE and SwiGLU, scripted bias-dropout-add (docs/stacks.md §1.4)
         layer_elementwise=ElementwiseTraffic(fwd_units=40, bwd_units=72),
+        cross_entropy="native",  # Megatron's vocab_parallel_cross_entropy (megatron/model/gpt_model.py)
         # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
         search_choices=dict(zero=[0, 1, 2, 3], zero_impl=["deepspeed"], cp_impl=["a2a"],

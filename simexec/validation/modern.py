@@ -19,7 +19,8 @@ nodes of it.
 
 Stack: the row's `stack` (megatron-core, torchtitan, torchtitan-compile, deepspeed are
 simexec.specs.stack.STACKS); `nemo` -> megatron-core; `other` (the Llama 3 paper's own framework) ->
-simexec's default. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
+simexec's default; a torchtitan row of a source in `EAGER_LOSS_SOURCES` (a torchtitan commit that ran the
+loss eager under compile) gets `cross_entropy: eager`. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
 current scaling); the stack's other FP8 traits (where it casts) stay.
 
 Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),
@@ -146,8 +147,16 @@ def row_cluster(r: dict) -> ClusterSpec:
     return get_cluster(f"{gpus // 8}x{DEVICE_CLUSTERS[device]}")
 
 
+# Sources that ran torchtitan at a commit whose loss was eager even under --compile: from torchtitan@e8977b007
+# (2024-12-18, "turning off compile on loss function") to torchtitan@bbb1b616e (2025-04-02, which compiles
+# it again): tt-2412 at 9dec370 (2024-12-26), tt-808 (pull request of 2025-01-27).
+EAGER_LOSS_SOURCES = ("tt-2412", "tt-808")
+
+
 def row_stack(r: dict) -> StackSpec:
     stack = get_stack(STACK_ALIASES.get(r["stack"], r["stack"]))
+    if is_torchtitan(r) and r["source"].split(":")[0] in EAGER_LOSS_SOURCES:
+        stack = stack.model_copy(update={"cross_entropy": "eager"})
     if r["dtype"] == "fp8" and r["fp8_recipe"]:
         scaling = FP8_SCALING.get(r["fp8_recipe"], r["fp8_recipe"])
         stack = stack.model_copy(update={"fp8": stack.fp8.model_copy(update={"scaling": scaling})})

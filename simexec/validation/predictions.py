@@ -17,7 +17,9 @@ layers per stage (3 is the most the authors' own scripts use, Megatron-LM exampl
 recompute; fp16; no fused attention (FlashAttention came a year later); gradient all-reduce as
 Megatron-LM 2021 did it: torch DDP (25 MB buckets overlapped with the last backward, copied in and
 out of `.grad` as torch DDP's default does) without a pipeline, Megatron's local DDP (the whole
-gradient buffer reduced after the backward) with one.
+gradient buffer reduced after the backward) with one; Megatron's native vocab-parallel cross entropy
+(`MEGATRON_2021`: the megatron-core stack before Transformer Engine's fused loss). BLOOM's
+Megatron-DeepSpeed runs the same loss.
 """
 from __future__ import annotations
 
@@ -29,10 +31,13 @@ from typing import Callable, Iterable, Optional
 from simexec.sim.simulate import SimResult, simulate
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import Plan, load_plan
+from simexec.specs.stack import get_stack
 from simexec.validation.markdown import replace_block
 from simexec.validation.published import (BLOOM_SRC, SC21_T1, SC21_T2, SEQ, TABLE1, TABLE2, TFLOPS, ZERO_SRC,
                                           bloom_model, bloom_recipe, eq3_flops, jean_zay, megatron_name,
                                           megatron_plan, megatron_spec, read_megatron_csv, t2_suffix)
+
+MEGATRON_2021 = get_stack("megatron-core").model_copy(update={"name": "megatron-lm-2021", "cross_entropy": "native"})
 
 
 def row(name: str, source: str, metric: str, published: float, predicted: float, **config) -> dict:
@@ -53,7 +58,7 @@ def predict_megatron(params_b: float, heads: int, hidden: int, layers: int, tp: 
     model = megatron_spec(params_b, heads, hidden, layers)
     plan = megatron_plan(layers, tp, pp, gpus, global_batch)
     cluster = f"{gpus // 8}xdgx-a100-80g"
-    res = simulate(model, cluster, plan, SEQ)
+    res = simulate(model, cluster, plan, SEQ, stack=MEGATRON_2021)
     flops = eq3_flops(global_batch, SEQ, layers, hidden, model.vocab)
     return flops / res.step_time_s / gpus / 1e12, res, plan, cluster
 
@@ -76,7 +81,7 @@ def authors_table(log=print) -> None:
         mbs, vpp = AUTHORS_MBS_VPP[name]
         model = megatron_spec(params_b, heads, hidden, layers)
         plan = load_plan(megatron_plan(layers, tp, pp, gpus, gbs)).model_copy(update=dict(mbs=mbs, vpp=vpp))
-        res = simulate(model, f"{gpus // 8}xdgx-a100-80g", plan, SEQ)
+        res = simulate(model, f"{gpus // 8}xdgx-a100-80g", plan, SEQ, stack=MEGATRON_2021)
         tflops = eq3_flops(gbs, SEQ, layers, hidden, model.vocab) / res.step_time_s / gpus / 1e12
         bubble = res.breakdown_s.get("pipeline_bubble", 0.0) / res.step_time_s
         log(f"| {name} | {mbs}, {vpp} | {gbs // plan.dp // mbs} | {100 * bubble:.1f}% | {tflops:.1f} | "
@@ -155,7 +160,7 @@ def zero_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[d
         # (FSDP, the default flavour, makes the gradient shards during the backward)
         impl = ",zero_impl=deepspeed" if stage == 3 else ""
         plan = f"dp={ZERO_ND},zero={stage}{impl},gbs={ZERO_ND},dtype=fp16"
-        res = simulate(model, f"{ZERO_ND // 8}xdgx-a100-80g", plan, 512, trace=True)
+        res = simulate(model, f"{ZERO_ND // 8}xdgx-a100-80g", plan, 512, trace=True, stack=MEGATRON_2021)
         gb = sum(model_states(res).values()) / 1e9
         at_peak = sum(res.memory_breakdown_bytes[k] for k in STATES) / 1e9
         out.append(row(name, ZERO_SRC, "model-state GB per GPU", ZERO_PUBLISHED[stage], gb,
@@ -178,7 +183,7 @@ def bloom_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[
         return []
     model, cluster = bloom_model(), jean_zay(48)
     plan = Plan(**bloom_recipe(model, 4, 12), dp=8, mbs=2, gbs=2048).to_string()
-    res = simulate(model, cluster, plan, SEQ)
+    res = simulate(model, cluster, plan, SEQ, stack=MEGATRON_2021)
     tflops = eq3_flops(2048, SEQ, model.layers, model.hidden, model.vocab) / res.step_time_s / 384 / 1e12
     out = [row(name, BLOOM_SRC, TFLOPS, 150.0, tflops, model=model.name, cluster=cluster.name, plan=plan,
                step_time_s=res.step_time_s, fits=res.fits,

@@ -189,6 +189,8 @@ HF_COUNTS = [  # fixture dir, published total, published active, tolerance
     ("mistral-7b-v0.1", 7.24e9, None, 0.001),  # mistralai/Mistral-7B-v0.1: 7,241,732,096
     ("phi-3-mini-4k", 3.82e9, None, 0.001),  # microsoft/Phi-3-mini-4k-instruct: 3,821,079,552
     ("gemma-7b", 8.54e9, None, 0.001),  # google/gemma-7b: 8,537,680,896 (tied head, 256-wide heads)
+    # openai/gpt-oss-120b model card: 116.83B total; 5.13B active counting the unembedding, not the embedding
+    ("gpt-oss-120b", 116.83e9, 5.13e9 + 201088 * 2880, 0.001),
 ]
 
 
@@ -224,6 +226,16 @@ def test_hf_qwen3_counts_every_weight():
     assert (moe.qkv_bias, moe.qk_norm, moe.moe.shared_experts, moe.moe.experts, moe.moe.top_k) == (False, True, 0, 128, 8)
     assert moe.params == 30_532_122_624  # 30,532,110,336 without the 48 layers' q and k norms
     assert moe.heads * moe.head_dim == 2 * moe.hidden  # q is wider than the residual stream
+
+
+def test_hf_gpt_oss_alternates_windows_and_carries_biases_and_sinks():
+    m = get_model(str(HF / "gpt-oss-120b"))
+    assert (m.sliding_window, m.full_attention_every, m.attention_sinks, m.bias) == (128, 2, True, True)
+    assert [m.attention_window(i) for i in range(4)] == [128, None, 128, None]
+    assert (m.moe.experts, m.moe.top_k, m.moe.expert_ffn, m.moe.first_dense_layers) == (128, 4, 2880, 0)
+    # q, k, v and o biases, a sink per head, biases on each expert's gate/up and down and on the router
+    assert m.attention_params() - m.attention_matmul_params() == (64 + 16) * 64 + 2880 + 64
+    assert m.router_params() == 2881 * 128 and m.expert_params() == 3 * 2880 * 2880 + 3 * 2880
 
 
 def test_hf_sliding_window():

@@ -130,6 +130,23 @@ def _hf_mixtral(cfg: dict, origin: str) -> dict[str, Any]:
     return f
 
 
+def _hf_gpt_oss(cfg: dict, origin: str) -> dict[str, Any]:
+    """gpt-oss (transformers models/gpt_oss/modeling_gpt_oss.py): every layer a MoE of `num_local_experts`
+    SwiGLU experts of width `intermediate_size`, `num_experts_per_tok` per token; biases on q, k, v, o, on
+    every expert matrix and on the router; a learned sink logit per head; `layer_types` alternating a
+    sliding window of `sliding_window` with full attention. The clamped SwiGLU (`swiglu_limit`) and YaRN
+    rotary scaling change neither parameters nor FLOPs."""
+    f = _hf_llama_like(cfg, origin)
+    f.update(bias=True, qkv_bias=False, attention_sinks=True)
+    top_k = cfg.get("num_experts_per_tok", cfg.get("experts_per_token"))
+    f["moe"] = dict(
+        experts=_get(cfg, "num_local_experts", origin),
+        top_k=top_k if top_k is not None else _get(cfg, "num_experts_per_tok", origin),
+        expert_ffn=f["ffn"],
+    )
+    return f
+
+
 def _leading_dense(dense: list[int], origin: str) -> int:
     """ModelSpec only knows a leading block of dense layers: other layouts are approximated by moving
     the dense layers to the front. Parameter and FLOP totals stay exact; placement (pipeline balance) may not."""
@@ -218,6 +235,7 @@ _HF_IMPORTERS = {
     "deepseek_v3": _hf_deepseek,
     "gemma": _hf_gemma,
     "gpt2": _hf_gpt2,
+    "gpt_oss": _hf_gpt_oss,
     "gpt_neox": _hf_gpt_neox,
     "llama": _hf_llama_like,
     "mistral": _hf_llama_like,

@@ -99,6 +99,9 @@ class ModelSpec(BaseModel):
         0, ge=0, description="with sliding_window: every k-th layer (i + 1 divisible by k) attends to the whole "
         "context (Gemma 2, gpt-oss: 2; Gemma 3: 6); 0: every layer has the window"
     )
+    attention_sinks: bool = Field(
+        False, description="a learned logit per head joins each query's softmax as one more key without a value "
+        "(gpt-oss): one parameter per head per layer; its FLOPs are negligible")
     max_positions: Optional[int] = Field(
         None, gt=0, description="rows of the learned position table; None: seq_len (only with learned_pos)"
     )
@@ -227,6 +230,8 @@ class ModelSpec(BaseModel):
         if self.is_mla:
             return n + self._norm(self.kv_lora_rank) + (self._norm(self.q_lora_rank) if self.q_lora_rank else 0)
         qkv_bias = (self.heads + 2 * self.kv_heads) * self.head_dim
+        if self.attention_sinks:
+            n += self.heads
         if self.bias:
             n += qkv_bias + self.hidden
         elif self.qkv_bias:
@@ -293,9 +298,10 @@ class ModelSpec(BaseModel):
         return self._ffn(self._shared_ffn())
 
     def router_params(self) -> int:
-        """The gate: hidden x experts, no bias (Mixtral, DeepSeek; DeepSeek-V3's 256-entry
-        load-balancing bias and Qwen2-MoE's 1-wide shared-expert gate are left out)."""
-        return self.hidden * self.moe.experts if self.moe else 0
+        """The gate: hidden x experts, with a bias per expert where linear layers have biases (gpt-oss);
+        none in Mixtral and DeepSeek (DeepSeek-V3's 256-entry load-balancing bias and Qwen2-MoE's 1-wide
+        shared-expert gate are left out)."""
+        return (self.hidden + (1 if self.bias else 0)) * self.moe.experts if self.moe else 0
 
     def _moe_mlp(self, routed: int) -> int:
         """Router + `routed` routed experts + the shared experts."""

@@ -145,8 +145,11 @@ def test_executor_refuses_folding_over_tp_in_one_line():
 def test_search_enumerates_folded_layouts():
     from simexec.search.space import _expert_layouts
 
-    pairs = _expert_layouts(MOE, {}, 2, 1, 2, True)
+    assert all(e is None for _, e in _expert_layouts(MOE, {}, 2, 1, 2, True))  # folding is opt-in
+    from simexec.search.space import AnyOf
+
+    pairs = _expert_layouts(MOE, {"etp": AnyOf((None, 1, 2))}, 2, 1, 2, True)
     assert (4, 1) in pairs and (2, 1) in pairs and (2, None) in pairs
     assert (2, 2) not in pairs  # etp = tp, ep out of dp: the unfolded plan again
-    assert all(e is None for _, e in _expert_layouts(MOE, {}, 2, 1, 2, False))  # tp > 1 without sp
+    assert all(e is None for _, e in _expert_layouts(MOE, {"etp": 1}, 2, 1, 2, False))  # tp > 1 without sp
     assert _expert_layouts(MOE, {"etp": 1}, 1, 2, 2, False) == [(1, 1), (2, 1), (4, 1)]

@@ -61,6 +61,10 @@ EXTENDED = [
     ("gpt-tiny", "cp=2,tp=2,sp=1,cp_impl=a2a,recompute=full"),
     ("gpt-tiny", "dp=2,cp=2,pp=2,gbs=4,cp_impl=a2a,flash_attention=0"),
     ("moe-tiny", "dp=2,ep=2,cp=2,cp_impl=a2a"),
+    # MoE parallel folding (etp): ep spans cp x dp (4 ranks, each expert on one), edp of one; over tp
+    # the executor refuses it (xfail with the reason)
+    ("moe-tiny", "dp=2,cp=2,ep=4,etp=1"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1"),
 ]
 
 

@@ -53,6 +53,8 @@ class Anatomy(FrameworkKernels):
         m, p = rp.model, rp.plan
         self.dt = rp.dtype_bytes
         self.tp, self.cp, self.ep = p.tp, p.cp, p.ep
+        # what an expert's FFN width is split by: etp under parallel folding, else tp
+        self.etp = rp.expert_tp
         self.seq = rp.seq_len
         self.tokens = p.mbs * rp.seq_len // p.cp  # tokens of one micro-batch on one cp rank
         self.sp_div = p.tp if p.sp else 1  # what sequence parallelism divides replicated activations by
@@ -207,6 +209,28 @@ class Anatomy(FrameworkKernels):
         return self.tokens * moe.top_k * (moe.capacity_factor or 1.0) if moe else 0.0
 
     @cached_property
+    def routed_tokens(self) -> float:
+        """Tokens this rank routes: all of its micro-batch's (each tp rank the same ones, its experts'
+        outputs partial over tp); under parallel folding only its own sequence shard (Megatron-Core's
+        MoE layer under sp routes the sp slice it holds)."""
+        return self.tokens / self.sp_div if self.rp.folded else self.tokens
+
+    @cached_property
+    def expert_rows(self) -> float:
+        """Rows this rank's experts compute (balanced routing): `expert_slots`; under parallel folding
+        its share of the rows its ep group dispatched (what its own tokens fill), times etp after the
+        etp all-gather."""
+        if not self.rp.folded:
+            return self.expert_slots
+        return self.expert_slots / self.sp_div * self.etp
+
+    @cached_property
+    def etp_gathered_bytes(self) -> float:
+        """A folded plan's etp all-gather of the dispatched rows (and reduce-scatter of the outputs):
+        the gathered size."""
+        return self.expert_rows * self.h * self.dt
+
+    @cached_property
     def dispatch_bytes(self) -> float:
         """Rows sent to experts by one rank: top_k copies of each of its tokens (capacity-bound)."""
         return self.expert_slots * self.h * self.dt / self.sp_div
@@ -285,8 +309,8 @@ class Anatomy(FrameworkKernels):
             ws["fc1"] = max(n_s + max(swiglu, T * width * dt + n) + self._wgrad_tmp(h * width), opening_norm)
         else:
             e = m.moe
-            routed, slots = T * e.top_k, self.expert_slots
-            width = e.expert_ffn * (2 if m.gated else 1) / t
+            routed, slots = self.routed_tokens * e.top_k, self.expert_rows
+            width = e.expert_ffn * (2 if m.gated else 1) / self.etp
             shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts * (2 if m.gated else 1) / t
             ws["moe_out"] = n_s + routed * h * dt + T * shared * dt + n + self._wgrad_tmp(h * shared)
             ws["experts"] = n_s + 2 * slots * h * dt + slots * width * dt + self._wgrad_tmp(h * width)
@@ -329,11 +353,11 @@ class Anatomy(FrameworkKernels):
             out["fc2"] = (m.ffn * h / t, n)
         else:
             e = m.moe
-            width = e.expert_ffn * (2 if m.gated else 1) / t
+            width = e.expert_ffn * (2 if m.gated else 1) / self.etp
             shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts
-            slots = self.expert_slots
-            out["router"] = (h * e.experts, T * e.experts * 4 + norm)
-            out["experts"] = (e.experts / self.ep * (h * width + e.expert_ffn * h / t),
+            slots = self.expert_rows
+            out["router"] = (h * e.experts, self.routed_tokens * e.experts * 4 + norm)
+            out["experts"] = (e.experts / self.ep * (h * width + e.expert_ffn * h / self.etp),
                               slots * (width + h) * dt)
             if shared:
                 out["moe_out"] = (h * shared * ((3 if m.gated else 2) / t),
@@ -347,7 +371,7 @@ class Anatomy(FrameworkKernels):
     def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
         """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""
         p = self.rp.plan
-        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl)
+        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1)
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""
@@ -503,46 +527,49 @@ class Anatomy(FrameworkKernels):
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         moe = m.moe
         width = moe.expert_ffn * (2 if m.gated else 1)
-        routed = T * moe.top_k  # token-expert pairs this rank's tokens make
-        slots = self.expert_slots  # the rows the experts compute for them (balanced routing, capacity)
+        R = self.routed_tokens  # the tokens this rank routes
+        routed = R * moe.top_k  # token-expert pairs they make
+        slots = self.expert_rows  # the rows the experts compute (balanced routing, capacity)
+        et = self.etp  # what an expert's width is split by
         local_experts = moe.experts / self.ep
-        fr, _ = _gemm(T, h, moe.experts, dt)
-        fe1, _ = _gemm(slots, h, width / t, dt)
-        fe2, _ = _gemm(slots, moe.expert_ffn / t, h, dt)
+        fr, _ = _gemm(R, h, moe.experts, dt)
+        fe1, _ = _gemm(slots, h, width / et, dt)
+        fe2, _ = _gemm(slots, moe.expert_ffn / et, h, dt)
         shared_ffn = (moe.shared_expert_ffn or moe.expert_ffn) * moe.shared_experts
         fs1, _ = _gemm(T, h, shared_ffn * (2 if m.gated else 1) / t, dt)
         fs2, _ = _gemm(T, shared_ffn / t, h, dt)
         # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
-        gate = 3 * 4 * T * moe.experts
-        permute = 2 * dt * slots * h
+        gate = 3 * 4 * R * moe.experts
+        permute = 2 * dt * routed * (moe.capacity_factor or 1.0) * h
         norm_f, norm_b = self._opening_norm()
         b_router = norm_f + gate + permute
         bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
-        ea_f, ea_b = self._act(moe.expert_ffn / t)
-        per_token = moe.top_k * (moe.capacity_factor or 1.0)
+        ea_f, ea_b = self._act(moe.expert_ffn / et)
+        # expert rows per token of the micro-batch's cp slice
+        per_token = moe.top_k * (moe.capacity_factor or 1.0) * (slots / self.expert_slots if self.rp.folded else 1)
         ea_f, ea_b = ea_f * per_token, ea_b * per_token
-        expert_w = local_experts * (h * width + moe.expert_ffn * h) / t
+        expert_w = local_experts * (h * width + moe.expert_ffn * h) / et
         sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
         # combine: un-permute, weight and sum the top_k outputs, then the residual add. It saves the
         # un-permuted outputs and the weights (the weights' gradient); the shared experts' input is
         # the router's norm output, saved once (by the router)
-        combine = dt * (slots + routed) * h + dt * routed * h
+        combine = dt * (routed * (moe.capacity_factor or 1.0) + routed) * h + dt * routed * h
         return {
             **self._sp_norm("norm2"),
             "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + self._opening_stats
-                            + T * moe.experts * 4,
-                            bb_router, bwd_only=T * moe.experts * 4),
+                            + R * moe.experts * 4,
+                            bb_router, bwd_only=R * moe.experts * 4),
             "experts": self._with_fp8_casts(
-                Block("gemm", fe1 + fe2, ea_f, slots * (h + width / t + moe.expert_ffn / t) * dt,
+                Block("gemm", fe1 + fe2, ea_f, slots * (h + width / et + moe.expert_ffn / et) * dt,
                       ea_b + self._wgrad(expert_w)),
-                (slots, h, width / t, False, local_experts * h * width / t),
-                (slots, moe.expert_ffn / t, h, False, local_experts * moe.expert_ffn * h / t)),
+                (slots, h, width / et, False, local_experts * h * width / et),
+                (slots, moe.expert_ffn / et, h, False, local_experts * moe.expert_ffn * h / et)),
             "moe_out": self._with_fp8_casts(Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
-                             (routed * h + T * moe.top_k + T * shared_ffn * (3 if m.gated else 2) / t) * dt
+                             (routed * h + routed + T * shared_ffn * (3 if m.gated else 2) / t) * dt
                              + self._mask,
                              sa_b + 2 * combine + self._residual_bwd(False)
                              + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t),
-                             bwd_only=(routed * h + T * moe.top_k) * dt + self._mask),
+                             bwd_only=(routed * h + routed) * dt + self._mask),
                 *(((T, h, shared_ffn * (2 if m.gated else 1) / t, True), (T, shared_ffn / t, h)) if shared_ffn else ())),
         }
 
@@ -606,7 +633,7 @@ class Anatomy(FrameworkKernels):
             return (m.layer_params(i) - replicated) / p.tp + replicated, 0.0
         experts = m.moe.experts * m.expert_params()
         dense = (m.attention_params() - m.latent_params() + m.moe_mlp_params() - m.router_params() - experts) / p.tp
-        return dense + replicated + m.router_params(), experts / (p.tp * p.ep)
+        return dense + replicated + m.router_params(), experts / (self.rp.expert_tp * p.ep)
 
     def embed_params(self) -> float:
         return self.rp.model.embedding_params() / self.tp

@@ -18,6 +18,12 @@ class RankGroups:
     parameters. HSDP (`dp_shard`) shards within blocks of dp_shard dp ranks (all of their cp ranks) and
     replicates across blocks (`rep`); expert parameters are data-parallel over the ranks that hold the
     same experts (the same position in the ep group: `edp`).
+
+    Under parallel folding (`Plan.etp`) the expert groups come from the MoE layers' own mesh over the
+    ranks of this rank's pipeline stage, in Megatron-Core's order (its expert RankGenerator, order
+    "tp-ep-dp-pp"): etp fastest, then ep, then edp, over the stage's ranks in rank order. Without it
+    an expert is split over the tp group (`etp` is `tp`), ep is a block of the dp axis and edp the
+    dp x cp ranks at the same place in their block.
     """
 
     tp: tuple[int, ...]
@@ -25,6 +31,7 @@ class RankGroups:
     dp: tuple[int, ...]  # dp x cp: the ranks that hold the same dense parameters
     ep: tuple[int, ...]
     edp: tuple[int, ...]
+    etp: tuple[int, ...]  # the ranks one routed expert's weights are split over
     zero_axis: str  # "dp", or "dp_shard" under HSDP
     zero: tuple[int, ...]  # the ranks ZeRO shards over
     rep: tuple[int, ...]  # HSDP: the replicas of this rank's shard; () without HSDP
@@ -43,14 +50,36 @@ def rank_groups(rp: ResolvedPlan, rank: int) -> RankGroups:
     else:
         zero_axis, zero, rep = "dp", dp, ()
     embed = tuple(sorted({mesh.rank(**{**me, "pp": 0}), mesh.rank(**{**me, "pp": rp.head_pp_rank})}))
+    if p.etp is not None:
+        etp, ep, edp = folded_expert_groups(rp, rank)
+    else:
+        etp = mesh.group(rank, "tp")
+        ep = mesh.subgroup(rank, "dp", p.ep)
+        edp = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep)
     return RankGroups(
         tp=mesh.group(rank, "tp"),
         cp=mesh.group(rank, "cp"),
         dp=dp,
-        ep=mesh.subgroup(rank, "dp", p.ep),
-        edp=mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep),
+        ep=ep,
+        edp=edp,
+        etp=etp,
         zero_axis=zero_axis,
         zero=zero,
         rep=rep,
         embed=embed,
     )
+
+
+def folded_expert_groups(rp: ResolvedPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """(etp, ep, edp) of `rank` on the expert mesh of a folded plan: the ranks of its pipeline stage in
+    rank order, index i at etp = i % etp, ep = i // etp % ep, edp = i // (etp*ep), as Megatron-Core's
+    RankGenerator(tp=etp, ep=ep, dp=edp, order="tp-ep-dp-pp") numbers them (pp slowest, which `resolve`
+    asks of a folded plan with pp > 1)."""
+    p = rp.plan
+    stage = rp.mesh.span(rank, ("tp", "cp", "dp"))
+    i = stage.index(rank)
+    etp, ep = p.etp, p.ep
+    a, b, c = i % etp, i // etp % ep, i // (etp * ep)
+    pick = lambda keep: tuple(r for j, r in enumerate(stage) if keep(j % etp, j // etp % ep, j // (etp * ep)))
+    return (pick(lambda x, y, z: y == b and z == c), pick(lambda x, y, z: x == a and z == c),
+            pick(lambda x, y, z: x == a and y == b))

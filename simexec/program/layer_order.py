@@ -23,7 +23,7 @@ TP_CONJUGATES = {
 
 class LayerStep(NamedTuple):
     """One step of a layer's forward: a sub-block's compute (`axis` ""), or a collective over
-    `axis` ("tp", "cp", "ep") issued by the forward as `fwd` and by the backward as `bwd` (""
+    `axis` ("tp", "cp", "ep", "etp") issued by the forward as `fwd` and by the backward as `bwd` (""
     where that side is the identity)."""
 
     name: str  # the sub-block (a key of `Anatomy.layer(i)`) or the collective's block name
@@ -43,9 +43,12 @@ def _tp(name: str, sp: bool) -> LayerStep:
 
 
 @lru_cache(maxsize=None)
-def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str) -> tuple[LayerStep, ...]:
+def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1) -> tuple[LayerStep, ...]:
     """A layer's steps in forward order, for a dense or MoE layer under sequence parallelism `sp`
     and context parallelism `cp` (`cp_impl`: "allgather" K/V, "ring", or "a2a" heads exchange).
+    `etp` > 1 (parallel folding with experts split over etp ranks): the dispatched tokens are
+    all-gathered over etp before the experts and their outputs reduce-scattered after (Megatron-Core's
+    MoEAlltoAllTokenDispatcher over its expert tp group).
     Under sp each norm is a block of its own before its sub-layer's tp conjugate (without sp it is
     part of the GEMM block after it). A sliding window changes the attention's cost, not the order."""
     steps = [LayerStep("norm1")] if sp else []
@@ -64,8 +67,13 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str) -> tuple[LayerStep, 
         steps.append(LayerStep("norm2"))
     steps.append(_tp("mlp_in", sp))
     if moe:
-        steps += [LayerStep("router", column=True), LayerStep("dispatch", "ep", "alltoall", "alltoall"),
-                  LayerStep("experts"), LayerStep("combine", "ep", "alltoall", "alltoall"), LayerStep("moe_out")]
+        steps += [LayerStep("router", column=True), LayerStep("dispatch", "ep", "alltoall", "alltoall")]
+        if etp > 1:
+            steps.append(LayerStep("etp_in", "etp", "allgather", "reducescatter"))
+        steps.append(LayerStep("experts"))
+        if etp > 1:
+            steps.append(LayerStep("etp_out", "etp", "reducescatter", "allgather"))
+        steps += [LayerStep("combine", "ep", "alltoall", "alltoall"), LayerStep("moe_out")]
     else:
         steps += [LayerStep("fc1", column=True), LayerStep("fc2")]
     steps.append(_tp("mlp_out", sp))

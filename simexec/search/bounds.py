@@ -147,7 +147,7 @@ class _StructureBounds:
         unit by unit with the parameter gathers and gradient reduce-scatters on their stream."""
         zero, _, dp_shard, _ = state
         ranks = self.state_costs.state(state)
-        if zero == 3 and len(self.comm.groups(self.comm.rank_of_stage[0], self.p.ep, dp_shard)["zero"]) > 1:
+        if zero == 3 and len(self.comm.groups(self.comm.rank_of_stage[0], self.p.ep, dp_shard, self.p.etp)["zero"]) > 1:
             ends = self._zero3_replays.get(dp_shard)
             if ends is None:
                 ends = self._zero3_replays[dp_shard] = self.pipeline.replay(dp_shard or 0)

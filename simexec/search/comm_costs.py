@@ -25,12 +25,14 @@ class CommCosts:
         self.rank_of_stage = {rp.mesh.coords(r)["pp"]: r for r in self.reps}
         self._memo: dict[tuple, float] = {}
 
-    def coll(self, verb: str, rank: int, axis: str, nbytes: float, ep: int = 1, dp_shard: Optional[int] = None) -> float:
+    def coll(self, verb: str, rank: int, axis: str, nbytes: float, ep: int = 1, dp_shard: Optional[int] = None,
+             etp: Optional[int] = None) -> float:
         """Idle-network seconds of one collective of `rank`'s group `axis` (tp, cp, ep, edp: experts'
-        data-parallel group, zero: the group ZeRO shards over), 0 for groups of one."""
+        data-parallel group, etp: the ranks an expert is split over, zero: the group ZeRO shards over),
+        0 for groups of one. `etp`: the plan's (None: not folded)."""
         if not verb or nbytes <= 0:
             return 0.0
-        group = self.groups(rank, ep, dp_shard)[axis]
+        group = self.groups(rank, ep, dp_shard, etp)[axis]
         if len(group) <= 1:
             return 0.0
         key = (verb, group, nbytes)
@@ -39,16 +41,17 @@ class CommCosts:
             t = self._memo[key] = self.net.estimate(self.net.collective(verb, group, nbytes))
         return t
 
-    def groups(self, rank: int, ep: int, dp_shard: Optional[int]) -> dict[str, tuple[int, ...]]:
+    def groups(self, rank: int, ep: int, dp_shard: Optional[int],
+               etp: Optional[int] = None) -> dict[str, tuple[int, ...]]:
         """The process groups of `rank`, as the lowering builds them (its own code, so they agree)."""
-        key = ("groups", rank, ep, dp_shard)
+        key = ("groups", rank, ep, dp_shard, etp)
         g = self._memo.get(key)
         if g is None:
             from simexec.program.groups import rank_groups
 
-            plan = self.rp.plan.model_copy(update=dict(ep=ep, dp_shard=dp_shard))
+            plan = self.rp.plan.model_copy(update=dict(ep=ep, dp_shard=dp_shard, etp=etp))
             rg = rank_groups(replace(self.rp, plan=plan), rank)
-            g = self._memo[key] = {"tp": rg.tp, "cp": rg.cp, "ep": rg.ep, "edp": rg.edp, "zero": rg.zero}
+            g = self._memo[key] = {"tp": rg.tp, "cp": rg.cp, "ep": rg.ep, "edp": rg.edp, "etp": rg.etp, "zero": rg.zero}
         return g
 
     def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:

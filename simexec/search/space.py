@@ -31,7 +31,10 @@ tp_overlap         tp > 1 and a schedule that does not split the backward: off (
                    torchtitan), on (Megatron-LM: a column-parallel GEMM's input-gradient collective
                    under its weight-gradient GEMM)
 dp                 what is left: world / (tp*cp*pp)
-ep                 MoE only: powers of two dividing the experts and dp
+ep, etp            MoE only: ep powers of two dividing the experts and dp, experts split over tp
+                   (etp unset); and, where `fix` names etp, parallel folding, etp 1 or tp (tp > 1 with sp only, as Megatron-
+                   Core's MoE layer), ep dividing the experts with etp*ep dividing tp*cp*dp, where
+                   the groups differ from the unfolded plan's
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
                    data-parallel rank they shard over nobody and equal zero=0)
 dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
@@ -100,7 +103,7 @@ FRAMEWORK_RECOMPUTE = RECOMPUTE + ("op",)
 STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
-    "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "zero", "zero_impl", "dp_shard",
+    "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "etp", "zero", "zero_impl", "dp_shard",
     "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
 }
 
@@ -209,7 +212,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
     world = search_world(cluster, fix)
     gpn = cluster.nvlink_domain or world  # tp and HSDP shards stay inside one NVLink domain
     extra = {k: v for k, v in fix.items() if k not in ENUMERATED}
-    state_ok: dict[tuple, str] = {}  # (dp, ep, split, *state) -> the rule it breaks, "" if none
+    state_ok: dict[tuple, str] = {}  # (dp, ep, etp, split, *state) -> the rule it breaks, "" if none
     pair = -1
     for tp in _choices(fix, "tp", _pow2_upto(gpn)):
         cps = [c for c in _pow2_upto(MAX_CP) if c == 1 or seq_len // c >= MIN_CP_CHUNK]
@@ -251,7 +254,7 @@ def _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats, s
         stats.refuse(rule)
     if rp is None:
         return None
-    key0 = (fields["dp"], fields["ep"], rp.plan.pipeline_schedule.splits_backward)
+    key0 = (fields["dp"], fields["ep"], fields.get("etp"), rp.plan.pipeline_schedule.splits_backward)
     for state, rule in failed:
         state_ok[key0 + state] = rule
     state_ok[key0 + states[first]] = ""
@@ -315,7 +318,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
         for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
                                                _choices(fix, "tp_overlap", tp_overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
-                for ep in _choices(fix, "ep", _eps(model, dp)):
+                for ep, etp in _expert_layouts(model, fix, tp, cp, dp, sp):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
                         own = FRAMEWORK_RECOMPUTE if isinstance(fix.get("recompute"), Allowed) else RECOMPUTE
                         for recompute in _choices(fix, "recompute", list(own)):
@@ -327,7 +330,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
                             for rl in rls:
-                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, mbs=mbs,
+                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
                                            dualpipe_overlap=overlap, tp_overlap=tp_overlap)
 
@@ -350,6 +353,39 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
     if model.moe is None:
         return [1]
     return [e for e in _pow2_upto(dp) if model.moe.experts % e == 0 and dp % e == 0]
+
+
+def _expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool) -> list[tuple]:
+    """(ep, etp) pairs: ep out of dp with experts split over tp (etp None), then parallel folding
+    (`Plan.etp`: 1 or tp, ep out of tp*cp*dp) where its groups differ from those (etp = tp over cp = 1
+    with ep dividing dp is the unfolded plan again) and Megatron-Core runs it (tp > 1 needs sp).
+    Folded layouts are searched where `fix` names etp (`--fix "etp=1|2"`): the bounds of a folded plan
+    with etp > 1 over cp > 1 can still exceed its simulation (mixtral-8x7b, tp=4, cp=2, ep=4, etp=4, zero=3)."""
+    out = [] if _pinned(fix, "etp") else [(ep, None) for ep in _choices(fix, "ep", _eps(model, dp))]
+    if model.moe is None or (tp > 1 and not sp) or "etp" not in fix:
+        return out
+    stage = tp * cp * dp
+    etps = [e for e in _choices(fix, "etp", sorted({1, tp})) if e is not None]
+    for etp in etps:
+        for ep in _pow2_upto(stage):
+            if model.moe.experts % ep or stage % (etp * ep) or model.moe.expert_ffn % etp:
+                continue
+            if etp == tp and cp == 1 and dp % ep == 0 and not _pinned(fix, "etp"):
+                continue
+            if "ep" in fix and not _allowed(fix, "ep", ep):
+                continue
+            out.append((ep, etp))
+    return out
+
+
+def _pinned(fix: dict, key: str) -> bool:
+    """`fix` sets `key` to values none of which is None."""
+    return key in fix and not _allowed(fix, key, None)
+
+
+def _allowed(fix: dict, key: str, v) -> bool:
+    val = fix[key]
+    return v in val if isinstance(val, (Allowed, AnyOf)) else v == val
 
 
 def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:

@@ -210,9 +210,17 @@ class StageCosts:
 
     def _coll(self, verb: str, rank: int, axis: str, nbytes: float) -> float:
         """A collective the compute stream waits on (its seconds are also added up in `_k`)."""
-        t = self.comm.coll(verb, rank, axis, nbytes, self.p.ep)
+        t = self.comm.coll(verb, rank, axis, nbytes, self.p.ep, etp=self.p.etp)
         self._k += t
         return t
+
+    def _expert_tp(self, bwd: int, rank: int) -> float:
+        """A folded plan's etp all-gather of the dispatched tokens and reduce-scatter of the experts'
+        outputs (`layer_steps`' etp_in / etp_out), forward or backward: the same two verbs either way."""
+        if self.p.etp is None or self.p.etp == 1:
+            return 0.0
+        n = self.an.etp_gathered_bytes
+        return self._coll("allgather", rank, "etp", n) + self._coll("reducescatter", rank, "etp", n)
 
     def _layer_forward(self, blocks: dict, rank: int) -> float:
         an, t = self.an, 0.0
@@ -225,6 +233,7 @@ class StageCosts:
             a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
             self._k += a2a
             t += self._fwd(blocks["router"]) + a2a + self._fwd(blocks["experts"]) + a2a + self._fwd(blocks["moe_out"])
+            t += self._expert_tp(0, rank)
         return t + self._tp("mlp_out", 0, rank)
 
     def _attention(self, attn, rank: int, bwd: int) -> float:
@@ -248,7 +257,7 @@ class StageCosts:
         `Bounds.layers`, keyed by what the prices depend on."""
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
-        key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
+        key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.etp, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
                moe, window, rank, self.split, p.tp_overlap, p.tp_async, self.rp.stack.name)
         out = self.b.layers.get(key)
         if out is not None:
@@ -270,7 +279,7 @@ class StageCosts:
         else:
             a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
             self._k += a2a
-            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a
+            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a + self._expert_tp(1, rank)
         b += self._column_bwd(column, "mlp_in", rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
         if rc and p.recompute == "selective":
             b += self._attention(blocks["attn"], rank, 0) if p.cp_impl == "ring" else self._fwd(blocks["attn"])
@@ -335,8 +344,8 @@ class StageCosts:
         fwd, bwd = [], []
         for u in self.units(r, chunk):
             dense = self.unit_params(u, True)
-            g = self.comm.coll("allgather", rank, "zero", dense * dt, p.ep, zshard or None)
-            rs = self.comm.coll("reducescatter", rank, "zero", dense * gdt, p.ep, zshard or None)
+            g = self.comm.coll("allgather", rank, "zero", dense * dt, p.ep, zshard or None, p.etp)
+            rs = self.comm.coll("reducescatter", rank, "zero", dense * gdt, p.ep, zshard or None, p.etp)
             if u == -1:
                 fc = self._tp("embed_out", 0, rank)
                 fwd.append(UnitCost(0.0, self._fwd(an.embed), fc, g, 0.0))

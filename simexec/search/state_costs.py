@@ -78,7 +78,7 @@ class StateCosts:
     def params(self) -> list[RankParams]:
         """Per pipeline rank: its parameters (see `RankParams`)."""
         p, s = self.p, self.stages
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped)
+        key = (p.tp, p.pp, p.vpp, p.ep, p.etp, p.stages, self.v_shaped)
         out = self.b.params.get(key)
         if out is None:
             out = []
@@ -103,14 +103,14 @@ class StateCosts:
     def memory(self, state: tuple) -> list[RankMemory]:
         """Per pipeline rank: its memory under `state` (see `RankMemory`)."""
         p, rp = self.p, self.rp
-        key = (p.tp, p.pp, p.vpp, p.ep, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32,
+        key = (p.tp, p.pp, p.vpp, p.ep, p.etp, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32,
                p.master_grads, p.grad_bucket_view, state)
         out = self.b.memory.get(key)
         if out is not None:
             return out
         zero, zero_impl, dp_shard, offload = state
         vrp = self._variant(state)
-        groups = self.comm.groups(self.comm.rank_of_stage[0], p.ep, dp_shard)
+        groups = self.comm.groups(self.comm.rank_of_stage[0], p.ep, dp_shard, p.etp)
         zero_size = len(groups["zero"])
         edp = max(1, len(groups["edp"]))
         gdt = self.gdt
@@ -134,7 +134,7 @@ class StateCosts:
     def state(self, state: tuple) -> list[RankState]:
         """Per pipeline rank: its costs under `state` (see `RankState`)."""
         p = self.p
-        key = (self.comm_key, p.tp, p.pp, p.vpp, p.ep, p.dtype, p.stages, self.v_shaped, p.grad_fp32, p.master_grads,
+        key = (self.comm_key, p.tp, p.pp, p.vpp, p.ep, p.etp, p.dtype, p.stages, self.v_shaped, p.grad_fp32, p.master_grads,
                p.grad_overlap, p.grad_bucket_view, p.grad_allreduce, p.param_overlap, state)
         out = self.b.states.get(key)
         if out is not None:
@@ -147,7 +147,7 @@ class StateCosts:
         verb = "allreduce" if zero == 0 or (zero == 1 and p.grad_allreduce) else "reducescatter"
 
         def zc(verb: str, rank: int, nbytes: float, axis: str = "zero") -> float:
-            return comm.coll(verb, rank, axis, nbytes, p.ep, dp_shard)
+            return comm.coll(verb, rank, axis, nbytes, p.ep, dp_shard, p.etp)
 
         out = []
         for r, prm in enumerate(self.params()):

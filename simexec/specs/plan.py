@@ -40,7 +40,11 @@ class Plan(BaseModel):
         "heads (DeepSpeed-Ulysses)")
     pp: int = Field(1, gt=0, description="pipeline stages")
     vpp: int = Field(1, gt=0, description="virtual stages per pipeline rank (interleaving)")
-    ep: int = Field(1, gt=0, description="expert-parallel degree, carved out of dp")
+    ep: int = Field(1, gt=0, description="expert-parallel degree: carved out of dp, or with etp out of tp*cp*dp")
+    etp: Optional[int] = Field(
+        None, gt=0, description="expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size): the"
+        " MoE layers fold onto a mesh of their own (etp, ep, edp; etp fastest) over each pipeline stage's tp*cp*dp"
+        " ranks (MoE Parallel Folding, arXiv 2504.14960); None: every expert split over tp, ep carved out of dp")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
     zero_impl: Optional[Literal[tuple(ZERO3_FLAVOURS)]] = Field(
         None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
@@ -348,6 +352,25 @@ class ResolvedPlan:
         return (self.plan.gbs or 0) * self.seq_len
 
     @property
+    def folded(self) -> bool:
+        """The MoE layers run on their own mesh (etp, ep, edp) over a stage's tp*cp*dp ranks (`Plan.etp`)."""
+        return self.plan.etp is not None
+
+    @property
+    def expert_tp(self) -> int:
+        """The ranks each routed expert's weights are split over: etp when folded, else tp."""
+        return self.plan.etp if self.plan.etp is not None else self.plan.tp
+
+    @property
+    def expert_dp(self) -> int:
+        """The ranks that hold the same experts (expert data parallel): tp*cp*dp / (etp*ep) when folded,
+        else dp*cp / ep."""
+        p = self.plan
+        if p.etp is not None:
+            return p.tp * p.cp * self.dp // (p.etp * p.ep)
+        return self.dp * p.cp // p.ep
+
+    @property
     def zero_group_size(self) -> int:
         """Ranks that shard model states: dp (or dp_shard under HSDP) times cp, since context-parallel
         ranks hold the same parameters and reduce their gradients together (Megatron's dp-cp group)."""
@@ -367,7 +390,7 @@ class ResolvedPlan:
                 dense += m.router_params()
                 shared = m.moe_mlp_params() - m.router_params() - m.moe.experts * m.expert_params()
                 dense += shared / p.tp
-                expert += m.moe.experts * m.expert_params() / (p.tp * p.ep)
+                expert += m.moe.experts * m.expert_params() / (self.expert_tp * p.ep)
             else:
                 replicated = m.tp_replicated_params_per_layer()
                 dense += (m.layer_params(layer) - replicated) / p.tp + replicated
@@ -392,7 +415,7 @@ class ResolvedPlan:
         params = self.params_on_pp_rank(pp_rank)
         n_dense, n_expert = params["dense"], params["expert"]
         shard_dense = self.zero_group_size
-        shard_expert = max(1, self.zero_group_size // p.ep)
+        shard_expert = self.expert_dp if p.etp is not None else max(1, self.zero_group_size // p.ep)
         w = self.dtype_bytes if p.dtype != "fp8" else 2  # fp8 training keeps bf16 weights
         k = 12 if p.dtype != "fp32" else 8  # fp32 training: Adam m, v only (no master copy)
         grad_b = self.grad_bytes
@@ -561,13 +584,30 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
                  " GEMMs would need their inputs gathered over tp a second time); use sp=0")
     if model.moe is None and p.ep > 1:
         fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")
+    if model.moe is None and p.etp is not None:
+        fail(f"etp={p.etp} on dense model {model.name} (no experts to split)")
+    etp = p.tp if p.etp is None else p.etp
     if model.moe is not None:
         if model.moe.experts % p.ep:
             fail(f"experts {model.moe.experts} not divisible by ep={p.ep}")
-        if model.moe.expert_ffn % p.tp:
-            fail(f"expert FFN size {model.moe.expert_ffn} not divisible by tp={p.tp}")
-    if dp % p.ep:
-        fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks)")
+        if model.moe.expert_ffn % etp:
+            fail(f"expert FFN size {model.moe.expert_ffn} not divisible by {'tp' if p.etp is None else 'etp'}={etp}")
+    if p.etp is None and dp % p.ep:
+        fail(f"ep={p.ep} does not divide dp={dp} (experts are spread over data-parallel ranks; etp=... folds them"
+             " over tp*cp*dp)")
+    if p.etp is not None:
+        stage = p.tp * p.cp * dp
+        if stage % (p.etp * p.ep):
+            fail(f"etp*ep={p.etp * p.ep} must divide tp*cp*dp={stage} (the expert mesh folds a pipeline stage's ranks)")
+        if p.tp > 1 and not p.sp:
+            fail(f"etp={p.etp} with tp={p.tp} needs sp=1 (Megatron-Core's MoE layer refuses tensor parallelism"
+                 " without sequence parallelism in training: each tp rank dispatches its sequence shard)")
+        if p.dp_shard is not None:
+            fail(f"dp_shard={p.dp_shard} (HSDP) does not run with etp={p.etp} (expert parameters shard over the"
+                 " expert data-parallel group)")
+        if p.pp > 1 and p.rank_order.split("-")[-1] != "pp":
+            fail(f"etp={p.etp} with pp={p.pp} needs pp as the slowest axis of rank_order, got {p.rank_order}"
+                 " (the expert mesh folds each pipeline stage's ranks, as Megatron-Core asserts)")
     if p.zero_impl is not None and p.zero != 3:
         fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
     if p.param_overlap and p.zero not in (1, 2):

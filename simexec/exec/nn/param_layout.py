@@ -42,10 +42,16 @@ class Layout:
 
     @staticmethod
     def of(rp, rank: int) -> "Layout":
-        """The layout of `rank` in a ResolvedPlan. ep groups are consecutive blocks of the dp axis."""
+        """The layout of `rank` in a ResolvedPlan. ep groups are consecutive blocks of the dp axis, or
+        under parallel folding (`Plan.etp`) the expert mesh's (`folded_expert_groups`)."""
         c = rp.mesh.coords(rank)
         p = rp.plan
-        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=c["dp"] % p.ep, cp=p.cp, cp_rank=c["cp"], sp=p.sp)
+        ep_rank = c["dp"] % p.ep
+        if p.etp is not None:
+            from simexec.program.groups import folded_expert_groups
+
+            ep_rank = folded_expert_groups(rp, rank)[1].index(rank)
+        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=ep_rank, cp=p.cp, cp_rank=c["cp"], sp=p.sp)
 
 
 def split_range(n: int, parts: int, i: int) -> tuple[int, int]:

@@ -20,6 +20,11 @@ def unsupported(rp) -> Optional[str]:
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
+    if p.etp is not None and p.tp > 1:
+        missing.append(f"etp={p.etp} with tp={p.tp} (parallel folding over tensor-parallel ranks: each tp rank "
+                       "routing and dispatching its own sequence shard); the executor folds ep over cp x dp (tp=1)")
+    elif p.etp is not None and p.etp > 1:
+        missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
     if p.tp_async:

@@ -75,12 +75,14 @@ class LayerLowering(TensorParallel):
         K/V all-gathered over cp (their gradients reduce-scattered back); cp_impl=a2a's heads exchange
         (DeepSpeed-Ulysses: `heads_in` turns this rank's q, k and v from its share of the sequence for
         all its heads into the whole sequence for a cp-th of them, `heads_out` turns the attention's
-        output back); the experts' dispatch and combine all-to-alls over ep."""
+        output back); the experts' dispatch and combine all-to-alls over ep; under parallel folding with
+        etp > 1 the dispatched rows' all-gather over etp and the outputs' reduce-scatter."""
         an = self.an
-        nbytes = {"kv": an.kv_bytes, "dispatch": an.dispatch_bytes, "combine": an.dispatch_bytes}.get(step.name)
+        nbytes = {"kv": an.kv_bytes, "dispatch": an.dispatch_bytes, "combine": an.dispatch_bytes,
+                  "etp_in": an.etp_gathered_bytes, "etp_out": an.etp_gathered_bytes}.get(step.name)
         if nbytes is None:
             nbytes = an.heads_exchange_bytes[0 if step.name == "heads_in" else 1]
-        group = self.groups.cp if step.axis == "cp" else self.groups.ep
+        group = {"cp": self.groups.cp, "ep": self.groups.ep, "etp": self.groups.etp}[step.axis]
         self.coll(f"{phase}.{step.name}.L{l}.m{mb}", step.bwd if phase == "bwd" else step.fwd, step.axis, group,
                   nbytes, (self.last_compute(),), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
 

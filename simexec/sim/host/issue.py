@@ -51,7 +51,7 @@ PARTIAL_BEFORE_OPS = 1
 PARTIAL_AFTER_OPS = 3
 NORM_GRADS_OPS = 1  # sp's all-reduce of the norms' partial gradients alone: their concatenation
 
-ACTIVATION_AXES = ("tp", "cp", "ep")
+ACTIVATION_AXES = ("tp", "cp", "ep", "etp")
 PIPELINE_GATHERS = ("act_gather", "grad_gather")  # a pipeline message's slices, re-joined over tp
 
 

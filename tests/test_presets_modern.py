@@ -2,11 +2,19 @@
 import pytest
 
 from simexec.errors import SpecError
+from simexec.sim import nccl_tuning
 from simexec.sim.network import Network
 from simexec.specs.cluster import GB, PRESETS, ClusterSpec, NodeSpec, get_cluster
 from tests.test_sim_network import coll, run
 
 S = 256e6  # bytes of one all-gather (the gathered tensor)
+
+
+def ring_simple_latency(cluster: ClusterSpec, ranks: int, domains: int) -> float:
+    """NCCL's latency of a Simple ring all-gather (simexec.sim.nccl_tuning), what these groups run."""
+    opts = nccl_tuning.options("allgather", ranks, domains, cluster.device.nccl_arch, cluster.node.cpu_vendor,
+                               cluster.node.nvls, S)
+    return next(o.latency_s for o in opts if (o.algorithm, o.protocol) == ("ring", "Simple"))
 
 
 def allgather_seconds(cluster: ClusterSpec, group) -> float:
@@ -58,7 +66,7 @@ def test_tp8_inside_a_rack_is_priced_at_nvlink_rates():
     tp = tuple(range(8))  # trays 0 and 1 of rack 0
     t_rack = allgather_seconds(rack, tp)
     nvl = rack.node.intra_bw * rack.costs.intra_bw_eff
-    assert t_rack == pytest.approx(7 / 8 * S / nvl + 7 * rack.node.intra_latency_s + rack.costs.collective_latency_s)
+    assert t_rack == pytest.approx(7 / 8 * S / nvl + ring_simple_latency(rack, 8, 1) + rack.costs.collective_latency_s)
     as_trays = rack.model_copy(update={"node": rack.node.model_copy(update={"nvlink_domain_gpus": 0})})
     assert allgather_seconds(as_trays, tp) > 3 * t_rack
 
@@ -80,7 +88,7 @@ def test_dp_across_two_racks_uses_the_nics():
     dp = (5, 77)
     t = allgather_seconds(rack, dp)
     rail = rack.network.nic_bw * rack.costs.inter_bw_eff
-    assert t == pytest.approx(S / 2 / rail + rack.network.latency_s + rack.costs.collective_latency_s)
+    assert t == pytest.approx(S / 2 / rail + ring_simple_latency(rack, 2, 2) + rack.costs.collective_latency_s)
     assert t > 10 * allgather_seconds(rack, (5, 6))
 
 

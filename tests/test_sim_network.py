@@ -6,7 +6,16 @@ from simexec.program.instructions import Instr, Program
 from simexec.sim.engine import Engine
 from simexec.sim.machine import Machine
 
-A100 = get_cluster("dgx-a100-80g")
+
+
+def alpha_beta(cluster):
+    """The cluster priced by plain alpha-beta candidates (no NCCL tuning model), so that link-sharing
+    expectations are closed forms; NCCL's choices are tested in tests/test_nccl_model.py."""
+    return cluster.model_copy(update={"device": cluster.device.model_copy(update={"nccl_arch": None})})
+
+
+NCCL_A100 = get_cluster("dgx-a100-80g")
+A100 = alpha_beta(NCCL_A100)
 NVL = A100.node.intra_bw * A100.costs.intra_bw_eff
 ALPHA = A100.node.intra_latency_s
 CALL = A100.costs.collective_latency_s
@@ -46,7 +55,7 @@ def test_nvlink_allreduce_is_no_slower_than_nccl_tests(nbytes):
     costs at most what nccl-tests measures, and its bus bandwidth reaches the measured plateau
     within 3%: tp's exposed all-reduces are not overpriced."""
     n = 8
-    step, _ = run({r: [coll(r, "ar", "allreduce", range(n), nbytes)] for r in range(n)})
+    step, _ = run({r: [coll(r, "ar", "allreduce", range(n), nbytes)] for r in range(n)}, NCCL_A100)
     busbw = 2 * (n - 1) / n * nbytes / step / 1e9
     assert busbw >= NCCL_TESTS_A100_BUSBW[nbytes] * 0.97
     if nbytes >= 1 << 30:
@@ -99,7 +108,7 @@ def test_collective_waits_for_every_present_member():
 def test_node_nics_are_shared_by_symmetric_peers():
     """Eight ranks of a node each in their own cross-node dp group share the node's NICs, and the
     symmetric program (one rank standing for eight) predicts the same time as the full one."""
-    c = get_cluster("2xdgx-a100-80g")
+    c = alpha_beta(get_cluster("2xdgx-a100-80g"))
     S = 1e9
     groups = {r: (r, r + 8) for r in range(8)}
     full = {r: [coll(r, "g", "allreduce", groups[r % 8], S, stream="comm.dp")] for r in range(16)}
@@ -114,7 +123,7 @@ def test_node_nics_are_shared_by_symmetric_peers():
 
 def test_spanning_nodes_uses_the_faster_algorithm():
     """A 16-rank all-reduce over 2 nodes is no slower than the flat ring (hierarchical or tree may win)."""
-    c = get_cluster("2xdgx-a100-80g")
+    c = alpha_beta(get_cluster("2xdgx-a100-80g"))
     S, n = 1e9, 16
     step, _ = run({r: [coll(r, "ar", "allreduce", range(n), S, stream="comm.dp")] for r in range(n)}, c)
     node_bw = c.network.nics_per_node * c.network.nic_bw * c.costs.inter_bw_eff
@@ -156,7 +165,7 @@ def test_messages_do_not_queue_behind_each_other():
 
 def test_traffic_leaving_a_pod_shares_the_oversubscribed_uplink():
     """With one node per pod and 4:1 oversubscription, cross-node all-reduces run 4x slower."""
-    base = get_cluster("2xdgx-a100-80g")
+    base = alpha_beta(get_cluster("2xdgx-a100-80g"))
     net = base.network.model_copy(update={"pod_nodes": 1, "oversubscription": 4.0})
     pods = base.model_copy(update={"network": net})
     S = 1e9
@@ -169,7 +178,7 @@ def test_traffic_leaving_a_pod_shares_the_oversubscribed_uplink():
 
 def test_small_allreduce_across_many_nodes_takes_the_tree():
     """For a tiny message over 16 nodes the tree's 2 log2(N) latency steps beat the ring's 2(N-1)."""
-    c = get_cluster("16xdgx-a100-80g")
+    c = alpha_beta(get_cluster("16xdgx-a100-80g"))
     g = tuple(range(0, 128, 8))  # one rank per node
     step, _ = run({r: [coll(r, "ar", "allreduce", g, 1024, stream="comm.dp")] for r in g}, c)
     alpha = c.network.latency_s

@@ -16,6 +16,13 @@ Sharing is a fluid model: a transfer advances at the rate of its most loaded lin
 capacity is split in proportion to the bytes each transfer puts on it per unit of progress ("each of
 n equal flows gets bw/n"); rates are recomputed whenever a transfer starts or ends.
 
+Collectives on NVIDIA devices (`device.nccl_arch`) are priced as NCCL prices them: every
+(algorithm, protocol) pair NCCL considers on the group (ring; tree for all-reduce; NVLS and NVLS-tree
+where the switches reduce; PAT for one GPU per node), each with NCCL's latency and the protocol's
+share of the links' bandwidth, the cheapest chosen (`simexec.sim.nccl_tuning`, docs/collectives.md).
+Elsewhere (RCCL, gloo) the candidates are alpha-beta: ring, double binary tree and hierarchical
+all-reduce. Either way a chosen algorithm's phases load the links, so concurrent ones share them.
+
 A group spanning several NVLink domains crosses between them over the NICs of the nodes its members
 sit on, each node carrying its members' share of their domain's traffic.
 
@@ -35,6 +42,7 @@ from typing import Callable, Iterable
 
 from simpy.events import Timeout
 
+from simexec.sim import nccl_tuning
 from simexec.specs.cluster import ClusterSpec
 
 INF = math.inf
@@ -228,6 +236,9 @@ class Network:
         self.a_intra = node.intra_latency_s
         self.a_inter = net.latency_s
         self.call_latency = c.collective_latency_s
+        self.nccl_arch = cluster.device.nccl_arch
+        self.nvls = node.nvls
+        self.cpu_vendor = node.cpu_vendor
         self.cpu_rate = node.cpu_optimizer_params_per_s
         self.present = set(present)
         self.represents = {r: tuple(v) for r, v in represents.items() if v}
@@ -235,6 +246,7 @@ class Network:
         self._ids: dict[tuple[str, int], int] = {}
         self._geo: dict[tuple[int, ...], _Geometry] = {}
         self._cache: dict[tuple, tuple[Phase, ...]] = {}
+        self._choice: dict[tuple, str] = {}
 
     # --- links ---------------------------------------------------------------------------------
 
@@ -342,52 +354,95 @@ class Network:
         return (amount, tuple(self._nic(g, 1.0)), g.k * self.rail_bw, steps * self.a_inter)
 
     def collective(self, verb: str, group: tuple[int, ...], nbytes: float) -> tuple[Phase, ...]:
-        """Phases of the fastest algorithm for this collective (NCCL picks by a cost model too)."""
+        """Phases of the fastest algorithm for this collective on an idle network, as NCCL picks it
+        (`simexec.sim.nccl_tuning`) on NCCL devices, the cheapest alpha-beta candidate elsewhere."""
         key = (verb, group, nbytes)
         out = self._cache.get(key)
         if out is None:
             g = self.geometry(group)
             cands = self._candidates(verb, g, float(nbytes))
-            out = min(cands, key=self.estimate)
+            name, out = min(cands, key=lambda c: self.estimate(c[1]))
             amount, links, cap, lat = out[-1]
             out = out[:-1] + ((amount, links, cap, lat + self.call_latency),)
             self._cache[key] = out
+            self._choice[key] = name
         return out
 
-    def _candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[Phase, ...]]:
+    def algorithm(self, verb: str, group: tuple[int, ...], nbytes: float) -> str:
+        """The algorithm/protocol `collective` chose (e.g. `ring/LL128`, `nvls/Simple`; `ring` off NCCL)."""
+        self.collective(verb, group, nbytes)
+        return self._choice[(verb, group, nbytes)]
+
+    def _candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[str, tuple[Phase, ...]]]:
+        if g.n == 1:
+            return [("none", ((0.0, (), INF, 0.0),))]
+        if self.nccl_arch is not None and verb != "alltoall":
+            return self._nccl_candidates(verb, g, S)
+        return self._alpha_beta_candidates(verb, g, S)
+
+    def _nccl_candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[str, tuple[Phase, ...]]]:
+        """NCCL's (algorithm, protocol) pairs on this group: each one's traffic on the links, its
+        bandwidth scaled by the protocol's efficiency (a link carries 1/efficiency bytes per payload
+        byte) and NCCL's latency in place of per-hop alphas."""
         n, N, k = g.n, g.domains, g.k
-        if n == 1:
-            return [((0.0, (), INF, 0.0),)]
+        out = []
+        for opt in nccl_tuning.options(verb, n, N, self.nccl_arch, self.cpu_vendor, self.nvls, S):
+            a = opt.algorithm
+            if a in ("ring", "pat"):
+                amount = {"allreduce": 2 * (n - 1) / n * S, "broadcast": S}.get(verb, (n - 1) / n * S)
+                phase = self._scaled(self._ring(g, amount, 0), opt)
+            elif a == "tree":
+                links = (self._nvl(g.present, 1.0) if k > 1 else []) + (self._nic(g, 1.0) if N > 1 else [])
+                cap = k * self.rail_bw if N > 1 else self._mesh_cap(g)
+                phase = self._scaled((2 * S, tuple(links), cap, 0.0), opt)
+            elif a == "nvls":
+                # Multimem loads reduce in the switch and stores multicast from it: an all-reduce moves
+                # S each way per GPU, an all-gather / reduce-scatter (n-1)/n S.
+                amount = S if verb == "allreduce" else (n - 1) / n * S
+                phase = self._scaled((amount, tuple(self._nvl(g.present, 1.0)), self._mesh_cap(g), 0.0), opt)
+            else:  # nvls_tree: NVLS inside each domain (S each way), a tree of 2S between them
+                amount = S if N <= 2 else 2 * S  # two domains: the tree's two directions run at once
+                links = self._nvl(g.present, S / amount / opt.efficiency) + self._nic(g, 1.0)
+                phase = (amount, tuple(links), k * self.rail_bw, opt.latency_s)
+            out.append((f"{a}/{opt.protocol}", (phase,)))
+        return out
+
+    @staticmethod
+    def _scaled(phase: Phase, opt: "nccl_tuning.Option") -> Phase:
+        """A phase at `opt`'s protocol efficiency and bandwidth cap, with its latency."""
+        amount, links, cap, _ = phase
+        e = opt.efficiency
+        return (amount, tuple((lid, d / e) for lid, d in links), min(cap * e, opt.cap), opt.latency_s)
+
+    def _alpha_beta_candidates(self, verb: str, g: _Geometry, S: float) -> list[tuple[str, tuple[Phase, ...]]]:
+        """Off NCCL (RCCL, gloo): ring, double binary tree and a hierarchical all-reduce, per-hop alphas."""
+        n, N, k = g.n, g.domains, g.k
         if verb == "allreduce":
             # Ring: 2(n-1)/n * S per rank in 2(n-1) steps (Patarasuk & Yuan 2009; Thakur et al. 2005).
-            cands = [(self._ring(g, 2 * (n - 1) / n * S, 2 * (n - 1)),)]
+            cands = [("ring", (self._ring(g, 2 * (n - 1) / n * S, 2 * (n - 1)),))]
             if N > 1:
                 # Double binary tree: ~2S per rank, 2 log2(N) inter-node steps (NCCL 2.4, Sanders et al. 2009).
                 lat = 2 * math.ceil(math.log2(N)) * self.a_inter + 2 * (k - 1) * self.a_intra
                 links = (self._nvl(g.present, 1.0) if k > 1 else []) + self._nic(g, 1.0)
-                cands.append(((2 * S, tuple(links), k * self.rail_bw, lat),))
+                cands.append(("tree", ((2 * S, tuple(links), k * self.rail_bw, lat),)))
                 if k > 1:
                     # Hierarchical: reduce-scatter in the node, all-reduce of each 1/k share across
                     # nodes (k rings at once), all-gather in the node (Jia et al. 2018; Horovod/NCCL).
-                    cands.append((
+                    cands.append(("hierarchical", (
                         self._intra(g, (k - 1) / k * S, k - 1),
                         self._inter(g, 2 * (N - 1) / N * S, 2 * (N - 1)),
                         self._intra(g, (k - 1) / k * S, k - 1),
-                    ))
+                    )))
             return cands
         if verb in ("allgather", "reducescatter"):
-            # Ring: (n-1)/n * S per rank in n-1 steps; S is the full (gathered / unreduced) tensor.
-            cands = [(self._ring(g, (n - 1) / n * S, n - 1),)]
-            if N > 1 and k > 1:
-                intra = self._intra(g, (k - 1) / k * S, k - 1)
-                inter = self._inter(g, (N - 1) / N * S, N - 1)
-                cands.append((intra, inter) if verb == "reducescatter" else (inter, intra))
-            return cands
+            # Ring only (NCCL and RCCL have no hierarchical all-gather / reduce-scatter): (n-1)/n * S
+            # per rank in n-1 steps; S is the full (gathered / unreduced) tensor.
+            return [("ring", (self._ring(g, (n - 1) / n * S, n - 1),))]
         if verb == "alltoall":
-            return [(self._alltoall(g, S),)]
+            return [("pairwise", (self._alltoall(g, S),))]
         if verb == "broadcast":
             # Pipelined ring (chain) broadcast: S / B + (n-1) alpha for large messages.
-            return [(self._ring(g, S, n - 1),)]
+            return [("ring", (self._ring(g, S, n - 1),))]
         raise ValueError(f"unknown collective {verb!r}")
 
     def _alltoall(self, g: _Geometry, S: float) -> Phase:

@@ -33,6 +33,9 @@ class DeviceSpec(_Spec):
                                 " (torch.cuda.get_device_properties().total_memory), under the HBM's nominal size")
     memory_bw: float = Field(gt=0, description="device memory bandwidth, bytes/s")
     launch_overhead_s: float = Field(ge=0, description="fixed cost per kernel launch")
+    nccl_arch: Optional[Literal["ampere", "hopper", "blackwell"]] = Field(
+        None, description="the NVIDIA generation NCCL tunes its collectives for (simexec.sim.nccl_tuning); "
+        "None: not NCCL (RCCL, gloo), collectives priced by plain alpha-beta candidates")
 
     @field_validator("peak_flops")
     @classmethod
@@ -66,6 +69,11 @@ class NodeSpec(_Spec):
         0.0, ge=0, description="a fabric without a switch (a full mesh, e.g. MI300X Infinity Fabric): the one "
         "link between two devices, bytes/s per direction, so a group of k devices of a node reaches at most "
         "(k-1) of them; 0 = switched (NVSwitch): any group gets `intra_bw`")
+    nvls: bool = Field(
+        False, description="the NVLink switches reduce in the network (NVLink SHARP, NCCL's NVLS algorithms: "
+        "third-generation NVSwitch on Hopper and Blackwell)")
+    cpu_vendor: Literal["intel", "amd", "arm"] = Field(
+        "intel", description="host CPU: NCCL's per-step network overhead and LL bandwidth cap depend on it")
 
     @model_validator(mode="after")
     def _domain(self) -> "NodeSpec":
@@ -270,12 +278,13 @@ _A100 = dict(
     # NVIDIA A100 Tensor Core GPU datasheet: 312 TFLOP/s bf16/fp16 dense, 19.5 fp32, 156 tf32.
     peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
     launch_overhead_s=4e-6,
+    nccl_arch="ampere",  # SM80: NCCL's Ampere tuning row (src/graph/tuning.cc, compCapIndex)
 )
 _DGX_A100_NODE = dict(
     # DGX A100 user guide: 8 GPUs, NVLink3 600 GB/s bidirectional per GPU over NVSwitch,
     # PCIe Gen4 x16 (32 GB/s per direction), 2x AMD EPYC 7742 (128 cores).
     gpus_per_node=8, intra_bw=300 * GB, intra_latency_s=3e-6, host_link_bw=32 * GB,
-    cpu_cores=128,
+    cpu_cores=128, cpu_vendor="amd",
     # ZeRO-Offload (Ren et al. 2021) CPU-Adam: ~1B params in ~0.25 s on a dual-socket host.
     cpu_optimizer_params_per_s=4e9,
 )
@@ -287,6 +296,7 @@ _H100 = dict(
     # at 3.35 TB/s.
     peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12, "fp8": 1979e12},
     launch_overhead_s=4e-6,
+    nccl_arch="hopper",  # SM90 (src/graph/tuning.cc, compCapIndex)
 )
 # Device memory as CUDA gives it to a process (total_memory), a little under the HBM's nominal size;
 # the runtime's context, cuBLAS and NCCL then take their share of it (`workspace_bytes`).
@@ -300,9 +310,10 @@ _H100_CUDA_BYTES = 85_017_493_504  # 79.18 GiB
 _H200_CUDA_BYTES = 150_109_880_320  # 139.80 GiB
 _HOPPER_NODE = dict(
     # DGX H100 / HGX H100-H200: NVLink4 900 GB/s bidirectional per GPU, PCIe Gen5 x16 (64 GB/s),
-    # 2x Xeon 8480C (112 cores), 2 TB host memory.
+    # 2x Xeon 8480C (112 cores), 2 TB host memory. Third-generation NVSwitch reduces in the switch
+    # (NVLink SHARP: DGX H100 user guide; NCCL runs it as NVLS, src/transport/nvls.cc).
     gpus_per_node=8, intra_bw=450 * GB, intra_latency_s=3e-6, host_link_bw=64 * GB,
-    host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
+    host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9, nvls=True, cpu_vendor="intel",
 )
 
 # --- Blackwell: HGX B200 and the GB200 NVL72 rack ---
@@ -316,10 +327,12 @@ _HOPPER_NODE = dict(
 _B200 = dict(
     peak_flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "tf32": 1100e12, "fp32": 75e12},
     launch_overhead_s=4e-6,  # not measured on Blackwell: the Hopper presets' value
+    nccl_arch="blackwell",  # SM100 (src/graph/tuning.cc, compCapIndex)
 )
 _GB200 = dict(
     peak_flops={"bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "tf32": 1250e12, "fp32": 80e12},
     launch_overhead_s=4e-6,  # as _B200
+    nccl_arch="blackwell",
 )
 # Device memory as CUDA reports it: B200 178.35 GiB (cudaDeviceProp.totalGlobalMem in pytorch/ao PR #4002,
 # and "GPU 0 has a total capacity of 178.35 GiB" in public out-of-memory reports; nvidia-smi shows
@@ -366,6 +379,7 @@ _HGX_B200_NODE = dict(
     # Blackwell datasheet). Host Adam rate: the DGX H100's, a host of the same 112 cores.
     gpus_per_node=8, intra_bw=900 * GB, intra_latency_s=3e-6, host_link_bw=64 * GB,
     host_memory_bytes=2e12, cpu_cores=112, cpu_optimizer_params_per_s=5e9,
+    nvls=True, cpu_vendor="intel",  # NVLink 5 switch with SHARP; DGX B200: 2x Xeon Platinum 8570
 )
 _GB200_TRAY = dict(
     # DGX GB200 user guide (docs.nvidia.com/dgx/dgxgb200-user-guide/hardware.html): a rack is 18 compute
@@ -377,6 +391,7 @@ _GB200_TRAY = dict(
     # 225 GB/s each way per GPU. Host Adam rate: the Hopper host's (no published Grace figure).
     gpus_per_node=4, nvlink_domain_gpus=72, intra_bw=900 * GB, intra_latency_s=3e-6, host_link_bw=225 * GB,
     host_memory_bytes=960e9, cpu_cores=144, cpu_optimizer_params_per_s=5e9,
+    nvls=True, cpu_vendor="arm",  # NVLink 5 switch trays with SHARP; 2 Grace (Arm) CPUs per tray
 )
 
 # --- AMD MI300X platform (8 OAM GPUs on one baseboard) ---

@@ -769,7 +769,7 @@ def test_more_smaller_zero3_calls_make_a_slower_step_at_256_ranks(monkeypatch):
     one = simulate(get_model("llama3-8b"), get_cluster("32xdgx-h100"), plan).step_time_s
     monkeypatch.setitem(zero3_flavours.ZERO3_FLAVOURS, "fsdp1", dataclasses.replace(
         fsdp1, gather_bucket_params=2e6, reduce_bucket_params=2e6))
-    assert len(_zero3_calls(plan, cluster="32xdgx-h100")[0]) > 50
+    assert len(_zero3_calls(plan, cluster="32xdgx-h100")[0]) >= 7  # a call per tensor
     many = simulate(get_model("llama3-8b"), get_cluster("32xdgx-h100"), plan).step_time_s
     assert many > one
 

@@ -27,7 +27,7 @@ EXTENDED = [
     ("moe-tiny", "cp=2"),
     # ZeRO-3 flavours, HSDP, offload
     ("gpt-tiny", "dp=4,zero=3,zero_impl=yafsdp"),
-    ("gpt-tiny", "dp=2,zero=3,zero_impl=deepspeed,gbs=8"),  # the flat partition summed into, zeroed each step
+    ("gpt-tiny", "dp=2,zero=3,zero_impl=fsdp1,gbs=8"),
     ("gpt-tiny", "dp=4,zero=3,dp_shard=2"),
     ("gpt-tiny", "dp=4,zero=1,dp_shard=2"),
     ("gpt-tiny", "dp=2,zero=1,offload=optimizer"),
@@ -38,7 +38,7 @@ EXTENDED = [
     ("gpt-tiny", "tp=2,sp=1,pp=2,vpp=2,gbs=8,mbs=2"),  # gathers of several sequences, virtual stages
     ("moe-tiny", "dp=2,ep=2,tp=2,zero=3"),
     ("moe-tiny", "dp=4,ep=2,zero=3,zero_impl=yafsdp"),
-    ("moe-tiny", "dp=4,ep=2,zero=3,zero_impl=deepspeed"),
+    ("moe-tiny", "dp=4,ep=2,zero=3,zero_impl=fsdp1"),
     ("moe-tiny", "dp=4,ep=2,zero=2,dp_shard=2,gbs=8"),
     ("moe-tiny", "dp=2,ep=2,zero=1,offload=optimizer"),
     ("gpt-tiny", "dp=4,pp=2,zero=3,zero_impl=yafsdp,gbs=8"),

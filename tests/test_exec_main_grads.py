@@ -42,7 +42,7 @@ def test_main_gradients_are_the_fp32_sum_of_each_micro_batch_gradient(plan):
 
 AGREE = [  # (the one-rank or tp-only plan, plans that compute the same per-sequence gradients)
     ("dp=1,gbs=8", ["dp=2,gbs=8,grad_bucket_view=0", "dp=2,zero=1,offload=optimizer,gbs=8", "dp=4,zero=2,gbs=8",
-                    "dp=4,zero=3,zero_impl=yafsdp,gbs=8", "dp=2,zero=3,zero_impl=deepspeed,gbs=8",
+                    "dp=4,zero=3,zero_impl=yafsdp,gbs=8", "dp=2,zero=3,zero_impl=fsdp1,gbs=8",
                     "dp=4,zero=3,dp_shard=2,gbs=8", "pp=2,gbs=8,schedule=zb-h1",
                     "dp=2,pp=2,zero=1,gbs=8,grad_allreduce=1,grad_overlap=0,p2p_overlap=0"]),
     ("tp=2,sp=1,gbs=8", ["dp=2,tp=2,sp=1,zero=3,gbs=8"]),

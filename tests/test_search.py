@@ -147,7 +147,7 @@ def test_space_covers_every_knob():
     assert seen["pp"] == {1, 2, 4, 8, 16} and seen["vpp"] >= {1, 2, 4, 8}
     assert seen["schedule"] == {None, "gpipe", "zb-h1", "interleaved-zb", "zb-v", "dualpipev"} and seen["ep"] >= {1, 2, 4, 8}
     assert {p.vpp for p in ps if p.schedule in ("zb-v", "dualpipev")} == {2}
-    assert seen["zero"] == {0, 1, 2, 3} and seen["zero_impl"] == {None, "yafsdp"}
+    assert seen["zero"] == {0, 1, 2, 3} and seen["zero_impl"] == {None, "fsdp1", "yafsdp"}
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
     assert seen["mbs"] == {1, 2, 4, 8, 16} and seen["recompute"] == {"none", "selective", "full"}
     assert seen["recompute_layers"] - {None}

@@ -36,6 +36,7 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
 from simexec.specs.stack import StackSpec
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, zero3_flavour
 from simexec.search.comm_costs import CommCosts
 from simexec.search.pipeline import PipelineTimes, ReplayEnd
 from simexec.search.space import Structure
@@ -139,18 +140,19 @@ class _StructureBounds:
         self.state_costs = StateCosts(b, stages)
         self.p, self.comm, self.pp, self.m = stages.p, stages.comm, stages.pp, stages.m
         self._replayed: Optional[list[ReplayEnd]] = None
-        self._zero3_replays: dict[Optional[int], list[ReplayEnd]] = {}
+        self._zero3_replays: dict[tuple, list[ReplayEnd]] = {}  # (dp_shard, zero_impl) -> its replay
 
     def replay_bound(self, state: tuple) -> float:
         """Time bound from `PipelineTimes.replay`: each rank's last compute, then its last gradient
         reduction, optimizer step and parameter gather, as in `bounds`. Under ZeRO-3 the replay goes
         unit by unit with the parameter gathers and gradient reduce-scatters on their stream."""
-        zero, _, dp_shard, _ = state
+        zero, zero_impl, dp_shard, _ = state
         ranks = self.state_costs.state(state)
         if zero == 3 and len(self.comm.groups(self.comm.rank_of_stage[0], self.p.ep, dp_shard, self.p.etp)["zero"]) > 1:
-            ends = self._zero3_replays.get(dp_shard)
+            ends = self._zero3_replays.get((dp_shard, zero_impl))
             if ends is None:
-                ends = self._zero3_replays[dp_shard] = self.pipeline.replay(dp_shard or 0)
+                ends = self._zero3_replays[(dp_shard, zero_impl)] = self.pipeline.replay(
+                    dp_shard or 0, zero3_flavour(zero_impl or DEFAULT_ZERO3_FLAVOUR))
             t = 0.0
             for e, rank in zip(ends, ranks):
                 t = max(t, max(e.last_compute + e.closing, e.stream_done) + rank.after_reduction)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from simexec.search.stage_costs import StageCosts, UnitCost
+from simexec.specs.zero3_flavours import Zero3Flavour
 
 if TYPE_CHECKING:
     from simexec.search.bounds import Bounds
@@ -29,16 +30,16 @@ def _slot(free: list[float], ready: float, seconds: float) -> float:
 
 
 def _zero3_pass(units: list[UnitCost], te: float, tt: float, cf: list[float],
-                arr: float) -> tuple[float, float, list[float]]:
+                arr: float, depth: int = 2) -> tuple[float, float, list[float]]:
     """One forward or backward pass under ZeRO-3 (see `PipelineTimes.replay`): `te` the end of
     the rank's previous compute, `tt` the collective closing it, `cf` when each of the ZeRO stream's
     collective threads is free (a FIFO of that many servers: a collective no slower and issued no
-    later starts no later), `arr` when the pass's pipeline message arrives. Returns the three after
-    the pass."""
+    later starts no later), `arr` when the pass's pipeline message arrives, `depth` the units
+    gathered ahead (`Zero3Flavour.prefetch_depth`). Returns the three after the pass."""
     n = len(units)
     cf = list(cf)
     g_end = [0.0] * n
-    for j in range(min(2, n)):  # prefetched at the start of the pass: no dependency
+    for j in range(min(depth, n)):  # prefetched at the start of the pass: no dependency
         g_end[j] = _slot(cf, 0.0, units[j].gather)
     for j, (opening, body, closing, _, reduce_scatter) in enumerate(units):  # unpacked: the hot loop
         start = te + tt + opening
@@ -51,8 +52,8 @@ def _zero3_pass(units: list[UnitCost], te: float, tt: float, cf: list[float],
         tt = closing
         if reduce_scatter > 0.0:  # this unit's gradients
             _slot(cf, te, reduce_scatter)
-        if j + 2 < n:  # the gather two units ahead, into the buffer this unit frees
-            g_end[j + 2] = _slot(cf, te, units[j + 2].gather)
+        if j + depth < n:  # the gather `depth` units ahead, into the buffer this unit frees
+            g_end[j + depth] = _slot(cf, te, units[j + depth].gather)
     return te, tt, cf
 
 
@@ -207,7 +208,7 @@ class PipelineTimes:
         self.own_last_compute = [end[r] - tail[r] for r in range(pp)]
         self.tail = tail
 
-    def replay(self, zshard: Optional[int] = None) -> list[ReplayEnd]:
+    def replay(self, zshard: Optional[int] = None, zero3: Optional[Zero3Flavour] = None) -> list[ReplayEnd]:
         """The pipeline schedule (`simexec.program.schedules.pipeline_order`, as the lowering walks it) with
         every compute at full speed, every collective the compute waits on at its idle-network price
         and every pipeline message sent as soon as its compute ends. A forward waits for the previous
@@ -217,7 +218,8 @@ class PipelineTimes:
         end of its last compute, the collective that follows it and when its ZeRO stream is done.
 
         zshard (ZeRO-3 over dp, or over dp_shard groups of that size when > 0): actions go unit by
-        unit. Each pass gathers its first two units' parameters up front and unit j+2's once unit j
+        unit, each unit's gathers and reduce-scatters the calls flavour `zero3` issues. Each pass
+        gathers its first `prefetch_depth` units' parameters up front and unit j+depth's once unit j
         has computed; a unit computes once its gather is done; a backward unit's gradients are
         reduce-scattered after it; the gathers and reduce-scatters take turns on their stream's threads."""
         pp, V, m = self.pp, self.V, self.m
@@ -235,8 +237,9 @@ class PipelineTimes:
         t_tail = [0.0] * pp
         c_free = [[0.0] * self.b.threads for _ in range(pp)]  # when each ZeRO stream thread is free
         units = None
+        depth = zero3.prefetch_depth if zero3 is not None else 2
         if zshard is not None:
-            units = {(r, c): self.stages.unit_costs(r, c, zshard) for r in range(pp) for c in range(self.vpp)}
+            units = {(r, c): self.stages.unit_costs(r, c, zshard, zero3) for r in range(pp) for c in range(self.vpp)}
         # per action kind: its ends, opening / body / closing seconds, and per stage the action it waits
         # on (the previous stage's forward, the next stage's backward) with the message between
         kinds = {
@@ -275,7 +278,7 @@ class PipelineTimes:
                         te = (start if start > arr else arr) + body[vs]
                         tt = closing[vs]
                     else:
-                        te, tt, cf = _zero3_pass(units[(r, chunk)][half], te, tt, cf, arr)
+                        te, tt, cf = _zero3_pass(units[(r, chunk)][half], te, tt, cf, arr, depth)
                     ends[vs][mb] = te
                     i += 1
                     left -= 1

@@ -91,9 +91,9 @@ MBS = (1, 2, 4, 8, 16)
 MIN_CP_CHUNK = 1024
 MAX_CP = 32
 MAX_VPP = 8
-# a ZeRO-3 flavour that holds its gradient shards from the start (zero_impl=deepspeed) runs the program
-# of one that does not, the shards held longer: never faster, never smaller, so the space leaves it out
-# (`--fix zero_impl=deepspeed` still searches it); None: the default flavour
+# a ZeRO-3 flavour that holds its gradient shards from the start (zero_impl=deepspeed) is a stack's own
+# choice, not a knob of the default one: the space leaves it out (`--fix zero_impl=deepspeed`, or a
+# stack that allows it, still searches it); None: the default flavour
 ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None)) + tuple(
     (3, name) for name, flavour in ZERO3_FLAVOURS.items()
     if name != DEFAULT_ZERO3_FLAVOUR and not flavour.holds_grad_shards)

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from simexec.program.layer_order import TP_CONJUGATES
+from simexec.program.param_tensors import unit_tensors
+from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, Zero3Flavour, zero3_flavour
 from simexec.search.space import Structure
 
 if TYPE_CHECKING:
@@ -330,10 +332,13 @@ class StageCosts:
         counts = self.an.layer_param_counts(unit)
         return counts[0] if dense_only else sum(counts)
 
-    def unit_costs(self, r: int, chunk: int, zshard: int) -> tuple[list[UnitCost], list[UnitCost]]:
+    def unit_costs(self, r: int, chunk: int, zshard: int,
+                   zero3: Optional[Zero3Flavour] = None) -> tuple[list[UnitCost], list[UnitCost]]:
         """Forward and backward of each unit of one chunk, in the order the lowering runs them, with
-        the parameter all-gather and gradient reduce-scatter over the ZeRO group (ZeRO-3 over dp, or
-        over dp_shard groups of size `zshard` when > 0)."""
+        the parameter all-gathers and gradient reduce-scatters over the ZeRO group (ZeRO-3 over dp, or
+        over dp_shard groups of size `zshard` when > 0), in the calls the flavour `zero3` issues (the
+        lowering's: `Zero3Flavour.gather_calls`, `reduce_calls`)."""
+        zero3 = zero3 or zero3_flavour(DEFAULT_ZERO3_FLAVOUR)
         p, an = self.p, self.an
         rank = self.comm.rank_of_stage[r]
         dt, gdt = self.dt, self.gdt
@@ -343,9 +348,11 @@ class StageCosts:
         n_rc = self.n_recomputed(n)
         fwd, bwd = [], []
         for u in self.units(r, chunk):
-            dense = self.unit_params(u, True)
-            g = self.comm.coll("allgather", rank, "zero", dense * dt, p.ep, zshard or None, p.etp)
-            rs = self.comm.coll("reducescatter", rank, "zero", dense * gdt, p.ep, zshard or None, p.etp)
+            tensors = unit_tensors(self.rp, u, self.unit_params(u, True))
+            g = sum(self.comm.coll("allgather", rank, "zero", e * dt, p.ep, zshard or None, p.etp)
+                    for e in zero3.gather_calls(tensors))
+            rs = sum(self.comm.coll("reducescatter", rank, "zero", e * gdt, p.ep, zshard or None, p.etp)
+                     for e in zero3.reduce_calls(tensors))
             if u == -1:
                 fc = self._tp("embed_out", 0, rank)
                 fwd.append(UnitCost(0.0, self._fwd(an.embed), fc, g, 0.0))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from simexec.program.adam import ADAM_FLOPS_PER_PARAM, adam_bytes_per_param
+from simexec.program.param_tensors import unit_tensors
 from simexec.specs.plan import ResolvedPlan
 
 if TYPE_CHECKING:
@@ -23,6 +24,7 @@ class RankParams:
     biggest: float  # the largest unit (all its parameters)
     last_dense: float  # the dense parameters of the unit whose gradients the last backward makes last
     chunks: list[list[float]]  # each chunk's units' dense parameters
+    tensors: list[list[list[float]]]  # ... and their tensors (`simexec.program.param_tensors.unit_tensors`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,8 +90,10 @@ class StateCosts:
                 biggest = max(s.unit_params(u) for u in units)
                 last_unit = -1 if r == 0 else self.rp.stage_layers[r][0]
                 chunks = [[s.unit_params(u, True) for u in s.units(r, c)] for c in range(p.vpp)]
+                tensors = [[unit_tensors(self.rp, u, s.unit_params(u, True)) for u in s.units(r, c)]
+                           for c in range(p.vpp)]
                 out.append(RankParams(dense=prm["dense"], expert=prm["expert"], biggest=biggest,
-                                      last_dense=s.unit_params(last_unit, True), chunks=chunks))
+                                      last_dense=s.unit_params(last_unit, True), chunks=chunks, tensors=tensors))
             self.b.params[key] = out
         return out
 
@@ -171,7 +175,9 @@ class StateCosts:
             if not p.grad_overlap and zero in (0, 1):  # every bucket waits for the last backward
                 red = max(red, total)
             if zero == 3:
-                z = sum(2 * zc("allgather", rank, u * pg) + zc(verb, rank, u * gdt) for ch in prm.chunks for u in ch)
+                z3 = vrp.plan.zero3  # each unit's calls as the flavour issues them (the lowering's)
+                z = sum(2 * sum(zc("allgather", rank, e * pg) for e in z3.gather_calls(t))
+                        + sum(zc(verb, rank, e * gdt) for e in z3.reduce_calls(t)) for ch in prm.tensors for t in ch)
                 fixed, per_mb = 0.0, z
             elif zero == 2:
                 z = sum(zc(verb, rank, sum(ch) * gdt) for ch in prm.chunks)

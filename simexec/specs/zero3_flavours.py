@@ -9,8 +9,29 @@ simulator reads it too.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional, Sequence
 
 from simexec.errors import PlanError
+
+PYTORCH = "pytorch/pytorch@8fc2039decebd92b15b38296df8bf9aa13275be0"
+DEEPSPEED = "deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
+
+
+def pack_calls(tensors: Sequence[float], bucket: Optional[float]) -> list[float]:
+    """Elements of each collective when tensors join a bucket in order and it is issued once it
+    holds `bucket` elements (the tensor that fills it included, so one bigger than the bucket goes
+    alone); None: all in one call."""
+    if bucket is None:
+        return [float(sum(tensors))] if sum(tensors) > 0 else []
+    calls, open_ = [], 0.0
+    for t in tensors:
+        open_ += t
+        if open_ >= bucket:
+            calls.append(open_)
+            open_ = 0.0
+    if open_ > 0:
+        calls.append(open_)
+    return calls
 
 
 @dataclass(frozen=True)
@@ -28,12 +49,67 @@ class Zero3Flavour:
     # reduce-scatter of a step and dropped after the optimizer step (FSDP2's `.grad`, YaFSDP as
     # simexec runs it)
     holds_grad_shards: bool = False
+    # --- the collectives it issues (what decides the step at scale: per-call latency, overlap) ---
+    # one unit's gathered parameters go out in calls of `gather_bucket_params` elements each, its
+    # tensors taken in order until a call holds that many; None: one grouped call per unit
+    gather_bucket_params: Optional[float] = None
+    # a tensor of at most this many elements is never sharded, so never gathered (its gradient is
+    # still reduce-scattered with the rest); 0: every tensor is sharded
+    persist_below_params: float = 0.0
+    # a unit's gradients reduce-scattered in calls of this many elements (as `gather_bucket_params`);
+    # None: one call per unit
+    reduce_bucket_params: Optional[float] = None
+    # units whose gathers are in flight or in use at once: the first `prefetch_depth` of a pass are
+    # gathered up front, unit j+depth once unit j has computed
+    prefetch_depth: int = 2
+    # device copies around the collectives, in passes (each reads and writes the bytes once) over
+    # this rank's shard before a gather (copy-in), the gathered unit after it (copy-out), and the
+    # unsharded gradients before a reduce-scatter (copy-in)
+    gather_copy_in: int = 0
+    gather_copy_out: int = 0
+    reduce_copy_in: int = 0
+
+    def gather_calls(self, tensors: Sequence[float]) -> list[float]:
+        """Elements of each all-gather of a unit whose tensors (in forward order) are `tensors`."""
+        return pack_calls([t for t in tensors if t > self.persist_below_params], self.gather_bucket_params)
+
+    def reduce_calls(self, tensors: Sequence[float]) -> list[float]:
+        """Elements of each reduce-scatter of the unit's gradients."""
+        return pack_calls(tensors, self.reduce_bucket_params)
+
+    @property
+    def splits_units(self) -> bool:
+        """Whether a unit may be gathered in several calls or in part, or reduced in several calls."""
+        return (self.gather_bucket_params is not None or self.persist_below_params > 0
+                or self.reduce_bucket_params is not None)
 
 
 ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
-    Zero3Flavour("fsdp"),
+    # FSDP2 (fully_shard): one all_gather_into_tensor per parameter group, its input made by
+    # all_gather_copy_in (the shards copied in) and its output split into the parameters by
+    # split_with_sizes_copy; one reduce_scatter_tensor whose input chunk_cat copies the gradients in
+    # (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py: foreach_all_gather,
+    # foreach_all_gather_copy_out, foreach_reduce); the next unit's gather in flight while one is in
+    # use (_fsdp_param_group.py: wait_for_unshard's all_gather_state; _fsdp_state.py's implicit
+    # forward and backward prefetch), all at PYTORCH
+    Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1),
+    # FSDP1 (FullyShardedDataParallel): one FlatParameter per wrapped unit, all-gathered from its
+    # shard straight into the padded flat buffer the parameters are views of, and reduce-scattered
+    # from the flat gradient, no copies (torch/distributed/fsdp/_flat_param.py: _all_gather_flat_param;
+    # _runtime_utils.py: _reduce_grad); limit_all_gathers's rate limiter holds at most two gathers in
+    # flight (_limiter_utils.py: _max_num_inflight_all_gathers = 2), all at PYTORCH
+    Zero3Flavour("fsdp1"),
     Zero3Flavour("yafsdp", preallocated_buffers=True),
-    Zero3Flavour("deepspeed", holds_grad_shards=True),
+    # DeepSpeed stage 3, default config (deepspeed/runtime/zero/config.py: stage3_prefetch_bucket_size
+    # 5e7, stage3_param_persistence_threshold 1e5, reduce_bucket_size 5e8): the coordinator gathers a
+    # submodule's parameters and prefetches the trace's next ones until a bucket's worth, each set
+    # one all_gather_coalesced call (partitioned_param_coordinator.py: fetch_sub_module,
+    # __all_gather_params_); parameters under the threshold persist unsharded (ds_persist);
+    # gradients are copied into the ipg bucket and reduce-scattered a bucket at a time
+    # (stage3.py: __add_grad_to_ipg_bucket, __reduce_and_partition_ipg_grads), all at DEEPSPEED.
+    # Its buckets span units; simexec closes them at a unit's end (a bucket per unit below 5e8).
+    Zero3Flavour("deepspeed", holds_grad_shards=True, gather_bucket_params=5e7, persist_below_params=1e5,
+                 reduce_bucket_params=5e8, reduce_copy_in=1),
 )}
 DEFAULT_ZERO3_FLAVOUR = "fsdp"
 

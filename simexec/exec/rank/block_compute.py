@@ -20,6 +20,7 @@ from simexec.exec.nn.weight_grads import backward_inputs
 from simexec.exec.rank.collectives import InflightComm
 from simexec.exec.rank.dataflow import LAST_READER_OF_GATHERED, PERMUTED_INPUT, REGATHERED_INPUT
 from simexec.program.instructions import Instr
+from simexec.program.lowering.emit import ZERO3_COPY_BLOCKS
 
 
 def _engine_backward(tensors: tuple, grads: tuple) -> None:
@@ -100,6 +101,8 @@ class BlockCompute:
             return self.bucket_in(ins)
         if ins.block == "bucket_out":
             return self.bucket_out(ins)
+        if ins.block in ZERO3_COPY_BLOCKS:  # priced by the simulator; the flat buffers' copies are in z3_*
+            return None
         if self.z3_pending:
             for cls in ("dense", "expert"):
                 w = self.z3_pending.get((cls, ins.layer))

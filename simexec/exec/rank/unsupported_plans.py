@@ -17,6 +17,9 @@ def unsupported(rp) -> Optional[str]:
     if m.tied_embeddings and p.zero3 is not None and p.zero3.preallocated_buffers:
         missing.append(f"tied embeddings with zero_impl={p.zero3.name} ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
+    if p.zero3 is not None and p.zero3.splits_units:
+        missing.append(f"zero_impl={p.zero3.name}'s collectives (per-bucket gathers, persisted small parameters, "
+                       "bucketed reduce-scatters; the executor gathers and reduces each unit whole, in one call)")
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")

@@ -14,6 +14,11 @@ from simexec.program.instructions import Instr
 from simexec.program.schedules import Action
 from simexec.specs.plan import ResolvedPlan
 
+# the device copies around ZeRO-3's collectives (`Zero3Flavour.gather_copy_in` ...): compute-stream
+# memory traffic the simulator prices, never what a later instruction waits on as "the last compute";
+# the executor's flat buffers make their own
+ZERO3_COPY_BLOCKS = ("gather_in", "gather_out", "grads_in")
+
 
 class PendingWeightPass(NamedTuple):
     """tp_overlap: a column-parallel block's weight-gradient pass, held until the tp collective of its
@@ -122,9 +127,9 @@ class RankEmitter:
         return ins
 
     def last_compute(self, back: int = 0) -> Optional[str]:
-        """The last compute instruction emitted, or the one `back` computes before it."""
+        """The last compute instruction emitted (ZeRO-3's copies aside), or the one `back` before it."""
         for ins in reversed(self.out):
-            if ins.kind == "compute":
+            if ins.kind == "compute" and ins.block not in ZERO3_COPY_BLOCKS:
                 if not back:
                     return ins.name
                 back -= 1

@@ -1,12 +1,20 @@
-"""The ZeRO-3 concern of a rank's lowering: per-unit parameter all-gathers (two in flight) and the
-release of their buffers, gradient reduce-scatters, lazily made gradient shards, and the
-preallocated buffers of the flavours that keep them (`Zero3Flavour.preallocated_buffers`)."""
+"""The ZeRO-3 concern of a rank's lowering: per-unit parameter all-gathers (`prefetch_depth` units
+in flight, each unit's in the calls its flavour issues) and the release of their buffers, gradient
+reduce-scatters, the device copies around them, lazily made gradient shards, and the preallocated
+buffers of the flavours that keep them (`Zero3Flavour.preallocated_buffers`)."""
 from __future__ import annotations
 
 from typing import NamedTuple
 
+from simexec.program.block import Block
 from simexec.program.instructions import Instr
-from simexec.program.lowering.emit import RankEmitter
+from simexec.program.lowering.emit import ZERO3_COPY_BLOCKS, RankEmitter
+from simexec.program.param_tensors import unit_tensors
+
+
+def copy_block(nbytes: float, passes: int) -> Block:
+    """`passes` device copies of `nbytes`: each reads and writes them once."""
+    return Block("elementwise", 0.0, 2.0 * passes * nbytes, 0.0, bwd=2.0 * passes * nbytes)
 
 
 class Zero3Reduction(NamedTuple):
@@ -41,6 +49,33 @@ class Zero3Lowering(RankEmitter):
         dense, expert = self.unit_params(unit)
         zs, edp = self.zero_size, len(self.groups.edp)
         return dt * (dense * (zs > 1) / (zs if shard else 1) + expert * (edp > 1) / (edp if shard else 1))
+
+    def z3_gather_calls(self, unit: int) -> list[float]:
+        """Dense elements of each all-gather of the unit, as the flavour issues them."""
+        dense, _ = self.unit_params(unit)
+        return self.p.zero3.gather_calls(unit_tensors(self.rp, unit, dense)) if dense > 0 else []
+
+    def z3_reduce_calls(self, unit: int) -> list[float]:
+        """Dense elements of each reduce-scatter of the unit's gradients."""
+        dense, _ = self.unit_params(unit)
+        return self.p.zero3.reduce_calls(unit_tensors(self.rp, unit, dense)) if dense > 0 else []
+
+    def z3_gathered_bytes(self, unit: int, dt: float) -> float:
+        """A unit's gathered parameters at `dt` bytes per element: its persisted tensors stay out."""
+        _, expert = self.unit_params(unit)
+        dense = sum(self.z3_gather_calls(unit))
+        return dt * (dense * (self.zero_size > 1) + expert * (len(self.groups.edp) > 1))
+
+    def z3_copy(self, phase: str, block: str, unit: int, mb: int, c: int, nbytes: float, passes: int,
+                deps: tuple, tag: str) -> tuple:
+        """A flavour's device copy around a collective, on the compute stream; `deps` then, or the copy."""
+        if passes <= 0 or nbytes <= 0:
+            return deps
+        b = copy_block(nbytes, passes)
+        name = self.emit(Instr(self.rank, f"{phase}.{block}.{tag}", "compute", "compute", b.op, phase=phase,
+                               block=block, layer=unit, mb=mb, chunk=c, bytes=b.bytes,
+                               deps=tuple(d for d in deps if d)))
+        return (name,)
 
     def tied_head_gathers_embedding(self, unit: int) -> bool:
         """ZeRO-3 with the head on the embedding's rank (no pipeline, or a V): a tied LM head reads the
@@ -84,12 +119,17 @@ class Zero3Lowering(RankEmitter):
             deps = (self.emit(Instr(self.rank, f"copy.{tag}", "copy", "copy.h2d", "h2d", phase=phase,
                                     block="params_h2d", layer=unit, mb=mb, chunk=c, bytes=shard,
                                     deps=tuple(d for d in deps if d), items=(unit,))),)
-        zero_axis = self.groups.zero_axis
-        if not self.p.zero3.preallocated_buffers:
-            self.memory("alloc", "buffers", self.z3_bytes(unit, dt), tag, stream=f"comm.{zero_axis}", deps=deps)
-        n = self.coll(tag, "allgather", zero_axis, self.groups.zero, dense * dt, deps, phase=phase, block="gather",
-                      layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
-        names.append(n)
+        zero_axis, zero3 = self.groups.zero_axis, self.p.zero3
+        if not zero3.preallocated_buffers:
+            self.memory("alloc", "buffers", self.z3_gathered_bytes(unit, dt), tag, stream=f"comm.{zero_axis}",
+                        deps=deps)
+        calls = self.z3_gather_calls(unit) if self.zero_size > 1 else []
+        cdeps = self.z3_copy(phase, "gather_in", unit, mb, c, sum(calls) * dt / self.zero_size,
+                             zero3.gather_copy_in, deps, tag.removeprefix(f"{phase}.gather."))
+        for k, elems in enumerate(calls):
+            names.append(self.coll(tag + (f".c{k}" if k else ""), "allgather", zero_axis, self.groups.zero,
+                                   elems * dt, cdeps, phase=phase, block="gather", layer=unit, mb=mb, chunk=c,
+                                   items=(unit,), wait=False))
         n = self.coll(tag + ".experts", "allgather", "edp", self.groups.edp, expert * dt, deps, phase=phase,
                       block="gather", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
         names.append(n)
@@ -99,24 +139,32 @@ class Zero3Lowering(RankEmitter):
         return [n for n in names if n]
 
     def prefetch(self, units: list[int], phase: str, mb: int, c: int) -> None:
-        """Gather the first two units of a pass (two buffers in flight, as YaFSDP and FSDP's limit)."""
+        """Gather the first `prefetch_depth` units of a pass (the flavour's gathers in flight)."""
         if self.zero3_sharded:
-            for u in units[:2]:
+            for u in units[:self.p.zero3.prefetch_depth]:
                 self.gather(u, phase, mb, c, ())
 
     def prefetch_next(self, units: list[int], j: int, phase: str, mb: int, c: int) -> None:
-        """Once unit j is done with its buffer, gather unit j+2 into it."""
-        if self.zero3_sharded and j + 2 < len(units):
-            self.gather(units[j + 2], phase, mb, c, (self.last_compute(),))
+        """Once unit j is done with its buffer, gather unit j+depth into it."""
+        depth = self.p.zero3.prefetch_depth if self.zero3_sharded else 0
+        if depth and j + depth < len(units):
+            self.gather(units[j + depth], phase, mb, c, (self.last_compute(),))
 
     def wait_gather(self, unit: int, phase: str, mb: int) -> None:
-        self.wait.extend(self.z3_gathers.get((unit, phase, mb), ()))
+        """The unit's compute waits for its gathers (and the flavour's copy-out of them)."""
+        names = self.z3_gathers.get((unit, phase, mb), ())
+        passes = self.p.zero3.gather_copy_out if self.zero3_sharded else 0
+        if names and passes:
+            dense_bytes = sum(self.z3_gather_calls(unit)) * self.rp.param_gather_bytes * (self.zero_size > 1)
+            self.z3_copy(phase, "gather_out", unit, mb, 0, dense_bytes, passes, tuple(names),
+                         f"L{unit}.m{mb}")
+        self.wait.extend(names)
 
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
         if self.zero3_sharded and not self.p.zero3.preallocated_buffers:
             tag = f"{phase}.gather.L{unit}.m{mb}"
             for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self.tied_head_gathers_embedding(unit) else []):
-                self.memory("free", "buffers", self.z3_bytes(u, self.rp.param_gather_bytes), t)
+                self.memory("free", "buffers", self.z3_gathered_bytes(u, self.rp.param_gather_bytes), t)
 
     # --- gradient reduce-scatters --------------------------------------------------------------------
     def z3_grads_ready(self, unit: int, mb: int, c: int, after: str) -> None:
@@ -152,15 +200,20 @@ class Zero3Lowering(RankEmitter):
             self.memory("alloc", "grads", shard, f"grads.shard.L{unit}", deps=(after,))
         else:  # a later one's output is summed into the shard once it lands
             self.memory("alloc", "grads", shard, f"{tag}.out", deps=(after,))
-        a = self.coll(tag, "reducescatter", zero_axis, self.groups.zero, dense * gdt, (after,), phase="bwd",
-                      block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
+        calls = self.z3_reduce_calls(unit) if self.zero_size > 1 else []
+        cdeps = self.z3_copy("bwd", "grads_in", unit, mb, c, dense * gdt * (self.zero_size > 1),
+                             self.p.zero3.reduce_copy_in, (after,), f"L{unit}.m{mb}{suffix}")
+        dense_calls = [self.coll(tag + (f".c{k}" if k else ""), "reducescatter", zero_axis, self.groups.zero,
+                                 elems * gdt, cdeps, phase="bwd", block="grads", layer=unit, mb=mb, chunk=c,
+                                 items=(unit,), wait=False) for k, elems in enumerate(calls)]
+        a = dense_calls[-1] if dense_calls else None  # the unit's last: the stream runs them in order
         b = self.coll(tag + ".experts", "reducescatter", "edp", self.groups.edp, expert * gdt, (after,), phase="bwd",
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
-        self.grad_colls += [n for n in (a, b) if n]
+        self.grad_colls += [n for n in dense_calls + [b] if n]
         for cls, n in (("dense", a), ("expert", b)):
             if n and self.p.zero3.preallocated_buffers:
                 self.z3_busy[(cls, unit % 2)] = n
-        landed = tuple(n for n in (a, b) if n)
+        landed = tuple(n for n in dense_calls + [b] if n)
         if not self.p.zero3.preallocated_buffers:
             self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{zero_axis}", deps=landed)
         if not first:

@@ -150,7 +150,8 @@ def test_flop_counts_reproduce_the_published_mfu(sdp_rows):
         mfu = re.search(r"MFU ([\d.]+)%", r["notes"])
         if r["flop_count"] in ("llmf-mfu", "torchtitan-6n") and mfu:
             step = sharded_dp.measured_step_s(r)
-            got = sharded_dp.FLOP_COUNTS[r["flop_count"]](r) / (step * int(r["gpus"]) * sharded_dp.MFU_PEAKS[r["device"]])
+            peak = sharded_dp.MFU_PEAKS[r["device"]]
+            got = sharded_dp.FLOP_COUNTS[r["flop_count"]](r) / (step * int(r["gpus"]) * peak)
             assert got == pytest.approx(float(mfu.group(1)) / 100, rel=0.01), r["name"]
             checked += 1
     assert checked >= 60

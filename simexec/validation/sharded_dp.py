@@ -10,7 +10,7 @@ llmfoundry/models/mpt/configuration_mpt.py defaults, which the benchmark yamls s
 mpt-*.yaml leave alone): LayerNorm (low_precision_layernorm), non-gated GELU MLP of `ffn` (expansion_ratio 4),
 tied embeddings, learned positional embedding of seq_len rows, no dropout (resid/emb/attn_pdrop 0.0), vocab
 50368, and biases: `no_bias` defaults to False, and the rows' NumParams counts them (mpt-7b: 6,658,859,008 =
-32 x 12h^2 + (50368 + 2048) h + 32 x (9h linear biases + 4h LayerNorm) + 2h, h = 4096: `test_mpt_params_match`);
+32 x 12h^2 + (50368 + 2048) h + 32 x (9h linear biases + 4h LayerNorm) + 2h, h = 4096: tests/test_validation_modern.py);
 any other name -> a Llama-style ModelSpec from the columns (simexec.validation.modern.row_model).
 
 Cluster: a100-80gb -> `Nxdgx-a100-80g`, a100-40gb -> `Nxdgx-a100-40g`, h100 -> `Nxdgx-h100` (N = gpus / 8),

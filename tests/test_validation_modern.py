@@ -9,7 +9,7 @@ import pytest
 
 from simexec.specs.cluster import get_cluster
 from simexec.specs.model_presets import MODELS
-from simexec.validation import modern
+from simexec.validation import modern, sharded_dp
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -98,3 +98,88 @@ def test_script_end_to_end_on_one_small_row(tmp_path):
     text = md.read_text()
     assert modern.BEGIN in text and modern.END in text and "mb2511-b200-llama3-8b-fp8cs-8" in text
     assert "mb2511-b200-llama3-8b-fp8cs-8" in run.stdout
+
+
+# --- the sharded-dp family (simexec.validation.sharded_dp, data/sharded_dp_runs.csv) ---------------------------
+
+@pytest.fixture(scope="module")
+def sdp_rows():
+    return {r["name"]: r for r in sharded_dp.read_rows()}
+
+
+def test_sharded_dp_rows_map_by_stack(sdp_rows):
+    m = sharded_dp.map_row(sdp_rows["megsc21-zero3-174.6b-384"])
+    assert m.plan == "zero=3,zero_impl=deepspeed,mbs=4,gbs=1536,recompute=full,dtype=fp16"
+    assert m.stack.name == "deepspeed" and m.cluster.name == "48xdgx-a100-80g"
+    assert (m.model.layers, m.model.hidden, m.model.vocab) == (96, 12288, 51200) and m.model.bias
+    default = sharded_dp.map_row(sdp_rows["mpt-h100-7b-128"])  # Composer's DEFAULT mixed precision reduces in fp32
+    assert default.plan == f"zero=3,zero_impl={sharded_dp.FSDP1_IMPL},mbs=6,gbs=768,grad_fp32=1"
+    assert default.stack.cross_entropy == "compiled" and default.cluster.name == "16xdgx-h100"
+    pure = sharded_dp.map_row(sdp_rows["mpt-a100-40-7b-8"])  # PURE reduces in bf16
+    assert "grad_fp32" not in pure.plan and pure.cluster.name == "1xdgx-a100-40g"
+    assert sharded_dp.map_row(sdp_rows["mpt-h100-3b-128"]).plan == "zero=2,mbs=8,gbs=1024,grad_fp32=1"
+    ya = sharded_dp.map_row(sdp_rows["yafsdp-yafsdp-l2-70b-s2048-256"])
+    assert ya.plan == "zero=3,zero_impl=yafsdp,gbs=256,recompute=full,recompute_layers=10"
+    assert ya.stack.name == "torchtitan" and ya.model is MODELS["llama2-70b"]
+    tt = sharded_dp.map_row(sdp_rows["tt2404-a100-llama3-8b-selective-layer-mbs1-64"])
+    assert tt.plan == "zero=3,zero_impl=fsdp,gbs=64,recompute=full,recompute_layers=16,grad_fp32=1"
+    cl = sharded_dp.row_model(sdp_rows["yafsdp-yafsdp-cl-34b-s2048-128"])
+    assert (cl.kv_heads, cl.ffn, cl.vocab, cl.gated, cl.norm) == (8, 22016, 32000, True, "rmsnorm")
+
+
+def test_mpt_models_count_the_published_parameters(sdp_rows):
+    for r in sdp_rows.values():
+        if r["model"].startswith("mpt-"):
+            assert sharded_dp.row_model(r).params == sharded_dp.num_params_in_notes(r), r["name"]
+
+
+def test_network_column_overrides_the_preset_nics():
+    base = get_cluster("2xdgx-a100-80g")
+    assert sharded_dp.with_network(base, "8x200:roce") is base and sharded_dp.with_network(base, "unstated") is base
+    four = sharded_dp.with_network(base, "4x100:efa")
+    assert four.network.nics_per_node == 4 and four.network.nic_bw == 12.5e9
+
+
+def test_flop_counts_reproduce_the_published_mfu(sdp_rows):
+    """llmf-mfu and torchtitan-6n, as the header states them, give back each row's MFU (its notes) from its
+    tokens/s; megatron-eq3 turns TFLOP/s into a step time."""
+    import re
+
+    checked = 0
+    for r in sdp_rows.values():
+        mfu = re.search(r"MFU ([\d.]+)%", r["notes"])
+        if r["flop_count"] in ("llmf-mfu", "torchtitan-6n") and mfu:
+            step = sharded_dp.measured_step_s(r)
+            peak = sharded_dp.MFU_PEAKS[r["device"]]
+            got = sharded_dp.FLOP_COUNTS[r["flop_count"]](r) / (step * int(r["gpus"]) * peak)
+            assert got == pytest.approx(float(mfu.group(1)) / 100, rel=0.01), r["name"]
+            checked += 1
+    assert checked >= 60
+    r = sdp_rows["megsc21-zero3-174.6b-384"]
+    assert sharded_dp.measured_step_s(r) == pytest.approx(
+        sharded_dp.megatron_eq3(r) / (144e12 * 384)) == pytest.approx(81.58, rel=1e-3)
+
+
+def test_trend_counts_per_gpu_throughput_steps():
+    def row(gpus, pred, meas, series="s"):
+        return {"series": series, "status": "ok", "gpus": gpus, "gbs": gpus, "seq_len": 1, "predicted_s": pred,
+                "measured_s": meas}
+
+    # throughput per GPU = 1 / step here: predicted falls then rises, published falls twice
+    t = sharded_dp.trend([row(8, 1.0, 1.0), row(16, 1.1, 1.2), row(32, 1.05, 1.3), row(8, 1.0, 1.0, "")])
+    assert t["steps"] == 2 and t["agree"] == 0.5 and t["series"] == {"s": 0.5}
+
+
+def test_script_reports_the_sharded_dp_family_with_a_trend(tmp_path):
+    out, md = tmp_path / "out.json", tmp_path / "v.md"
+    run = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_modern.py"), "--only",
+                          "mpt-h100-13b-,yafsdp-fsdp1-l2-7b-s2048,megsc21-zero3-174.6b-384", "--json", str(out),
+                          "--markdown", str(md)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr
+    data = json.loads(out.read_text())
+    assert len(data["rows"]) == 10 and all(r["families"] == ["sharded-dp"] for r in data["rows"])
+    fam = data["summary"]["families"]["sharded-dp"]
+    assert fam["rows"] == 10 and fam["median_abs_error"] >= 0
+    assert fam["trend"]["steps"] == 6 and 0 <= fam["trend"]["agree"] <= 1  # mpt-h100-13b series: 3 + 2 steps; yafsdp: 1
+    assert "sharded-dp" in run.stdout and "trend agrees in" in run.stdout
+    assert "trend (per-GPU throughput)" in md.read_text()

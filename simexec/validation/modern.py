@@ -51,7 +51,9 @@ the same per-GPU figure); `tflops_per_gpu` and `mfu` through the FLOP count the 
 
 Error = predicted / measured - 1 (positive: simexec predicts a slower step).
 Families (a row may be in several): fp8, long-context (seq_len >= 32768 or cp > 1), tp, pp, fsdp, moe,
-and the device.
+and the device; and `sharded-dp`, the rows of data/sharded_dp_runs.csv, mapped by their own rules
+(simexec.validation.sharded_dp), which the table (`TABLE`) predicts after these, with the share of
+GPU-count steps whose per-GPU throughput moves as published (its `trend`).
 """
 from __future__ import annotations
 
@@ -260,21 +262,35 @@ def folding_gap(r: dict) -> Optional[str]:
     return None
 
 
-def simulate_row(r: dict, out: dict):
-    """Simulate a row as mapped (`map_row`), its plan and cluster noted in `out`; None, with `out` marked
-    refused and why, where simexec refuses the mapping."""
+def simulate_mapped(mapping: Callable[[], Mapped], out: dict, gap: Callable[[], Optional[str]] = lambda: None):
+    """Simulate what `mapping` maps a row to, its plan and cluster noted in `out`; None, with `out` marked
+    refused and why, where simexec refuses the mapping (PlanError, SpecError) or `gap` names what it cannot model."""
     from simexec.sim.simulate import simulate
 
     try:
-        m = map_row(r)
+        m = mapping()
         out.update(plan=m.plan, cluster=m.cluster.name)
-        gap = folding_gap(r)
-        if gap:
-            raise PlanError(gap)
+        why = gap()
+        if why:
+            raise PlanError(why)
         return simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
     except (PlanError, SpecError) as exc:
         out.update(status="refused", reason=str(exc).splitlines()[0])
         return None
+
+
+def simulate_row(r: dict, out: dict):
+    """Simulate a row as mapped (`map_row`), its plan and cluster noted in `out`; None, with `out` marked
+    refused and why, where simexec refuses the mapping."""
+    return simulate_mapped(lambda: map_row(r), out, lambda: folding_gap(r))
+
+
+def record_result(out: dict, res, t0: float) -> dict:
+    """`out` with the simulated step (`res`) compared with its measured one, and the simulation's wall time."""
+    out.update(predicted_s=res.step_time_s, error=res.step_time_s / out["measured_s"] - 1.0, fits=res.fits,
+               peak_memory_gib=res.peak_memory_bytes / 2**30, sim_wall_s=time.perf_counter() - t0,
+               breakdown={k: round(v / res.step_time_s, 4) for k, v in res.breakdown_s.items()})
+    return out
 
 
 def predict_row(r: dict) -> dict:
@@ -293,10 +309,7 @@ def predict_row(r: dict) -> dict:
     res = simulate_row(r, out)
     if res is None:
         return out
-    out.update(predicted_s=res.step_time_s, error=res.step_time_s / out["measured_s"] - 1.0, fits=res.fits,
-               peak_memory_gib=res.peak_memory_bytes / 2**30, sim_wall_s=time.perf_counter() - t0,
-               breakdown={k: round(v / res.step_time_s, 4) for k, v in res.breakdown_s.items()})
-    return out
+    return record_result(out, res, t0)
 
 
 def read_rows(path: Path = CSV) -> list[dict]:
@@ -305,6 +318,13 @@ def read_rows(path: Path = CSV) -> list[dict]:
 
 def modern_rows(only: Optional[Callable[[str], bool]] = None, path: Path = CSV, log=print) -> list[dict]:
     return predicted_rows(read_rows(path), predict_row, line, only, log)
+
+
+def all_rows(only: Optional[Callable[[str], bool]] = None, log=print) -> list[dict]:
+    """The rows of modern_runs.csv, then those of sharded_dp_runs.csv (family `sharded-dp`)."""
+    from simexec.validation.sharded_dp import sharded_dp_rows  # it builds on this module's rules
+
+    return modern_rows(only, log=log) + sharded_dp_rows(only, log=log)
 
 
 def line(o: dict) -> str:
@@ -325,11 +345,26 @@ def summary(rows: list[dict]) -> dict:
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return {}
+    from simexec.validation.sharded_dp import trend
+
     fams = sorted({f for r in ok for f in r["families"]})
+    families_ = {f: _stats([r["error"] for r in ok if f in r["families"]]) for f in fams}
+    for f, st in families_.items():  # the families whose rows form series over GPU counts
+        t = trend([r for r in ok if f in r["families"]])
+        if t["steps"]:
+            st["trend"] = t
     return {**_stats([r["error"] for r in ok]),
             "refused": sum(r["status"] == "refused" for r in rows),
             "not_comparable": sum(r["status"] == "not comparable" for r in rows),
-            "families": {f: _stats([r["error"] for r in ok if f in r["families"]]) for f in fams}}
+            "families": families_}
+
+
+def trend_text(st: dict) -> str:
+    """A family's trend agreement, or '' where its rows form no series."""
+    t = st.get("trend")
+    if not t:
+        return ""
+    return f"{100 * t['agree']:.0f}% of {t['steps']} GPU-count steps"
 
 
 def summary_lines(s: dict) -> list[str]:
@@ -339,8 +374,10 @@ def summary_lines(s: dict) -> list[str]:
              f"|error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, median error "
              f"{100 * s['median_error']:+.1f}%"]
     for f, st in s["families"].items():
+        trend_ = trend_text(st)
         lines.append(f"  {f:<13} {st['rows']:3d} rows: median |error| {100 * st['median_abs_error']:5.1f}%, "
-                     f"within 15% {100 * st['within_15pct']:3.0f}%, median error {100 * st['median_error']:+6.1f}%")
+                     f"within 15% {100 * st['within_15pct']:3.0f}%, median error {100 * st['median_error']:+6.1f}%"
+                     + (f"; per-GPU throughput trend agrees in {trend_}" if trend_ else ""))
     return lines
 
 
@@ -362,11 +399,15 @@ def to_markdown(rows: list[dict], command: str) -> str:
         lines.append(f"| {r['name']} | {r['device']} | {r['stack']} | {plan} | {nums} |")
     if s:
         lines += ["", summary_lines(s)[0] + ".", "",
-                  "| family | rows | median abs error | within 15% | median error |",
-                  "| --- | ---: | ---: | ---: | ---: |"]
+                  "| family | rows | median abs error | within 15% | median error | trend (per-GPU throughput) |",
+                  "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for f, st in s["families"].items():
             lines.append(f"| {f} | {st['rows']} | {100 * st['median_abs_error']:.1f}% | "
-                         f"{100 * st['within_15pct']:.0f}% | {100 * st['median_error']:+.1f}% |")
+                         f"{100 * st['within_15pct']:.0f}% | {100 * st['median_error']:+.1f}% | {trend_text(st)} |")
+        if any("trend" in st for st in s["families"].values()):
+            lines += ["", "Trend: over each series of rows that differ only in GPU count, the share of consecutive "
+                      "GPU-count steps where the predicted per-GPU throughput moves (up or down) as the published "
+                      "one does."]
     lines += ["", END]
     return "\n".join(lines)
 
@@ -376,4 +417,4 @@ def update_markdown(path: Path, block: str) -> None:
 
 
 TABLE = Table("validate_modern.py", f"  {'row':<46} {'device':<6} {'stack':<19} {'pred s':>8} {'meas s':>8} {'error':>8}  plan",
-              lambda only: modern_rows(only), summary, summary_lines, to_markdown, update_markdown)
+              lambda only: all_rows(only), summary, summary_lines, to_markdown, update_markdown)

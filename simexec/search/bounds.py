@@ -36,7 +36,6 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
 from simexec.specs.stack import StackSpec
-from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, zero3_flavour
 from simexec.search.comm_costs import CommCosts
 from simexec.search.pipeline import PipelineTimes, ReplayEnd
 from simexec.search.space import Structure
@@ -152,7 +151,7 @@ class _StructureBounds:
             ends = self._zero3_replays.get((dp_shard, zero_impl))
             if ends is None:
                 ends = self._zero3_replays[(dp_shard, zero_impl)] = self.pipeline.replay(
-                    dp_shard or 0, zero3_flavour(zero_impl or DEFAULT_ZERO3_FLAVOUR))
+                    dp_shard or 0, self.p.zero3_policy(zero_impl))
             t = 0.0
             for e, rank in zip(ends, ranks):
                 t = max(t, max(e.last_compute + e.closing, e.stream_done) + rank.after_reduction)

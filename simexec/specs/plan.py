@@ -6,6 +6,8 @@ rule a plan can break has its own message naming the rule and the values.
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterable, Literal, Optional
@@ -48,6 +50,15 @@ class Plan(BaseModel):
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
     zero_impl: Optional[Literal[tuple(ZERO3_FLAVOURS)]] = Field(
         None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
+    zero3_gather_bucket: Optional[float] = Field(
+        None, gt=0, description="zero_impl=deepspeed: elements per parameter all-gather call (DeepSpeed's"
+        " stage3_prefetch_bucket_size, default 5e7)")
+    zero3_persist_below: Optional[float] = Field(
+        None, ge=0, description="zero_impl=deepspeed: tensors of at most this many elements stay unsharded, never"
+        " gathered (DeepSpeed's stage3_param_persistence_threshold, default 1e5); 0: every tensor is sharded")
+    zero3_reduce_bucket: Optional[float] = Field(
+        None, gt=0, description="zero_impl=deepspeed: elements per gradient reduce-scatter call (DeepSpeed's"
+        " reduce_bucket_size, default 5e8)")
     dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
@@ -145,7 +156,17 @@ class Plan(BaseModel):
     @property
     def zero3(self) -> Optional[Zero3Flavour]:
         """The ZeRO-3 flavour's policy (`simexec.specs.zero3_flavours`); None unless zero=3."""
-        return zero3_flavour(self.zero_impl or DEFAULT_ZERO3_FLAVOUR) if self.zero == 3 else None
+        return self.zero3_policy(self.zero_impl) if self.zero == 3 else None
+
+    def zero3_policy(self, impl: Optional[str]) -> Zero3Flavour:
+        """Flavour `impl` (None: the default) with this plan's DeepSpeed bucket and persistence settings."""
+        flavour = zero3_flavour(impl or DEFAULT_ZERO3_FLAVOUR)
+        if flavour.name != "deepspeed":
+            return flavour
+        changes = {k: v for k, v in (("gather_bucket_params", self.zero3_gather_bucket),
+                                     ("persist_below_params", self.zero3_persist_below),
+                                     ("reduce_bucket_params", self.zero3_reduce_bucket)) if v is not None}
+        return dataclasses.replace(flavour, **changes) if changes else flavour
 
     @property
     def lazy_grad_shards(self) -> bool:
@@ -610,6 +631,9 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
                  " (the expert mesh folds each pipeline stage's ranks, as Megatron-Core asserts)")
     if p.zero_impl is not None and p.zero != 3:
         fail(f"zero_impl={p.zero_impl} needs zero=3, got zero={p.zero}")
+    for knob in ("zero3_gather_bucket", "zero3_persist_below", "zero3_reduce_bucket"):
+        if getattr(p, knob) is not None and (p.zero != 3 or p.zero_impl != "deepspeed"):
+            fail(f"{knob}={getattr(p, knob):g} is a DeepSpeed ZeRO-3 setting: it needs zero=3,zero_impl=deepspeed")
     if p.param_overlap and p.zero not in (1, 2):
         fail(f"param_overlap=1 needs zero=1 or 2, got zero={p.zero}")
     if p.grad_allreduce and p.zero != 1:

@@ -28,6 +28,7 @@ from torch import Tensor
 
 from simexec.exec.rank.collectives import InflightComm
 from simexec.program.instructions import Instr
+from simexec.program.lowering.emit import ZERO3_COPY_BLOCKS
 
 
 @dataclass
@@ -163,7 +164,7 @@ class Sharding:
                     key = (self.param_class(i.axis), i.layer)
                     close(key)
                     last[key] = None
-                elif i.kind == "compute" and i.block not in ("optim", "cpu_optim"):
+                elif i.kind == "compute" and i.block not in ("optim", "cpu_optim", *ZERO3_COPY_BLOCKS):
                     for key in last:
                         if uses(i, key[1]):
                             last[key] = k

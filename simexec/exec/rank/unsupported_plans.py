@@ -4,6 +4,22 @@ from __future__ import annotations
 
 from typing import Optional
 
+from simexec.program.blocks import Anatomy
+from simexec.program.param_tensors import unit_tensors
+
+
+def splits_a_unit(rp) -> bool:
+    """Whether the plan's ZeRO-3 flavour gathers or reduces some unit of this model in more than one
+    call, or keeps some of its tensors out of the gathers (persisted unsharded)."""
+    z3, an, layers = rp.plan.zero3, Anatomy(rp), rp.model.layers
+    for u in (-1, *range(layers), layers):
+        dense = an.embed_params() if u == -1 else an.head_params() if u == layers else an.layer_param_counts(u)[0]
+        tensors = unit_tensors(rp, u, dense)
+        gathers = z3.gather_calls(tensors)
+        if len(gathers) > 1 or sum(gathers) < sum(tensors) or len(z3.reduce_calls(tensors)) > 1:
+            return True
+    return False
+
 
 def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
@@ -17,9 +33,10 @@ def unsupported(rp) -> Optional[str]:
     if m.tied_embeddings and p.zero3 is not None and p.zero3.preallocated_buffers:
         missing.append(f"tied embeddings with zero_impl={p.zero3.name} ({m.name}: the LM head needs the embedding's "
                        "unit and its own gathered at once, which YaFSDP's two alternating buffers cannot hold)")
-    if p.zero3 is not None and p.zero3.splits_units:
-        missing.append(f"zero_impl={p.zero3.name}'s collectives (per-bucket gathers, persisted small parameters, "
-                       "bucketed reduce-scatters; the executor gathers and reduces each unit whole, in one call)")
+    if p.zero3 is not None and splits_a_unit(rp):
+        missing.append(f"zero_impl={p.zero3.name}'s collectives on {m.name} (per-bucket gathers, persisted small "
+                       "parameters or bucketed reduce-scatters; the executor gathers and reduces each unit whole, in "
+                       "one call: zero3_persist_below=0 and buckets above a unit's size give that)")
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")

@@ -66,11 +66,15 @@ def test_oom_plan_is_reported_with_peak_and_capacity():
     assert "DOES NOT FIT" in r.format()
 
 
-def test_peak_includes_allocator_overhead_and_workspace():
+def test_peak_includes_allocator_reserve_and_workspace():
+    """On a GPU the peak is the caching allocator's reserved peak (simexec.sim.allocator) plus the runtime's
+    workspace; the breakdown's `allocator` is what it reserves beyond the live tensors at that moment."""
     r = simulate("gpt3-125m", "dgx-a100-80g", "dp=8,gbs=8")
     b = r.memory_breakdown_bytes
+    assert r.memory_model == "caching-allocator"
     assert b["workspace"] == pytest.approx(2 * GiB)
-    assert b["allocator"] == pytest.approx(0.05 * (b["activations"] + b["buffers"] + b["workspace"]), rel=1e-9)
+    assert b["allocator"] >= 0
+    assert r.peak_memory_bytes >= r.peak_tensor_bytes + 2 * GiB
     assert sum(b.values()) == pytest.approx(r.peak_memory_bytes, rel=1e-9)
     assert r.fits
 

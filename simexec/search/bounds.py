@@ -82,7 +82,9 @@ class Bounds:
         self.live: dict[tuple, list] = {}  # passes before the first weight pass, or before the first backward
         self._rebuilt: dict[int, _StructureBounds] = {}
         self.workspace = cluster.costs.workspace_bytes
-        self.dyn = 1.0 + cluster.costs.allocator_overhead
+        # GPU ranks: the simulator's peak is the caching allocator's reserve, at least the tensors it holds
+        # (simexec.sim.allocator); a bound counts the tensors alone. CPU ranks keep the overhead share.
+        self.dyn = 1.0 + (cluster.costs.allocator_overhead if cluster.device.name == "cpu" else 0.0)
         self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
         self.threads = cluster.costs.collective_threads
 

@@ -1,9 +1,13 @@
 """Live device memory per rank over the step, from the program's alloc/free instructions.
 
-The total at any time is the live bytes of every category, plus the caching allocator's waste
-(`allocator_overhead` x the dynamic bytes: activations, buffers, workspace, the tensors that come and
-go) plus the fixed `workspace_bytes` (CUDA context, cuBLAS/NCCL workspaces). The peak and the
-breakdown at the peak say whether a plan fits and, if not, what to cut.
+On a GPU the peak is what the caching allocator reserves: the program's allocations and frees, paired
+into a trace (`simexec.sim.alloc_trace`), replayed through a model of PyTorch's CUDA caching allocator
+(`simexec.sim.allocator`), its reserved peak plus the fixed `workspace_bytes` (CUDA context,
+cuBLAS/NCCL workspaces, outside the allocator); beside it the arena an offline planner would need
+(`simexec.sim.memory_plan`). Elsewhere (the executor's CPU ranks) the total at any time is the live
+bytes of every category, plus `allocator_overhead` x the dynamic bytes, plus the fixed
+`workspace_bytes`. The peak and the breakdown at the peak say whether a plan fits and, if not, what
+to cut.
 
 A measured run reports less: PyTorch's `max_memory_allocated` (and the executor's tracker of live
 tensors on CPU ranks) counts the tensors alone, not the allocator's waste, and on an accelerator not
@@ -16,6 +20,9 @@ from dataclasses import dataclass, field
 
 from simexec.specs.cluster import CostParams
 from simexec.program.instructions import MEMORY_CATEGORIES
+from simexec.sim.alloc_trace import build_trace
+from simexec.sim.allocator import replay
+from simexec.sim.memory_plan import plan_offsets
 
 DYNAMIC = ("activations", "buffers", "workspace")
 
@@ -30,6 +37,10 @@ class MemoryReport:
     capacity: float
     timeline: dict[int, list[tuple[float, str, float]]] = field(default_factory=dict)
     tensor_peak: dict[int, float] = field(default_factory=dict)
+    # the caching allocator's replay (GPU ranks): the offline planner's arena plus the runtime's
+    # workspace, and the allocator the peak comes from ("" where the peak is the share model's)
+    planned_peak: dict[int, float] = field(default_factory=dict)
+    allocator: str = ""
 
     def fits(self, margin: float = 0.0) -> bool:
         """Whether every rank's peak leaves `margin` bytes of the device free."""
@@ -44,32 +55,38 @@ SHRINKS = {
     "activations": "recompute (selective, full), a smaller mbs, or more tp with sp, cp or pp split them",
     "buffers": "smaller ZeRO-3 units or buckets, or fewer in flight",
     "workspace": "the runtime's own: fixed per device",
-    "allocator": "follows the others: shrink the largest",
+    "allocator": "follows the others: shrink the largest; expandable_segments:True cuts fragmentation",
 }
 
 
 def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]], costs: CostParams,
                   capacity: float, keep_timeline: bool = False, fixed: bool = True,
-                  runtime_outside_allocator: bool = True) -> MemoryReport:
-    """`events_by_rank[r]`: (time, program order, category, +bytes for alloc / -bytes for free).
+                  runtime_outside_allocator: bool = True, caching_allocator: bool = False,
+                  expandable_segments: bool = False) -> MemoryReport:
+    """`events_by_rank[r]`: (time, program order, category, +bytes for alloc / -bytes for free[, tag]).
 
     fixed: add `workspace_bytes`; False when the program allocates the runtime workspace itself.
     runtime_outside_allocator: `workspace_bytes` is the runtime's, which a measurement of the tensors
     does not see (an accelerator's context and libraries); False where it stands for tensors (the
     executor's own on CPU ranks, `simexec.calibrate.evaluate.fit_memory`).
+    caching_allocator: the peak is the CUDA caching allocator's reserved peak (events carry tags), with
+    `expandable_segments` as the stack sets it, plus `workspace_bytes`; not `allocator_overhead`.
     """
     overhead = costs.allocator_overhead
     runtime = costs.workspace_bytes if runtime_outside_allocator and not fixed else 0.0
     fixed = costs.workspace_bytes if fixed else 0.0
     peak, breakdown, peak_time, timeline, tensor_peak = {}, {}, {}, {}, {}
+    planned: dict[int, float] = {}
     for rank, events in events_by_rank.items():
         events.sort()
+        if caching_allocator:
+            _reserved_peak(rank, events, costs, capacity, expandable_segments, peak, breakdown, peak_time, planned)
         live = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
         static = dynamic = 0.0
         best, best_t, best_live = fixed, 0.0, dict(live)
         tensors = 0.0 if runtime_outside_allocator else fixed
         line = [] if keep_timeline else None
-        for t, _, cat, delta in events:
+        for t, _, cat, delta, *_ in events:
             live[cat] = live.get(cat, 0.0) + delta
             if cat in DYNAMIC:
                 dynamic += delta
@@ -83,10 +100,38 @@ def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]]
                 tensors = held
             if line is not None:
                 line.append((t, cat, live[cat]))
+        tensor_peak[rank] = tensors
+        if line is not None:
+            timeline[rank] = line
+        if caching_allocator:
+            continue
         bd = {c: best_live.get(c, 0.0) for c in MEMORY_CATEGORIES}
         bd["workspace"] += fixed
         bd["allocator"] = overhead * sum(best_live.get(c, 0.0) for c in DYNAMIC)
-        peak[rank], peak_time[rank], breakdown[rank], tensor_peak[rank] = best, best_t, bd, tensors
-        if line is not None:
-            timeline[rank] = line
-    return MemoryReport(peak, breakdown, peak_time, capacity, timeline, tensor_peak)
+        peak[rank], peak_time[rank], breakdown[rank] = best, best_t, bd
+    kind = ("expandable-segments" if expandable_segments else "caching-allocator") if caching_allocator else ""
+    return MemoryReport(peak, breakdown, peak_time, capacity, timeline, tensor_peak, planned, kind)
+
+
+def _reserved_peak(rank: int, events: list, costs: CostParams, capacity: float, expandable: bool,
+                   peak: dict, breakdown: dict, peak_time: dict, planned: dict) -> None:
+    """The caching allocator's reserved peak of one rank (sorted events), its breakdown and planned peak.
+    The runtime's workspace is outside the allocator: left out of the replay, added to its peak."""
+    runtime = costs.workspace_bytes
+    trace = build_trace(events, skip=("workspace",))
+    result = replay(trace, capacity - runtime, expandable)
+    live = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
+    at = trace.keys[result.peak_event] if result.peak_event >= 0 else None
+    if at is not None:
+        for t, order, cat, delta, *_ in events:
+            if (t, order) > at:
+                break
+            if cat != "workspace":
+                live[cat] = live.get(cat, 0.0) + delta
+    bd = {c: live.get(c, 0.0) for c in MEMORY_CATEGORIES}
+    bd["workspace"] = runtime
+    bd["allocator"] = max(0.0, result.reserved_peak - sum(v for c, v in live.items() if c != "workspace"))
+    peak[rank] = result.reserved_peak + runtime
+    peak_time[rank] = at[0] if at is not None else 0.0
+    breakdown[rank] = bd
+    planned[rank] = plan_offsets(trace).arena_bytes + runtime

@@ -51,6 +51,11 @@ class SimResult:
     instructions: int
     wall_s: float
     memory_margin_bytes: float = 0.0  # headroom the user keeps free (`--memory-margin`)
+    # on GPU clusters: peak_memory_bytes is the caching allocator's reserved peak plus the runtime's
+    # workspace (`memory_model` says which allocator); an offline planner's arena, for comparison
+    memory_model: str = ""
+    planned_peak_bytes: float = 0.0  # the largest rank's
+    planned_peak_bytes_per_rank: dict[int, float] = field(default_factory=dict)
     trace: Optional[Trace] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
@@ -58,6 +63,7 @@ class SimResult:
         out = {k: v for k, v in self.__dict__.items() if k != "trace"}
         out["peak_memory_bytes_per_rank"] = {str(r): b for r, b in self.peak_memory_bytes_per_rank.items()}
         out["peak_tensor_bytes_per_rank"] = {str(r): b for r, b in self.peak_tensor_bytes_per_rank.items()}
+        out["planned_peak_bytes_per_rank"] = {str(r): b for r, b in self.planned_peak_bytes_per_rank.items()}
         return out
 
     def format(self) -> str:
@@ -71,10 +77,13 @@ class SimResult:
         over = self.peak_memory_bytes + self.memory_margin_bytes - self.memory_capacity_bytes
         margin = f" with {_size(self.memory_margin_bytes)} kept free" if self.memory_margin_bytes else ""
         verdict = f"fits{margin}" if self.fits else f"DOES NOT FIT{margin}: {_size(over)} over"
-        lines.append(f"  peak memory     {_size(self.peak_memory_bytes)} of {_size(self.memory_capacity_bytes)}"
+        reserved = f" reserved ({self.memory_model})" if self.memory_model else ""
+        lines.append(f"  peak memory     {_size(self.peak_memory_bytes)}{reserved} of {_size(self.memory_capacity_bytes)}"
                      f" (rank {self.peak_rank}): {verdict}")
         if self.peak_tensor_bytes < 0.995 * self.peak_memory_bytes:
             lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
+        if self.planned_peak_bytes:
+            lines.append(f"    an offline memory plan needs {_size(self.planned_peak_bytes)} (greedy by size, same order)")
         parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
         lines.append("    " + ", ".join(parts))
         if self.memory_breakdown_bytes:
@@ -141,8 +150,10 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
     step = eng.run()
 
     events, has_workspace = _memory_events(eng)
+    gpu = cluster.device.name != "cpu"  # the executor's CPU ranks allocate through the CPU allocator
     mem = memory_report(events, cluster.costs, cluster.device.memory_bytes, keep_timeline=trace,
-                        fixed=not has_workspace, runtime_outside_allocator=cluster.device.name != "cpu")
+                        fixed=not has_workspace, runtime_outside_allocator=gpu, caching_allocator=gpu,
+                        expandable_segments=rp.stack.expandable_segments)
     peak_rank = max(mem.peak, key=lambda r: (mem.peak[r], -r))
     reps = program.represents or {}
     per_rank = {}
@@ -151,6 +162,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
             per_rank[x] = mem.peak[r]
     per_rank = dict(sorted(per_rank.items()))
     tensors_per_rank = {x: mem.tensor_peak[r] for r in sorted(mem.tensor_peak) for x in reps.get(r, (r,))}
+    planned_per_rank = {x: mem.planned_peak[r] for r in sorted(mem.planned_peak) for x in reps.get(r, (r,))}
 
     slow = slowest_rank(eng)
     tokens = rp.tokens_per_step
@@ -167,6 +179,8 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         fits=mem.fits(memory_margin_bytes), peak_tensor_bytes_per_rank=dict(sorted(tensors_per_rank.items())),
         breakdown_s=breakdown(eng, slow, step), slowest_rank=slow, peak_rank=peak_rank,
         instructions=len(eng.instrs), wall_s=0.0, memory_margin_bytes=memory_margin_bytes,
+        memory_model=mem.allocator, planned_peak_bytes=max(mem.planned_peak.values(), default=0.0),
+        planned_peak_bytes_per_rank=dict(sorted(planned_per_rank.items())),
     )
     if trace:
         result.trace = _trace(eng, program, result, mem)
@@ -174,8 +188,8 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
     return result
 
 
-def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float]]], bool]:
-    """Per rank: (time, program order, category, +alloc / -free bytes); and whether the program
+def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float, str]]], bool]:
+    """Per rank: (time, program order, category, +alloc / -free bytes, tag); and whether the program
     allocates the runtime workspace itself (then `workspace_bytes` is not added again)."""
     out: dict[int, list] = {r: [] for r, _ in eng.streams}
     workspace = False
@@ -183,9 +197,9 @@ def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float]]],
     for k in eng.memory:
         ins = instrs[k]
         if ins.op == "free":
-            out[ins.rank].append((start[k], k, ins.category, -ins.bytes))
+            out[ins.rank].append((start[k], k, ins.category, -ins.bytes, ins.name[len("mem.free."):]))
         else:
-            out[ins.rank].append((start[k], k, ins.category, ins.bytes))
+            out[ins.rank].append((start[k], k, ins.category, ins.bytes, ins.name[len("mem.alloc."):]))
             workspace = workspace or ins.category == "workspace"
     return out, workspace
 

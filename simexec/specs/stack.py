@@ -76,6 +76,9 @@ class StackSpec(_Spec):
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
+    expandable_segments: bool = Field(
+        False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as the framework's launcher sets it: "
+        "the caching allocator grows one segment per pool page by page (simexec.sim.allocator)")
     search_choices: dict[str, list[Union[bool, int, str]]] = Field(
         default_factory=dict, description="the plan knobs this framework can run, as the values of each "
         "(`{zero: [0, 1], schedule: [1f1b, interleaved-1f1b]}`): the search enumerates only these; a user's --fix "
@@ -135,6 +138,8 @@ STACKS: dict[str, StackSpec] = {
         # FSDP2 (fully_shard) or plain replication; torch's context parallel (all-gather of K/V); the
         # schedules of torch.distributed.pipelining; DTensor's TP collectives after each backward
         search_choices=TORCHTITAN_CHOICES,
+        # run_train.sh exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (pytorch/torchtitan)
+        expandable_segments=True,
         source="torchtitan, eager (torchao float8)",
     ),
     "torchtitan-compile": StackSpec(
@@ -152,6 +157,7 @@ STACKS: dict[str, StackSpec] = {
         # cross_entropy: eager says so
         cross_entropy="compiled",
         search_choices=TORCHTITAN_CHOICES,
+        expandable_segments=True,  # the same run_train.sh
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
     "deepspeed": StackSpec(

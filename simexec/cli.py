@@ -75,6 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stack", default=None, help=STACK_HELP)
     p.add_argument("--memory-margin", type=float, default=0.0, metavar="GIB",
                    help="device memory to keep free: the plan fits when every rank's peak leaves this many GiB")
+    p.add_argument("--memory-plan", action="store_true",
+                   help="also plan every tensor's address offline (GPU clusters) and print the planned peak")
     p.add_argument("--full", action="store_true", help="simulate every rank (default: one per pipeline stage)")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
@@ -247,7 +249,7 @@ def cmd_simulate(args) -> int:
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
                       trace=args.trace_path is not None, stack=get_stack(args.stack),
-                      memory_margin_bytes=args.memory_margin * 2**30)
+                      memory_margin_bytes=args.memory_margin * 2**30, memory_plan=args.memory_plan)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

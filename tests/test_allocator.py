@@ -114,7 +114,7 @@ def test_planner_between_live_bytes_and_reserved():
 def test_simulate_on_dgx_h100_reserved_at_least_allocated():
     from simexec.sim.simulate import simulate
 
-    r = simulate("llama3-8b", "dgx-h100", "dp=8,zero=1,mbs=1,gbs=16")
+    r = simulate("llama3-8b", "dgx-h100", "dp=8,zero=1,mbs=1,gbs=16", memory_plan=True)
     assert r.memory_model == "caching-allocator"
     for rank, reserved in r.peak_memory_bytes_per_rank.items():
         assert reserved >= r.peak_tensor_bytes_per_rank[rank]
@@ -122,3 +122,10 @@ def test_simulate_on_dgx_h100_reserved_at_least_allocated():
     out = r.to_json()
     assert "planned_peak_bytes_per_rank" in out and out["memory_model"] == "caching-allocator"
     assert "offline memory plan" in r.format()
+
+
+def test_the_offline_plan_is_made_on_request_only():
+    from simexec.sim.simulate import simulate
+
+    r = simulate("llama3-8b", "dgx-h100", "dp=8,zero=1,mbs=1,gbs=16")
+    assert r.planned_peak_bytes == 0 and "offline memory plan" not in r.format()

@@ -63,10 +63,11 @@ def _index_tokens(tag: str) -> frozenset[str]:
 
 
 class _Live:
-    __slots__ = ("seq", "tag", "category", "remaining", "pieces", "at")
+    __slots__ = ("seq", "tag", "category", "remaining", "pieces", "at", "index")
 
     def __init__(self, seq: int, tag: str, category: str, nbytes: float, at: int):
         self.seq, self.tag, self.category, self.remaining, self.at = seq, tag, category, nbytes, at
+        self.index = _index_tokens(tag)
         self.pieces: list[tuple[float, int]] = []  # (bytes, event of the free)
 
 
@@ -87,8 +88,6 @@ def build_trace(events: list[tuple[float, int, str, float, str]], skip: tuple[st
             continue
         need = -delta
         for a in _candidates(tag, cat, by_tag, by_category):
-            if need <= TOLERANCE:
-                break
             if a.remaining <= TOLERANCE:
                 continue
             take = min(need, a.remaining)
@@ -100,6 +99,8 @@ def build_trace(events: list[tuple[float, int, str, float, str]], skip: tuple[st
             if a.remaining <= TOLERANCE:
                 by_tag[a.tag].remove(a)
                 del by_category[a.category][a.seq]
+            if need <= TOLERANCE:  # before asking for the next candidate: the later rules scan every live one
+                break
         if need > TOLERANCE:
             unmatched += need
     blocks: list[TraceBlock] = []
@@ -133,7 +134,7 @@ def _candidates(tag: str, cat: str, by_tag: dict[str, list[_Live]], by_category:
     live = by_category.get(cat, {})
     index = _index_tokens(tag)
     if index:
-        for a in [a for a in live.values() if a.seq not in seen and index <= _index_tokens(a.tag)]:
+        for a in [a for a in live.values() if a.seq not in seen and index <= a.index]:
             seen.add(a.seq)
             yield a
     for a in sorted((a for a in live.values() if a.seq not in seen), key=lambda a: -a.seq):

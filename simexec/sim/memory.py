@@ -17,6 +17,7 @@ holds against a measurement.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from simexec.specs.cluster import CostParams
 from simexec.program.instructions import MEMORY_CATEGORIES
@@ -62,7 +63,7 @@ SHRINKS = {
 def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]], costs: CostParams,
                   capacity: float, keep_timeline: bool = False, fixed: bool = True,
                   runtime_outside_allocator: bool = True, caching_allocator: bool = False,
-                  expandable_segments: bool = False) -> MemoryReport:
+                  expandable_segments: bool = False, memory_plan: bool = False) -> MemoryReport:
     """`events_by_rank[r]`: (time, program order, category, +bytes for alloc / -bytes for free[, tag]).
 
     fixed: add `workspace_bytes`; False when the program allocates the runtime workspace itself.
@@ -71,6 +72,8 @@ def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]]
     executor's own on CPU ranks, `simexec.calibrate.evaluate.fit_memory`).
     caching_allocator: the peak is the CUDA caching allocator's reserved peak (events carry tags), with
     `expandable_segments` as the stack sets it, plus `workspace_bytes`; not `allocator_overhead`.
+    memory_plan: with the caching allocator, also plan the trace's offsets offline (`plan_offsets`,
+    quadratic in the blocks: on request).
     """
     overhead = costs.allocator_overhead
     runtime = costs.workspace_bytes if runtime_outside_allocator and not fixed else 0.0
@@ -80,7 +83,8 @@ def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]]
     for rank, events in events_by_rank.items():
         events.sort()
         if caching_allocator:
-            _reserved_peak(rank, events, costs, capacity, expandable_segments, peak, breakdown, peak_time, planned)
+            _reserved_peak(rank, events, costs, capacity, expandable_segments, peak, breakdown, peak_time,
+                           planned if memory_plan else None)
         live = dict.fromkeys(MEMORY_CATEGORIES, 0.0)
         static = dynamic = 0.0
         best, best_t, best_live = fixed, 0.0, dict(live)
@@ -114,7 +118,7 @@ def memory_report(events_by_rank: dict[int, list[tuple[float, int, str, float]]]
 
 
 def _reserved_peak(rank: int, events: list, costs: CostParams, capacity: float, expandable: bool,
-                   peak: dict, breakdown: dict, peak_time: dict, planned: dict) -> None:
+                   peak: dict, breakdown: dict, peak_time: dict, planned: Optional[dict]) -> None:
     """The caching allocator's reserved peak of one rank (sorted events), its breakdown and planned peak.
     The runtime's workspace is outside the allocator: left out of the replay, added to its peak."""
     runtime = costs.workspace_bytes
@@ -134,4 +138,5 @@ def _reserved_peak(rank: int, events: list, costs: CostParams, capacity: float, 
     peak[rank] = result.reserved_peak + runtime
     peak_time[rank] = at[0] if at is not None else 0.0
     breakdown[rank] = bd
-    planned[rank] = plan_offsets(trace).arena_bytes + runtime
+    if planned is not None:
+        planned[rank] = plan_offsets(trace).arena_bytes + runtime

@@ -108,7 +108,7 @@ def _size(n: float) -> str:
 def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], plan: Union[str, Plan],
              seq_len: Optional[int] = None, *, symmetric: bool = True, profile: ProfileArg = None,
              trace: bool = False, stack: Union[str, StackSpec, None] = None,
-             memory_margin_bytes: float = 0.0) -> SimResult:
+             memory_margin_bytes: float = 0.0, memory_plan: bool = False) -> SimResult:
     """Predict one training step.
 
     model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
@@ -117,6 +117,7 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     symmetric: simulate one rank per pipeline stage (the others behave alike); False: every rank.
     profile: a calibrated profile (path or dict) whose costs replace the cluster's.
     trace: also return the predicted trace (`result.trace`).
+    memory_plan: also plan every tensor's offset offline on GPU ranks (`planned_peak_bytes`).
     """
     t0 = time.perf_counter()
     from simexec.program.lower import lower
@@ -133,11 +134,13 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     if not memory_margin_bytes >= 0:
         raise PlanError(f"memory margin must be >= 0, got {memory_margin_bytes / GiB:g} GiB")
     program = lower(rp, symmetric=symmetric)
-    return simulate_program(rp, program, trace=trace, t0=t0, memory_margin_bytes=memory_margin_bytes)
+    return simulate_program(rp, program, trace=trace, t0=t0, memory_margin_bytes=memory_margin_bytes,
+                            memory_plan=memory_plan)
 
 
 def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
-                     t0: Optional[float] = None, memory_margin_bytes: float = 0.0) -> SimResult:
+                     t0: Optional[float] = None, memory_margin_bytes: float = 0.0,
+                     memory_plan: bool = False) -> SimResult:
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
     from simexec.sim.breakdown import breakdown, slowest_rank
     from simexec.sim.engine import Engine
@@ -153,7 +156,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
     gpu = cluster.device.name != "cpu"  # the executor's CPU ranks allocate through the CPU allocator
     mem = memory_report(events, cluster.costs, cluster.device.memory_bytes, keep_timeline=trace,
                         fixed=not has_workspace, runtime_outside_allocator=gpu, caching_allocator=gpu,
-                        expandable_segments=rp.stack.expandable_segments)
+                        expandable_segments=rp.stack.expandable_segments, memory_plan=memory_plan)
     peak_rank = max(mem.peak, key=lambda r: (mem.peak[r], -r))
     reps = program.represents or {}
     per_rank = {}

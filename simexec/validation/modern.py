@@ -40,9 +40,9 @@ framework does beyond the columns, by stack:
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
 Not modelled (in the notes of the rows that have them): CUDA graphs, async TP, activation offloading,
-HybridEP, multi-token prediction; an MoE row whose expert tensor-parallel size (`etp`) differs from tp
-is refused, as simexec splits every expert over the whole tp group (Megatron's parallel folding, where
-ep spans tp, is a known gap). A row simexec refuses (PlanError, SpecError) is kept as `refused`.
+HybridEP, multi-token prediction. An MoE row whose expert tensor-parallel size (`etp`) differs from tp
+runs Megatron-Core's parallel folding: plan `etp` (the experts on their own etp x ep x edp mesh over each
+stage's ranks). A row simexec refuses (PlanError, SpecError) is kept as `refused`.
 
 Measured step time: `step_s` as published; `tokens_per_s_per_gpu` -> gbs * seq_len / (value * gpus)
 (torchtitan counts a step's tokens before the cp split and divides by tp*cp*pp, train.py at 9dec370:
@@ -183,6 +183,8 @@ def row_plan(r: dict) -> str:
                         dtype=r["dtype"], flash_attention=True, **recompute_fields(r["recompute"]))
     if r["moe_experts"]:
         fields["ep"] = _int(r, "ep")
+        if _int(r, "etp") != tp:  # Megatron-Core's parallel folding: the experts on their own (etp, ep, edp) mesh
+            fields["etp"] = _int(r, "etp")
     layers = int(r["layers"])
     if pp > 1 and layers % (pp * vpp):
         stages = balanced_stages(layers, pp * vpp)
@@ -254,25 +256,14 @@ def map_row(r: dict) -> Mapped:
                   seq_len=int(r["seq_len"]))
 
 
-def folding_gap(r: dict) -> Optional[str]:
-    """Why simexec cannot lay out this MoE row's experts as the source did, or None."""
-    if r["moe_experts"] and _int(r, "etp") != _int(r, "tp"):
-        return (f"expert tp {_int(r, 'etp')} != tp {_int(r, 'tp')} (parallel folding): simexec splits every "
-                f"expert over the tp group")
-    return None
-
-
-def simulate_mapped(mapping: Callable[[], Mapped], out: dict, gap: Callable[[], Optional[str]] = lambda: None):
+def simulate_mapped(mapping: Callable[[], Mapped], out: dict):
     """Simulate what `mapping` maps a row to, its plan and cluster noted in `out`; None, with `out` marked
-    refused and why, where simexec refuses the mapping (PlanError, SpecError) or `gap` names what it cannot model."""
+    refused and why, where simexec refuses the mapping (PlanError, SpecError)."""
     from simexec.sim.simulate import simulate
 
     try:
         m = mapping()
         out.update(plan=m.plan, cluster=m.cluster.name)
-        why = gap()
-        if why:
-            raise PlanError(why)
         return simulate(m.model, m.cluster, m.plan, seq_len=m.seq_len, stack=m.stack)
     except (PlanError, SpecError) as exc:
         out.update(status="refused", reason=str(exc).splitlines()[0])
@@ -282,7 +273,7 @@ def simulate_mapped(mapping: Callable[[], Mapped], out: dict, gap: Callable[[], 
 def simulate_row(r: dict, out: dict):
     """Simulate a row as mapped (`map_row`), its plan and cluster noted in `out`; None, with `out` marked
     refused and why, where simexec refuses the mapping."""
-    return simulate_mapped(lambda: map_row(r), out, lambda: folding_gap(r))
+    return simulate_mapped(lambda: map_row(r), out)
 
 
 def record_result(out: dict, res, t0: float) -> dict:

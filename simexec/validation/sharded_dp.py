@@ -64,7 +64,7 @@ from simexec.validation.table_script import predicted_rows
 CSV = DATA / "sharded_dp_runs.csv"
 FAMILY = "sharded-dp"
 # The ZeRO-3 flavour FSDP1 (torch.distributed.fsdp.FullyShardedDataParallel) rows run as.
-FSDP1_IMPL = "fsdp"
+FSDP1_IMPL = "fsdp1"
 DEVICE_CLUSTERS = {"a100-80gb": "dgx-a100-80g", "a100-40gb": "dgx-a100-40g", "h100": "dgx-h100"}
 # Peak bf16 FLOP/s the llmf and torchtitan MFUs divide by (the CSV header: Composer's GPU_AVAILABLE_FLOPS,
 # torchtitan's utils.py): A100 312e12, H100 SXM 989e12.

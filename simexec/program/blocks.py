@@ -624,6 +624,25 @@ class Anatomy(FrameworkKernels):
             "loss": Block("loss", 0.0, 8.0 * T, 0.0),
         }
 
+    @cached_property
+    def mtp_in(self) -> Block:
+        """An MTP depth's input (DeepSeek-V3 §2.2, Megatron-Core's MultiTokenPredictionLayer): the
+        shifted tokens' embedding lookup, the norms of it and of the hidden state, their concatenation
+        and the 2h->h projection; the backward also scatters into the embedding's gradient."""
+        t, T, dt, h = self.tp, self.tokens, self.dt, self.h
+        f, _ = _gemm(T, 2 * h, h / t, dt)
+        fwd = 2 * dt * T * h + 2 * self._norm_fwd() + 2 * dt * T * 2 * h
+        saved = 3 * dt * T * h  # the two norm inputs, the projection's (concatenated) input
+        embed = self.embed_params()
+        bwd = 2 * dt * T * h + 2 * self._norm_bwd() + 2 * dt * T * 2 * h + self.grad_dt * embed + self._wgrad(embed)
+        b = Block("gemm", f, fwd, saved, bwd, bwd_workspace=dt * T * 2 * h + dt * embed)
+        return replace(b, **self._weight_pass(b, 2 * h * h / t, dt * T * h))
+
+    def mtp_in_params(self) -> float:
+        """An MTP depth's own parameters outside its block: the projection (over tp) and three norms."""
+        m = self.rp.model
+        return 2 * m.hidden * m.hidden / self.tp + 3 * m.pre_norm_params()
+
     # --- parameters ----------------------------------------------------------------------------------
     def layer_param_counts(self, i: int) -> tuple[float, float]:
         """(dense, expert) parameters of layer i held by one rank before ZeRO sharding."""

@@ -93,7 +93,9 @@ class StageCosts:
             layers = rp.stage_layers[vs]
             n = len(layers)
             n_rc = self.n_recomputed(n)
-            if model.moe is None and model.sliding_window is None:  # every layer alike
+            if n == 0:  # a stage of the embedding or the head alone (a `layout`)
+                f = b_ = w = saved = kf = kb = ft = bt = 0.0
+            elif model.moe is None and model.sliding_window is None:  # every layer alike
                 pair = dense.get(r)
                 if pair is None:
                     pair = dense[r] = (self._layer(layers[0], True, r), self._layer(layers[0], False, r))
@@ -129,9 +131,11 @@ class StageCosts:
                 bt = 0.0
             # opening collectives: waiting only for the rank's previous compute, they may overlap
             # the wait for the pipeline message
-            fh = 0.0 if vs == 0 else self._tp("attn_in", 0, r)
+            fh = 0.0 if vs == 0 or n == 0 else self._tp("attn_in", 0, r)
             last_rc = n_rc >= n  # the stage's last layer recomputes (positions < n_rc do)
             bh = self._tp("attn_in", 0, r) if (last_rc and p.recompute == "full") else self._tp("mlp_out", 1, r)
+            if n == 0:
+                bh = 0.0
             if vs == self.V - 1:
                 bh = 0.0
                 head = self._head(r)
@@ -312,7 +316,8 @@ class StageCosts:
 
     # --- parameter units -----------------------------------------------------------------------
     def units(self, r: int, chunk: Optional[int] = None) -> list[int]:
-        """Parameter units of pipeline rank r (or of one of its chunks): -1 embedding, L the head."""
+        """Parameter units of pipeline rank r (or of one of its chunks): -1 embedding, L the head; a
+        stage may hold no layer. MTP depths are left out: the bounds stay below the simulation."""
         units = []
         for c in range(self.vpp) if chunk is None else (chunk,):
             vs = self.stage[r][c]

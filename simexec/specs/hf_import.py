@@ -177,7 +177,8 @@ def _hf_qwen_moe(cfg: dict, origin: str) -> dict[str, Any]:
 
 def _hf_deepseek(cfg: dict, origin: str) -> dict[str, Any]:
     """DeepSeek-V2/V3: MLA + fine-grained MoE. Layer i is sparse iff i >= first_k_dense_replace and
-    i % moe_layer_freq == 0. The multi-token-prediction layers (num_nextn_predict_layers) are left out."""
+    i % moe_layer_freq == 0. The multi-token-prediction depths (num_nextn_predict_layers, DeepSeek-V3: 1)
+    become `mtp_layers`; V2 has none."""
     f = _hf_llama_like(cfg, origin)
     freq = _get(cfg, "moe_layer_freq", origin, default=1)
     first = _get(cfg, "first_k_dense_replace", origin, default=0)
@@ -195,6 +196,7 @@ def _hf_deepseek(cfg: dict, origin: str) -> dict[str, Any]:
             shared_experts=_get(cfg, "n_shared_experts", origin, default=0),
             first_dense_layers=_leading_dense(dense, origin),
         ),
+        mtp_layers=_get(cfg, "num_nextn_predict_layers", origin, default=0),
     )
     return f
 

@@ -111,6 +111,10 @@ class ModelSpec(BaseModel):
     kv_lora_rank: Optional[int] = Field(None, gt=0, description="MLA: rank of the compressed KV latent; None: no MLA")
     qk_rope_head_dim: Optional[int] = Field(None, gt=0, description="MLA: rotary part of each q/k head")
     v_head_dim: Optional[int] = Field(None, gt=0, description="MLA: value width per head; None: head_dim")
+    mtp_layers: int = Field(
+        0, ge=0, description="multi-token prediction depths (DeepSeek-V3 §2.2: 1; HF num_nextn_predict_layers,"
+        " Megatron-Core's mtp_num_layers): each two norms, a 2h->h projection, a block like the last layer and the"
+        " shared head and loss again; 0: none")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":
@@ -181,11 +185,24 @@ class ModelSpec(BaseModel):
         (also where the window holds a whole sequence of `seq_len`, when given)."""
         if self.sliding_window is None or (seq_len is not None and self.sliding_window >= seq_len):
             return None
+        i = self.block_kind_layer(i)
         k = self.full_attention_every
         return None if k and (i + 1) % k == 0 else self.sliding_window
 
+    def mtp_block(self, depth: int) -> int:
+        """The layer number of MTP depth `depth`'s transformer block: after the main layers (0..layers-1)
+        and the head (`layers`, the lowering's unit for it)."""
+        return self.layers + 1 + depth
+
+    def block_kind_layer(self, i: int) -> int:
+        """The main layer whose kind block i has: itself, or for an MTP block the last layer (Megatron-Core
+        builds the MTP block from the decoder's last layer spec; training.py's `last_layer_is_moe`)."""
+        return self.layers - 1 if self.layers < i <= self.layers + self.mtp_layers else i
+
     def is_moe_layer(self, i: int) -> bool:
-        """Layer i (0-based) has a sparse MLP: moe is set and i >= moe.first_dense_layers."""
+        """Layer i (0-based) has a sparse MLP: moe is set and i >= moe.first_dense_layers (an MTP block:
+        as the last layer)."""
+        i = self.block_kind_layer(i)
         if not 0 <= i < self.layers:
             raise ValueError(f"layer index {i} out of range for {self.name} with {self.layers} layers")
         return self.moe is not None and i >= self.moe.first_dense_layers
@@ -346,6 +363,23 @@ class ModelSpec(BaseModel):
             + self.final_norm_params()
         )
 
+    def mtp_layer_params(self) -> int:
+        """One MTP depth's own parameters (Megatron-Core's MultiTokenPredictionLayer): the norms of the
+        hidden state and of the shifted token embedding, the 2h->h projection, a transformer block like
+        the last layer's and its final norm. The embedding and the output head are the model's, shared."""
+        return 3 * self.pre_norm_params() + 2 * self.hidden * self.hidden + self.layer_params(self.layers - 1)
+
+    @property
+    def mtp_params(self) -> int:
+        """The MTP module's trained parameters (not in `params`, which is the main model: DeepSeek-V3's 671B)."""
+        return self.mtp_layers * self.mtp_layer_params()
+
+    @property
+    def checkpoint_params(self) -> int:
+        """Parameters of a Hugging Face checkpoint with the MTP module: each depth stores its own copy of
+        the embedding and the head (DeepSeek-V3: 671B + 14B = 685B, its model card)."""
+        return self.params + self.mtp_params + self.mtp_layers * (self.embedding_params() + self.vocab * self.hidden)
+
     @property
     def active_params(self) -> int:
         """Parameters one token uses (embeddings included, as Mixtral's 12.9B and DeepSeek-V3's 37B are)."""
@@ -405,10 +439,18 @@ class ModelSpec(BaseModel):
         layers = sum(self.layer_forward_flops_per_token(i, s) for i in range(self.layers))
         return layers + self.lm_head_flops_per_token()
 
+    def mtp_forward_flops_per_token(self, seq_len: Optional[int] = None) -> float:
+        """The MTP depths' forward FLOPs per token: each its 2h->h projection, its block and the head's
+        logits again (what Megatron's num_floating_point_operations adds for mtp_num_layers; the norms,
+        which Megatron also counts, are not matmuls)."""
+        block = self.layer_forward_flops_per_token(self.layers - 1, seq_len)
+        return self.mtp_layers * (2.0 * 2 * self.hidden * self.hidden + block + self.lm_head_flops_per_token())
+
     def training_flops_per_token(self, seq_len: Optional[int] = None) -> float:
         """Forward + backward = 3 x forward (backward does two matmuls per forward one); no recompute.
-        Full activation recompute adds one more forward (Megatron eq. 3 counts 4x)."""
-        return 3.0 * self.forward_flops_per_token(seq_len)
+        Full activation recompute adds one more forward (Megatron eq. 3 counts 4x). MTP depths are
+        included, as Megatron-LM's training.py counts them in the FLOPs its MFU divides."""
+        return 3.0 * (self.forward_flops_per_token(seq_len) + self.mtp_forward_flops_per_token(seq_len))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from simexec.specs.cluster import ClusterSpec, one_line, read_mapping
 from simexec.errors import PlanError
+from simexec.specs.pipeline_layout import resolve_layout
 from simexec.specs.mesh import Mesh
 from simexec.specs.model import ModelSpec
 from simexec.specs.stack import StackSpec, get_stack
@@ -135,6 +136,10 @@ class Plan(BaseModel):
         " --clip-grad, torchtitan's max_norm, DeepSpeed's gradient_clipping); 0: no clipping")
     rank_order: str = Field("tp-cp-dp-pp", description="mesh axes, fastest-varying first")
     stages: Optional[tuple[int, ...]] = Field(None, min_length=1, description="layers per (virtual) stage, in order")
+    layout: Optional[str] = Field(
+        None, min_length=1, description="Megatron-Core's --pipeline-model-parallel-layout: each virtual stage's"
+        " contents, e.g. 'Et|(tt|)*30mL' (E embedding, t transformer layer, m MTP layer, L head and loss, | between"
+        " the pp*vpp stages, (..)*n repeats; `simexec.specs.pipeline_layout`); exclusive with stages")
 
     @field_validator("rank_order")
     @classmethod
@@ -204,8 +209,8 @@ _BOOL = {"1": True, "0": False, "true": True, "false": False}
 
 
 def split_pairs(text: str, where: str) -> dict[str, str]:
-    """`a=1,b=x,stages=1,2,3` -> {"a": "1", "b": "x", "stages": "1,2,3"}: `stages=` takes every
-    following bare item. Shared by plan strings and `search --fix`."""
+    """`a=1,b=x,stages=1,2,3` -> {"a": "1", "b": "x", "stages": "1,2,3"}: `stages=` (and `layout=`)
+    takes every following bare item. Shared by plan strings and `search --fix`."""
     pairs: dict[str, str] = {}
     items = [p.strip() for p in text.split(",") if p.strip()]
     i = 0
@@ -216,7 +221,7 @@ def split_pairs(text: str, where: str) -> dict[str, str]:
         key, val = (s.strip() for s in item.split("=", 1))
         if key in pairs:
             raise PlanError(f"{where}: {key} given twice")
-        if key == "stages":
+        if key in ("stages", "layout"):  # a layout's commas are cosmetic (Megatron drops them)
             vals = [val]
             while i + 1 < len(items) and "=" not in items[i + 1]:
                 i += 1
@@ -317,9 +322,10 @@ class ResolvedPlan:
 
     @property
     def tied_copy(self) -> bool:
-        """Tied embeddings with the head on another pipeline rank than the embedding: that rank keeps
-        a copy of the embedding, summed with the first stage's gradient (Megatron-LM)."""
-        return self.model.tied_embeddings and self.head_pp_rank != 0
+        """Tied embeddings, or MTP layers (which embed the shifted tokens: DeepSeek-V3 §2.2), with the
+        head on another pipeline rank than the embedding: that rank keeps a copy of the embedding,
+        summed with the first stage's gradient (Megatron-LM's shared embedding group)."""
+        return (self.model.tied_embeddings or self.model.mtp_layers > 0) and self.head_pp_rank != 0
 
     def layers_of_pp_rank(self, pp_rank: int) -> tuple[int, ...]:
         return tuple(l for s in self.stages_of_pp_rank(pp_rank) for l in self.stage_layers[s])
@@ -405,7 +411,11 @@ class ResolvedPlan:
         """
         m, p = self.model, self.plan
         dense = expert = 0.0
-        for layer in self.layers_of_pp_rank(pp_rank):
+        blocks = list(self.layers_of_pp_rank(pp_rank))
+        if pp_rank == self.head_pp_rank and m.mtp_layers:  # the MTP depths sit beside the head
+            blocks += [m.mtp_block(d) for d in range(m.mtp_layers)]
+            dense += m.mtp_layers * (2 * m.hidden * m.hidden / p.tp + 3 * m.pre_norm_params())
+        for layer in blocks:
             if m.is_moe_layer(layer):
                 dense += (m.attention_params() - m.latent_params()) / p.tp + m.tp_replicated_params_per_layer()
                 dense += m.router_params()
@@ -490,7 +500,7 @@ def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optiona
     _check(model, cluster, p, dp, gbs, seq)
     micro = gbs // (p.mbs * dp)
     stage_layers = _stage_layers(model, p)
-    smallest = min(len(s) for s in stage_layers)
+    smallest = min(len(s) for s in stage_layers if s) if any(stage_layers) else 0
     if p.recompute_layers is not None and p.recompute_layers > smallest:
         raise PlanError(
             f"recompute_layers={p.recompute_layers} exceeds the {smallest} layers of the smallest"
@@ -504,6 +514,8 @@ def resolve(model: ModelSpec, cluster: ClusterSpec, plan: Plan, seq_len: Optiona
 
 def _stage_layers(model: ModelSpec, p: Plan) -> tuple[tuple[int, ...], ...]:
     n = p.pp * p.vpp
+    if p.layout is not None:
+        return tuple(s.layers for s in resolve_layout(p.layout, p.pp, p.vpp, model.layers, model.mtp_layers))
     if p.stages is not None:
         counts = list(p.stages)
     else:
@@ -570,7 +582,11 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     if p.sp and p.cp > 1 and (seq // p.cp) % p.tp:
         fail(f"sequence chunk {seq // p.cp} per cp rank not divisible by tp={p.tp} (needed by sp)")
     n_stages = p.pp * p.vpp
-    if p.stages is not None:
+    if p.layout is not None:
+        if p.stages is not None:
+            fail("give layout or stages, not both")
+        resolve_layout(p.layout, p.pp, p.vpp, model.layers, model.mtp_layers)
+    elif p.stages is not None:
         if len(p.stages) != n_stages:
             fail(f"stages has {len(p.stages)} entries, expected pp*vpp = {p.pp}*{p.vpp} = {n_stages}")
         if any(s <= 0 for s in p.stages):
@@ -658,7 +674,7 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"recompute_layers={p.recompute_layers} needs recompute=selective, full or op")
     if not cluster.device.supports(p.dtype):
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
-    if p.pp > 1 and n_stages > model.layers:
+    if p.pp > 1 and n_stages > model.layers and p.layout is None:
         fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")
 
 

@@ -146,25 +146,37 @@ class RankEmitter:
         return self.rp.place(vs)[0] == self.pp_rank
 
     def units(self, chunk: int) -> list[int]:
-        """Parameter units of a virtual stage in forward order: -1 embedding, layers, the head."""
+        """Parameter units of a virtual stage in forward order: -1 embedding, layers, the head, the
+        MTP depths (`ModelSpec.mtp_block`, beside the head). A stage may hold no layer."""
         vs = self.stage(chunk)
         units = list(self.rp.stage_layers[vs])
         if vs == 0:
             units.insert(0, -1)
         if vs == self.rp.virtual_stages - 1:
+            m = self.rp.model
             units.append(self.head_unit)
+            units.extend(m.mtp_block(d) for d in range(m.mtp_layers))
         return units
 
+    def is_mtp_unit(self, unit: int) -> bool:
+        return unit > self.head_unit
+
     def unit_params(self, unit: int) -> tuple[float, float]:
-        """A unit's (dense, expert) parameters on this rank."""
+        """A unit's (dense, expert) parameters on this rank; an MTP depth's are its own (the head and
+        embedding it uses are the head unit's)."""
         if unit == -1:
             return self.an.embed_params(), 0.0
         if unit == self.head_unit:
             return self.an.head_params(), 0.0
-        return self.an.layer_param_counts(unit)
+        dense, expert = self.an.layer_param_counts(unit)
+        if self.is_mtp_unit(unit):
+            dense += self.an.mtp_in_params()
+        return dense, expert
 
     def is_recompute_layer(self, layer: int, chunk: int) -> bool:
         if self.p.recompute == "none":
             return False
+        if self.is_mtp_unit(layer):
+            return False  # MTP blocks keep their activations (Megatron's recompute covers the decoder)
         pos = self.rp.stage_layers[self.stage(chunk)].index(layer)
         return self.p.recompute_layers is None or pos < self.p.recompute_layers

@@ -49,8 +49,9 @@ class LayerLowering(TensorParallel):
             else:
                 self.exchange(step, phase, l, mb, c)
 
-    def head_forward(self, mb: int, c: int) -> None:
-        an, L = self.an, self.head_unit
+    def head_forward(self, mb: int, c: int, unit: Optional[int] = None) -> None:
+        """The head and loss: the model's, or (`unit`) an MTP depth's use of the shared head."""
+        an, L = self.an, self.head_unit if unit is None else unit
         head = an.head
         if self.p.sp:
             self.compute("fwd", "norm", L, mb, c, head["norm"])
@@ -239,8 +240,8 @@ class LayerLowering(TensorParallel):
             self.memory("free", "activations", lb.saved - lb.kept_forward - early, f"act.recompute.L{l}.m{mb}")
         self.memory("free", "activations", early, f"act.input_pass.L{l}.m{mb}", defer=False)
 
-    def head_backward(self, mb: int, c: int) -> None:
-        unit, head = self.head_unit, self.an.head
+    def head_backward(self, mb: int, c: int, unit: Optional[int] = None) -> None:
+        unit, head = self.head_unit if unit is None else unit, self.an.head
         again = self.regather("head", unit, mb, c)
         self.compute("bwd", "loss", unit, mb, c, head["loss"])
         self.compute("bwd", "xent", unit, mb, c, head["xent"])

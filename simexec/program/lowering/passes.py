@@ -5,11 +5,11 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from simexec.program.lowering.layers import LayerLowering
+from simexec.program.lowering.mtp import MtpLowering
 from simexec.program.schedules import Action
 
 
-class StagePasses(LayerLowering):
+class StagePasses(MtpLowering):
     """The passes of `RankLowering`'s actions; the gathers, reductions and messages they call are
     `Zero3Lowering`'s, `GradientLowering`'s and `PipelineLowering`'s."""
 
@@ -26,6 +26,8 @@ class StagePasses(LayerLowering):
                 self.tp("embed_out", "fwd", -1, mb, c, self.an.full_hidden_bytes)
             elif unit == self.head_unit:
                 self.head_forward(mb, c)
+            elif self.is_mtp_unit(unit):
+                self.mtp_forward(unit, mb, c)
             else:
                 self.layer_forward(unit, mb, c, "fwd")
                 self.memory("alloc", "activations", self.forward_kept(unit, c), f"act.L{unit}.m{mb}")
@@ -46,6 +48,8 @@ class StagePasses(LayerLowering):
                 self.defer_frees_to = (unit, mb)
             if unit == self.head_unit:
                 self.head_backward(mb, c)
+            elif self.is_mtp_unit(unit):
+                self.mtp_backward(unit, mb, c)
             elif unit == -1:
                 self.embed_backward(mb, c)
             else:
@@ -71,6 +75,8 @@ class StagePasses(LayerLowering):
         for unit in reversed(self.units(c)):
             if unit == self.head_unit:
                 self.compute("wgrad", "head", unit, mb, c, self.an.head["head"])
+            elif self.is_mtp_unit(unit):
+                self.mtp_weight_pass(unit, mb, c)
             elif unit == -1:
                 e = self.an.embed
                 self.compute("wgrad", "embed", -1, mb, c,

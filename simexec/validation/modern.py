@@ -29,8 +29,10 @@ recompute_layers=N; torchtitan's selective is its per-operator policy, `op`, whi
 selective_ac_option = "op"), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
 does not divide the layers (Llama 3.1 405B's 126, DeepSeek-V3's 61, Qwen3-235B's 94), the virtual stages
 are `simexec.specs.plan.balanced_stages`: the embedding and the loss count as a layer each (Megatron's
---account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the DeepSeek-V3 and Qwen3
-recipes give a hand-written pipeline layout of the same kind, approximated by this split). What the
+--account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the Qwen3 recipes give a
+hand-written pipeline layout of the same kind, approximated by this split). Megatron-Bridge's DeepSeek-V3
+rows take its recipe's `layout` for their (pp, vpp) (`DSV3_LAYOUTS`), with the MTP module where the row
+says it ran one (`mtp_layers=1`). What the
 framework does beyond the columns, by stack:
 
 | stack | settings |
@@ -113,9 +115,31 @@ def _int(r: dict, col: str, default: int = 1) -> int:
     return int(v) if v else default
 
 
+def row_mtp(r: dict) -> int:
+    """MTP depths a row trains: one where its notes say it ran with an MTP module, else none."""
+    return 1 if "WITH one MTP module" in r["notes"] else 0
+
+
+# Megatron-Bridge's DeepSeek-V3 pipeline layouts by (pp, vpp) (src/megatron/bridge/recipes/deepseek/deepseek_v3.py
+# at 5776a6d90b4d, set_deepseek_v3_pipeline_model_parallel_layout): (embedding, decoder layers) of the first
+# virtual stage, decoder layers of each middle one, decoder layers of the last (+ its MTP depths and the loss).
+DSV3_LAYOUTS = {(4, 1): (16, 16, 13, 4), (8, 1): (8, 8, 5, 8), (4, 2): (8, 8, 5, 8), (16, 1): (4, 4, 1, 16),
+                (8, 2): (4, 4, 1, 16), (4, 4): (4, 4, 1, 16)}
+
+
+def dsv3_layout(pp: int, vpp: int, mtp: int) -> Optional[str]:
+    """The layout Megatron-Bridge gives DeepSeek-V3 at (pp, vpp), in Megatron's notation; None where it has none."""
+    shape = DSV3_LAYOUTS.get((pp, vpp))
+    if shape is None:
+        return None
+    first, middle, last, stages = shape
+    return "|".join(["E" + "t" * first] + ["t" * middle] * (stages - 2) + ["t" * last + "m" * mtp + "L"])
+
+
 def row_model(r: dict) -> ModelSpec:
     if r["model"] in MODELS:
-        return MODELS[r["model"]]
+        m = MODELS[r["model"]]
+        return m.model_copy(update={"mtp_layers": row_mtp(r)}) if row_mtp(r) else m
     hidden, heads = int(r["hidden"]), int(r["heads"])
     moe = None
     if r["moe_experts"]:
@@ -186,7 +210,10 @@ def row_plan(r: dict) -> str:
         if _int(r, "etp") != tp:  # Megatron-Core's parallel folding: the experts on their own (etp, ep, edp) mesh
             fields["etp"] = _int(r, "etp")
     layers = int(r["layers"])
-    if pp > 1 and layers % (pp * vpp):
+    layout = dsv3_layout(pp, vpp, row_mtp(r)) if r["model"] == "deepseek-v3" and r["source"].startswith("mb-") else None
+    if layout:
+        fields["layout"] = layout
+    elif pp > 1 and layers % (pp * vpp):
         stages = balanced_stages(layers, pp * vpp)
         if stages:
             fields["stages"] = stages

@@ -12,7 +12,8 @@ come from its Hugging Face config.json (`CONFIG_EXTRAS`): Qwen3-MoE's head_dim 1
 and its per-head q/k RMSNorm. The sequence length is the row's `seq_len`.
 
 Cluster: h100 -> `Nxdgx-h100`, h200 -> `Nxhgx-h200`, b200 -> `Nxhgx-b200`, mi300x -> `Nxmi300x-8` (N = gpus / 8); gb200 -> the
-`gb200-nvl72` preset cut to gpus / 4 trays of 4 GPUs (one NVLink domain per 72 GPUs). The torchtitan
+`gb200-nvl72` preset cut to gpus / 4 trays of 4 GPUs (one NVLink domain per 72 GPUs; from 128 GPUs on, one per
+64 GPUs: Slurm's --segment 16, `SEGMENTED_GPUS`). The torchtitan
 rows ran on Meta's Grand Teton H100 with 96 GB of HBM2e at its 500 W default (the rows' notes): the cluster
 file data/h100-hbm2e-500w.yaml (its memory, bandwidth, and peaks under the cap, each sourced there), gpus / 8
 nodes of it.
@@ -157,12 +158,23 @@ def is_torchtitan(r: dict) -> bool:
     return r["stack"].startswith("torchtitan")
 
 
+# GB200 jobs of 128 GPUs and more run with Slurm's --segment 16 (NVIDIA's recommendation for large jobs such
+# as MoE training, developer.nvidia.com/blog "Unlock exascale performance on NVIDIA GB200 NVL72 with Slurm
+# topology-aware job scheduling"): their trays come 16 to a rack, so each 64-GPU group shares one NVLink domain
+# and a 72-GPU rack's other 2 trays go to other jobs; smaller jobs fit one rack (one block).
+SEGMENTED_GPUS, GB200_SEGMENT_TRAYS = 128, 16
+
+
 def row_cluster(r: dict) -> ClusterSpec:
     gpus, device = int(r["gpus"]), r["device"]
     if device == "gb200":
         if gpus % 4:
             raise SpecError(f"{gpus} GPUs is not a whole number of GB200 trays (4 GPUs each)")
-        return get_cluster("gb200-nvl72").model_copy(update={"nodes": gpus // 4, "name": f"gb200-nvl72-{gpus}gpu"})
+        cluster = get_cluster("gb200-nvl72")
+        if gpus >= SEGMENTED_GPUS:  # Slurm places the job's trays 16 to an NVL72 rack: 64-GPU NVLink domains
+            node = cluster.node.model_copy(update={"nvlink_domain_gpus": GB200_SEGMENT_TRAYS * cluster.node.gpus_per_node})
+            cluster = cluster.model_copy(update={"node": node})
+        return cluster.model_copy(update={"nodes": gpus // 4, "name": f"gb200-nvl72-{gpus}gpu"})
     if device not in DEVICE_CLUSTERS:
         raise SpecError(f"device {device!r} has no simexec cluster")
     if gpus % 8:

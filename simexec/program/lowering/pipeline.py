@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from simexec.program.instructions import Instr
 from simexec.program.lowering.emit import RankEmitter
+from simexec.program.moe_overlap import moe_overlap_order
 from simexec.program.schedules import Action, dualpipe_pairs, exchange_groups
 
 
@@ -48,26 +49,6 @@ def _interleave(a: list[list[Instr]], b: list[list[Instr]]) -> list[Instr]:
     return out
 
 
-def combined_1f1b(actions: list[Action]) -> list[Action]:
-    """Megatron-Core's combined 1F1B without a pipeline (`combined_1f1b_schedule_for_no_pipelining`,
-    megatron/core/pipeline_parallel/combined_1f1b.py): the first micro-batch's forward alone, then each
-    next forward with the previous micro-batch's backward, then the last backward alone."""
-    fwd = [a for a in actions if a.kind == "F"]
-    rest = [a for a in actions if a.kind != "F"]
-    out = fwd[:1]
-    for f, b in zip(fwd[1:], rest):
-        out += [f, b]
-    return out + rest[len(fwd) - 1:]
-
-
-def forward_backward_pairs(actions: list[Action]) -> frozenset[int]:
-    """Where a forward is followed at once by another micro-batch's (or chunk's) backward: the pairs that
-    `moe_a2a_overlap` (Megatron-Core's --overlap-moe-expert-parallel-comm) runs interleaved, each one's
-    dispatch and combine under the other's compute; none where the schedule has no such pair."""
-    return frozenset(i for i in range(len(actions) - 1) if actions[i].kind == "F" and actions[i + 1].kind == "B"
-                     and (actions[i].mb, actions[i].chunk) != (actions[i + 1].mb, actions[i + 1].chunk))
-
-
 class PipelineLowering(RankEmitter):
     """The rank's schedule (`actions`) lowered in order, and its sends and receives; for
     `RankLowering`, whose passes (`forward`, `backward`, `weight_pass`) and step
@@ -84,9 +65,8 @@ class PipelineLowering(RankEmitter):
         pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.micro_batches) if self.p.dualpipe_overlap else frozenset()
         paired = 3
         if self.p.moe_a2a_overlap:
-            if self.p.pp == 1:
-                self.actions = combined_1f1b(self.actions)
-            pairs, paired = forward_backward_pairs(self.actions), 2
+            self.actions, pairs = moe_overlap_order(self.actions, self.p.pp)
+            paired = 2
         groups, i = self.exchange_groups(), 0
         while i < len(groups):
             if i in pairs:  # a forward, then another micro-batch's (DualPipe: the other chunk's) backward

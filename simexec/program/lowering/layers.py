@@ -78,11 +78,16 @@ class LayerLowering(TensorParallel):
         output back); the experts' dispatch and combine over ep (`moe_dispatcher`'s collectives); under
         parallel folding with etp > 1 the dispatched rows' all-gather over etp and the outputs' reduce-scatter."""
         nbytes = self.exchange_bytes(step.name)
+        # an exchange right after another (dispatch then etp_in, etp_out then combine, DeepEP's two hops)
+        # moves what that one delivered: it waits for it, not only for the compute before both
+        prev = self.out[-1] if self.out else None
+        chained = (prev.name,) if (prev is not None and prev.kind == "collective" and prev.layer == l
+                                   and prev.mb == mb and prev.phase == phase) else ()
         g = self.groups
         group = {"cp": g.cp, "ep": g.ep, "etp": g.etp, "ep_domain": g.ep_domain, "ep_net": g.ep_net}[step.axis]
         axis = "ep" if step.axis.startswith("ep_") else step.axis  # DeepEP's two hops: one comm stream
         self.coll(f"{phase}.{step.name}.L{l}.m{mb}", step.bwd if phase == "bwd" else step.fwd, axis, group,
-                  nbytes, (self.last_compute(),), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
+                  nbytes, (self.last_compute(), *chained), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
 
     def exchange_bytes(self, name: str) -> float:
         """What one rank's exchange `name` moves (a collective's buffer as `simexec.sim.network` takes

@@ -121,7 +121,7 @@ def test_overlap_with_one_micro_batch_degrades_to_none():
     ("dp=4,moe_a2a_overlap=1", "needs ep > 1"),
     ("dp=4,ep=4,moe_dispatcher=allgather,moe_a2a_overlap=1", "alltoall or deepep"),
     ("dp=4,ep=4,recompute=full,moe_a2a_overlap=1", "recompute=full"),
-    ("dp=2,pp=2,ep=2,gbs=8,moe_a2a_overlap=1", "interleaved-1f1b"),
+    ("dp=2,pp=2,ep=2,gbs=8,moe_a2a_overlap=1", "without a pipeline"),
 ])
 def test_overlap_refused_where_megatron_refuses_it(plan, fragment):
     with pytest.raises(PlanError, match=fragment):

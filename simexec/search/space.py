@@ -37,8 +37,8 @@ ep, etp            MoE only: ep powers of two dividing the experts and dp, exper
                    the groups differ from the unfolded plan's
 moe_dispatcher     MoE with ep > 1: alltoall, allgather, and deepep where the ep group leaves its
                    NVLink domain (inside one it is the all-to-all)
-moe_a2a_overlap    off, and on where Megatron-Core runs it: an all-to-all dispatcher, no full
-                   recompute, pp = 1 or interleaved 1F1B (its combined 1F1B)
+moe_a2a_overlap    off, and on where Megatron-Core runs it and the simulator pairs: an all-to-all
+                   dispatcher, no full recompute, pp = 1 (its combined 1F1B)
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
                    data-parallel rank they shard over nobody and equal zero=0)
 dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
@@ -402,9 +402,8 @@ def _expert_dispatches(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, s
 
 def _moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, recompute: str) -> list[bool]:
     """moe_a2a_overlap where Megatron-Core runs it (`simexec.specs.plan`): ep > 1, an all-to-all
-    dispatcher, no full recompute, a whole backward, and under a pipeline interleaved 1F1B."""
-    runs = (ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward
-            and (pp == 1 or sched.name == "interleaved-1f1b"))
+    dispatcher, no full recompute, a whole backward, no pipeline."""
+    runs = ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward and pp == 1
     return _choices(fix, "moe_a2a_overlap", [False, True] if runs else [False])
 
 

@@ -112,7 +112,7 @@ def _raw_space(model, cluster, gbs, seq, fix=None):
             rest = world // (tp * cp)
             for pp in [p for p in range(1, rest + 1) if rest % p == 0 and p <= model.layers]:
                 dp = rest // pp
-                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp, cluster.nvlink_domain or world):
                     for state in state_variants(fix, dp, tp, cp, gpn):
                         n += 1
                         plan = Plan(**fields, **dict(zip(STATE_KEYS, state)))

@@ -41,6 +41,9 @@ class Block:
     # a fused attention kernel on a GPU: the keys its average query attends to, which sets how far the
     # kernel's inner loop amortises its prologue and epilogue (simexec.sim.compute); 0 elsewhere
     keys: float = 0.0
+    # a grouped GEMM (the routed experts): how many GEMMs of equal size its FLOPs split into, which sets
+    # the size each runs at (simexec.sim.compute); 0: one GEMM per kernel, sized by the block's FLOPs
+    gemm_groups: float = 0.0
 
     @property
     def kept_for_weight_pass(self) -> float:

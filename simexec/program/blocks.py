@@ -216,13 +216,19 @@ class Anatomy(FrameworkKernels):
         return self.tokens / self.sp_div if self.rp.folded else self.tokens
 
     @cached_property
+    def router_skew(self) -> float:
+        """The busiest ep rank's rows over the balanced share (`Plan.moe_router_skew`); 1 where the
+        experts' buffers are cut or padded to capacity (`MoESpec.capacity_factor`), whatever the routing."""
+        moe = self.rp.model.moe
+        return 1.0 if moe is None or moe.capacity_factor is not None else self.rp.plan.moe_router_skew
+
+    @cached_property
     def expert_rows(self) -> float:
-        """Rows this rank's experts compute (balanced routing): `expert_slots`; under parallel folding
-        its share of the rows its ep group dispatched (what its own tokens fill), times etp after the
-        etp all-gather."""
-        if not self.rp.folded:
-            return self.expert_slots
-        return self.expert_slots / self.sp_div * self.etp
+        """Rows this rank's experts compute: `expert_slots`; under parallel folding its share of the rows
+        its ep group dispatched (what its own tokens fill), times etp after the etp all-gather. Under
+        `moe_router_skew` the busiest ep rank's, which every rank waits for in the combine."""
+        rows = self.expert_slots if not self.rp.folded else self.expert_slots / self.sp_div * self.etp
+        return rows * self.router_skew
 
     @cached_property
     def etp_gathered_bytes(self) -> float:
@@ -232,8 +238,24 @@ class Anatomy(FrameworkKernels):
 
     @cached_property
     def dispatch_bytes(self) -> float:
-        """Rows sent to experts by one rank: top_k copies of each of its tokens (capacity-bound)."""
-        return self.expert_slots * self.h * self.dt / self.sp_div
+        """Rows sent to experts by one rank: top_k copies of each of its tokens (capacity-bound); under
+        `moe_router_skew` the busiest rank's share, which sets the all-to-all's time."""
+        return self.expert_slots * self.h * self.dt / self.sp_div * self.router_skew
+
+    @cached_property
+    def gathered_tokens_bytes(self) -> float:
+        """moe_dispatcher=allgather: the hidden states of the tokens the ep group routes, gathered whole
+        on each of its ranks (each once, whatever its top_k; the ranks keep their experts' rows)."""
+        return self.routed_tokens * self.h * self.dt * self.ep
+
+    def deepep_network_bytes(self, domains: int) -> float:
+        """moe_dispatcher=deepep: what one rank sends over the network hop: each of its tokens once per
+        NVLink domain that holds one of its top_k experts (DeepEP's internode dispatch forwards a token
+        to a domain once and fans it out there over NVLink), under `moe_router_skew` the busiest rank's. Its
+        tokens as `dispatch_bytes` counts them (under sp each tp rank sends its sequence shard's)."""
+        moe = self.rp.model.moe
+        return (self.tokens / self.sp_div * self.h * self.dt * destination_domains(moe.experts, moe.top_k, domains)
+                * self.router_skew)
 
     # --- blocks --------------------------------------------------------------------------------------
     @property
@@ -371,7 +393,7 @@ class Anatomy(FrameworkKernels):
     def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
         """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""
         p = self.rp.plan
-        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1)
+        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1, p.moe_dispatcher)
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""
@@ -546,7 +568,7 @@ class Anatomy(FrameworkKernels):
         bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
         ea_f, ea_b = self._act(moe.expert_ffn / et)
         # expert rows per token of the micro-batch's cp slice
-        per_token = moe.top_k * (moe.capacity_factor or 1.0) * (slots / self.expert_slots if self.rp.folded else 1)
+        per_token = slots / T
         ea_f, ea_b = ea_f * per_token, ea_b * per_token
         expert_w = local_experts * (h * width + moe.expert_ffn * h) / et
         sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
@@ -561,7 +583,7 @@ class Anatomy(FrameworkKernels):
                             bb_router, bwd_only=R * moe.experts * 4),
             "experts": self._with_fp8_casts(
                 Block("gemm", fe1 + fe2, ea_f, slots * (h + width / et + moe.expert_ffn / et) * dt,
-                      ea_b + self._wgrad(expert_w)),
+                      ea_b + self._wgrad(expert_w), gemm_groups=2 * local_experts),
                 (slots, h, width / et, False, local_experts * h * width / et),
                 (slots, moe.expert_ffn / et, h, False, local_experts * moe.expert_ffn * h / et)),
             "moe_out": self._with_fp8_casts(Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
@@ -663,3 +685,16 @@ class Anatomy(FrameworkKernels):
         if self.rp.tied_copy:
             own += m.embedding_params() / self.tp
         return own
+
+
+def destination_domains(experts: int, top_k: int, domains: int) -> float:
+    """The NVLink domains a token's top_k distinct experts, drawn uniformly from `experts` spread evenly
+    over `domains`, fall in on average: domains x (1 - P(a domain holds none of them)), with
+    P = C(experts - experts/domains, top_k) / C(experts, top_k)."""
+    if domains <= 1:
+        return 1.0
+    miss = 1.0
+    per = experts / domains
+    for i in range(top_k):
+        miss *= max(0.0, experts - per - i) / (experts - i)
+    return domains * (1.0 - miss)

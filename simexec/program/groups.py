@@ -36,6 +36,10 @@ class RankGroups:
     zero: tuple[int, ...]  # the ranks ZeRO shards over
     rep: tuple[int, ...]  # HSDP: the replicas of this rank's shard; () without HSDP
     embed: tuple[int, ...]  # the first and the head's pipeline stage at this rank's other coordinates
+    # moe_dispatcher=deepep: the ep ranks in this rank's NVLink domain, and the ep ranks at this rank's
+    # place in the other domains (DeepEP's RDMA peers: the same local index on every node)
+    ep_domain: tuple[int, ...] = ()
+    ep_net: tuple[int, ...] = ()
 
 
 def rank_groups(rp: ResolvedPlan, rank: int) -> RankGroups:
@@ -56,6 +60,7 @@ def rank_groups(rp: ResolvedPlan, rank: int) -> RankGroups:
         etp = mesh.group(rank, "tp")
         ep = mesh.subgroup(rank, "dp", p.ep)
         edp = mesh.span(rank, ("dp", "cp"), keep=lambda c: c["dp"] % p.ep == me["dp"] % p.ep)
+    ep_domain, ep_net = domain_split(ep, rank, rp.cluster.nvlink_domain or rp.world)
     return RankGroups(
         tp=mesh.group(rank, "tp"),
         cp=mesh.group(rank, "cp"),
@@ -67,7 +72,22 @@ def rank_groups(rp: ResolvedPlan, rank: int) -> RankGroups:
         zero=zero,
         rep=rep,
         embed=embed,
+        ep_domain=ep_domain,
+        ep_net=ep_net,
     )
+
+
+def domain_split(group: tuple[int, ...], rank: int, domain: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the members of `group` in `rank`'s NVLink domain of `domain` consecutive ranks, the members
+    at `rank`'s place among its domain's members in each domain): DeepEP's two hops, NVLink within a
+    domain and RDMA between same-index GPUs of different nodes."""
+    by_domain: dict[int, list[int]] = {}
+    for r in group:
+        by_domain.setdefault(r // domain, []).append(r)
+    mine = by_domain[rank // domain]
+    place = mine.index(rank)
+    net = tuple(sorted(m[place] for m in by_domain.values() if len(m) > place))
+    return tuple(mine), net
 
 
 def folded_expert_groups(rp: ResolvedPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:

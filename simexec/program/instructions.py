@@ -61,6 +61,7 @@ class Instr:
     items: tuple[int, ...] = ()
     category: str = ""
     keys: float = 0.0  # attention on a GPU: the keys its average query attends to (Block.keys)
+    gemm_groups: float = 0.0  # a grouped GEMM: the equal GEMMs its FLOPs split into (Block.gemm_groups)
 
     @property
     def id(self) -> str:
@@ -80,7 +81,7 @@ class Instr:
                 continue
             if isinstance(val, tuple):
                 val = ",".join(str(v) for v in val)
-            elif f.name in ("flops", "bytes", "keys"):
+            elif f.name in ("flops", "bytes", "keys", "gemm_groups"):
                 val = repr(float(val))
             parts.append(f"{f.name}={val}")
         return " ".join(parts)
@@ -98,7 +99,7 @@ class Instr:
                 kw[key] = tuple(int(v) for v in val.split(",")) if val else ()
             elif key in ("layer", "mb", "chunk", "peer"):
                 kw[key] = int(val)
-            elif key in ("flops", "bytes", "keys"):
+            elif key in ("flops", "bytes", "keys", "gemm_groups"):
                 kw[key] = float(val)
             else:
                 kw[key] = val
@@ -164,7 +165,7 @@ class Program:
         estimate of the work, which a better cost model changes while the executor runs the same
         instructions. A recorded trace stays comparable across such a change
         (`simexec.trace.compare.check_pair`); the messages' sizes, which the executor sends, stay in."""
-        text = "\n".join((replace(i, flops=0.0, bytes=0.0, keys=0.0) if i.kind == "compute" else i).to_text()
+        text = "\n".join((replace(i, flops=0.0, bytes=0.0, keys=0.0, gemm_groups=0.0) if i.kind == "compute" else i).to_text()
                          for i in self if i.kind != "memory")
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

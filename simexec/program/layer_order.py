@@ -23,7 +23,7 @@ TP_CONJUGATES = {
 
 class LayerStep(NamedTuple):
     """One step of a layer's forward: a sub-block's compute (`axis` ""), or a collective over
-    `axis` ("tp", "cp", "ep", "etp") issued by the forward as `fwd` and by the backward as `bwd` (""
+    `axis` ("tp", "cp", "ep", "etp"; "ep_domain" and "ep_net", DeepEP's two hops of the ep group) issued by the forward as `fwd` and by the backward as `bwd` (""
     where that side is the identity)."""
 
     name: str  # the sub-block (a key of `Anatomy.layer(i)`) or the collective's block name
@@ -42,13 +42,31 @@ def _tp(name: str, sp: bool) -> LayerStep:
     return LayerStep(name, "tp", fwd, bwd)
 
 
+# The MoE dispatch and combine per `Plan.moe_dispatcher`, in forward order: (name, axis, fwd, bwd).
+# alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher): each token's top_k rows to their experts' ranks
+# and back. allgather (MoEAllGatherTokenDispatcher): the tokens all-gathered over ep, each rank keeping
+# its experts' rows, the outputs reduce-scattered back. deepep (MoEFlexTokenDispatcher over DeepEP's
+# internode kernels): a hop between same-index GPUs of the ep group's NVLink domains (`ep_net`,
+# each token once per destination domain) and a hop inside the domain (`ep_domain`); the combine
+# the same hops reversed.
+DISPATCH_STEPS = {
+    "alltoall": ((("dispatch", "ep", "alltoall", "alltoall"),),
+                 (("combine", "ep", "alltoall", "alltoall"),)),
+    "allgather": ((("dispatch", "ep", "allgather", "reducescatter"),),
+                  (("combine", "ep", "reducescatter", "allgather"),)),
+    "deepep": ((("dispatch_net", "ep_net", "alltoall", "alltoall"), ("dispatch", "ep_domain", "alltoall", "alltoall")),
+               (("combine", "ep_domain", "alltoall", "alltoall"), ("combine_net", "ep_net", "alltoall", "alltoall"))),
+}
+
+
 @lru_cache(maxsize=None)
-def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1) -> tuple[LayerStep, ...]:
+def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
+                dispatcher: str = "alltoall") -> tuple[LayerStep, ...]:
     """A layer's steps in forward order, for a dense or MoE layer under sequence parallelism `sp`
     and context parallelism `cp` (`cp_impl`: "allgather" K/V, "ring", or "a2a" heads exchange).
     `etp` > 1 (parallel folding with experts split over etp ranks): the dispatched tokens are
     all-gathered over etp before the experts and their outputs reduce-scattered after (Megatron-Core's
-    MoEAlltoAllTokenDispatcher over its expert tp group).
+    MoEAlltoAllTokenDispatcher over its expert tp group). `dispatcher`: `DISPATCH_STEPS`.
     Under sp each norm is a block of its own before its sub-layer's tp conjugate (without sp it is
     part of the GEMM block after it). A sliding window changes the attention's cost, not the order."""
     steps = [LayerStep("norm1")] if sp else []
@@ -67,13 +85,14 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1) -> tup
         steps.append(LayerStep("norm2"))
     steps.append(_tp("mlp_in", sp))
     if moe:
-        steps += [LayerStep("router", column=True), LayerStep("dispatch", "ep", "alltoall", "alltoall")]
+        dispatch, combine = DISPATCH_STEPS[dispatcher]
+        steps += [LayerStep("router", column=True), *(LayerStep(*s) for s in dispatch)]
         if etp > 1:
             steps.append(LayerStep("etp_in", "etp", "allgather", "reducescatter"))
         steps.append(LayerStep("experts"))
         if etp > 1:
             steps.append(LayerStep("etp_out", "etp", "reducescatter", "allgather"))
-        steps += [LayerStep("combine", "ep", "alltoall", "alltoall"), LayerStep("moe_out")]
+        steps += [*(LayerStep(*s) for s in combine), LayerStep("moe_out")]
     else:
         steps += [LayerStep("fc1", column=True), LayerStep("fc2")]
     steps.append(_tp("mlp_out", sp))

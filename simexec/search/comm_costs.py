@@ -28,7 +28,8 @@ class CommCosts:
     def coll(self, verb: str, rank: int, axis: str, nbytes: float, ep: int = 1, dp_shard: Optional[int] = None,
              etp: Optional[int] = None) -> float:
         """Idle-network seconds of one collective of `rank`'s group `axis` (tp, cp, ep, edp: experts'
-        data-parallel group, etp: the ranks an expert is split over, zero: the group ZeRO shards over),
+        data-parallel group, etp: the ranks an expert is split over, zero: the group ZeRO shards over,
+        ep_domain / ep_net: DeepEP's two hops of the ep group),
         0 for groups of one. `etp`: the plan's (None: not folded)."""
         if not verb or nbytes <= 0:
             return 0.0
@@ -51,7 +52,8 @@ class CommCosts:
 
             plan = self.rp.plan.model_copy(update=dict(ep=ep, dp_shard=dp_shard, etp=etp))
             rg = rank_groups(replace(self.rp, plan=plan), rank)
-            g = self._memo[key] = {"tp": rg.tp, "cp": rg.cp, "ep": rg.ep, "edp": rg.edp, "etp": rg.etp, "zero": rg.zero}
+            g = self._memo[key] = {"tp": rg.tp, "cp": rg.cp, "ep": rg.ep, "edp": rg.edp, "etp": rg.etp, "zero": rg.zero,
+                                   "ep_domain": rg.ep_domain, "ep_net": rg.ep_net}
         return g
 
     def p2p(self, src_stage: int, dst_stage: int, nbytes: float) -> float:

@@ -122,7 +122,13 @@ class PipelineTimes:
         return per_rank[r]
 
     def _pairs(self, r: int) -> frozenset[int]:
-        """Under DualPipe's overlapped pairs, where rank r's pairs start in its order (none otherwise)."""
+        """Under DualPipe's overlapped pairs, or `moe_a2a_overlap`'s (`simexec.program.moe_overlap`),
+        where rank r's pairs start in its order (none otherwise; without a pipeline the pairs' positions
+        are in the combined order, whose actions are all of the one chunk)."""
+        if self.p.moe_a2a_overlap:
+            from simexec.program.moe_overlap import moe_overlap_order
+
+            return moe_overlap_order(self._order()[r], self.pp)[1]
         if not self.p.dualpipe_overlap:
             return frozenset()
         key = ("pairs", self.pp, self.m)
@@ -227,7 +233,11 @@ class PipelineTimes:
         p2pF, p2pB, stage = self.p2pF, self.p2pB, self.stage
         Fb = [F[v] - Fh[v] - Ft[v] for v in range(V)]
         Bb = [B[v] - Bh[v] - Bt[v] for v in range(V)]
-        order = self._order()
+        order, step = self._order(), 3  # a DualPipe pair: a forward, then the other chunk's B and W
+        if self.p.moe_a2a_overlap:  # a forward, then another micro-batch's backward
+            from simexec.program.moe_overlap import moe_overlap_order
+
+            order, step = {r: moe_overlap_order(acts, pp)[0] for r, acts in order.items()}, 2
         pairs = [self._pairs(r) for r in range(pp)]
         fend = [[-1.0] * m for _ in range(V)]
         bend = [[-1.0] * m for _ in range(V)]
@@ -256,13 +266,13 @@ class PipelineTimes:
                 while i < len(acts):
                     chunk, kind, mb = acts[i]
                     vs = stage[r][chunk]
-                    if i in pairs[r]:  # a forward and the other chunk's whole backward, overlapped
+                    if i in pairs[r]:  # a forward and another pass's whole backward, overlapped
                         done = self._replay_pair(acts[i], acts[i + 1], stage[r], te + tt, fend, bend, wend)
                         if done is None:
                             break
                         te, tt = done, 0.0
-                        i += 3
-                        left -= 3
+                        i += step
+                        left -= step
                         moved = True
                         continue
                     ends, opening, body, closing, waits, half = kinds[kind]

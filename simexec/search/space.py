@@ -35,6 +35,10 @@ ep, etp            MoE only: ep powers of two dividing the experts and dp, exper
                    (etp unset); and, where `fix` names etp, parallel folding, etp 1 or tp (tp > 1 with sp only, as Megatron-
                    Core's MoE layer), ep dividing the experts with etp*ep dividing tp*cp*dp, where
                    the groups differ from the unfolded plan's
+moe_dispatcher     MoE with ep > 1: alltoall, allgather, and deepep where the ep group leaves its
+                   NVLink domain (inside one it is the all-to-all)
+moe_a2a_overlap    off, and on where Megatron-Core runs it and the simulator pairs: an all-to-all
+                   dispatcher, no full recompute, pp = 1 (its combined 1F1B)
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
                    data-parallel rank they shard over nobody and equal zero=0)
 dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
@@ -105,6 +109,7 @@ STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "etp", "zero", "zero_impl", "dp_shard",
     "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
+    "moe_dispatcher", "moe_a2a_overlap",
 }
 
 
@@ -230,7 +235,7 @@ def structures(model: ModelSpec, cluster: ClusterSpec, gbs: int, seq_len: int, f
                 dp = rest // pp
                 if fix.get("dp") is not None and dp not in _choices(fix, "dp", [dp]):
                     continue
-                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp):
+                for fields in structure_fields(model, gbs, fix, tp, cp, pp, dp, cluster.nvlink_domain or world):
                     states = state_variants(fix, dp, tp, cp, gpn)
                     stats.combinations += len(states)
                     st = _validate(model, cluster, seq_len, fields, states, extra, state_ok, stats, stack)
@@ -290,8 +295,9 @@ def _stage_splits(model: ModelSpec, fix: dict, pp: int, vpp: int) -> list[Option
     return out
 
 
-def structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
-    """The plan fields of each structure with this (tp, cp, pp, dp) under `fix` (all but its state variants')."""
+def structure_fields(model, gbs, fix, tp, cp, pp, dp, domain: int = 0) -> Iterator[dict]:
+    """The plan fields of each structure with this (tp, cp, pp, dp) under `fix` (all but its state variants');
+    `domain`: the ranks of one NVLink domain (0: unknown, DeepEP's dispatch is then not tried)."""
     layers_per_rank = model.layers // pp if model.layers % pp == 0 else 0
     vpps = [1] + [v for v in range(2, MAX_VPP + 1) if layers_per_rank % v == 0] if pp > 1 and layers_per_rank else [1]
     for vpp in _choices(fix, "vpp", vpps):
@@ -301,10 +307,10 @@ def structure_fields(model, gbs, fix, tp, cp, pp, dp) -> Iterator[dict]:
         for stages in _stage_splits(model, fix, pp, vpp):
             per_stage = min(stages) if stages else model.layers // (pp * vpp)
             yield from _knob_fields(model, gbs, fix, dict(dp=dp, tp=tp, cp=cp, pp=pp, vpp=vpp, stages=stages),
-                                    scheds, per_stage)
+                                    scheds, per_stage, domain)
 
 
-def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> Iterator[dict]:
+def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int, domain: int = 0) -> Iterator[dict]:
     tp, cp, dp = split["tp"], split["cp"], split["dp"]
     if isinstance(fix.get("schedule"), Allowed):  # None stands for the default schedule of its vpp
         named = [s for s in scheds if (s or default_schedule(split["vpp"])) in fix["schedule"]]
@@ -318,7 +324,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
         for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
                                                _choices(fix, "tp_overlap", tp_overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
-                for ep, etp in _expert_layouts(model, fix, tp, cp, dp, sp):
+                for ep, etp, dispatcher in _expert_dispatches(model, fix, tp, cp, dp, sp, domain):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
                         own = FRAMEWORK_RECOMPUTE if isinstance(fix.get("recompute"), Allowed) else RECOMPUTE
                         for recompute in _choices(fix, "recompute", list(own)):
@@ -329,10 +335,12 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int) -> 
                             else:
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
-                            for rl in rls:
+                            a2a = _moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], recompute)
+                            for rl, moe_overlap in product(rls, a2a):
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
-                                           dualpipe_overlap=overlap, tp_overlap=tp_overlap)
+                                           dualpipe_overlap=overlap, tp_overlap=tp_overlap,
+                                           moe_dispatcher=dispatcher, moe_a2a_overlap=moe_overlap)
 
 
 def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
@@ -376,6 +384,27 @@ def _expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: 
                 continue
             out.append((ep, etp))
     return out
+
+
+def _expert_dispatches(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool,
+                       domain: int) -> list[tuple]:
+    """(ep, etp, moe_dispatcher) triples: each expert layout (`_expert_layouts`) with the dispatchers
+    that differ on it: alltoall; allgather where ep > 1; deepep where the ep group leaves its NVLink
+    domain (inside one, DeepEP's dispatch is the all-to-all). The ep group's span in ranks: etp*ep when
+    folded, else ep blocks of dp under the default rank order (tp and cp inside)."""
+    out = []
+    for ep, etp in _expert_layouts(model, fix, tp, cp, dp, sp):
+        span = (etp * ep) if etp is not None else ep * tp * cp
+        kinds = ["alltoall"] + (["allgather"] if ep > 1 else []) + (["deepep"] if ep > 1 and 0 < domain < span else [])
+        out += [(ep, etp, d) for d in _choices(fix, "moe_dispatcher", kinds)]
+    return out
+
+
+def _moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, recompute: str) -> list[bool]:
+    """moe_a2a_overlap where Megatron-Core runs it (`simexec.specs.plan`): ep > 1, an all-to-all
+    dispatcher, no full recompute, a whole backward, no pipeline."""
+    runs = ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward and pp == 1
+    return _choices(fix, "moe_a2a_overlap", [False, True] if runs else [False])
 
 
 def _pinned(fix: dict, key: str) -> bool:

@@ -168,20 +168,21 @@ class StageCosts:
 
     # --- prices --------------------------------------------------------------------------------
     def _fwd(self, blk) -> float:
-        return self.cm.time(blk.op, blk.flops, blk.bytes, "fwd", blk.keys)
+        return self.cm.time(blk.op, blk.flops, blk.bytes, "fwd", blk.keys, blk.gemm_groups)
 
     def _bwd(self, blk) -> float:
         if self.split:
             return self._input_pass(blk)
-        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes, "bwd", blk.keys)
+        return self.cm.time(blk.op, blk.bwd_flops, blk.bwd_bytes, "bwd", blk.keys, blk.gemm_groups)
 
     def _input_pass(self, blk) -> float:
         """A block's backward without its weight gradients (`bwd` of a split backward)."""
-        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes, "bwd", blk.keys)
+        return self.cm.time(blk.op, blk.bwd_flops - blk.wgrad_flops, blk.bwd_bytes - blk.wgrad_bytes, "bwd", blk.keys,
+                            blk.gemm_groups)
 
     def _weight_pass(self, blk) -> float:
         """A block's weight gradients alone (`wgrad` of a split backward)."""
-        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes, "wgrad")
+        return self.cm.time(blk.op, blk.wgrad_flops, blk.wgrad_bytes, "wgrad", 0.0, blk.gemm_groups)
 
     def _wgrad(self, blk) -> float:
         """A block's weight-gradient pass (zero-bubble schedules only)."""
@@ -220,13 +221,26 @@ class StageCosts:
         self._k += t
         return t
 
-    def _expert_tp(self, bwd: int, rank: int) -> float:
-        """A folded plan's etp all-gather of the dispatched tokens and reduce-scatter of the experts'
-        outputs (`layer_steps`' etp_in / etp_out), forward or backward: the same two verbs either way."""
-        if self.p.etp is None or self.p.etp == 1:
-            return 0.0
-        n = self.an.etp_gathered_bytes
-        return self._coll("allgather", rank, "etp", n) + self._coll("reducescatter", rank, "etp", n)
+    def _moe_exchanges(self, rank: int) -> float:
+        """The MoE layer's collectives around its experts (`layer_steps`' dispatch, combine and a folded
+        plan's etp_in / etp_out, per `moe_dispatcher`), forward or backward: the same verbs either way.
+        Under `moe_a2a_overlap` the ep ones may run under the paired micro-batch's compute: 0 here."""
+        p, an = self.p, self.an
+        if p.moe_dispatcher == "allgather":
+            n = an.gathered_tokens_bytes
+            t = self._coll("allgather", rank, "ep", n) + self._coll("reducescatter", rank, "ep", n)
+        elif p.moe_a2a_overlap:
+            t = 0.0
+        elif p.moe_dispatcher == "deepep":
+            net = an.deepep_network_bytes(len(self.comm.groups(rank, p.ep, p.dp_shard, p.etp)["ep_net"]))
+            t = 2 * (self._coll("alltoall", rank, "ep_net", net) + self._coll("alltoall", rank, "ep_domain",
+                                                                            an.dispatch_bytes))
+        else:
+            t = 2 * self._coll("alltoall", rank, "ep", an.dispatch_bytes)
+        if p.etp is not None and p.etp > 1:
+            n = an.gathered_tokens_bytes * an.etp if p.moe_dispatcher == "allgather" else an.etp_gathered_bytes
+            t += self._coll("allgather", rank, "etp", n) + self._coll("reducescatter", rank, "etp", n)
+        return t
 
     def _layer_forward(self, blocks: dict, rank: int) -> float:
         an, t = self.an, 0.0
@@ -236,10 +250,8 @@ class StageCosts:
         if "fc1" in blocks:
             t += self._fwd(blocks["fc1"]) + self._fwd(blocks["fc2"])
         else:
-            a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
-            self._k += a2a
-            t += self._fwd(blocks["router"]) + a2a + self._fwd(blocks["experts"]) + a2a + self._fwd(blocks["moe_out"])
-            t += self._expert_tp(0, rank)
+            t += self._fwd(blocks["router"]) + self._fwd(blocks["experts"]) + self._fwd(blocks["moe_out"])
+            t += self._moe_exchanges(rank)
         return t + self._tp("mlp_out", 0, rank)
 
     def _attention(self, attn, rank: int, bwd: int) -> float:
@@ -263,7 +275,8 @@ class StageCosts:
         `Bounds.layers`, keyed by what the prices depend on."""
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
-        key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.etp, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
+        key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.etp, p.moe_dispatcher, p.moe_a2a_overlap,
+               p.moe_router_skew, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
                moe, window, rank, self.split, p.tp_overlap, p.tp_async, self.rp.stack.name)
         out = self.b.layers.get(key)
         if out is not None:
@@ -283,9 +296,7 @@ class StageCosts:
         if "fc1" in blocks:
             b += self._bwd(blocks["fc2"])
         else:
-            a2a = self._coll("alltoall", rank, "ep", an.dispatch_bytes)
-            self._k += a2a
-            b += self._bwd(blocks["moe_out"]) + a2a + self._bwd(blocks["experts"]) + a2a + self._expert_tp(1, rank)
+            b += self._bwd(blocks["moe_out"]) + self._bwd(blocks["experts"]) + self._moe_exchanges(rank)
         b += self._column_bwd(column, "mlp_in", rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
         if rc and p.recompute == "selective":
             b += self._attention(blocks["attn"], rank, 0) if p.cp_impl == "ring" else self._fwd(blocks["attn"])

@@ -87,32 +87,36 @@ class ComputeModel:
         self.launch = d.launch_overhead_s
         self.contention = c.compute_contention
         self.cpu_rate = cluster.node.cpu_optimizer_params_per_s
-        self._cache: dict[tuple[str, float, float, str, float], float] = {}
+        self._cache: dict[tuple[str, float, float, str, float, float], float] = {}
 
-    def efficiency(self, op: str, flops: float, phase: str = "", keys: float = 0.0) -> float:
+    def efficiency(self, op: str, flops: float, phase: str = "", keys: float = 0.0, groups: float = 0.0) -> float:
         """Fraction of peak reached by a kernel of `flops` FLOPs of class `op` in `phase`; a fused
-        attention kernel whose queries attend to `keys` keys each, by keys where the cluster says how."""
+        attention kernel whose queries attend to `keys` keys each, by keys where the cluster says how; a
+        grouped GEMM of `groups` equal GEMMs (cutlass grouped GEMM, Transformer Engine's GroupedLinear:
+        each expert's GEMM fills its own tiles and waves) at the efficiency of one of them."""
         key = op + ".bwd" if phase in BACKWARD_PHASES and op + ".bwd" in self.eff else op
         max_eff, half = self.eff.get(key, self.eff["gemm"])
         if keys > 0 and self.half_keys is not None and op == "attention":
             return max_eff * keys / (keys + self.half_keys)
-        return max_eff * flops / (flops + half)
+        each = flops / groups if groups > 1 else flops
+        return max_eff * each / (each + half)
 
-    def time(self, op: str, flops: float, nbytes: float, phase: str = "", keys: float = 0.0) -> float:
+    def time(self, op: str, flops: float, nbytes: float, phase: str = "", keys: float = 0.0,
+             groups: float = 0.0) -> float:
         """Seconds on an idle device (before overlap slowdown)."""
-        key = (op, flops, nbytes, phase, keys)
+        key = (op, flops, nbytes, phase, keys, groups)
         t = self._cache.get(key)
         if t is None:
-            t = self._cache[key] = self._time(op, flops, nbytes, phase, keys)
+            t = self._cache[key] = self._time(op, flops, nbytes, phase, keys, groups)
         return t
 
-    def _time(self, op: str, flops: float, nbytes: float, phase: str, keys: float) -> float:
+    def _time(self, op: str, flops: float, nbytes: float, phase: str, keys: float, groups: float) -> float:
         t_mem = nbytes / self.mem_bw
         peak = self.peaks.get(op, self.peak)
         if op in MEMORY_BOUND or flops <= 0:
             return (max(flops / peak, t_mem) + self.launch) * self.contention
         # gemm, attention, and any unknown op that carries FLOPs: GEMMs, then the memory-bound kernels
-        t_flop = flops / (peak * self.efficiency(op, flops, phase, keys))
+        t_flop = flops / (peak * self.efficiency(op, flops, phase, keys, groups))
         return (t_flop + t_mem + self.launch) * self.contention
 
     def cpu_optimizer_params(self, flops: float, nbytes: float) -> float:

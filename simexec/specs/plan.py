@@ -48,6 +48,20 @@ class Plan(BaseModel):
         None, gt=0, description="expert tensor-parallel degree (Megatron-Core's --expert-tensor-parallel-size): the"
         " MoE layers fold onto a mesh of their own (etp, ep, edp; etp fastest) over each pipeline stage's tp*cp*dp"
         " ranks (MoE Parallel Folding, arXiv 2504.14960); None: every expert split over tp, ep carved out of dp")
+    moe_dispatcher: Literal["alltoall", "allgather", "deepep"] = Field(
+        "alltoall", description="MoE token dispatcher (Megatron-Core's --moe-token-dispatcher-type): alltoall, each"
+        " token's top_k rows sent to their experts' ranks over ep; allgather, every token all-gathered over the"
+        " ep (x etp) group, each rank keeping its experts' rows, reduce-scattered back; deepep (Megatron's flex"
+        " dispatcher over DeepEP): node-limited, a token crosses the network once per destination node and fans"
+        " out over NVLink there")
+    moe_a2a_overlap: bool = Field(
+        False, description="MoE: one micro-batch's forward and another's backward interleaved layer by layer, so"
+        " each one's dispatch and combine run under the other's compute (Megatron-Core's"
+        " --overlap-moe-expert-parallel-comm, combined 1F1B); with a single micro-batch nothing pairs")
+    moe_router_skew: float = Field(
+        1.0, ge=1.0, description="MoE load imbalance: the busiest expert-parallel rank receives this times the"
+        " balanced rows, and every rank waits for it in the combine; 1: balanced routing (Megatron-Bridge's"
+        " benchmarks force it)")
     zero: int = Field(0, ge=0, le=3, description="ZeRO stage: 1 optimizer, 2 +gradients, 3 +parameters")
     zero_impl: Optional[Literal[tuple(ZERO3_FLAVOURS)]] = Field(
         None, description="flavour of ZeRO-3; default fsdp (see `lazy_grad_shards` for how they differ)")
@@ -623,6 +637,10 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"ep={p.ep} on dense model {model.name} (no experts to distribute)")
     if model.moe is None and p.etp is not None:
         fail(f"etp={p.etp} on dense model {model.name} (no experts to split)")
+    if model.moe is None and (p.moe_dispatcher != "alltoall" or p.moe_a2a_overlap or p.moe_router_skew != 1.0):
+        fail(f"moe_dispatcher, moe_a2a_overlap and moe_router_skew need an MoE model ({model.name} is dense)")
+    if p.moe_a2a_overlap:
+        _check_moe_a2a_overlap(p, fail)
     etp = p.tp if p.etp is None else p.etp
     if model.moe is not None:
         if model.moe.experts % p.ep:
@@ -676,6 +694,25 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
     if p.pp > 1 and n_stages > model.layers and p.layout is None:
         fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")
+
+
+def _check_moe_a2a_overlap(p: Plan, fail: Callable[[str], None]) -> None:
+    """Megatron-Core's rules for --overlap-moe-expert-parallel-comm (TransformerConfig.__post_init__,
+    megatron/core/transformer/transformer_config.py): expert parallelism, the alltoall or flex dispatcher,
+    no full recompute; under a pipeline Megatron needs the interleaved schedule, whose pairing the
+    simulator does not model yet (merging a forward with a backward that waits on the next stage)."""
+    if p.ep == 1:
+        fail("moe_a2a_overlap=1 needs ep > 1 (it hides the expert-parallel all-to-alls)")
+    if p.moe_dispatcher == "allgather":
+        fail("moe_a2a_overlap=1 needs moe_dispatcher=alltoall or deepep (Megatron-Core's alltoall/flex), got allgather")
+    if p.pipeline_schedule.splits_backward:
+        fail(f"moe_a2a_overlap=1 does not run with schedule={p.pipeline_schedule.name} (its pairs are a forward and"
+             " a whole backward)")
+    if p.recompute == "full":
+        fail("moe_a2a_overlap=1 does not run with recompute=full (Megatron-Core refuses full recomputation with it)")
+    if p.pp > 1:
+        fail(f"moe_a2a_overlap=1 with pp={p.pp}: the simulator pairs micro-batches without a pipeline only"
+             " (Megatron-Core's interleaved combined 1F1B is not modelled yet)")
 
 
 def _check_schedule(p: Plan, sched: Schedule, micro: int, micro_from: str, fail: Callable[[str], None]) -> None:

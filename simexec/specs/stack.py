@@ -88,7 +88,7 @@ class StackSpec(_Spec):
 
 TORCHTITAN_CHOICES = dict(zero=[0, 3], zero_impl=["fsdp"], cp_impl=["allgather"], recompute=["none", "op", "full"],
                           schedule=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v"], offload=["none"],
-                          tp_overlap=[False])
+                          tp_overlap=[False], moe_dispatcher=["alltoall"], moe_a2a_overlap=[False])
 
 # --- presets ------------------------------------------------------------------------------------
 STACKS: dict[str, StackSpec] = {
@@ -172,7 +172,8 @@ STACKS: dict[str, StackSpec] = {
         # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
         search_choices=dict(zero=[0, 1, 2, 3], zero_impl=["deepspeed"], cp_impl=["a2a"],
-                            recompute=["none", "selective", "full"], schedule=["1f1b"], tp_overlap=[False]),
+                            recompute=["none", "selective", "full"], schedule=["1f1b"], tp_overlap=[False],
+                            moe_dispatcher=["alltoall"], moe_a2a_overlap=[False]),
         source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
     ),
 }

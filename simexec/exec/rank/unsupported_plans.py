@@ -51,6 +51,13 @@ def unsupported(rp) -> Optional[str]:
                        "routing and dispatching its own sequence shard); the executor folds ep over cp x dp (tp=1)")
     elif p.etp is not None and p.etp > 1:
         missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
+    if p.moe_dispatcher != "alltoall":
+        missing.append(f"moe_dispatcher={p.moe_dispatcher} (the executor dispatches MoE tokens with all-to-alls)")
+    if p.moe_a2a_overlap:
+        missing.append("moe_a2a_overlap=1 (one micro-batch's forward interleaved with another's backward)")
+    if p.moe_router_skew != 1.0:
+        missing.append(f"moe_router_skew={p.moe_router_skew:g} (the executor's router routes the tokens it is given;"
+                       " a skew is the simulator's what-if)")
     if p.dtype == "fp8":
         missing.append("dtype=fp8")
     if p.tp_async:

@@ -89,7 +89,7 @@ class RankEmitter:
         self.memory("alloc", "activations", ws, name, deps=deps)
         out = self.emit(Instr(
             self.rank, name, "compute", "compute", b.op, phase=phase, block=block, layer=layer, mb=mb,
-            chunk=chunk, flops=flops, bytes=nbytes, deps=deps, keys=b.keys,
+            chunk=chunk, flops=flops, bytes=nbytes, deps=deps, keys=b.keys, gemm_groups=b.gemm_groups,
         ))
         self.memory("free", "activations", ws, name, deps=(name,), defer=False)
         if phase == "wgrad" or (phase == "bwd" and (self.split or input_only)):

@@ -76,16 +76,33 @@ class LayerLowering(TensorParallel):
         K/V all-gathered over cp (their gradients reduce-scattered back); cp_impl=a2a's heads exchange
         (DeepSpeed-Ulysses: `heads_in` turns this rank's q, k and v from its share of the sequence for
         all its heads into the whole sequence for a cp-th of them, `heads_out` turns the attention's
-        output back); the experts' dispatch and combine all-to-alls over ep; under parallel folding with
-        etp > 1 the dispatched rows' all-gather over etp and the outputs' reduce-scatter."""
-        an = self.an
-        nbytes = {"kv": an.kv_bytes, "dispatch": an.dispatch_bytes, "combine": an.dispatch_bytes,
-                  "etp_in": an.etp_gathered_bytes, "etp_out": an.etp_gathered_bytes}.get(step.name)
-        if nbytes is None:
-            nbytes = an.heads_exchange_bytes[0 if step.name == "heads_in" else 1]
-        group = {"cp": self.groups.cp, "ep": self.groups.ep, "etp": self.groups.etp}[step.axis]
-        self.coll(f"{phase}.{step.name}.L{l}.m{mb}", step.bwd if phase == "bwd" else step.fwd, step.axis, group,
-                  nbytes, (self.last_compute(),), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
+        output back); the experts' dispatch and combine over ep (`moe_dispatcher`'s collectives); under
+        parallel folding with etp > 1 the dispatched rows' all-gather over etp and the outputs' reduce-scatter."""
+        nbytes = self.exchange_bytes(step.name)
+        # an exchange right after another (dispatch then etp_in, etp_out then combine, DeepEP's two hops)
+        # moves what that one delivered: it waits for it, not only for the compute before both
+        prev = self.out[-1] if self.out else None
+        chained = (prev.name,) if (prev is not None and prev.kind == "collective" and prev.layer == l
+                                   and prev.mb == mb and prev.phase == phase) else ()
+        g = self.groups
+        group = {"cp": g.cp, "ep": g.ep, "etp": g.etp, "ep_domain": g.ep_domain, "ep_net": g.ep_net}[step.axis]
+        axis = "ep" if step.axis.startswith("ep_") else step.axis  # DeepEP's two hops: one comm stream
+        self.coll(f"{phase}.{step.name}.L{l}.m{mb}", step.bwd if phase == "bwd" else step.fwd, axis, group,
+                  nbytes, (self.last_compute(), *chained), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
+
+    def exchange_bytes(self, name: str) -> float:
+        """What one rank's exchange `name` moves (a collective's buffer as `simexec.sim.network` takes
+        it: an all-gather's gathered tensor, an all-to-all's send buffer), per `Plan.moe_dispatcher`."""
+        an, dispatcher = self.an, self.p.moe_dispatcher
+        if name in ("dispatch", "combine"):
+            return an.gathered_tokens_bytes if dispatcher == "allgather" else an.dispatch_bytes
+        if name in ("dispatch_net", "combine_net"):
+            return an.deepep_network_bytes(len(self.groups.ep_net))
+        if name in ("etp_in", "etp_out"):
+            return an.gathered_tokens_bytes * an.etp if dispatcher == "allgather" else an.etp_gathered_bytes
+        if name == "kv":
+            return an.kv_bytes
+        return an.heads_exchange_bytes[0 if name == "heads_in" else 1]
 
     def ring_attention(self, phase: str, l: int, mb: int, c: int, attn: Block) -> None:
         """Ring attention over the cp group: K/V chunks hop to the next rank while each rank attends

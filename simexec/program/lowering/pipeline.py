@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from simexec.program.instructions import Instr
 from simexec.program.lowering.emit import RankEmitter
+from simexec.program.moe_overlap import moe_overlap_order
 from simexec.program.schedules import Action, dualpipe_pairs, exchange_groups
 
 
@@ -62,11 +63,15 @@ class PipelineLowering(RankEmitter):
         # DualPipe's pairs, by position in `self.actions` (dualpipev needs p2p_overlap=1: one action
         # per group, so a group's index is its action's)
         pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.micro_batches) if self.p.dualpipe_overlap else frozenset()
+        paired = 3
+        if self.p.moe_a2a_overlap:
+            self.actions, pairs = moe_overlap_order(self.actions, self.p.pp)
+            paired = 2
         groups, i = self.exchange_groups(), 0
         while i < len(groups):
-            if i in pairs:  # a forward, then the other chunk's whole backward (B, W), overlapped
-                self.overlapped(self.actions[i], self.actions[i + 1:i + 3])
-                i += 3
+            if i in pairs:  # a forward, then another micro-batch's (DualPipe: the other chunk's) backward
+                self.overlapped(self.actions[i], self.actions[i + 1:i + paired])
+                i += paired
                 continue
             group = groups[i]
             i += 1

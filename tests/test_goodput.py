@@ -3,13 +3,13 @@ import math
 
 import pytest
 
-from simexec.sim.goodput import (LLAMA3_GPU_HOURS, Checkpoint, GoodputParams, daly_interval, daly_wall_time,
+from simexec.sim.goodput import (LLAMA3_GPU_HOURS, LLAMA3_INTERRUPTIONS, Checkpoint, GoodputParams, daly_interval, daly_wall_time,
                                  failure_rate_per_gpu_hour, goodput, young_interval)
 from simexec.sim.simulate import simulate
 
 
 def test_llama3_rate_reproduces_its_interruptions():
-    assert sum(__import__("simexec.sim.goodput", fromlist=["x"]).LLAMA3_INTERRUPTIONS.values()) == 419
+    assert sum(LLAMA3_INTERRUPTIONS.values()) == 419
     assert failure_rate_per_gpu_hour() * LLAMA3_GPU_HOURS == pytest.approx(419)
 
 

@@ -78,6 +78,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-plan", action="store_true",
                    help="also plan every tensor's address offline (GPU clusters) and print the planned peak")
     p.add_argument("--full", action="store_true", help="simulate every rank (default: one per pipeline stage)")
+    p.add_argument("--slow", default=None, metavar="SPEC",
+                   help="stragglers: rank:R:F (rank R computes F x slower), node:N:F (every rank of node N), "
+                        "nic:N:F (node N's NICs at 1/F bandwidth), comma-separated (docs/variation.md)")
+    p.add_argument("--variation", type=float, default=None, metavar="CV",
+                   help="per-GPU speed's coefficient of variation: step time p50/p90/p99 over --seeds draws")
+    p.add_argument("--seeds", type=int, default=16, help="draws of per-GPU speed for --variation (default 16)")
+    p.add_argument("--tokens", type=float, default=None,
+                   help="also the days to train this many tokens, with failures and checkpoints (e.g. 15e12)")
+    p.add_argument("--restart-min", type=float, default=None, metavar="MIN",
+                   help="minutes to restart after a failure, before loading the checkpoint (default 11)")
+    p.add_argument("--storage-gbps", type=float, default=None, metavar="GB/S",
+                   help="checkpoint write bandwidth per node, GB/s (default 0.98: Llama 3's Tectonic, 2 TB/s / 2,048 nodes)")
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="checkpoints block for the write too (default: async_save, only the device-to-host copy blocks)")
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
     p.set_defaults(func=cmd_simulate)
@@ -246,10 +260,21 @@ def cmd_simulate(args) -> int:
     from simexec.specs.stack import get_stack
     from simexec.trace.schema import save_json
 
+    from simexec.sim.goodput import GoodputParams
+
+    defaults = GoodputParams()
+    params = GoodputParams(
+        restart_s=defaults.restart_s if args.restart_min is None else args.restart_min * 60.0,
+        storage_write_bw_per_node=defaults.storage_write_bw_per_node if args.storage_gbps is None
+        else args.storage_gbps * 1e9,
+        async_checkpoint=not args.sync_checkpoint)
+    params.check()
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
                       trace=args.trace_path is not None, stack=get_stack(args.stack),
-                      memory_margin_bytes=args.memory_margin * 2**30, memory_plan=args.memory_plan)
+                      memory_margin_bytes=args.memory_margin * 2**30, memory_plan=args.memory_plan,
+                      slow=args.slow, variation=args.variation, seeds=args.seeds, tokens=args.tokens,
+                      goodput_params=params)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

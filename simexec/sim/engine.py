@@ -12,7 +12,10 @@ recv's end. Memory instructions take no time. Every instruction's start and end 
 
 What an instruction costs is not decided here: a machine (`MachineModel`, implemented by
 `simexec.sim.machine`) prices compute, runs transfers, and may hand out the cores that compute runs on
-(CPU ranks sharing a host) or issue each instruction from an eager host thread.
+(CPU ranks sharing a host) or issue each instruction from an eager host thread. One thing is the
+engine's: `compute_slowdown` (simulated rank -> factor >= 1) stretches every compute instruction of a
+rank by its factor after the machine has priced it: a straggler, or a GPU slower than its peers
+(`simexec.sim.slowdown` makes the factors, a representative taking the slowest it stands for).
 
 Speed, without approximation:
 - a chain of compute instructions that nothing on another stream waits on, and whose own
@@ -127,12 +130,15 @@ class MachineModel(Protocol):
 class Engine:
     """Run one program against one machine; `run()` returns the step time."""
 
-    def __init__(self, program: Program, machine: MachineModel):
+    def __init__(self, program: Program, machine: MachineModel,
+                 compute_slowdown: Optional[dict[int, float]] = None):
         self.program = program
         self.machine = machine
         self.env = simpy.Environment()
         self._load(program)
         machine.reprice(self.instrs, self.work)
+        if compute_slowdown:
+            self._slow_down(compute_slowdown)
         clock = machine.issue_clock()
         self.issue, self.host_sync = clock if clock is not None else (None, None)
         self.host_clock = dict.fromkeys(program.ranks, 0.0)
@@ -260,6 +266,14 @@ class Engine:
         self._waiters: dict[int, Event] = {}
         self._runs: dict[int, list[_Run]] = {r: [] for r in program.ranks}
         self._inflight: dict[int, int] = dict.fromkeys(program.ranks, 0)
+
+    def _slow_down(self, factors: dict[int, float]) -> None:
+        """A slowed rank's compute (device kernels and host optimizer steps) takes `factor` x longer."""
+        work, kind, instrs = self.work, self.kind, self.instrs
+        for k, ins in enumerate(instrs):
+            f = factors.get(ins.rank, 1.0)
+            if f != 1.0 and (kind[k] == COMPUTE or kind[k] == HOST):
+                work[k] *= f
 
     # --- running ---------------------------------------------------------------------------------
 

@@ -247,6 +247,17 @@ class Network:
         self._geo: dict[tuple[int, ...], _Geometry] = {}
         self._cache: dict[tuple, tuple[Phase, ...]] = {}
         self._choice: dict[tuple, str] = {}
+        self.nic_slowdown: dict[int, float] = {}  # node -> factor: its NICs carry 1/factor of their bandwidth
+
+    def slow_nics(self, factors: dict[int, float]) -> None:
+        """Divide the named nodes' NIC links (`nic_tx`, `nic_rx`) by their factors: a degraded NIC or
+        cable. Only the links' capacities change, so the collective chosen and its latencies stay what
+        NCCL would pick on healthy hardware; a flow alone on its rail keeps its rail cap. Call before
+        the first transfer is priced."""
+        self.nic_slowdown = {int(n): float(f) for n, f in factors.items() if f != 1.0}
+        for (kind, where), lid in self._ids.items():
+            if kind in ("nic_tx", "nic_rx") and where in self.nic_slowdown:
+                self.capacity[lid] = self.node_nic_bw / self.nic_slowdown[where]
 
     # --- links ---------------------------------------------------------------------------------
 
@@ -269,7 +280,7 @@ class Network:
                 "nvl_tx": self.nvl_bw, "nvl_rx": self.nvl_bw, "nic_tx": self.node_nic_bw,
                 "nic_rx": self.node_nic_bw, "pod_tx": self.pod_bw, "pod_rx": self.pod_bw,
                 "d2h": self.pcie_bw, "h2d": self.pcie_bw, "cpu": self.cpu_rate,
-            }[kind])
+            }[kind] / (self.nic_slowdown.get(where, 1.0) if kind in ("nic_tx", "nic_rx") else 1.0))
         return lid
 
     def _stands_for(self, rank: int) -> tuple[int, ...]:

@@ -17,7 +17,9 @@ from simexec.specs.model import ModelSpec, get_model
 from simexec.specs.plan import Plan, ResolvedPlan, load_plan, resolve
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.program.instructions import Program
+from simexec.sim.goodput import GoodputParams
 from simexec.sim.memory import SHRINKS
+from simexec.sim.slowdown import Slowdown, parse_slow
 from simexec.trace.schema import Counter, Event, Trace
 
 ProfileArg = Union[None, str, os.PathLike, dict]
@@ -56,11 +58,21 @@ class SimResult:
     memory_model: str = ""
     planned_peak_bytes: float = 0.0  # the largest rank's
     planned_peak_bytes_per_rank: dict[int, float] = field(default_factory=dict)
+    # on request (`simexec.sim.variation`, `simexec.sim.goodput`): the step with named stragglers,
+    # the step over seeds of GPU-to-GPU variation, and the days to train a number of tokens
+    stragglers: Optional[object] = None
+    variation: Optional[object] = None
+    time_to_train: Optional[object] = None
     trace: Optional[Trace] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         """Everything but the trace, JSON-ready (rank keys as strings)."""
         out = {k: v for k, v in self.__dict__.items() if k != "trace"}
+        for k in ("stragglers", "variation", "time_to_train"):
+            if out[k] is None:
+                del out[k]
+            else:
+                out[k] = out[k].to_json()
         out["peak_memory_bytes_per_rank"] = {str(r): b for r, b in self.peak_memory_bytes_per_rank.items()}
         out["peak_tensor_bytes_per_rank"] = {str(r): b for r, b in self.peak_tensor_bytes_per_rank.items()}
         out["planned_peak_bytes_per_rank"] = {str(r): b for r, b in self.planned_peak_bytes_per_rank.items()}
@@ -94,6 +106,9 @@ class SimResult:
         total = self.step_time_s or 1.0
         for k, v in sorted(self.breakdown_s.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {k:<18} {v:10.4g} s  {100 * v / total:5.1f}%")
+        for extra in (self.stragglers, self.variation, self.time_to_train):
+            if extra is not None:
+                lines.append(extra.format())
         lines.append(f"  simulated {self.instructions:,} instructions ({mode}) in {self.wall_s:.2f} s")
         return "\n".join(lines)
 
@@ -108,7 +123,9 @@ def _size(n: float) -> str:
 def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], plan: Union[str, Plan],
              seq_len: Optional[int] = None, *, symmetric: bool = True, profile: ProfileArg = None,
              trace: bool = False, stack: Union[str, StackSpec, None] = None,
-             memory_margin_bytes: float = 0.0, memory_plan: bool = False) -> SimResult:
+             memory_margin_bytes: float = 0.0, memory_plan: bool = False, slow: Union[str, Slowdown, None] = None,
+             variation: Optional[float] = None, seeds: int = 16, tokens: Optional[float] = None,
+             goodput_params: Optional[GoodputParams] = None) -> SimResult:
     """Predict one training step.
 
     model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
@@ -118,6 +135,9 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     profile: a calibrated profile (path or dict) whose costs replace the cluster's.
     trace: also return the predicted trace (`result.trace`).
     memory_plan: also plan every tensor's offset offline on GPU ranks (`planned_peak_bytes`).
+    slow: stragglers (`rank:R:F,node:N:F,nic:N:F` or a `Slowdown`): also the step with them (`stragglers`).
+    variation, seeds: per-GPU speed's coefficient of variation: the step over `seeds` draws (`variation`).
+    tokens: also the days to train this many tokens with failures and checkpoints (`time_to_train`).
     """
     t0 = time.perf_counter()
     from simexec.program.lower import lower
@@ -135,13 +155,24 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
         raise PlanError(f"memory margin must be >= 0, got {memory_margin_bytes / GiB:g} GiB")
     program = lower(rp, symmetric=symmetric)
     return simulate_program(rp, program, trace=trace, t0=t0, memory_margin_bytes=memory_margin_bytes,
-                            memory_plan=memory_plan)
+                            memory_plan=memory_plan, slow=slow, variation=variation, seeds=seeds, tokens=tokens,
+                            goodput_params=goodput_params)
 
 
 def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
                      t0: Optional[float] = None, memory_margin_bytes: float = 0.0,
-                     memory_plan: bool = False) -> SimResult:
+                     memory_plan: bool = False, slow: Union[str, Slowdown, None] = None,
+                     variation: Optional[float] = None, seeds: int = 16, tokens: Optional[float] = None,
+                     goodput_params: Optional[GoodputParams] = None) -> SimResult:
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
+    from simexec.sim.variation import check_variation, gpus_per_node
+
+    stragglers = parse_slow(slow, rp.world, gpus_per_node(rp)) if isinstance(slow, str) else slow
+    if variation is not None:  # bad input fails before the simulation
+        check_variation(variation, seeds)
+    train_tokens = tokens
+    if train_tokens is not None and not train_tokens > 0:
+        raise PlanError(f"--tokens must be > 0, got {train_tokens:g}")
     from simexec.sim.breakdown import breakdown, slowest_rank
     from simexec.sim.engine import Engine
     from simexec.sim.machine import machine_for
@@ -185,10 +216,30 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         memory_model=mem.allocator, planned_peak_bytes=max(mem.planned_peak.values(), default=0.0),
         planned_peak_bytes_per_rank=dict(sorted(planned_per_rank.items())),
     )
+    _real_cluster(result, rp, program, stragglers, variation, seeds, train_tokens, goodput_params)
     if trace:
         result.trace = _trace(eng, program, result, mem)
     result.wall_s = time.perf_counter() - t0
     return result
+
+
+def _real_cluster(result: SimResult, rp: ResolvedPlan, program: Program, slow: Optional[Slowdown],
+                  variation: Optional[float], seeds: int, tokens: Optional[float],
+                  params: Optional[GoodputParams]) -> None:
+    """What the step and the run become on real hardware: stragglers, variation, failures."""
+    from simexec.sim.goodput import plan_checkpoint, time_to_train
+    from simexec.sim.variation import straggler_report, variation_report
+
+    step = result.step_time_s
+    if slow:
+        result.stragglers = straggler_report(rp, program, slow, step)
+    if variation is not None:
+        result.variation = variation_report(rp, program, variation, seeds, step)
+    if tokens is not None:
+        params = params or GoodputParams()
+        spread = result.variation.median_slowdown if result.variation is not None else 1.0
+        result.time_to_train = time_to_train(tokens, result.tokens_per_s, result.breakdown_s, rp.world,
+                                             plan_checkpoint(rp, params), params, spread)
 
 
 def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float, str]]], bool]:

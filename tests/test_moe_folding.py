@@ -153,3 +153,22 @@ def test_search_enumerates_folded_layouts():
     assert (2, 2) not in pairs  # etp = tp, ep out of dp: the unfolded plan again
     assert all(e is None for _, e in _expert_layouts(MOE, {"etp": 1}, 2, 1, 2, False))  # tp > 1 without sp
     assert _expert_layouts(MOE, {"etp": 1}, 1, 2, 2, False) == [(1, 1), (2, 1), (4, 1)]
+
+
+def test_folded_moe_layers_without_shared_experts_gather_nothing_over_tp():
+    """Each tp rank routes the sequence slice it holds: no tp all-gather before a folded MoE MLP and no
+    reduce-scatter after it, unless a shared expert (a TP MLP over the gathered sequence) needs them."""
+    from simexec.program.lower import lower
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan, resolve
+
+    def mlp_collectives(model: str, plan: str) -> set:
+        rp = resolve(get_model(model), get_cluster("2xdgx-h100"), parse_plan(plan), 1024)
+        layer = rp.model.layers - 1  # a MoE layer in both models
+        return {i.block for i in lower(rp).ranks[0]
+                if i.kind == "collective" and i.layer == layer and i.block in ("mlp_in", "mlp_out")}
+
+    assert mlp_collectives("mixtral-8x7b", "tp=2,sp=1,ep=8,etp=1,gbs=16") == set()
+    assert mlp_collectives("mixtral-8x7b", "tp=2,sp=1,ep=4,gbs=16") == {"mlp_in", "mlp_out"}
+    assert mlp_collectives("moe-tiny", "tp=2,sp=1,ep=4,etp=1,gbs=16") == {"mlp_in", "mlp_out"}

@@ -393,7 +393,15 @@ class Anatomy(FrameworkKernels):
     def layer_steps(self, i: int) -> tuple[LayerStep, ...]:
         """Layer i's blocks in forward order with the collectives between them (`layer_steps`)."""
         p = self.rp.plan
-        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1, p.moe_dispatcher)
+        return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1, p.moe_dispatcher,
+                           not self.moe_without_tp)
+
+    @cached_property
+    def moe_without_tp(self) -> bool:
+        """MoE layers without tp collectives around their MLP: folded experts over tp > 1 (under sp, which
+        folding needs there) and no shared expert, whose TP MLP would need the gathered sequence."""
+        m = self.rp.model
+        return bool(self.rp.folded and self.tp > 1 and m.moe is not None and not m.moe.shared_experts)
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""

@@ -61,12 +61,15 @@ DISPATCH_STEPS = {
 
 @lru_cache(maxsize=None)
 def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
-                dispatcher: str = "alltoall") -> tuple[LayerStep, ...]:
+                dispatcher: str = "alltoall", moe_tp: bool = True) -> tuple[LayerStep, ...]:
     """A layer's steps in forward order, for a dense or MoE layer under sequence parallelism `sp`
     and context parallelism `cp` (`cp_impl`: "allgather" K/V, "ring", or "a2a" heads exchange).
     `etp` > 1 (parallel folding with experts split over etp ranks): the dispatched tokens are
     all-gathered over etp before the experts and their outputs reduce-scattered after (Megatron-Core's
-    MoEAlltoAllTokenDispatcher over its expert tp group). `dispatcher`: `DISPATCH_STEPS`.
+    MoEAlltoAllTokenDispatcher over its expert tp group). `dispatcher`: `DISPATCH_STEPS`. `moe_tp`
+    False: a MoE layer has no tp collectives around its MLP (parallel folding under sp with no shared
+    expert: each tp rank routes the sequence slice it holds; Megatron-Core's MoELayer gathers over tp
+    only for the shared experts' TP MLP).
     Under sp each norm is a block of its own before its sub-layer's tp conjugate (without sp it is
     part of the GEMM block after it). A sliding window changes the attention's cost, not the order."""
     steps = [LayerStep("norm1")] if sp else []
@@ -83,7 +86,9 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
     steps += [LayerStep("proj"), _tp("attn_out", sp)]
     if sp:
         steps.append(LayerStep("norm2"))
-    steps.append(_tp("mlp_in", sp))
+    tp_around_mlp = moe_tp or not moe
+    if tp_around_mlp:
+        steps.append(_tp("mlp_in", sp))
     if moe:
         dispatch, combine = DISPATCH_STEPS[dispatcher]
         steps += [LayerStep("router", column=True), *(LayerStep(*s) for s in dispatch)]
@@ -95,5 +100,6 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
         steps += [*(LayerStep(*s) for s in combine), LayerStep("moe_out")]
     else:
         steps += [LayerStep("fc1", column=True), LayerStep("fc2")]
-    steps.append(_tp("mlp_out", sp))
+    if tp_around_mlp:
+        steps.append(_tp("mlp_out", sp))
     return tuple(steps)

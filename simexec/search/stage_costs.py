@@ -209,6 +209,8 @@ class StageCosts:
         return max(0.0, c - self._weight_pass(blk))
 
     def _tp(self, block: str, bwd: int, rank: int) -> float:
+        if block in ("mlp_in", "mlp_out") and self.an.moe_without_tp:
+            return 0.0  # none around a folded MoE layer's MLP (`Anatomy.moe_without_tp`); dense layers' left out too
         verb = TP_CONJUGATES[block][self.sp][bwd]
         t = self._coll(verb, rank, "tp", self.an.full_hidden_bytes)
         if self.p.tp_async and verb in ("allgather", "reducescatter"):

@@ -196,7 +196,7 @@ class _StructureBounds:
             y = mm.early_model_states + ws + dyn * (mm.buffers + mm.gathered_at_backward + act[r])
             if y > mem:
                 mem = y
-            y = mm.early_model_states + ws + dyn * (mm.buffers + mm.held_after_backward)
+            y = mm.early_model_states + ws + dyn * (mm.buffers + (mm.held_after_backward if m > 1 else 0.0))
             if y > mem:
                 mem = y
             y = mm.model_states + ws + mm.main_grads  # the optimizer step: model states and the fp32 main gradients

@@ -40,9 +40,9 @@ class RankMemory:
     # ZeRO-3 parameters still gathered as the first backward starts (reshard_after_forward=0, one
     # chunk per rank: every unit kept since its forward), beside the activations
     gathered_at_backward: float = 0.0
-    # FSDP2 under a pipeline (`Zero3Flavour.pipeline_defers_reduction`, one chunk per rank, several
-    # micro-batches): after the stage's first backward every unit is gathered and its unsharded
-    # gradients accumulate
+    # FSDP2 under a pipeline (`Zero3Flavour.pipeline_defers_reduction`, one chunk per rank): after the
+    # stage's first backward every unit is gathered and its unsharded gradients accumulate, where the
+    # step has several micro-batches (the bound checks; with one, that backward is the last)
     held_after_backward: float = 0.0
 
 
@@ -117,7 +117,7 @@ class StateCosts:
         """Per pipeline rank: its memory under `state` (see `RankMemory`)."""
         p, rp = self.p, self.rp
         key = (p.tp, p.pp, p.vpp, p.ep, p.etp, p.stages, self.v_shaped, rp.dp, p.cp, p.dtype, p.grad_fp32,
-               p.master_grads, p.grad_bucket_view, rp.micro_batches > 1, state)
+               p.master_grads, p.grad_bucket_view, state)
         out = self.b.memory.get(key)
         if out is not None:
             return out
@@ -130,9 +130,7 @@ class StateCosts:
         preallocated = vrp.plan.zero3 is not None and vrp.plan.zero3.preallocated_buffers and zero_size > 1
         lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
         one_chunk = p.vpp == 1 and not self.v_shaped
-        # (with one micro-batch the first backward is the last: it reshards unit by unit)
-        defer = (zero == 3 and p.pp > 1 and one_chunk and rp.micro_batches > 1
-                 and vrp.plan.zero3.pipeline_defers_reduction)
+        defer = zero == 3 and p.pp > 1 and one_chunk and vrp.plan.zero3.pipeline_defers_reduction
         out = []
         params = self.params()
         memo = _MemoParams(vrp, params)

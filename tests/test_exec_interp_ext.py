@@ -45,6 +45,11 @@ EXTENDED = [
     ("moe-tiny", "dp=4,ep=2,zero=2,dp_shard=2,gbs=8"),
     ("moe-tiny", "dp=2,ep=2,zero=1,offload=optimizer"),
     ("gpt-tiny", "dp=4,pp=2,zero=3,zero_impl=yafsdp,gbs=8"),
+    # FSDP2: a unit kept gathered from its forward to its backward; under a pipeline, kept over the
+    # step's micro-batches, its gradients accumulated unsharded and reduce-scattered once
+    ("gpt-tiny", "dp=2,zero=3,reshard_after_forward=0,gbs=8"),
+    ("gpt-tiny", "dp=2,pp=2,zero=3,gbs=8"),
+    ("gpt-tiny", "dp=2,pp=2,zero=3,reshard_after_forward=0,gbs=8"),
     ("gpt-tiny", "dp=4,zero=2,dp_shard=2,gbs=8"),
     ("gpt-tiny", "cp=2,tp=2,sp=1"),
     ("gpt-tiny", "dp=2,cp=2,zero=3"),

@@ -141,19 +141,19 @@ class _StructureBounds:
         self.state_costs = StateCosts(b, stages)
         self.p, self.comm, self.pp, self.m = stages.p, stages.comm, stages.pp, stages.m
         self._replayed: Optional[list[ReplayEnd]] = None
-        self._zero3_replays: dict[tuple, list[ReplayEnd]] = {}  # (dp_shard, zero_impl) -> its replay
+        self._zero3_replays: dict[tuple, list[ReplayEnd]] = {}  # (dp_shard, zero_impl, raf) -> its replay
 
     def replay_bound(self, state: tuple) -> float:
         """Time bound from `PipelineTimes.replay`: each rank's last compute, then its last gradient
         reduction, optimizer step and parameter gather, as in `bounds`. Under ZeRO-3 the replay goes
         unit by unit with the parameter gathers and gradient reduce-scatters on their stream."""
-        zero, zero_impl, dp_shard, _ = state
+        zero, zero_impl, dp_shard, _, raf = state
         ranks = self.state_costs.state(state)
         if zero == 3 and len(self.comm.groups(self.comm.rank_of_stage[0], self.p.ep, dp_shard, self.p.etp)["zero"]) > 1:
-            ends = self._zero3_replays.get((dp_shard, zero_impl))
+            ends = self._zero3_replays.get((dp_shard, zero_impl, raf))
             if ends is None:
-                ends = self._zero3_replays[(dp_shard, zero_impl)] = self.pipeline.replay(
-                    dp_shard or 0, self.p.zero3_policy(zero_impl))
+                ends = self._zero3_replays[(dp_shard, zero_impl, raf)] = self.pipeline.replay(
+                    dp_shard or 0, self.p.zero3_policy(zero_impl), raf)
             t = 0.0
             for e, rank in zip(ends, ranks):
                 t = max(t, max(e.last_compute + e.closing, e.stream_done) + rank.after_reduction)
@@ -193,7 +193,10 @@ class _StructureBounds:
             if x > t:
                 t = x
             mm = rank.memory
-            y = mm.early_model_states + ws + dyn * (mm.buffers + act[r])
+            y = mm.early_model_states + ws + dyn * (mm.buffers + mm.gathered_at_backward + act[r])
+            if y > mem:
+                mem = y
+            y = mm.early_model_states + ws + dyn * (mm.buffers + (mm.held_after_backward if m > 1 else 0.0))
             if y > mem:
                 mem = y
             y = mm.model_states + ws + mm.main_grads  # the optimizer step: model states and the fp32 main gradients

@@ -30,16 +30,21 @@ def _slot(free: list[float], ready: float, seconds: float) -> float:
 
 
 def _zero3_pass(units: list[UnitCost], te: float, tt: float, cf: list[float],
-                arr: float, depth: int = 2) -> tuple[float, float, list[float]]:
+                arr: float, depth: int = 2, gathers: bool = True,
+                reduces: bool = True) -> tuple[float, float, list[float]]:
     """One forward or backward pass under ZeRO-3 (see `PipelineTimes.replay`): `te` the end of
     the rank's previous compute, `tt` the collective closing it, `cf` when each of the ZeRO stream's
     collective threads is free (a FIFO of that many servers: a collective no slower and issued no
     later starts no later), `arr` when the pass's pipeline message arrives, `depth` the units
-    gathered ahead (`Zero3Flavour.prefetch_depth`). Returns the three after the pass."""
+    gathered ahead (`Zero3Flavour.prefetch_depth`); `gathers`: the units are not still gathered from
+    an earlier pass, `reduces`: a backward's gradients are reduce-scattered now. Returns the three
+    after the pass."""
     n = len(units)
+    if not gathers:
+        depth = n
     cf = list(cf)
     g_end = [0.0] * n
-    for j in range(min(depth, n)):  # prefetched at the start of the pass: no dependency
+    for j in range(min(depth, n) if gathers else 0):  # prefetched at the start of the pass: no dependency
         g_end[j] = _slot(cf, 0.0, units[j].gather)
     for j, (opening, body, closing, _, reduce_scatter) in enumerate(units):  # unpacked: the hot loop
         start = te + tt + opening
@@ -50,7 +55,7 @@ def _zero3_pass(units: list[UnitCost], te: float, tt: float, cf: list[float],
         arr = 0.0
         te = start + body
         tt = closing
-        if reduce_scatter > 0.0:  # this unit's gradients
+        if reduce_scatter > 0.0 and reduces:  # this unit's gradients
             _slot(cf, te, reduce_scatter)
         if j + depth < n:  # the gather `depth` units ahead, into the buffer this unit frees
             g_end[j + depth] = _slot(cf, te, units[j + depth].gather)
@@ -214,7 +219,8 @@ class PipelineTimes:
         self.own_last_compute = [end[r] - tail[r] for r in range(pp)]
         self.tail = tail
 
-    def replay(self, zshard: Optional[int] = None, zero3: Optional[Zero3Flavour] = None) -> list[ReplayEnd]:
+    def replay(self, zshard: Optional[int] = None, zero3: Optional[Zero3Flavour] = None,
+               reshard_after_forward: bool = True) -> list[ReplayEnd]:
         """The pipeline schedule (`simexec.program.schedules.pipeline_order`, as the lowering walks it) with
         every compute at full speed, every collective the compute waits on at its idle-network price
         and every pipeline message sent as soon as its compute ends. A forward waits for the previous
@@ -227,7 +233,10 @@ class PipelineTimes:
         unit, each unit's gathers and reduce-scatters the calls flavour `zero3` issues. Each pass
         gathers its first `prefetch_depth` units' parameters up front and unit j+depth's once unit j
         has computed; a unit computes once its gather is done; a backward unit's gradients are
-        reduce-scattered after it; the gathers and reduce-scatters take turns on their stream's threads."""
+        reduce-scattered after it; the gathers and reduce-scatters take turns on their stream's threads.
+        A chunk's units still gathered from its previous pass (`reshard_after_forward=0` between a
+        forward and its backward; FSDP2 under a pipeline after a backward but the last) are not
+        gathered again, and such a pipeline's gradients are reduce-scattered in the last backward only."""
         pp, V, m = self.pp, self.V, self.m
         F, B, Fh, Bh, Ft, Bt = self.F, self.B, self.Fh, self.Bh, self.Ft, self.Bt
         p2pF, p2pB, stage = self.p2pF, self.p2pB, self.stage
@@ -248,6 +257,8 @@ class PipelineTimes:
         c_free = [[0.0] * self.b.threads for _ in range(pp)]  # when each ZeRO stream thread is free
         units = None
         depth = zero3.prefetch_depth if zero3 is not None else 2
+        defer = zero3 is not None and pp > 1 and zero3.pipeline_defers_reduction
+        held: dict[tuple, bool] = {}  # (rank, chunk) -> its units are gathered now
         if zshard is not None:
             units = {(r, c): self.stages.unit_costs(r, c, zshard, zero3) for r in range(pp) for c in range(self.vpp)}
         # per action kind: its ends, opening / body / closing seconds, and per stage the action it waits
@@ -288,7 +299,14 @@ class PipelineTimes:
                         te = (start if start > arr else arr) + body[vs]
                         tt = closing[vs]
                     else:
-                        te, tt, cf = _zero3_pass(units[(r, chunk)][half], te, tt, cf, arr, depth)
+                        last = mb == m - 1
+                        gathers = not held.get((r, chunk), False)
+                        te, tt, cf = _zero3_pass(units[(r, chunk)][half], te, tt, cf, arr, depth, gathers,
+                                                 not defer or last)
+                        if kind == "F":
+                            held[(r, chunk)] = not reshard_after_forward
+                        elif kind == "B":
+                            held[(r, chunk)] = defer and not last
                     ends[vs][mb] = te
                     i += 1
                     left -= 1

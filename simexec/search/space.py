@@ -104,12 +104,12 @@ ZERO_VARIANTS = ((0, None), (1, None), (2, None), (3, None)) + tuple(
 RECOMPUTE = ("none", "selective", "full")
 # torchtitan's per-operator checkpointing, which only it runs: searched under a stack that allows it
 FRAMEWORK_RECOMPUTE = RECOMPUTE + ("op",)
-STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload")
+STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload", "reshard_after_forward")
 # Fields the space enumerates; any other field of `fix` passes through to every plan unchanged.
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "etp", "zero", "zero_impl", "dp_shard",
     "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
-    "moe_dispatcher", "moe_a2a_overlap",
+    "moe_dispatcher", "moe_a2a_overlap", "reshard_after_forward",
 }
 
 
@@ -418,7 +418,8 @@ def _allowed(fix: dict, key: str, v) -> bool:
 
 
 def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple]:
-    """The (zero, zero_impl, dp_shard, offload) variants of one mesh under `fix`."""
+    """The (zero, zero_impl, dp_shard, offload, reshard_after_forward) variants of one mesh under `fix`;
+    FSDP2's reshard_after_forward=0 only where `fix` names the knob (a stack that runs it)."""
     if isinstance(fix.get("zero"), Allowed):
         zeros = [zv for zv in ZERO_VARIANTS if (zv[0] == 0 or dp > 1) and zv[0] in fix["zero"]]
         if isinstance(fix.get("zero_impl"), Allowed):  # the framework's own ZeRO-3
@@ -440,9 +441,12 @@ def state_variants(fix: dict, dp: int, tp: int, cp: int, gpn: int) -> list[tuple
         offloads = ["none"] + (["optimizer"] if zero >= 1 else []) + (["optimizer+params"] if zero == 3 else [])
         if "offload" in fix:
             offloads = _choices(fix, "offload", offloads if isinstance(fix["offload"], Allowed) else [])
+        fsdp2 = zero == 3 and (zero_impl or DEFAULT_ZERO3_FLAVOUR) == "fsdp"
+        rafs = _choices(fix, "reshard_after_forward", [True, False]) if fsdp2 and "reshard_after_forward" in fix else [True]
         for dp_shard in shards:
             for offload in offloads:
-                out.append((zero, zero_impl, dp_shard, offload))
+                for raf in rafs:
+                    out.append((zero, zero_impl, dp_shard, offload, raf))
     return out
 
 

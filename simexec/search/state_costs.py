@@ -1,4 +1,5 @@
-"""What a state variant (zero, zero_impl, dp_shard, offload) of a structure costs its pipeline ranks:
+"""What a state variant (zero, zero_impl, dp_shard, offload, reshard_after_forward) of a structure
+costs its pipeline ranks:
 the model states' and buffers' memory, the last gradient reduction, optimizer step and parameter
 gather after the last backward, and the work of the ZeRO axis' stream."""
 from __future__ import annotations
@@ -36,6 +37,13 @@ class RankMemory:
     buffers: float  # YaFSDP's preallocated buffers
     shard_params: float  # parameters the rank's optimizer steps
     main_grads: float  # the fp32 main-gradient copy of the optimizer step
+    # ZeRO-3 parameters still gathered as the first backward starts (reshard_after_forward=0, one
+    # chunk per rank: every unit kept since its forward), beside the activations
+    gathered_at_backward: float = 0.0
+    # FSDP2 under a pipeline (`Zero3Flavour.pipeline_defers_reduction`, one chunk per rank): after the
+    # stage's first backward every unit is gathered and its unsharded gradients accumulate, where the
+    # step has several micro-batches (the bound checks; with one, that backward is the last)
+    held_after_backward: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,9 +108,10 @@ class StateCosts:
     def _variant(self, state: tuple) -> ResolvedPlan:
         """The structure's resolved plan with `state`'s model-state knobs."""
         p = self.p
-        zero, zero_impl, dp_shard, offload = state
-        return self.rp if (p.zero, p.zero_impl, p.dp_shard, p.offload) == state else replace(
-            self.rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload)))
+        zero, zero_impl, dp_shard, offload, raf = state
+        return self.rp if (p.zero, p.zero_impl, p.dp_shard, p.offload, p.reshard_after_forward) == state else replace(
+            self.rp, plan=p.model_copy(update=dict(zero=zero, zero_impl=zero_impl, dp_shard=dp_shard, offload=offload,
+                                                   reshard_after_forward=raf)))
 
     def memory(self, state: tuple) -> list[RankMemory]:
         """Per pipeline rank: its memory under `state` (see `RankMemory`)."""
@@ -112,7 +121,7 @@ class StateCosts:
         out = self.b.memory.get(key)
         if out is not None:
             return out
-        zero, zero_impl, dp_shard, offload = state
+        zero, zero_impl, dp_shard, offload, raf = state
         vrp = self._variant(state)
         groups = self.comm.groups(self.comm.rank_of_stage[0], p.ep, dp_shard, p.etp)
         zero_size = len(groups["zero"])
@@ -120,6 +129,8 @@ class StateCosts:
         gdt = self.gdt
         preallocated = vrp.plan.zero3 is not None and vrp.plan.zero3.preallocated_buffers and zero_size > 1
         lazy = zero == 3 and vrp.plan.lazy_grad_shards and (zero_size > 1 or edp > 1)
+        one_chunk = p.vpp == 1 and not self.v_shaped
+        defer = zero == 3 and p.pp > 1 and one_chunk and vrp.plan.zero3.pipeline_defers_reduction
         out = []
         params = self.params()
         memo = _MemoParams(vrp, params)
@@ -129,9 +140,13 @@ class StateCosts:
             made = gdt * (prm.dense / zero_size * (zero_size > 1) + prm.expert / edp * (edp > 1)) if lazy else 0.0
             big = prm.biggest
             shard = prm.dense / (zero_size if zero >= 1 else 1) + prm.expert / (edp if zero >= 1 else 1)
+            whole = prm.dense * (zero_size > 1) + prm.expert * (edp > 1)  # what ZeRO-3 gathers
             out.append(RankMemory(model_states=static, early_model_states=static - min(made, ms["grads"]),
                                   buffers=2 * big * vrp.param_gather_bytes + 2 * big * gdt if preallocated else 0.0,
-                                  shard_params=shard, main_grads=shard * vrp.master_grad_bytes))
+                                  shard_params=shard, main_grads=shard * vrp.master_grad_bytes,
+                                  gathered_at_backward=whole * vrp.param_gather_bytes
+                                  if zero == 3 and not raf and one_chunk else 0.0,
+                                  held_after_backward=whole * (vrp.param_gather_bytes + gdt) if defer else 0.0))
         self.b.memory[key] = out
         return out
 
@@ -143,7 +158,7 @@ class StateCosts:
         out = self.b.states.get(key)
         if out is not None:
             return out
-        zero, zero_impl, dp_shard, offload = state
+        zero, zero_impl, dp_shard, offload, raf = state
         memory = self.memory(state)
         vrp = self._variant(state)
         dt, gdt, pg = self.dt, self.gdt, vrp.param_gather_bytes
@@ -176,9 +191,13 @@ class StateCosts:
                 red = max(red, total)
             if zero == 3:
                 z3 = vrp.plan.zero3  # each unit's calls as the flavour issues them (the lowering's)
-                z = sum(2 * sum(zc("allgather", rank, e * pg) for e in z3.gather_calls(t))
+                # a unit gathered for its forward and again for its backward, unless kept between
+                # (reshard_after_forward=0); under a pipeline FSDP2 keeps it over the step's
+                # micro-batches and reduce-scatters once, so at least once a step
+                gathers = 1 + bool(raf)
+                z = sum(gathers * sum(zc("allgather", rank, e * pg) for e in z3.gather_calls(t))
                         + sum(zc(verb, rank, e * gdt) for e in z3.reduce_calls(t)) for ch in prm.tensors for t in ch)
-                fixed, per_mb = 0.0, z
+                fixed, per_mb = (z, 0.0) if p.pp > 1 and z3.pipeline_defers_reduction else (0.0, z)
             elif zero == 2:
                 z = sum(zc(verb, rank, sum(ch) * gdt) for ch in prm.chunks)
                 fixed, per_mb = zc("allgather", rank, prm.dense * pg), z

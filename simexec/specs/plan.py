@@ -74,6 +74,10 @@ class Plan(BaseModel):
     zero3_reduce_bucket: Optional[float] = Field(
         None, gt=0, description="zero_impl=deepspeed: elements per gradient reduce-scatter call (DeepSpeed's"
         " reduce_bucket_size, default 5e8)")
+    reshard_after_forward: bool = Field(
+        True, description="zero=3, zero_impl=fsdp: FSDP2's fully_shard(reshard_after_forward=...); 0: a unit gathered"
+        " for its forward stays gathered until its backward is done, which then needs no second all-gather"
+        " (torchtitan's default under pp>1)")
     dp_shard: Optional[int] = Field(None, gt=0, description="HSDP: shard within groups of this size, replicate across")
     offload: Literal["none", "optimizer", "optimizer+params"] = "none"
     mbs: int = Field(1, gt=0, description="micro-batch size (sequences)")
@@ -668,6 +672,8 @@ def _check(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: int, s
     for knob in ("zero3_gather_bucket", "zero3_persist_below", "zero3_reduce_bucket"):
         if getattr(p, knob) is not None and (p.zero != 3 or p.zero_impl != "deepspeed"):
             fail(f"{knob}={getattr(p, knob):g} is a DeepSpeed ZeRO-3 setting: it needs zero=3,zero_impl=deepspeed")
+    if not p.reshard_after_forward and (p.zero != 3 or p.zero3.name != "fsdp"):
+        fail("reshard_after_forward=0 is FSDP2's setting: it needs zero=3 with zero_impl=fsdp")
     if p.param_overlap and p.zero not in (1, 2):
         fail(f"param_overlap=1 needs zero=1 or 2, got zero={p.zero}")
     if p.grad_allreduce and p.zero != 1:

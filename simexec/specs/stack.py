@@ -88,7 +88,8 @@ class StackSpec(_Spec):
 
 TORCHTITAN_CHOICES = dict(zero=[0, 3], zero_impl=["fsdp"], cp_impl=["allgather"], recompute=["none", "op", "full"],
                           schedule=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v"], offload=["none"],
-                          tp_overlap=[False], moe_dispatcher=["alltoall"], moe_a2a_overlap=[False])
+                          tp_overlap=[False], moe_dispatcher=["alltoall"], moe_a2a_overlap=[False],
+                          reshard_after_forward=[True, False])
 
 # --- presets ------------------------------------------------------------------------------------
 STACKS: dict[str, StackSpec] = {

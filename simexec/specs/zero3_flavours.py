@@ -68,6 +68,11 @@ class Zero3Flavour:
     gather_copy_in: int = 0
     gather_copy_out: int = 0
     reduce_copy_in: int = 0
+    # --- under a pipeline schedule ---
+    # a stage's units, once gathered, stay gathered (no reshard after a backward) and their unsharded
+    # gradients accumulate over the step's micro-batches, reduce-scattered and resharded after the
+    # stage's last backward; False: every micro-batch's backward reshards and reduce-scatters
+    pipeline_defers_reduction: bool = False
 
     def gather_calls(self, tensors: Sequence[float]) -> list[float]:
         """Elements of each all-gather of a unit whose tensors (in forward order) are `tensors`."""
@@ -92,7 +97,14 @@ ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
     # foreach_all_gather_copy_out, foreach_reduce); the next unit's gather in flight while one is in
     # use (_fsdp_param_group.py: wait_for_unshard's all_gather_state; _fsdp_state.py's implicit
     # forward and backward prefetch), all at PYTORCH
-    Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1),
+    # Under torch.distributed.pipelining, an FSDPModule stage's every backward runs with
+    # set_reshard_after_backward(False) and set_requires_gradient_sync(False), the last one followed
+    # by the param groups' post_backward (reduce-scatter, reshard): torch 2.6's
+    # torch/distributed/pipelining/stage.py backward_maybe_with_nosync, recent torch's
+    # schedules.py REDUCE_GRAD action (stage.perform_reduce_grad) after the last backward; meanwhile
+    # FSDPParam.to_accumulated_grad_if_needed keeps the unsharded gradient in reduce_dtype
+    # (_fsdp_param_group.py post_backward).
+    Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1, pipeline_defers_reduction=True),
     # FSDP1 (FullyShardedDataParallel): one FlatParameter per wrapped unit, all-gathered from its
     # shard straight into the padded flat buffer the parameters are views of, and reduce-scattered
     # from the flat gradient, no copies (torch/distributed/fsdp/_flat_param.py: _all_gather_flat_param;

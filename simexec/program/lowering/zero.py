@@ -26,6 +26,14 @@ class Zero3Reduction(NamedTuple):
     suffix: str  # ".tied": the tied head's share of the embedding's gradient
 
 
+class HeldGather(NamedTuple):
+    """A unit's gathered parameters while they stay gathered: their buffers' tags (unit, tag), freed
+    together, and the gathers that filled them."""
+
+    buffers: tuple[tuple[int, str], ...]
+    names: list[str]
+
+
 class Zero3Lowering(RankEmitter):
     """ZeRO-3's gathers and reduce-scatters for `RankLowering`; owns the `z3_*` state. Its
     reductions join `grad_colls` (`GradientLowering`'s), which the step waits for."""
@@ -42,6 +50,11 @@ class Zero3Lowering(RankEmitter):
         self.z3_pending: list[Zero3Reduction] = []  # grad_overlap=0: reductions after the backward
         self.z3_shards: set[int] = set()  # lazy_grad_shards: units whose gradient shard exists this step
         self.z3_lazy_shard_bytes = 0.0  # ... and their bytes once all exist (freed after the optimizer step)
+        self.z3_held: dict[int, HeldGather] = {}  # units gathered now: a later pass finds them gathered
+        # under a pipeline (`Zero3Flavour.pipeline_defers_reduction`): units stay gathered and their
+        # unsharded gradients accumulate until the stage's last backward of the step
+        self.z3_defer = bool(self.zero3_sharded and self.p.pp > 1 and self.p.zero3.pipeline_defers_reduction)
+        self.z3_unsharded: dict[tuple[int, str], str] = {}  # (unit, suffix) -> its unsharded gradients' tag
 
     def z3_bytes(self, unit: int, dt: float, shard: bool = False) -> float:
         """A ZeRO-3 unit at `dt` bytes per element, as its gathers and reduce-scatters hold it: whole
@@ -104,10 +117,19 @@ class Zero3Lowering(RankEmitter):
 
     # --- parameter gathers ---------------------------------------------------------------------------
     def gather(self, unit: int, phase: str, mb: int, c: int, deps: tuple) -> None:
-        names = self.gather_unit(unit, f"{phase}.gather.L{unit}.m{mb}", phase, mb, c, deps)
+        """Gather the unit for a pass, unless it is still gathered from an earlier one (then its
+        compute, on the same stream as that pass's, has nothing to wait for)."""
+        if unit in self.z3_held:
+            self.z3_gathers[(unit, phase, mb)] = []
+            return
+        tag = f"{phase}.gather.L{unit}.m{mb}"
+        names = self.gather_unit(unit, tag, phase, mb, c, deps)
+        buffers = [(unit, tag)]
         if self.tied_head_gathers_embedding(unit):
-            names += self.gather_unit(-1, f"{phase}.gather.L{unit}.m{mb}.tied", phase, mb, c, deps)
+            names += self.gather_unit(-1, tag + ".tied", phase, mb, c, deps)
+            buffers.append((-1, tag + ".tied"))
         self.z3_gathers[(unit, phase, mb)] = names
+        self.z3_held[unit] = HeldGather(tuple(buffers), names)
 
     def gather_unit(self, unit: int, tag: str, phase: str, mb: int, c: int, deps: tuple) -> list[str]:
         dense, expert = self.unit_params(unit)
@@ -160,10 +182,20 @@ class Zero3Lowering(RankEmitter):
                          f"L{unit}.m{mb}")
         self.wait.extend(names)
 
+    def reshards_after(self, phase: str, mb: int) -> bool:
+        """Whether a unit's pass ends by freeing its gathered parameters: a forward unless the plan
+        keeps them for the backward (`reshard_after_forward=0`), a backward unless a pipeline keeps
+        them for the step's later micro-batches (all but the last)."""
+        if phase == "fwd":
+            return self.p.reshard_after_forward
+        return not self.z3_defer or mb == self.micro_batches - 1
+
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
-        if self.zero3_sharded and not self.p.zero3.preallocated_buffers:
-            tag = f"{phase}.gather.L{unit}.m{mb}"
-            for u, t in [(unit, tag)] + ([(-1, tag + ".tied")] if self.tied_head_gathers_embedding(unit) else []):
+        if not self.zero3_sharded or not self.reshards_after(phase, mb):
+            return
+        held = self.z3_held.pop(unit, None)
+        if held is not None and not self.p.zero3.preallocated_buffers:
+            for u, t in held.buffers:
                 self.memory("free", "buffers", self.z3_gathered_bytes(u, self.rp.param_gather_bytes), t)
 
     # --- gradient reduce-scatters --------------------------------------------------------------------
@@ -171,10 +203,15 @@ class Zero3Lowering(RankEmitter):
         """A unit's unsharded gradients of micro-batch mb are complete: reduce-scatter them now, or
         after the backward (grad_overlap=0)."""
         for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self.tied_head_gathers_embedding(unit) else []):
-            if not self.p.zero3.preallocated_buffers:
-                self.memory("alloc", "buffers", self.z3_bytes(u, self.grad_dt),
-                            f"bwd.grads.L{u}.m{mb}{suffix}.unsharded", deps=(after,))
-            if self.p.grad_overlap:
+            if not self.p.zero3.preallocated_buffers and (u, suffix) not in self.z3_unsharded:
+                tag = f"bwd.grads.L{u}.m{mb}{suffix}.unsharded"
+                self.memory("alloc", "buffers", self.z3_bytes(u, self.grad_dt), tag, deps=(after,))
+                self.z3_unsharded[(u, suffix)] = tag
+            if self.z3_defer and mb < self.micro_batches - 1:
+                continue  # accumulated into until the stage's last backward
+            if self.z3_defer:  # the last backward's post_backward: after the stage's whole backward
+                self.z3_pending.append(Zero3Reduction(u, mb, c, suffix))
+            elif self.p.grad_overlap:
                 self.z3_reduce(u, mb, c, after, suffix)
             else:
                 self.z3_pending.append(Zero3Reduction(u, mb, c, suffix))
@@ -214,8 +251,9 @@ class Zero3Lowering(RankEmitter):
             if n and self.p.zero3.preallocated_buffers:
                 self.z3_busy[(cls, unit % 2)] = n
         landed = tuple(n for n in dense_calls + [b] if n)
-        if not self.p.zero3.preallocated_buffers:
-            self.memory("free", "buffers", full, f"{tag}.unsharded", stream=f"comm.{zero_axis}", deps=landed)
+        unsharded = self.z3_unsharded.pop((unit, suffix), None)
+        if unsharded is not None:
+            self.memory("free", "buffers", full, unsharded, stream=f"comm.{zero_axis}", deps=landed)
         if not first:
             self.memory("free", "grads", shard, f"{tag}.out", stream=f"comm.{zero_axis}", deps=landed)
         if mb == self.micro_batches - 1 and self.groups.rep and a and not suffix:

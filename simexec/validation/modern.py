@@ -39,7 +39,7 @@ framework does beyond the columns, by stack:
 | stack | settings |
 | --- | --- |
 | megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
-| torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1 or cp > 1 (it shards over dp_shard x cp: parallel_dims.py `fsdp_enabled`), else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op") |
+| torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1 or cp > 1 (it shards over dp_shard x cp: parallel_dims.py `fsdp_enabled`), else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op"); `reshard_after_forward=0` when pp > 1 (its FSDP policy: `not pp_enabled`) |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
 Not modelled (in the notes of the rows that have them): CUDA graphs, async TP, activation offloading,
@@ -247,6 +247,10 @@ def row_plan(r: dict) -> str:
         if fields["recompute"] == "selective":  # torchtitan's llama3 configs: selective_ac_option = "op"
             fields["recompute"] = "op"
         fields["tp_async"] = "async TP" in r["notes"]  # enable_async_tensor_parallel, as the row says
+        # torchtitan shards with reshard_after_forward = not pp_enabled (torchtitan@9dec370
+        # parallelize_llama.py apply_fsdp; HEAD distributed/fsdp.py get_fsdp_reshard_after_forward_policy)
+        if fields["zero"] == 3 and pp > 1:
+            fields["reshard_after_forward"] = False
         if cp > 1:
             fields["cp_impl"] = "allgather"
     elif cp > 1:

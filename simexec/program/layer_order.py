@@ -91,7 +91,7 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
         steps.append(_tp("mlp_in", sp))
     if moe:
         dispatch, combine = DISPATCH_STEPS[dispatcher]
-        steps += [LayerStep("router", column=True), *(LayerStep(*s) for s in dispatch)]
+        steps += [LayerStep("router", column=tp_around_mlp), *(LayerStep(*s) for s in dispatch)]
         if etp > 1:
             steps.append(LayerStep("etp_in", "etp", "allgather", "reducescatter"))
         steps.append(LayerStep("experts"))

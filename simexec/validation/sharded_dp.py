@@ -26,7 +26,7 @@ Stack and plan (tp = pp = 1; dp derived = gpus; `zero` as the row, `zero_impl` o
 | fsdp1 (llmf) | `LLM_FOUNDRY_STACK`: torchtitan's eager element-wise traffic (Composer runs MPT's modules eagerly: LayerNorm, GELU, residual adds; no torch.compile in the benchmark yamls), FlashAttention (attn_impl flash/triton), cross_entropy `compiled` (llm-foundry's default loss_fn `fused_crossentropy`, flash_attn's Triton kernel: one fused forward, one fused backward, modeling_mpt.py) | zero_impl=`FSDP1_IMPL`; grad_fp32 where the row's FSDP mixed precision is DEFAULT (Composer's get_mixed_precision: reduce_dtype float32), not under PURE (reduce_dtype = the precision, bf16): mosaicml/composer composer/trainer/mosaic_fsdp_utils.py |
 | fsdp1 (yafsdp) | torchtitan (HF transformers' Llama run eagerly, its loss on an fp32 copy of the logits) | zero_impl=`FSDP1_IMPL`; bf16 reduction (YaFSDP's examples run through accelerate with mixed_precision bf16, whose FSDP plugin reduces in bf16: huggingface/accelerate utils/dataclasses.py set_mixed_precision) |
 | yafsdp | torchtitan, as its FSDP baseline | zero_impl=yafsdp; bf16 reduction (the same rule) |
-| fsdp2, fsdp2-compile | torchtitan, torchtitan-compile (eager loss for tt-2412, modern.EAGER_LOSS_SOURCES) | grad_fp32 (torchtitan's mixed_precision_reduce float32) |
+| fsdp2, fsdp2-compile | torchtitan, torchtitan-compile (eager loss for tt-2412, modern.EAGER_LOSS_SOURCES) | zero_impl=fsdp (FSDP2); grad_fp32 (torchtitan's mixed_precision_reduce float32) |
 
 dtype as the row (fp16 for meg-sc21: simexec runs fp16 at the bf16 peak). recompute: modern.recompute_fields
 (`full:block N layers` -> full, N layers); `selective:op` -> `op`; `selective:layer` -> full on every second
@@ -173,7 +173,8 @@ def row_plan(r: dict) -> str:
     else:
         fields.update(recompute_fields(recompute))
     if zero == 3:
-        fields["zero_impl"] = {"deepspeed-zero3": "deepspeed", "yafsdp": "yafsdp"}.get(r["stack"], FSDP1_IMPL)
+        fields["zero_impl"] = {"deepspeed-zero3": "deepspeed", "yafsdp": "yafsdp", "fsdp1": FSDP1_IMPL}.get(
+            r["stack"], "fsdp")  # fsdp2, fsdp2-compile: FSDP2
     return Plan(**fields).to_string()
 
 

@@ -145,7 +145,7 @@ def test_executor_refuses_folding_over_tp_in_one_line():
 def test_search_enumerates_folded_layouts():
     from simexec.search.space import _expert_layouts
 
-    assert all(e is None for _, e in _expert_layouts(MOE, {}, 2, 1, 2, True))  # folding is opt-in
+    assert (4, 1) in _expert_layouts(MOE, {}, 2, 1, 2, True)  # folded layouts are searched by default
     from simexec.search.space import AnyOf
 
     pairs = _expert_layouts(MOE, {"etp": AnyOf((None, 1, 2))}, 2, 1, 2, True)

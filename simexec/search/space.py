@@ -32,7 +32,7 @@ tp_overlap         tp > 1 and a schedule that does not split the backward: off (
                    under its weight-gradient GEMM)
 dp                 what is left: world / (tp*cp*pp)
 ep, etp            MoE only: ep powers of two dividing the experts and dp, experts split over tp
-                   (etp unset); and, where `fix` names etp, parallel folding, etp 1 or tp (tp > 1 with sp only, as Megatron-
+                   (etp unset); and parallel folding, etp 1 or tp (tp > 1 with sp only, as Megatron-
                    Core's MoE layer), ep dividing the experts with etp*ep dividing tp*cp*dp, where
                    the groups differ from the unfolded plan's
 moe_dispatcher     MoE with ep > 1: alltoall, allgather, and deepep where the ep group leaves its
@@ -366,11 +366,9 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
 def _expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool) -> list[tuple]:
     """(ep, etp) pairs: ep out of dp with experts split over tp (etp None), then parallel folding
     (`Plan.etp`: 1 or tp, ep out of tp*cp*dp) where its groups differ from those (etp = tp over cp = 1
-    with ep dividing dp is the unfolded plan again) and Megatron-Core runs it (tp > 1 needs sp).
-    Folded layouts are searched where `fix` names etp (`--fix "etp=1|2"`): the bounds of a folded plan
-    with etp > 1 over cp > 1 can still exceed its simulation (mixtral-8x7b, tp=4, cp=2, ep=4, etp=4, zero=3)."""
+    with ep dividing dp is the unfolded plan again) and Megatron-Core runs it (tp > 1 needs sp)."""
     out = [] if _pinned(fix, "etp") else [(ep, None) for ep in _choices(fix, "ep", _eps(model, dp))]
-    if model.moe is None or (tp > 1 and not sp) or "etp" not in fix:
+    if model.moe is None or (tp > 1 and not sp):
         return out
     stage = tp * cp * dp
     etps = [e for e in _choices(fix, "etp", sorted({1, tp})) if e is not None]

@@ -235,9 +235,9 @@ def test_hf_gpt_oss_alternates_windows_and_carries_biases_and_sinks():
     assert (m.sliding_window, m.full_attention_every, m.attention_sinks, m.bias) == (128, 2, True, True)
     assert [m.attention_window(i) for i in range(4)] == [128, None, 128, None]
     assert (m.moe.experts, m.moe.top_k, m.moe.expert_ffn, m.moe.first_dense_layers) == (128, 4, 2880, 0)
-    # q, k, v and o biases, a sink per head, biases on each expert's gate/up and down and on the router
+    # q, k, v and o biases, a sink per head, biases on each expert's gate/up and down (not the router's)
     assert m.attention_params() - m.attention_matmul_params() == (64 + 16) * 64 + 2880 + 64
-    assert m.router_params() == 2881 * 128 and m.expert_params() == 3 * 2880 * 2880 + 3 * 2880
+    assert m.router_params() == 2880 * 128 and m.expert_params() == 3 * 2880 * 2880 + 3 * 2880
 
 
 def test_hf_sliding_window():

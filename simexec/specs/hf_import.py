@@ -133,7 +133,8 @@ def _hf_mixtral(cfg: dict, origin: str) -> dict[str, Any]:
 def _hf_gpt_oss(cfg: dict, origin: str) -> dict[str, Any]:
     """gpt-oss (transformers models/gpt_oss/modeling_gpt_oss.py): every layer a MoE of `num_local_experts`
     SwiGLU experts of width `intermediate_size`, `num_experts_per_tok` per token; biases on q, k, v, o, on
-    every expert matrix and on the router; a learned sink logit per head; `layer_types` alternating a
+    every expert matrix (the router's bias, one per expert, is left out as for every MoE); a learned sink
+    logit per head; `layer_types` alternating a
     sliding window of `sliding_window` with full attention. The clamped SwiGLU (`swiglu_limit`) and YaRN
     rotary scaling change neither parameters nor FLOPs."""
     f = _hf_llama_like(cfg, origin)

@@ -315,10 +315,9 @@ class ModelSpec(BaseModel):
         return self._ffn(self._shared_ffn())
 
     def router_params(self) -> int:
-        """The gate: hidden x experts, with a bias per expert where linear layers have biases (gpt-oss);
-        none in Mixtral and DeepSeek (DeepSeek-V3's 256-entry load-balancing bias and Qwen2-MoE's 1-wide
-        shared-expert gate are left out)."""
-        return (self.hidden + (1 if self.bias else 0)) * self.moe.experts if self.moe else 0
+        """The gate: hidden x experts, no bias (Mixtral, DeepSeek; gpt-oss's per-expert bias, DeepSeek-V3's
+        256-entry load-balancing bias and Qwen2-MoE's 1-wide shared-expert gate are left out)."""
+        return self.hidden * self.moe.experts if self.moe else 0
 
     def _moe_mlp(self, routed: int) -> int:
         """Router + `routed` routed experts + the shared experts."""

@@ -81,8 +81,10 @@ class Zero3Lowering(RankEmitter):
 
     def z3_copy(self, phase: str, block: str, unit: int, mb: int, c: int, nbytes: float, passes: int,
                 deps: tuple, tag: str) -> tuple:
-        """A flavour's device copy around a collective, on the compute stream; `deps` then, or the copy."""
-        if passes <= 0 or nbytes <= 0:
+        """A flavour's device copy around a collective, on the compute stream; `deps` then, or the copy.
+        None on CPU ranks: simexec's executor gathers into its flat buffers itself, and the host model
+        prices its operators."""
+        if passes <= 0 or nbytes <= 0 or self.an.eager_kernels:
             return deps
         b = copy_block(nbytes, passes)
         name = self.emit(Instr(self.rank, f"{phase}.{block}.{tag}", "compute", "compute", b.op, phase=phase,

@@ -45,7 +45,9 @@ def test_gb200_moe_row_maps_to_trays_and_a_built_model(rows):
     m = modern.map_row(r)
     # 94 layers on 8 x 3 virtual stages: the embedding and the loss count as a layer each
     assert m.plan == "pp=8,vpp=3,ep=32,zero=1,gbs=8192,grad_fp32=1,param_overlap=1,stages=3," + "4," * 22 + "3"
-    assert m.cluster.nodes == 64 and m.cluster.world_size == 256 and m.cluster.node.nvlink_domain_gpus == 72
+    # 256 GPUs: Slurm's --segment 16 puts 16 trays (64 GPUs) in each NVLink domain; 8 GPUs: one rack
+    assert m.cluster.nodes == 64 and m.cluster.world_size == 256 and m.cluster.node.nvlink_domain_gpus == 64
+    assert modern.map_row(rows["mb2511-gb200-qwen3-30b-mxfp8-8"]).cluster.node.nvlink_domain_gpus == 72
     assert m.model.head_dim == 128 and m.model.qk_norm and m.model.moe.experts == 128 and m.model.moe.top_k == 8
     assert m.model.moe.expert_ffn == 1536 and m.model.moe.capacity_factor is None and not m.model.tied_embeddings
 

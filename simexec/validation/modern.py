@@ -334,13 +334,19 @@ def predict_row(r: dict) -> dict:
            "value": float(r["value"]), "published_peak_gib": float(r["peak_mem_gib"]) if r["peak_mem_gib"] else None,
            "families": families(r), "status": "ok", "reason": "",
            "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None}
+    return compared_row(out, lambda: measured_step_s(r), lambda: map_row(r))
+
+
+def compared_row(out: dict, measured: Callable[[], float], mapping: Callable[[], Mapped]) -> dict:
+    """`out` with the measured step (`measured()`; a NotComparable one leaves it unsimulated) and, unless
+    simexec refuses the mapping, the simulated one and the error."""
     try:
-        out["measured_s"] = measured_step_s(r)
+        out["measured_s"] = measured()
     except NotComparable as exc:
         out.update(status="not comparable", reason=str(exc))
         return out
     t0 = time.perf_counter()
-    res = simulate_row(r, out)
+    res = simulate_mapped(mapping, out)
     if res is None:
         return out
     return record_result(out, res, t0)

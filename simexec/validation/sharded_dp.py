@@ -44,7 +44,6 @@ series the step time falls or rises with the batch per GPU whatever the model, s
 from __future__ import annotations
 
 import re
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable, Optional
@@ -55,9 +54,9 @@ from simexec.specs.model import ModelSpec
 from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import Plan
 from simexec.specs.stack import StackSpec, get_stack
-from simexec.validation.modern import (EAGER_LOSS_SOURCES, GRAND_TETON_H100, Mapped, NotComparable, line,
-                                       measured_step_s as modern_measured_step_s, recompute_fields, record_result,
-                                       row_model as modern_row_model, simulate_mapped)
+from simexec.validation.modern import (EAGER_LOSS_SOURCES, GRAND_TETON_H100, Mapped, NotComparable, compared_row,
+                                       line, measured_step_s as modern_measured_step_s, recompute_fields,
+                                       row_model as modern_row_model)
 from simexec.validation.published import DATA, eq3_flops, megatron_spec, read_published_csv
 from simexec.validation.table_script import predicted_rows
 
@@ -227,16 +226,7 @@ def predict_row(r: dict) -> dict:
            "value": float(r["value"]), "published_peak_gib": None, "families": [FAMILY], "status": "ok",
            "reason": "", "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None,
            "series": r["series"], "gbs": int(r["gbs"])}
-    try:
-        out["measured_s"] = measured_step_s(r)
-    except NotComparable as exc:
-        out.update(status="not comparable", reason=str(exc))
-        return out
-    t0 = time.perf_counter()
-    res = simulate_mapped(lambda: map_row(r), out)
-    if res is None:
-        return out
-    return record_result(out, res, t0)
+    return compared_row(out, lambda: measured_step_s(r), lambda: map_row(r))
 
 
 def read_rows(path: Path = CSV) -> list[dict]:

@@ -6,7 +6,8 @@ from collections import Counter
 import pytest
 
 from simexec.errors import PlanError
-from simexec.program.blocks import Anatomy, destination_domains
+from simexec.program.blocks import Anatomy
+from simexec.program.layer_order import destination_domains
 from simexec.program.groups import domain_split
 from simexec.program.layer_order import layer_steps
 from simexec.program.lower import lower

@@ -25,7 +25,7 @@ from functools import cached_property
 from typing import Optional
 
 from simexec.program.block import Block
-from simexec.program.layer_order import LayerStep, layer_steps
+from simexec.program.layer_order import LayerStep, destination_domains, layer_steps
 from simexec.program.stack_kernels import CrossEntropyCost, FrameworkKernels, cross_entropy_cost
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
@@ -694,15 +694,3 @@ class Anatomy(FrameworkKernels):
             own += m.embedding_params() / self.tp
         return own
 
-
-def destination_domains(experts: int, top_k: int, domains: int) -> float:
-    """The NVLink domains a token's top_k distinct experts, drawn uniformly from `experts` spread evenly
-    over `domains`, fall in on average: domains x (1 - P(a domain holds none of them)), with
-    P = C(experts - experts/domains, top_k) / C(experts, top_k)."""
-    if domains <= 1:
-        return 1.0
-    miss = 1.0
-    per = experts / domains
-    for i in range(top_k):
-        miss *= max(0.0, experts - per - i) / (experts - i)
-    return domains * (1.0 - miss)

@@ -103,3 +103,16 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
     if tp_around_mlp:
         steps.append(_tp("mlp_out", sp))
     return tuple(steps)
+
+
+def destination_domains(experts: int, top_k: int, domains: int) -> float:
+    """The NVLink domains a token's top_k distinct experts, drawn uniformly from `experts` spread evenly
+    over `domains`, fall in on average: domains x (1 - P(a domain holds none of them)), with
+    P = C(experts - experts/domains, top_k) / C(experts, top_k)."""
+    if domains <= 1:
+        return 1.0
+    miss = 1.0
+    per = experts / domains
+    for i in range(top_k):
+        miss *= max(0.0, experts - per - i) / (experts - i)
+    return domains * (1.0 - miss)

@@ -87,7 +87,8 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
 from simexec.specs.stack import StackSpec
-from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, heads_unsplit, resolve
+from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, resolve
+from simexec.specs.plan_rules import heads_unsplit
 from simexec.program.schedules import SCHEDULES, default_schedule, schedule
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS
 

@@ -126,10 +126,14 @@ def main(argv: Optional[list[str]] = None) -> int:
                     help=f"comma-separated, of {', '.join(VERBS)} (default allreduce,allgather,reducescatter)")
     ap.add_argument("--sizes", type=parse_list("size", parse_size), default=[1 << 20, 16 << 20, 256 << 20, 1 << 30],
                     help="bytes per collective, nccl-tests' size (default 1M,16M,256M,1G)")
+    ap.add_argument("--sharp", action="store_true",
+                    help="SHARP in the InfiniBand switches with NCCL's CollNet enabled (network.sharp)")
     ap.add_argument("--json", action="store_true", help="a JSON list on stdout instead of a table")
     args = ap.parse_args(argv)
     try:
         cluster = get_cluster(args.cluster)
+        if args.sharp:
+            cluster = cluster.model_copy(update={"network": cluster.network.model_copy(update={"sharp": True})})
         table = rows(cluster, args.ranks, args.verbs, args.sizes)
     except SpecError as e:
         sys.stderr.write(f"collectives.py: error: {e}\n")

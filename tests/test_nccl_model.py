@@ -92,3 +92,53 @@ def test_alpha_beta_cluster_keeps_its_candidates():
     """Off NCCL (RCCL on MI300X, gloo) the plain alpha-beta candidates stay."""
     t, algo = timed("mi300x-8", "allreduce", 8, 1 << 30)
     assert algo == "ring"
+
+
+def _sharp(cluster_name, n):
+    c = get_cluster(cluster_name)
+    c = c.model_copy(update={"nodes": max(c.nodes, -(-n // c.node.gpus_per_node)),
+                             "network": c.network.model_copy(update={"sharp": True})})
+    return c
+
+
+def test_collnet_only_with_sharp_and_only_for_allreduce():
+    """CollNet and multi-node NVLS are NCCL_COLLNET_ENABLE's algorithms: absent by default, all-reduce only."""
+    plain = {o.algorithm for o in nccl_tuning.options("allreduce", 128, 16, "ampere", "amd", False, 1 << 30)}
+    assert not any(a.startswith("collnet") for a in plain)
+    sharp = {o.algorithm for o in nccl_tuning.options("allreduce", 128, 16, "ampere", "amd", False, 1 << 30,
+                                                       collnet=True, nics=8)}
+    assert {"collnet_direct", "collnet_chain"} <= sharp
+    gathers = {o.algorithm for o in nccl_tuning.options("allgather", 128, 16, "hopper", "intel", True, 1 << 30,
+                                                         collnet=True, nics=8)}
+    assert not any(a.startswith("collnet") for a in gathers) and "nvls" not in gathers
+    hopper = nccl_tuning.options("allreduce", 128, 16, "hopper", "intel", True, 1 << 30, collnet=True, nics=8)
+    assert "nvls" in {o.algorithm for o in hopper}
+
+
+def test_collnet_direct_pays_for_gpus_sharing_a_nic():
+    one = nccl_tuning.collnet_direct_efficiency("ampere", 8, 8)
+    shared = nccl_tuning.collnet_direct_efficiency("ampere", 8, 4)
+    assert one == 1.0 and shared == pytest.approx(1 / 1.5)
+    assert nccl_tuning.collnet_direct_efficiency("hopper", 8, 8) == pytest.approx(0.85)
+
+
+@pytest.mark.parametrize("cluster", ["dgx-a100-80g", "dgx-h100"])
+def test_sharp_halves_the_network_bytes_of_a_large_allreduce(cluster):
+    """A ring all-reduce sends 2(n-1)/n S through each node's NICs; with the switches reducing, S: a
+    large all-reduce across nodes gets faster, and a small one's latency stops growing with the nodes."""
+    n, big = 128, 1 << 30
+    group = tuple(range(n))
+    plain_c = get_cluster(cluster).model_copy(update={"nodes": n // 8})
+    plain = Network(plain_c, group, {})
+    sharp = Network(_sharp(cluster, n), group, {})
+    t_plain = plain.estimate(plain.collective("allreduce", group, float(big)))
+    t_sharp = sharp.estimate(sharp.collective("allreduce", group, float(big)))
+    assert t_sharp < 0.9 * t_plain
+    assert sharp.algorithm("allreduce", group, float(big)).split("/")[0] in ("collnet_direct", "collnet_chain", "nvls")
+    g8 = tuple(range(1024))
+    wide = Network(_sharp(cluster, 1024), g8, {})
+    small = {m: wide.estimate(wide.collective("allreduce", g, 65536.0)) for m, g in ((128, group), (1024, g8))}
+    assert small[1024] < 1.2 * small[128]
+    # all-gather does not change
+    ag = [net.estimate(net.collective("allgather", group, float(big))) for net in (plain, sharp)]
+    assert ag[0] == pytest.approx(ag[1])

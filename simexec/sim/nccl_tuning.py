@@ -34,10 +34,17 @@ BASE_LATENCY_US = {
 # ncclTunerConstantsDefaults.hwLatencies, us per hop, per (LL, LL128, Simple): NVLink and network rows.
 HW_LATENCY_US = {
     "nvlink": {"tree": (0.6, 1.25, 4.0), "ring": (0.6, 1.9, 3.4), "nvls": (0.0, 0.0, 25.0),
-               "nvls_tree": (0.0, 0.0, 25.0), "pat": (0.0, 0.0, 4.0)},
+               "nvls_tree": (0.0, 0.0, 25.0), "pat": (0.0, 0.0, 4.0),
+               "collnet_direct": (0.0, 0.0, 3.7), "collnet_chain": (0.0, 0.0, 2.8)},
     "net": {"tree": (5.0, 8.5, 14.0), "ring": (2.7, 4.0, 14.0), "nvls": (0.0, 0.0, 18.0),
-            "nvls_tree": (0.0, 0.0, 20.9), "pat": (0.0, 0.0, 14.0)},
+            "nvls_tree": (0.0, 0.0, 20.9), "pat": (0.0, 0.0, 14.0),
+            "collnet_direct": (0.0, 0.0, 31.0), "collnet_chain": (0.0, 0.0, 30.0)},
 }
+# CollNet (SHARP in the InfiniBand switches): Simple only, base latency 0. CollNet Direct adds "0.4 us
+# arity serialization latency" per local rank, is slowed where GPUs outnumber NICs (its bus bandwidth
+# divided by f - (f - 1) / 2, f = GPUs per NIC channel) and by 0.85 from compute capability 9.0.
+COLLNET_ARITY_US = 0.4
+COLLNET_DIRECT_SM90_FACTOR = 0.85
 # llMaxBws, GB/s: a cap on LL's bus bandwidth. One node: by GPU generation; several: by host CPU
 # (row 0 Intel, row 1 AMD). Columns: 1 node, 2 nodes, more.
 _LL_MAX_BW_BY_ARCH = {"ampere": (87.7, 22.5, 19.0), "hopper": (141.0, 45.0, 35.0),
@@ -114,11 +121,23 @@ def nvls_efficiency(arch: Arch, nodes: int) -> float:
     return eff * (ch - 1) / ch
 
 
+def collnet_direct_efficiency(arch: Arch, ppn: float, nics: int) -> float:
+    """CollNet Direct's share of its bus bandwidth: 1 / (f - (f - 1) / 2) with f GPUs per NIC (NCCL's
+    GPU/NIC ratio of ranks per channel, one channel per NIC here), times 0.85 on Hopper and later."""
+    f = ppn / max(1, nics)
+    f -= (f - 1) / 2
+    eff = 1.0 / max(1.0, f)
+    return eff * (COLLNET_DIRECT_SM90_FACTOR if arch != "ampere" else 1.0)
+
+
 def options(verb: str, ranks: int, nodes: int, arch: Arch, cpu: CpuVendor, nvls: bool,
-            nbytes: float) -> list[Option]:
+            nbytes: float, collnet: bool = False, nics: int = 0) -> list[Option]:
     """The (algorithm, protocol) pairs NCCL considers for `verb` over `ranks` GPUs on `nodes` NVLink
     domains, with NCCL's latency for each; NVLink inside a domain, NICs between (LL128 enabled, as
-    NCCL does on NVLink with NICs under the GPUs' PCIe switch). CollNet (SHARP in the network) is off.
+    NCCL does on NVLink with NICs under the GPUs' PCIe switch). `collnet`: SHARP in the network with
+    NCCL_COLLNET_ENABLE (CollNet Direct and Chain, NVLS across nodes) for all-reduce; CollNet's
+    all-gather and reduce-scatter need a plugin with `iallgather` / `ireducescatter` and one NIC per
+    GPU, which is not assumed. `nics`: NICs per domain (CollNet Direct's GPU/NIC ratio).
     """
     ppn = ranks / nodes
     if verb == "allreduce":
@@ -169,6 +188,16 @@ def options(verb: str, ranks: int, nodes: int, arch: Arch, cpu: CpuVendor, nvls:
         if proto != "Simple":
             continue
         nv_eff = nvls_efficiency(arch, nodes) if nvls else 0.0
+        if collnet and nodes > 1 and verb == "allreduce":
+            local = ppn - 1
+            lat = 2 * (min(1.0, local) * intra_hw["collnet_direct"][p] + local * COLLNET_ARITY_US)
+            out.append(Option("collnet_direct", proto, (lat + inter_lat("collnet_direct", p)) * US,
+                              collnet_direct_efficiency(arch, ppn, nics)))
+            lat = 2 * local * intra_hw["collnet_chain"][p] + inter_lat("collnet_chain", p)
+            out.append(Option("collnet_chain", proto, lat * US, 1.0))
+            if nv_eff > 0 and ppn > 1:  # NVLS inside each domain, SHARP between them
+                lat = intra_hw["nvls"][p] + inter_lat("nvls", p)
+                out.append(Option("nvls", proto, lat * US, nv_eff))
         if nv_eff > 0 and ppn > 1:
             if nodes == 1 and verb in ("allreduce", "allgather", "reducescatter"):
                 out.append(Option("nvls", proto, intra_hw["nvls"][p] * US, nv_eff))

@@ -238,6 +238,8 @@ class Network:
         self.call_latency = c.collective_latency_s
         self.nccl_arch = cluster.device.nccl_arch
         self.nvls = node.nvls
+        self.collnet = net.sharp and self.peer_bw == 0  # CollNet Direct needs an NVSwitch fabric
+        self.domain_nics = net.nics_per_node * (self.domain // self.gpn)
         self.cpu_vendor = node.cpu_vendor
         self.cpu_rate = node.cpu_optimizer_params_per_s
         self.present = set(present)
@@ -397,9 +399,20 @@ class Network:
         byte) and NCCL's latency in place of per-hop alphas."""
         n, N, k = g.n, g.domains, g.k
         out = []
-        for opt in nccl_tuning.options(verb, n, N, self.nccl_arch, self.cpu_vendor, self.nvls, S):
+        for opt in nccl_tuning.options(verb, n, N, self.nccl_arch, self.cpu_vendor, self.nvls, S,
+                                       collnet=self.collnet, nics=self.domain_nics):
             a = opt.algorithm
-            if a in ("ring", "pat"):
+            if a.startswith("collnet") or (a == "nvls" and N > 1):
+                # The switches reduce: each domain sends its reduced S once and gets the result once,
+                # spread over its NICs (a ring's all-reduce moves 2(n-1)/n S each way). Inside the
+                # domain a reduce-scatter and an all-gather over NVLink (CollNet), or NVLS (S each way).
+                if a == "nvls":  # NVLS's efficiency is its NVLink share's (as for nvls_tree)
+                    links = self._nvl(g.present, 1.0 / opt.efficiency) + self._nic(g, 1.0)
+                    phase = (S, tuple(links), k * self.rail_bw, opt.latency_s)
+                else:
+                    links = (self._nvl(g.present, 2 * (k - 1) / k) if k > 1 else []) + self._nic(g, 1.0)
+                    phase = self._scaled((S, tuple(links), k * self.rail_bw, 0.0), opt)
+            elif a in ("ring", "pat"):
                 amount = {"allreduce": 2 * (n - 1) / n * S, "broadcast": S}.get(verb, (n - 1) / n * S)
                 phase = self._scaled(self._ring(g, amount, 0), opt)
             elif a == "tree":

@@ -92,6 +92,10 @@ class NetworkSpec(_Spec):
     topology: Literal["fat-tree", "rail-optimized"] = "fat-tree"
     pod_nodes: int = Field(0, ge=0, description="nodes under full bisection; 0 = the whole cluster")
     oversubscription: float = Field(1.0, ge=1.0, description="bandwidth divisor for traffic leaving a pod")
+    sharp: bool = Field(
+        False, description="the InfiniBand switches reduce in the network (SHARP, e.g. Quantum-2 SHARPv3) and NCCL "
+        "runs with its SHARP plugin and NCCL_COLLNET_ENABLE=1: all-reduce may take NCCL's CollNet algorithms, "
+        "and NVLS across nodes where the node has NVLink SHARP")
 
 
 class CostParams(_Spec):

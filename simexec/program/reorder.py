@@ -7,7 +7,9 @@ arXiv:2310.19295, reorders the operators before planning their memory). Two such
   until a bubble, and hold their block's saved inputs and output gradient until then: moved back to
   right after their input-gradient pass (and the sends or collectives it issues), they free them early;
 - ZeRO-3's parameter gathers are issued one unit ahead (prefetch): moved forward to just before the
-  first instruction that waits for them, one gathered unit is live at a time instead of two.
+  first instruction that waits for them, one gathered unit is live at a time instead of two. A gather
+  runs on its own stream, so it (and its allocation) also gains a dependency on the compute instruction
+  it now follows.
 
 Both trade overlap for memory; the simulator prices both orders. What stays exact:
 
@@ -24,7 +26,7 @@ move with it. A rank whose peak the moves would not lower keeps its order. Pure 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from simexec.program.instructions import Instr, Program
 
@@ -166,6 +168,13 @@ def _gathers_late(order: list[Instr]) -> tuple[list[Instr], int]:
                 break
             j += 1
         if any(order[x].name not in members for x in range(k + 1, j)):
+            # the gather's stream runs on its own: it waits for the compute it now follows
+            after = next((order[x].name for x in range(j - 1, k, -1)
+                          if order[x].kind == "compute" and order[x].name not in members), None)
+            if after is not None:
+                for x in idx:
+                    if order[x].kind != "memory" or order[x].op == "alloc":
+                        order[x] = replace(order[x], deps=tuple(dict.fromkeys(order[x].deps + (after,))))
             order = _move(order, idx, j)
             moved += 1
     return order, moved

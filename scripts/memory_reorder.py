@@ -2,6 +2,7 @@
 
     python scripts/memory_reorder.py                 # the plans below, a table on stdout
     python scripts/memory_reorder.py --steps 3 --plan pp=2,schedule=zb-h1,gbs=8,mbs=1
+    python scripts/memory_reorder.py --markdown docs/memory.md   # rewrite the generated block
 
 For each plan: the simulator's peak (live tensors, the `local` cluster's CPU ranks) and step time in the
 original and the reordered order, the executor's measured peak (the live-memory tracker of the first step,
@@ -48,17 +49,24 @@ def main() -> int:
     ap.add_argument("--plan", action="append", help="plans to run (default: a zero-bubble, ZeRO-3 and 1F1B set)")
     ap.add_argument("--model", action="append", choices=sorted(MODELS), help="default: both")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--markdown", help="also rewrite this page's memory-reorder block with the table")
     args = ap.parse_args()
-    print("| model | plan | moves | predicted peak MiB | measured peak MiB | predicted step ms | measured step ms "
-          "| loss diff |")
-    print("|---|---|---|---|---|---|---|---|")
+    lines = ["| model | plan | moves | predicted peak MiB | measured peak MiB | predicted step ms | measured step ms "
+             "| loss diff |", "|---|---|---|---|---|---|---|---|"]
+    print("\n".join(lines))
     for m in args.model or sorted(MODELS):
         for plan in args.plan or PLANS:
             r = row(m, plan, args.steps)
             pair = lambda v, s=MiB, f=".3f": f"{v[0] / s:{f}} -> {v[1] / s:{f}}"  # noqa: E731
-            print(f"| {m} | {plan} | {r['moved']} | {pair(r['predicted'])} | {pair(r['measured'])} | "
-                  f"{pair(r['predicted_step'], 1e-3, '.1f')} | {pair(r['measured_step'], 1e-3, '.1f')} | "
-                  f"{r['loss_diff']:.1g} |", flush=True)
+            lines.append(f"| {m} | {plan} | {r['moved']} | {pair(r['predicted'])} | {pair(r['measured'])} | "
+                         f"{pair(r['predicted_step'], 1e-3, '.1f')} | {pair(r['measured_step'], 1e-3, '.1f')} | "
+                         f"{r['loss_diff']:.1g} |")
+            print(lines[-1], flush=True)
+    if args.markdown:
+        from simexec.validation.markdown import replace_block
+
+        begin, end = "<!-- memory-reorder:begin -->", "<!-- memory-reorder:end -->"
+        replace_block(Path(args.markdown), "\n".join([begin, *lines, end]), begin, end)
     return 0
 
 

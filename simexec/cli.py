@@ -147,6 +147,9 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--profile", dest="profile_dir", default=None, help="write a torch.profiler trace per rank here")
         p.add_argument("--in-process", action="store_true",
                        help="a one-rank plan in this process, without Ray (a GPU machine without it, a debugger)")
+        p.add_argument("--memory-plan", action="store_true",
+                       help="also run the program reordered to lower the peak (weight passes early, ZeRO-3 gathers "
+                            "late) and report both orders' measured peaks, losses and step times")
         p.set_defaults(func=cmd_execute)
     if importlib.util.find_spec("simexec.calibrate.profiles") is not None:
         p = _sub(subs, "calibrate", "fit the cluster's cost parameters to this machine (micro-benchmarks) or to traces")
@@ -332,11 +335,35 @@ def cmd_execute(args) -> int:
                                     seed=args.seed, device="cuda" if args.backend == "nccl" else "cpu",
                                     trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
     else:
+        if args.memory_plan and args.in_process:
+            raise ExecError("--memory-plan runs both orders on Ray actors: drop --in-process")
+        original = None
+        if args.memory_plan:
+            original = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
+                               ray_address=args.ray_address, backend=args.backend, seed=args.seed,
+                               timeout_s=args.timeout)
         result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
                          ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
-                         trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+                         trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir,
+                         memory_plan=args.memory_plan)
+        if original is not None:
+            print(result.format())
+            print(_memory_plan_lines(original, result))
+            return 0
     print(result.format())
     return 0
+
+
+def _memory_plan_lines(original, reordered) -> str:
+    """The two orders' measured peaks per rank, step times and the largest loss difference."""
+    mib = 2**20
+    peaks = ", ".join(f"r{r} {original.peak_memory_bytes_per_rank[r] / mib:.2f} -> {b / mib:.2f}"
+                      for r, b in reordered.peak_memory_bytes_per_rank.items())
+    diff = max((abs(a - b) for a, b in zip(original.losses, reordered.losses)), default=0.0)
+    st = "n/a" if original.step_time_s is None or reordered.step_time_s is None else (
+        f"{original.step_time_s * 1e3:.1f} -> {reordered.step_time_s * 1e3:.1f} ms")
+    return (f"memory plan   measured peak (original -> reordered) {peaks} MiB\n"
+            f"              step time {st}; largest loss difference {diff:.2g}")
 
 
 def cmd_calibrate(args) -> int:

@@ -75,7 +75,8 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
             trace_path: Optional[Union[str, os.PathLike]] = None, json_path: Optional[Union[str, os.PathLike]] = None,
             profile_dir: Optional[Union[str, os.PathLike]] = None, trace: bool = True, fault=None,
             runner: Optional[Union[str, Callable]] = None, return_params: bool = False,
-            on_start: Optional[Callable[[list[dict]], None]] = None, pool=None) -> ExecResult:
+            on_start: Optional[Callable[[list[dict]], None]] = None, pool=None,
+            memory_plan: bool = False) -> ExecResult:
     """Run `steps` training steps of `plan` on real ranks and measure them.
 
     model / cluster / plan: specs or their names (`gpt-tiny`, `local`, `dp=2,tp=2`).
@@ -87,6 +88,8 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     on_start: called with every rank's {rank, pid, node_id, ip, host} once all are set up.
     pool: rank actors kept alive across runs (`simexec.calibrate.runs.RankPool`): its `launch`
     replaces `Launch`, so several plans run without starting actors each time.
+    memory_plan: run the program in the order that lowers each rank's peak
+    (`simexec.program.reorder`): the same instructions and maths, the memory saving measured.
     """
     from simexec.exec.runtime.launcher import Launch, RankFailure, start_ray, stop_ray
     from simexec.exec.measure.tracer import FAULT_ENV, Fault
@@ -105,6 +108,10 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
         raise ExecError(f"steps must be at least 1, got {steps}")
     rp = resolve(*_specs(model, cluster, plan), seq_len)
     program = lower(rp, symmetric=False)
+    if memory_plan:
+        from simexec.program.reorder import reorder_program
+
+        program = reorder_program(program).program
     if runner is None:
         from simexec.exec.rank.unsupported_plans import unsupported
 

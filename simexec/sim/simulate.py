@@ -62,13 +62,15 @@ class SimResult:
     # the step over seeds of GPU-to-GPU variation, and the days to train a number of tokens
     stragglers: Optional[object] = None
     variation: Optional[object] = None
+    # with `memory_plan`: the program reordered to lower the peak, simulated (`simexec.sim.reordered`)
+    reordered: Optional[object] = None
     time_to_train: Optional[object] = None
     trace: Optional[Trace] = field(default=None, repr=False)
 
     def to_json(self) -> dict:
         """Everything but the trace, JSON-ready (rank keys as strings)."""
         out = {k: v for k, v in self.__dict__.items() if k != "trace"}
-        for k in ("stragglers", "variation", "time_to_train"):
+        for k in ("stragglers", "variation", "time_to_train", "reordered"):
             if out[k] is None:
                 del out[k]
             else:
@@ -96,6 +98,8 @@ class SimResult:
             lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
         if self.planned_peak_bytes:
             lines.append(f"    an offline memory plan needs {_size(self.planned_peak_bytes)} (greedy by size, same order)")
+        if self.reordered is not None:
+            lines.append(self.reordered.format(self))
         parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
         lines.append("    " + ", ".join(parts))
         if self.memory_breakdown_bytes:
@@ -134,7 +138,8 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     symmetric: simulate one rank per pipeline stage (the others behave alike); False: every rank.
     profile: a calibrated profile (path or dict) whose costs replace the cluster's.
     trace: also return the predicted trace (`result.trace`).
-    memory_plan: also plan every tensor's offset offline on GPU ranks (`planned_peak_bytes`).
+    memory_plan: also plan every tensor's offset offline on GPU ranks (`planned_peak_bytes`), and simulate
+    the program reordered to lower the peak (`reordered`).
     slow: stragglers (`rank:R:F,node:N:F,nic:N:F` or a `Slowdown`): also the step with them (`stragglers`).
     variation, seeds: per-GPU speed's coefficient of variation: the step over `seeds` draws (`variation`).
     tokens: also the days to train this many tokens with failures and checkpoints (`time_to_train`).
@@ -163,8 +168,9 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
                      t0: Optional[float] = None, memory_margin_bytes: float = 0.0,
                      memory_plan: bool = False, slow: Union[str, Slowdown, None] = None,
                      variation: Optional[float] = None, seeds: int = 16, tokens: Optional[float] = None,
-                     goodput_params: Optional[GoodputParams] = None) -> SimResult:
-    """Simulate an already lowered program of `rp` (what `simulate` does after lowering)."""
+                     goodput_params: Optional[GoodputParams] = None, reorder: bool = True) -> SimResult:
+    """Simulate an already lowered program of `rp` (what `simulate` does after lowering). With
+    `memory_plan` (and `reorder`), also the program reordered for memory (`SimResult.reordered`)."""
     from simexec.sim.variation import check_variation, gpus_per_node
 
     stragglers = parse_slow(slow, rp.world, gpus_per_node(rp)) if isinstance(slow, str) else slow
@@ -217,6 +223,10 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         planned_peak_bytes_per_rank=dict(sorted(planned_per_rank.items())),
     )
     _real_cluster(result, rp, program, stragglers, variation, seeds, train_tokens, goodput_params)
+    if memory_plan and reorder:
+        from simexec.sim.reordered import simulate_reordered
+
+        result.reordered = simulate_reordered(rp, program, memory_margin_bytes)
     if trace:
         result.trace = _trace(eng, program, result, mem)
     result.wall_s = time.perf_counter() - t0

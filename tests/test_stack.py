@@ -1,6 +1,7 @@
 """Software stacks: FP8 recipes, attention kernels, and what the search may try for each framework."""
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
@@ -230,3 +231,28 @@ def test_the_loss_holds_what_its_kernels_keep_of_the_logits():
                          stack=STACKS["megatron-core"].model_copy(update={"cross_entropy": k})).peak_memory_bytes
              for k in ("native", "eager")}
     assert peaks["eager"] > peaks["native"] + 4 * n
+
+
+def test_sequence_parallel_on_dim_one_copies_the_gathered_tensor_around_each_collective():
+    """torchtitan shards [batch, seq, hidden] on the sequence: torch's functional all-gather and
+    reduce-scatter chunk-and-cat the whole gathered tensor (2 x read + write per layer side and
+    direction); Megatron-Core gathers dim 0 in place; torch's async TP copies nothing on the gathers
+    and sums the stacked partials of each reduce-scatter on the compute stream."""
+    plan = "tp=8,sp=1,mbs=2"
+    mc = Anatomy(_resolved(plan, stack="megatron-core")).dense
+    tt_eager = _resolved(plan, stack="torchtitan")
+    plain = get_stack("torchtitan").model_copy(update={"sp_layout_copies": False, "tp_async_local_reduce": False})
+    tt = Anatomy(tt_eager).dense
+    bare = Anatomy(replace(tt_eager, stack=plain)).dense
+    full = tt_eager.plan.mbs * tt_eager.model.seq_len * tt_eager.model.hidden * 2
+    for name in ("qkv", "fc1"):
+        assert tt[name].bytes - bare[name].bytes == pytest.approx(4 * full)
+        assert tt[name].bwd_bytes - bare[name].bwd_bytes == pytest.approx(4 * full)
+        assert tt[name].flops == bare[name].flops
+    assert tt["proj"].bytes == bare["proj"].bytes
+    async_rp = _resolved(plan + ",tp_async=1", stack="torchtitan")
+    reduce = Anatomy(async_rp).dense["qkv"].bytes - Anatomy(replace(async_rp, stack=plain)).dense["qkv"].bytes
+    assert reduce == pytest.approx((1 + 1 / 8) * full)
+    no_sp = _resolved("tp=8,mbs=2", stack="torchtitan")
+    assert Anatomy(no_sp).dense["qkv"].bytes == Anatomy(replace(no_sp, stack=plain)).dense["qkv"].bytes
+    assert mc["qkv"].bytes < tt["qkv"].bytes

@@ -275,7 +275,7 @@ class Anatomy(FrameworkKernels):
         if key not in self._kinds:
             attention = self._attention(window)
             blocks = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
-            self._kinds[key] = self._with_stack_elementwise(blocks)
+            self._kinds[key] = self._with_sp_layout_copies(self._with_stack_elementwise(blocks), moe)
         return self._kinds[key]
 
     # --- backward workspace ------------------------------------------------------------------------------

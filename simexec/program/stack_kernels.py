@@ -111,6 +111,32 @@ class FrameworkKernels:
             out[name] = replace(b, bytes=max(0.0, b.bytes + fwd), bwd=max(0.0, b.bwd_bytes + bwd))
         return out
 
+    def _with_sp_layout_copies(self, blocks: dict[str, Block], moe: bool) -> dict[str, Block]:
+        """The blocks with the memory passes a stack adds around each sequence-parallel collective, forward
+        and backward (the backward of an all-gather is a reduce-scatter and the other way round).
+        Without tp_async, a stack whose sequence parallelism shards dim 1 (`StackSpec.sp_layout_copies`)
+        reads and writes the gathered hidden tensor once per collective (the backward of the chunk-and-cat
+        is one too). Under tp_async as torch runs it (`tp_async_local_reduce`) the gathers copy nothing,
+        and each reduce-scatter ends in a kernel that reads the tp stacked partials and writes this
+        rank's share. Two collectives open and close the attention and two the MLP (none around a folded
+        MoE's experts): their passes go on the blocks that open each, on the same stream as the GEMMs."""
+        p, stack = self.rp.plan, self.rp.stack
+        if self.eager_kernels or not (p.sp and p.tp > 1):
+            return blocks
+        full = self.tokens * self.h * self.dt
+        if p.tp_async:
+            per_pair = (1.0 + 1.0 / p.tp) * full if stack.tp_async_local_reduce else 0.0
+        else:
+            per_pair = 2 * 2.0 * full if stack.sp_layout_copies else 0.0
+        if per_pair <= 0:
+            return blocks
+        out = dict(blocks)
+        opening = ["qkv"] + ([] if moe and self.moe_without_tp else ["fc1" if "fc1" in blocks else "router"])
+        for name in opening:  # one gather and one reduce-scatter each way
+            b = out[name]
+            out[name] = replace(b, bytes=b.bytes + per_pair, bwd=b.bwd_bytes + per_pair)
+        return out
+
     def op_recomputed(self, i: int) -> dict[str, Block]:
         """What `recompute=op` runs again before layer i's backward, per block: torchtitan's policy
         (torchtitan/distributed/activation_checkpoint.py, `_get_custom_policy`) saves the outputs of the

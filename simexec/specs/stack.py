@@ -79,6 +79,18 @@ class StackSpec(_Spec):
     expandable_segments: bool = Field(
         False, description="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True as the framework's launcher sets it: "
         "the caching allocator grows one segment per pool page by page (simexec.sim.allocator)")
+    sp_layout_copies: bool = Field(
+        False, description="sequence parallelism shards activations laid out [batch, sequence, hidden] on the "
+        "sequence (DTensor's Shard(1), torchtitan's SequenceParallel): torch's functional all-gather and "
+        "reduce-scatter work on dim 0, so each one over the sequence copies the whole gathered tensor "
+        "(torch.cat(torch.chunk(...)) in torch/distributed/_functional_collectives.py), forward and backward; "
+        "async TP's fused ops take the shards in place (Inductor restrides them). Megatron-Core's [sequence, "
+        "batch, hidden] gathers in place")
+    tp_async_local_reduce: bool = Field(
+        False, description="tp_async as torch's symmetric-memory async TP runs it: a matmul's partial outputs are "
+        "exchanged chunk by chunk and then summed by a reduction kernel on the compute stream, reading the "
+        "stacked partials (the whole unreduced tensor) once they have all arrived "
+        "(_fused_matmul_reduce_scatter_impl in torch/distributed/_symmetric_memory/__init__.py)")
     search_choices: dict[str, list[Union[bool, int, str]]] = Field(
         default_factory=dict, description="the plan knobs this framework can run, as the values of each "
         "(`{zero: [0, 1], schedule: [1f1b, interleaved-1f1b]}`): the search enumerates only these; a user's --fix "
@@ -141,6 +153,8 @@ STACKS: dict[str, StackSpec] = {
         search_choices=TORCHTITAN_CHOICES,
         # run_train.sh exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (pytorch/torchtitan)
         expandable_segments=True,
+        sp_layout_copies=True,  # SequenceParallel() shards dim 1 (torchtitan/models/llama3/infra/parallelize.py)
+        tp_async_local_reduce=True,  # enable_async_tensor_parallel: torch's micro-pipeline TP pass
         source="torchtitan, eager (torchao float8)",
     ),
     "torchtitan-compile": StackSpec(
@@ -159,6 +173,8 @@ STACKS: dict[str, StackSpec] = {
         cross_entropy="compiled",
         search_choices=TORCHTITAN_CHOICES,
         expandable_segments=True,  # the same run_train.sh
+        sp_layout_copies=True,  # the copies are extern-adjacent (a cuBLAS mm on one side): compile keeps them
+        tp_async_local_reduce=True,
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
     "deepspeed": StackSpec(

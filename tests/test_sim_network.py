@@ -210,3 +210,31 @@ def test_forward_moe_dispatch_is_two_all_to_alls():
     one_call = dur["fwd.combine.L0.m0"]  # the same bytes over the same group, one call
     assert dur["bwd.dispatch.L0.m0"] == pytest.approx(one_call)
     assert one_call < dur["fwd.dispatch.L0.m0"] < 1.5 * one_call
+
+
+def _topology(name: str, topology: str, nodes: int):
+    from simexec.specs.cluster import get_cluster
+    c = get_cluster(name)
+    return c.model_copy(update={"nodes": nodes, "network": c.network.model_copy(update={"topology": topology})})
+
+
+def test_rail_optimized_prices_cross_rail_traffic_over_nvlink_first():
+    """NCCL's PXN on a rail-optimized network: a message from GPU 0 of node 0 to GPU 1 of node 1 first
+    crosses NVLink to node 0's GPU 1; a same-rail message and any message on a fat tree do not."""
+    from simexec.sim.network import Network
+    ranks = list(range(16))
+    rail = Network(_topology("dgx-h100", "rail-optimized", 2), ranks, {})
+    tree = Network(_topology("dgx-h100", "fat-tree", 2), ranks, {})
+    nvl = {rail.link("nvl_tx", 0), rail.link("nvl_rx", 1)}
+    cross = {lid for lid, _ in rail.p2p(0, 9, 1e6)[0][1]}
+    assert nvl <= cross
+    assert not nvl & {lid for lid, _ in rail.p2p(0, 8, 1e6)[0][1]}
+    assert not any(k == "nvl_tx" for (k, _), lid in tree._ids.items() if lid in {l for l, _ in tree.p2p(0, 9, 1e6)[0][1]})
+    assert rail.estimate(rail.p2p(0, 9, 1e6)) > rail.estimate(rail.p2p(0, 8, 1e6))
+    # an all-to-all across the two nodes puts the cross-rail share on NVLink as well
+    group = tuple(ranks)
+    def nvl_demand(net):
+        phase = net.collective("alltoall", group, 1e8)[0]
+        ids = {net.link("nvl_tx", r) for r in ranks}
+        return max(d for lid, d in phase[1] if lid in ids)
+    assert nvl_demand(rail) == pytest.approx(nvl_demand(tree) + 0.5 * 7 / 8)

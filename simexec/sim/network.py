@@ -239,6 +239,8 @@ class Network:
         self.nccl_arch = cluster.device.nccl_arch
         self.nvls = node.nvls
         self.collnet = net.sharp and self.peer_bw == 0  # CollNet Direct needs an NVSwitch fabric
+        self.rail_optimized = net.topology == "rail-optimized" and net.nics_per_node > 0
+        self.rails = max(1, min(self.gpn, net.nics_per_node))
         self.domain_nics = net.nics_per_node * (self.domain // self.gpn)
         self.cpu_vendor = node.cpu_vendor
         self.cpu_rate = node.cpu_optimizer_params_per_s
@@ -272,6 +274,17 @@ class Network:
 
     def pod_of(self, node: int) -> int:
         return node // self.pod_nodes if self.pod_nodes else 0
+
+    def rail_of(self, rank: int) -> int:
+        """The NIC (rail) a rank sends through: its node's NICs shared out in local-rank order."""
+        return (rank % self.gpn) * self.rails // self.gpn
+
+    def _cross_rail_share(self) -> float:
+        """On a rail-optimized network, the share of a rank's traffic to evenly spread peers in other
+        nodes that targets another rail: NCCL's PXN (on by default since NCCL 2.12) first moves it over
+        NVLink to the node's GPU on the destination's rail, which sends it on that rail; 0 on a fat tree,
+        where every NIC reaches every other through the leaf and spine switches."""
+        return (self.rails - 1) / self.rails if self.rail_optimized else 0.0
 
     def link(self, kind: str, where: int) -> int:
         key = (kind, where)
@@ -472,10 +485,14 @@ class Network:
     def _alltoall(self, g: _Geometry, S: float) -> Phase:
         """Pairwise exchange: each rank sends S/n to every other rank in n-1 steps."""
         n, k = g.n, g.k
-        links = self._nvl(g.present, (k - 1) / n) if k > 1 else []
         if g.domains == 1:
+            links = self._nvl(g.present, (k - 1) / n) if k > 1 else []
             return (S, tuple(links), self._mesh_cap(g) * n / max(1, k - 1), (n - 1) * self.a_intra)
         out_frac = (n - k) / n  # of each rank's data, what leaves its NVLink domain
+        # PXN on rails: a rank forwards the cross-rail share of what it sends out, and (by symmetry)
+        # relays as much for its node's peers, over NVLink
+        pxn = out_frac * self._cross_rail_share()
+        links = self._nvl(g.present, (k - 1) / n + pxn) if k > 1 or pxn else []
         for nd, mult in g.node_mult.items():
             d = k * out_frac * mult * g.node_share[nd]
             links.append((self.link("nic_tx", nd), d))
@@ -501,7 +518,13 @@ class Network:
                 links = [(self.link("nic_tx", a), ma), (self.link("nic_rx", b), mb)]
                 if self.pod_nodes and self.pod_of(a) != self.pod_of(b):
                     links += [(self.link("pod_tx", self.pod_of(a)), ma), (self.link("pod_rx", self.pod_of(b)), mb)]
-                out = ((float(nbytes), tuple(links), self.rail_bw, self.a_inter),)
+                lat = self.a_inter
+                if self.rail_optimized and self.rail_of(src) != self.rail_of(dst):
+                    # PXN: over NVLink to the sender node's GPU on the receiver's rail, then out its NIC
+                    proxy = a * self.gpn + dst % self.gpn
+                    links += [(self.link("nvl_tx", src), 1.0), (self.link("nvl_rx", proxy), 1.0)]
+                    lat += self.a_intra
+                out = ((float(nbytes), tuple(links), self.rail_bw, lat),)
             self._cache[key] = out
         return out
 

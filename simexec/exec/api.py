@@ -161,7 +161,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
             outs, infos = attempt.run(control, timings)
             report["stragglers"] = _stragglers(rp, slow, control.slow, healthy, outs)
         elif kill_at is not None:
-            outs, infos, report["recovery"] = _kill_and_restart(attempt, control, kill_at, timings)
+            outs, infos, report["recovery"], control = _kill_and_restart(attempt, control, kill_at, timings)
         else:
             outs, infos = attempt.run(control, timings)
     finally:
@@ -265,8 +265,9 @@ def _control(rp, steps: int, backend: str, runner, slow, checkpoint_dir, every: 
                       kill_rank=kill_at[0] if kill_at else None, kill_step=kill_at[1] if kill_at else None), kill_at
 
 
-def _kill_and_restart(attempt: _Attempt, control, kill_at: tuple[int, int], timings: dict) -> tuple[dict, list, dict]:
-    """The run with its kill, then the restart from the newest checkpoint; what the failure cost."""
+def _kill_and_restart(attempt: _Attempt, control, kill_at: tuple[int, int], timings: dict) -> tuple:
+    """The run with its kill, then the restart from the newest checkpoint: the restart's outputs and
+    rank infos, what the failure cost, and the restart's `RunControl`."""
     import json
 
     from simexec.exec.measure.recovery import recovery_report
@@ -301,7 +302,7 @@ def _kill_and_restart(attempt: _Attempt, control, kill_at: tuple[int, int], timi
         save_s=statistics.median(saves) if saves else None, load_s=max(loads) if loads else None,
         restarted={r: o.get("progress", []) for r, o in outs.items()}, before=before, steps=attempt.steps)
     report["first_attempt_timings"] = first
-    return outs, infos, report
+    return outs, infos, report, restart
 
 
 def _stragglers(rp, spec: str, factors: dict[int, float], healthy: dict, slowed: dict) -> dict:
@@ -311,7 +312,9 @@ def _stragglers(rp, spec: str, factors: dict[int, float], healthy: dict, slowed:
 
     predicted = simulate(rp.model, rp.cluster, rp.plan, seq_len=rp.seq_len, symmetric=False, slow=spec).stragglers
     return straggler_report(factors, _slowest_steps(healthy), _slowest_steps(slowed),
-                            predicted.slowdown if predicted is not None else None)
+                            predicted.slowdown if predicted is not None else None,
+                            {r: o.get("main_cpu_times_s", []) for r, o in healthy.items()},
+                            {r: o.get("main_cpu_times_s", []) for r, o in slowed.items()})
 
 
 def _slowest_steps(outs: dict) -> list[float]:

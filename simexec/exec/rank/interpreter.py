@@ -107,7 +107,6 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.L = m.layers
         self.step_no = -1
         self.slow_factor = 1.0  # a straggler's compute slowdown (`slowed_compute`)
-        self.stall_debt = 0.0
         self.inflight: dict[str, InflightComm] = {}
         # gloo's sends complete only when waited on (`SendWaiter`); NCCL's and XLA's host sends do not need it
         self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
@@ -320,24 +319,27 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
 
     def slowed_compute(self, ins: Instr) -> None:
         """A straggler's compute (`--slow`): the instruction, then (F - 1) times its measured time more,
-        so the rank's compute takes F times as long. The wait is a sleep (the rank's device is busy;
-        its host core is not taken from the other ranks); what a sleep overshoots is owed back by the
-        next wait (`stall_debt`), so a step's added time is (F - 1) x its compute to within one sleep's
-        overshoot. On a GPU the device is synchronized around the instruction to measure it."""
-        cuda = self.device.type == "cuda"
-        if cuda:
+        so the rank's compute takes F times as long. On a CPU rank the time is the thread's CPU time
+        (the rank computes on this one thread) and the extra is CPU work, a spin until the thread has
+        used that much more: the rank's core does F times the work, as a slower core would, and on
+        cores shared with other processes both the work and the extra wait their turn alike (a sleep
+        would wake up late there, and wall time would double whatever preempted the instruction). On
+        a GPU the device is synchronized around the instruction and the extra is wall time."""
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t0 = time.perf_counter()
+            clock = time.perf_counter
+        else:
+            clock = time.thread_time
+        t0 = clock()
         self.compute(ins)
         if self.cut is not None:
             self.cut()
-        if cuda:
+        if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        t1 = time.perf_counter()
-        self.stall_debt += (self.slow_factor - 1.0) * (t1 - t0)
-        if self.stall_debt > 0:
-            time.sleep(self.stall_debt)
-            self.stall_debt -= time.perf_counter() - t1
+        t1 = clock()
+        until = t1 + (self.slow_factor - 1.0) * (t1 - t0)
+        while clock() < until:
+            pass
 
     # --- results ----------------------------------------------------------------------------------
     def final_params(self) -> dict[str, Tensor]:

@@ -7,7 +7,9 @@ run's steps (every rank's [step, begin, end, loss], `simexec.exec.rank.interpret
   down, new actors, rendezvous, loading the checkpoint;
 - redo_s: the restarted steps before the killed step (work the checkpoint did not hold);
 - lost_s = restart_s + redo_s: kill -> the run is back where it was killed;
-- kill_to_first_step_s: kill -> the first restarted step ends.
+- kill_to_first_step_s: kill -> the first restarted step ends;
+- first_step_of_a_start_s: the first run's first step, a warm-up (first allocations, lazy set-up)
+  that the first restarted step pays again and the goodput model does not price.
 
 Predicted (`simexec.sim.goodput`, torch-free): the model takes the restart time as a parameter, so it
 is fed the restart measured here; what it adds is the work lost. For this kill, at a known step:
@@ -42,6 +44,10 @@ def step_spans(progress_by_rank: dict[int, list]) -> dict[int, StepSpan]:
     return {s: StepSpan(begins[s], ends[s]) for s in sorted(begins)}
 
 
+def _span_s(spans: dict[int, StepSpan], step: int) -> Optional[float]:
+    return spans[step].end - spans[step].begin if step in spans else None
+
+
 def step_losses(progress_by_rank: dict[int, list]) -> dict[int, float]:
     """Per step: the loss (every rank that reports one reports the global batch's)."""
     out: dict[int, float] = {}
@@ -66,6 +72,7 @@ def recovery_report(*, kill_rank: int, kill_step: int, kill_wall_s: float, detec
                 "teardown_s": torn_down_wall_s - detected_wall_s, "load_s": load_s, "redo_s": redo,
                 "lost_s": restart + redo, "kill_to_first_step_s": first.end - kill_wall_s,
                 "healthy_step_s": healthy_step_s, "checkpoint_save_s": save_s,
+                "first_step_of_a_start_s": _span_s(step_spans(before), 0),
                 "redone_step_s": [spans[s].end - spans[s].begin for s in range(resumed_from, kill_step)]}
     predicted = None
     if healthy_step_s is not None:

@@ -33,11 +33,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def stragglers(model: str, plan: str, seq_len: int, steps: int, factor: float, rounds: int) -> dict:
-    from simexec.exec.api import execute
+    from simexec.resilience import execute_with_predictions
 
     runs = []
     for _ in range(rounds):
-        res = execute(model, "local", plan, steps=steps, seq_len=seq_len, slow=f"rank:1:{factor:g}", trace=False)
+        res = execute_with_predictions(model, "local", plan, steps=steps, seq_len=seq_len, slow=f"rank:1:{factor:g}", trace=False)
         runs.append(res.reports["stragglers"])
     ratios = [r["measured_ratio"] for r in runs]
     return {"slow": f"rank:1:{factor:g}", "rounds": runs, "measured_ratios": ratios,
@@ -49,9 +49,10 @@ def stragglers(model: str, plan: str, seq_len: int, steps: int, factor: float, r
 
 def failure(model: str, plan: str, seq_len: int, steps: int, every: int, kill_step: int) -> dict:
     from simexec.exec.api import execute
+    from simexec.resilience import execute_with_predictions
 
     with tempfile.TemporaryDirectory(prefix="simexec-ckpt-") as tmp:
-        res = execute(model, "local", plan, steps=steps, seq_len=seq_len, checkpoint_dir=tmp, checkpoint_every=every,
+        res = execute_with_predictions(model, "local", plan, steps=steps, seq_len=seq_len, checkpoint_dir=tmp, checkpoint_every=every,
                       kill=f"rank:1:step:{kill_step}", trace=False)
     rec = res.reports["recovery"]
     uninterrupted = execute(model, "local", plan, steps=steps, seq_len=seq_len, trace=False)
@@ -97,9 +98,10 @@ def main(argv: Optional[list[str]] = None) -> int:
           f"{'equal' if rec['losses_match_uninterrupted'] else 'DIFFER from'} the uninterrupted run's")
     print(f"  measured: restart {m['restart_s']:.2f} s (detect {m['detect_s']:.2f}, teardown {m['teardown_s']:.2f}, "
           f"load {m['load_s']:.2f}), redo {m['redo_s']:.3f} s, lost {m['lost_s']:.2f} s; "
-          f"healthy step {m['healthy_step_s'] * 1e3:.1f} ms, save {m['checkpoint_save_s']:.2f} s")
+          f"healthy step {m['healthy_step_s'] * 1e3:.1f} ms (a start's first {m['first_step_of_a_start_s'] * 1e3:.1f} ms), "
+          f"save {m['checkpoint_save_s']:.2f} s")
     print(f"  predicted with the measured restart: this kill {p['this_kill_s']:.2f} s "
-          f"(redo {p['redo_s']:.3f} s; error {100 * rec['error_vs_this_kill']:+.1f}%), "
+          f"(redo {p['redo_s']:.3f} s; measured {100 * p['error_vs_this_kill']:+.1f}%), "
           f"a failure at a random time {p['per_failure_expected_s']:.2f} s (Daly, interval {p['interval_s']:.3f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps({"stragglers": st, "failure": rec, "load_average": [load_before, load_after],

@@ -345,12 +345,20 @@ def cmd_execute(args) -> int:
         result = execute_in_process(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
                                     seed=args.seed, device="cuda" if args.backend == "nccl" else "cpu",
                                     trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+    elif args.slow or args.kill:  # measured beside the simulator's and the goodput model's predictions
+        from simexec.resilience import execute_with_predictions
+
+        result = execute_with_predictions(
+            args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len, ray_address=args.ray_address,
+            backend=args.backend, seed=args.seed, timeout_s=args.timeout, trace_path=args.trace_path,
+            json_path=args.json_path, profile_dir=args.profile_dir, slow=args.slow, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, kill=args.kill)
     else:
         result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
                          ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
                          trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir,
-                         slow=args.slow, checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
-                         resume=args.resume, kill=args.kill)
+                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                         resume=args.resume)
     print(result.format())
     return 0
 

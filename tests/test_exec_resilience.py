@@ -11,8 +11,8 @@ import shutil
 import pytest
 
 from simexec.errors import ExecError, SpecError
-from simexec.exec.rank.run_control import (RunControl, checkpoint_path, newest_checkpoint, parse_execute_slow,
-                                           parse_kill)
+from simexec.exec.rank.run_control import RunControl, checkpoint_path, newest_checkpoint, parse_kill
+from simexec.resilience import parse_execute_slow
 from simexec.sim.goodput import daly_wall_time, lost_per_failure
 
 MODEL, CLUSTER, SEQ = "gpt-tiny", "local", 32
@@ -21,7 +21,7 @@ MODEL, CLUSTER, SEQ = "gpt-tiny", "local", 32
 def test_slow_spec_is_simulates_and_maps_nodes_to_ranks():
     assert parse_execute_slow("rank:1:2", 4, 4) == {1: 2.0}
     assert parse_execute_slow("node:1:1.5", 4, 2) == {2: 1.5, 3: 1.5}
-    with pytest.raises(ExecError, match="nic:N:F"):
+    with pytest.raises(SpecError, match="nic:N:F"):
         parse_execute_slow("nic:0:2", 4, 4)
     with pytest.raises(SpecError, match="out of range"):
         parse_execute_slow("rank:4:2", 4, 4)
@@ -95,9 +95,10 @@ def test_resume_continues_the_uninterrupted_run(ray_session, tmp_path, plan):
 
 @pytest.mark.ray
 def test_a_rank_slowed_twice_slows_the_step(ray_session):
-    from simexec.exec.api import execute
+    from simexec.resilience import execute_with_predictions
 
-    res = execute(MODEL, CLUSTER, "dp=2,gbs=4,dtype=fp32", steps=6, seq_len=SEQ, slow="rank:1:2", trace=False)
+    res = execute_with_predictions(MODEL, CLUSTER, "dp=2,gbs=4,dtype=fp32", steps=6, seq_len=SEQ, slow="rank:1:2",
+                                   trace=False)
     st = res.reports["stragglers"]
     assert st["slowed_rank_cpu_ratio"]["1"] > 1.6, st  # the rank did twice its compute
     assert st["measured_ratio"] > 1.3, st
@@ -108,14 +109,18 @@ def test_a_rank_slowed_twice_slows_the_step(ray_session):
 @pytest.mark.ray
 def test_killed_rank_restarts_from_the_checkpoint_and_finishes(ray_session, tmp_path):
     from simexec.exec.api import execute
+    from simexec.resilience import execute_with_predictions
 
     plan = "dp=2,zero=1,gbs=4,dtype=fp32"
     whole = execute(MODEL, CLUSTER, plan, steps=4, seq_len=SEQ, trace=False)
-    res = execute(MODEL, CLUSTER, plan, steps=4, seq_len=SEQ, checkpoint_dir=tmp_path, checkpoint_every=2,
-                  kill="rank:1:step:3", trace=False)
+    res = execute_with_predictions(MODEL, CLUSTER, plan, steps=4, seq_len=SEQ, checkpoint_dir=tmp_path,
+                                   checkpoint_every=2, kill="rank:1:step:3", trace=False, json_path=tmp_path / "k.json")
     rec = res.reports["recovery"]
     assert rec["resumed_from_step"] == 2 and rec["steps_redone"] == 1 and res.first_step == 2
     assert rec["losses_all_steps"] == whole.losses
     m = rec["measured"]
     assert m["restart_s"] > 0 and m["redo_s"] > 0 and m["lost_s"] == pytest.approx(m["restart_s"] + m["redo_s"])
     assert rec["predicted"]["this_kill_s"] == pytest.approx(m["restart_s"] + m["healthy_step_s"])
+    import json
+
+    assert json.loads((tmp_path / "k.json").read_text())["recovery"]["predicted"] == rec["predicted"]

@@ -57,16 +57,16 @@ class ExecResult:
                  "wall times    " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.timings.items())]
         st = self.reports.get("stragglers")
         if st:
-            pred = f"{st['predicted_ratio']:.3f}" if st.get("predicted_ratio") else "n/a"
+            pred = f", x{st['predicted_ratio']:.3f} simulated" if st.get("predicted_ratio") else ""
             lines.append(f"stragglers    {st['slowed_step_s'] * 1e3:.1f} ms slowed vs {st['healthy_step_s'] * 1e3:.1f} ms "
-                         f"healthy: x{st['measured_ratio']:.3f} measured, x{pred} simulated")
+                         f"healthy: x{st['measured_ratio']:.3f} measured{pred}")
         rec = self.reports.get("recovery")
         if rec:
-            m, p = rec["measured"], rec["predicted"] or {}
-            this = f"{p['this_kill_s']:.2f} s" if p else "n/a"
+            m, p = rec["measured"], rec.get("predicted")
+            this = f"; predicted {p['this_kill_s']:.2f} s" if p else ""
             lines.append(f"recovery      rank {rec['killed']['rank']} killed at step {rec['killed']['step']}, resumed "
                          f"from step {rec['resumed_from_step']} ({rec['steps_redone']} redone): lost {m['lost_s']:.2f} s "
-                         f"(restart {m['restart_s']:.2f} s + redo {m['redo_s']:.2f} s); predicted {this}")
+                         f"(restart {m['restart_s']:.2f} s + redo {m['redo_s']:.2f} s){this}")
         if self.error:
             lines.append(f"error         {self.error}")
         return "\n".join(lines)
@@ -92,7 +92,8 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
             trace_path: Optional[Union[str, os.PathLike]] = None, json_path: Optional[Union[str, os.PathLike]] = None,
             profile_dir: Optional[Union[str, os.PathLike]] = None, trace: bool = True, fault=None,
             runner: Optional[Union[str, Callable]] = None, return_params: bool = False,
-            on_start: Optional[Callable[[list[dict]], None]] = None, pool=None, slow: Optional[str] = None,
+            on_start: Optional[Callable[[list[dict]], None]] = None, pool=None,
+            slow: Optional[dict[int, float]] = None,
             checkpoint_dir: Optional[Union[str, os.PathLike]] = None, checkpoint_every: int = 0,
             resume: bool = False, kill: Optional[str] = None) -> ExecResult:
     """Run `steps` training steps of `plan` on real ranks and measure them.
@@ -107,13 +108,13 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     pool: rank actors kept alive across runs (`simexec.calibrate.runs.RankPool`): its `launch`
     replaces `Launch`, so several plans run without starting actors each time.
 
-    slow: stragglers, `simulate --slow`'s SPEC (rank:R:F, node:N:F): the plan runs healthy, then with
-    those ranks computing F times as long; the result is the slowed run's, with `stragglers` (both
-    runs' step times, the measured ratio and the simulator's). checkpoint_dir / checkpoint_every:
+    slow: stragglers, {rank: F} (`simexec.resilience` reads `simulate --slow`'s SPEC into it): the
+    plan runs healthy, then with those ranks computing F times as long; the result is the slowed
+    run's, with `stragglers` (both runs' step times and their ratio). checkpoint_dir / checkpoint_every:
     every rank saves its state (torch.distributed.checkpoint) after steps K, 2K, ... resume: continue
     from the newest complete checkpoint there (`first_step`). kill `rank:R:step:S`: rank R exits hard
     as it begins step S; the run restarts from the newest checkpoint and finishes, and `recovery`
-    says what the failure cost, measured and as the goodput model predicts it.
+    says what the failure cost, measured (`simexec.resilience` adds the goodput model's prediction).
     """
     from simexec.exec.runtime.launcher import start_ray, stop_ray
     from simexec.exec.measure.tracer import FAULT_ENV, Fault
@@ -159,7 +160,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
         if control is not None and control.slow:
             healthy, _ = attempt.run(replace(control, slow={}), timings={})
             outs, infos = attempt.run(control, timings)
-            report["stragglers"] = _stragglers(rp, slow, control.slow, healthy, outs)
+            report["stragglers"] = _stragglers(control.slow, healthy, outs)
         elif kill_at is not None:
             outs, infos, report["recovery"], control = _kill_and_restart(attempt, control, kill_at, timings)
         else:
@@ -221,7 +222,7 @@ class _Attempt:
 def _control(rp, steps: int, backend: str, runner, slow, checkpoint_dir, every: int, resume: bool, kill):
     """The ranks' `RunControl` from the options (None when none is given), and the kill's (rank, step);
     bad values fail with one line before any rank starts."""
-    from simexec.exec.rank.run_control import RunControl, newest_checkpoint, parse_execute_slow, parse_kill
+    from simexec.exec.rank.run_control import RunControl, newest_checkpoint, parse_kill
 
     if not (slow or checkpoint_dir or every or resume or kill):
         return None, None
@@ -232,9 +233,10 @@ def _control(rp, steps: int, backend: str, runner, slow, checkpoint_dir, every: 
     if backend == "xla" and (checkpoint_dir or kill):
         raise ExecError("checkpoints and --kill are not implemented for backend xla")
     if slow:
-        from simexec.sim.variation import gpus_per_node
-
-        return RunControl(slow=parse_execute_slow(slow, rp.world, gpus_per_node(rp))), None
+        bad = {r: f for r, f in slow.items() if not 0 <= r < rp.world or not 1.0 <= f < float("inf")}
+        if bad:
+            raise ExecError(f"slow: ranks must be in 0..{rp.world - 1} and factors finite numbers >= 1, got {bad}")
+        return RunControl(slow=dict(slow)), None
     if every < 0:
         raise ExecError(f"--checkpoint-every must be at least 1, got {every}")
     if (every or resume or kill) and not checkpoint_dir:
@@ -305,14 +307,11 @@ def _kill_and_restart(attempt: _Attempt, control, kill_at: tuple[int, int], timi
     return outs, infos, report, restart
 
 
-def _stragglers(rp, spec: str, factors: dict[int, float], healthy: dict, slowed: dict) -> dict:
-    """Both runs' step times and the simulator's prediction for the same plan with the same --slow."""
+def _stragglers(factors: dict[int, float], healthy: dict, slowed: dict) -> dict:
+    """Both runs' step times, their ratio and the slowed ranks' own CPU."""
     from simexec.exec.measure.stragglers import straggler_report
-    from simexec.sim.simulate import simulate
 
-    predicted = simulate(rp.model, rp.cluster, rp.plan, seq_len=rp.seq_len, symmetric=False, slow=spec).stragglers
     return straggler_report(factors, _slowest_steps(healthy), _slowest_steps(slowed),
-                            predicted.slowdown if predicted is not None else None,
                             {r: o.get("main_cpu_times_s", []) for r, o in healthy.items()},
                             {r: o.get("main_cpu_times_s", []) for r, o in slowed.items()})
 
@@ -386,6 +385,13 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
     result = _result(rp, program, {0: out}, [info], timings)
     _write(result, rp, trace_path, json_path, profile_dir, {0: out})
     return result
+
+
+def resolved(model, cluster, plan, seq_len: Optional[int] = None):
+    """The ResolvedPlan of specs or their names, as `execute` resolves them."""
+    from simexec.specs.plan import resolve
+
+    return resolve(*_specs(model, cluster, plan), seq_len)
 
 
 def _specs(model, cluster, plan) -> tuple:

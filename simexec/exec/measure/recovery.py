@@ -1,4 +1,5 @@
-"""What a killed and restarted run lost, measured, beside what the goodput model charges for it.
+"""What a killed and restarted run lost, measured (`simexec.resilience` sets the goodput model's
+prediction beside it).
 
 Measured (wall clock, one host): the kill (the rank notes the time before `os._exit`), the restarted
 run's steps (every rank's [step, begin, end, loss], `simexec.exec.rank.interpreter.run_rank`):
@@ -10,21 +11,11 @@ run's steps (every rank's [step, begin, end, loss], `simexec.exec.rank.interpret
 - kill_to_first_step_s: kill -> the first restarted step ends;
 - first_step_of_a_start_s: the first run's first step, a warm-up (first allocations, lazy set-up)
   that the first restarted step pays again and the goodput model does not price.
-
-Predicted (`simexec.sim.goodput`, torch-free): the model takes the restart time as a parameter, so it
-is fed the restart measured here; what it adds is the work lost. For this kill, at a known step:
-restart + steps redone x the healthy step time. For a failure at a random time: Daly's expected cost
-of one failure, `lost_per_failure`, with the interval K x the healthy step and the measured save as
-its blocking time (about restart + half an interval).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Optional
-
-from simexec.sim.goodput import lost_per_failure
-
-NO_FAILURES_S = 1e9  # an MTBF of 30 years, far beyond any run here: Daly's per-failure cost at its limit
 
 
 @dataclass(frozen=True)
@@ -74,20 +65,9 @@ def recovery_report(*, kill_rank: int, kill_step: int, kill_wall_s: float, detec
                 "healthy_step_s": healthy_step_s, "checkpoint_save_s": save_s,
                 "first_step_of_a_start_s": _span_s(step_spans(before), 0),
                 "redone_step_s": [spans[s].end - spans[s].begin for s in range(resumed_from, kill_step)]}
-    predicted = None
-    if healthy_step_s is not None:
-        tau = every * healthy_step_s
-        predicted = {
-            "this_kill_s": restart + redone * healthy_step_s,
-            "redo_s": redone * healthy_step_s,
-            "per_failure_expected_s": lost_per_failure(tau, save_s or 0.0, NO_FAILURES_S, restart),
-            "interval_s": tau,
-            "basis": "simexec.sim.goodput with the restart measured here: restart + steps redone x healthy step "
-                     "(this kill); Daly's per-failure cost, restart + (interval + save) / 2 (a failure at a random time)"}
     losses = step_losses(before)
     losses.update(step_losses(restarted))
     return {"killed": {"rank": kill_rank, "step": kill_step}, "checkpoint_every": every,
-            "resumed_from_step": resumed_from, "steps_redone": redone, "measured": measured, "predicted": predicted,
-            "losses_all_steps": [losses.get(s) for s in range(steps)],
-            "error_vs_this_kill": (restart + redo) / predicted["this_kill_s"] - 1 if predicted else None}
+            "resumed_from_step": resumed_from, "steps_redone": redone, "measured": measured,
+            "losses_all_steps": [losses.get(s) for s in range(steps)]}
 

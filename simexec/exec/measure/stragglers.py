@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import statistics
-from typing import Optional
 
 
 def steady(times: list[float]) -> float:
@@ -11,7 +10,7 @@ def steady(times: list[float]) -> float:
 
 
 def straggler_report(slow: dict[int, float], healthy_steps_s: list[float], slowed_steps_s: list[float],
-                     predicted_ratio: Optional[float], healthy_cpu_s: dict[int, list[float]],
+                     healthy_cpu_s: dict[int, list[float]],
                      slowed_cpu_s: dict[int, list[float]]) -> dict:
     """Healthy and slowed runs' step times (warm-up step left out), their medians and ratio; and, per
     slowed rank, how much more CPU its own thread used a step (F x its compute, plus its
@@ -22,6 +21,5 @@ def straggler_report(slow: dict[int, float], healthy_steps_s: list[float], slowe
     cpu = {str(r): steady(slowed_cpu_s[r]) / steady(healthy_cpu_s[r]) for r in sorted(slow)
            if healthy_cpu_s.get(r) and slowed_cpu_s.get(r) and steady(healthy_cpu_s[r]) > 0}
     return {"slow": {str(r): f for r, f in sorted(slow.items())}, "healthy_step_s": healthy, "slowed_step_s": slowed,
-            "measured_ratio": ratio, "predicted_ratio": predicted_ratio, "slowed_rank_cpu_ratio": cpu,
-            "healthy_step_times_s": healthy_steps_s, "slowed_step_times_s": slowed_steps_s,
-            "predicted_by": "simexec simulate --full --slow (the same plan, model and cluster)"}
+            "measured_ratio": ratio, "slowed_rank_cpu_ratio": cpu,
+            "healthy_step_times_s": healthy_steps_s, "slowed_step_times_s": slowed_steps_s}

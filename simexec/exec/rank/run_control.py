@@ -3,9 +3,9 @@
 Torch-free, so that the command line can check the flags before any rank starts. The ranks receive
 one `RunControl` (the same for all; each reads its own entries):
 
-- `slow`: real rank -> F, parsed by the simulator's own `parse_slow` (`simexec.sim.slowdown`), so
-  `--slow` means the same to `simulate` and `execute`; a slowed rank computes F times as long
-  (`simexec.exec.rank.interpreter`). `nic:N:F` has no executor side: CPU ranks share no NIC.
+- `slow`: real rank -> F; a slowed rank computes F times as long (`simexec.exec.rank.interpreter`).
+  The command line parses `--slow` with the simulator's own parser (`simexec.resilience`), so it
+  means the same to `simulate` and `execute`.
 - `checkpoint_dir` / `checkpoint_every`: every rank saves its state with torch.distributed.checkpoint
   after steps K, 2K, ... into `<dir>/step_<K>` (`simexec.exec.rank.checkpoint`).
 - `resume_from` / `start_step`: the checkpoint to load and the step it ends before.
@@ -42,17 +42,6 @@ class RunControl:
 
     def kills(self, rank: int, step: int) -> bool:
         return self.kill_rank == rank and self.kill_step == step
-
-
-def parse_execute_slow(spec: str, world: int, gpus_per_node: int) -> dict[int, float]:
-    """`--slow` for `execute`: the simulator's grammar and parser; rank and node entries only."""
-    from simexec.sim.slowdown import parse_slow
-
-    slow = parse_slow(spec, world, gpus_per_node)
-    if slow.nic:
-        raise ExecError(f"--slow {spec!r}: nic:N:F slows a node's NIC links in the simulator only; "
-                        "execute slows ranks (rank:R:F, node:N:F)")
-    return dict(slow.compute)
 
 
 def parse_kill(text: str, world: int, steps: int) -> tuple[int, int]:

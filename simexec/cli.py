@@ -150,6 +150,16 @@ def _add_optional_commands(subs) -> None:
         p.add_argument("--memory-plan", action="store_true",
                        help="also run the program reordered to lower the peak (weight passes early, ZeRO-3 gathers "
                             "late) and report both orders' measured peaks, losses and step times")
+        p.add_argument("--slow", default=None, metavar="SPEC",
+                       help="stragglers as simulate's --slow (rank:R:F, node:N:F): run healthy, then with those ranks "
+                            "computing F x as long, and report the measured slowdown (docs/variation.md)")
+        p.add_argument("--checkpoint-dir", default=None, metavar="DIR",
+                       help="save every rank's state here with torch.distributed.checkpoint")
+        p.add_argument("--checkpoint-every", type=int, default=0, metavar="K", help="save after steps K, 2K, ...")
+        p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint in DIR")
+        p.add_argument("--kill", default=None, metavar="rank:R:step:S",
+                       help="rank R exits hard as it begins step S; the run restarts from the newest checkpoint "
+                            "and reports the time lost against the goodput model")
         p.set_defaults(func=cmd_execute)
     if importlib.util.find_spec("simexec.calibrate.profiles") is not None:
         p = _sub(subs, "calibrate", "fit the cluster's cost parameters to this machine (micro-benchmarks) or to traces")
@@ -328,15 +338,26 @@ def cmd_execute(args) -> int:
     from simexec.exec.api import execute, execute_in_process
 
     if args.in_process:
+        given = [f for f, v in (("--slow", args.slow), ("--checkpoint-dir", args.checkpoint_dir),
+                                ("--resume", args.resume), ("--kill", args.kill),
+                                ("--memory-plan", args.memory_plan)) if v]
+        if given:
+            raise ExecError(f"--in-process runs one rank without Ray: {given[0]} needs the rank actors")
         if args.ray_address or args.backend == "xla":
             what = "--ray-address" if args.ray_address else "--backend xla"
             raise ExecError(f"--in-process runs one rank here without Ray: {what} does not apply")
         result = execute_in_process(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
                                     seed=args.seed, device="cuda" if args.backend == "nccl" else "cpu",
                                     trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir)
+    elif args.slow or args.kill:  # measured beside the simulator's and the goodput model's predictions
+        from simexec.resilience import execute_with_predictions
+
+        result = execute_with_predictions(
+            args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len, ray_address=args.ray_address,
+            backend=args.backend, seed=args.seed, timeout_s=args.timeout, trace_path=args.trace_path,
+            json_path=args.json_path, profile_dir=args.profile_dir, slow=args.slow, checkpoint_dir=args.checkpoint_dir,
+            checkpoint_every=args.checkpoint_every, resume=args.resume, kill=args.kill)
     else:
-        if args.memory_plan and args.in_process:
-            raise ExecError("--memory-plan runs both orders on Ray actors: drop --in-process")
         original = None
         if args.memory_plan:
             original = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
@@ -345,7 +366,8 @@ def cmd_execute(args) -> int:
         result = execute(args.model, args.cluster, args.plan, steps=args.steps, seq_len=args.seq_len,
                          ray_address=args.ray_address, backend=args.backend, seed=args.seed, timeout_s=args.timeout,
                          trace_path=args.trace_path, json_path=args.json_path, profile_dir=args.profile_dir,
-                         memory_plan=args.memory_plan)
+                         checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every,
+                         resume=args.resume, memory_plan=args.memory_plan)
         if original is not None:
             print(result.format())
             print(_memory_plan_lines(original, result))

@@ -15,7 +15,7 @@ import contextlib
 import os
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Union
 
@@ -38,6 +38,8 @@ class ExecResult:
     fingerprint: str = ""
     error: Optional[str] = None
     extra: dict[int, object] = field(default_factory=dict)  # rank -> a runner's "extra" result
+    first_step: int = 0  # the step `losses` and `step_times_s` begin at (resumed runs)
+    reports: dict[str, dict] = field(default_factory=dict)  # stragglers, recovery, checkpoints (`execute`)
     loss_scales: list[float] = field(default_factory=list)  # loss_scale: the scale of each step
     skipped_steps: list[int] = field(default_factory=list)  # loss_scale: steps skipped for overflow
 
@@ -53,6 +55,18 @@ class ExecResult:
                     f"{', '.join(map(str, self.skipped_steps)) or 'none'})"] if self.loss_scales else []),
                  f"events        {len(self.trace.events)} (program {self.fingerprint})",
                  "wall times    " + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in self.timings.items())]
+        st = self.reports.get("stragglers")
+        if st:
+            pred = f", x{st['predicted_ratio']:.3f} simulated" if st.get("predicted_ratio") else ""
+            lines.append(f"stragglers    {st['slowed_step_s'] * 1e3:.1f} ms slowed vs {st['healthy_step_s'] * 1e3:.1f} ms "
+                         f"healthy: x{st['measured_ratio']:.3f} measured{pred}")
+        rec = self.reports.get("recovery")
+        if rec:
+            m, p = rec["measured"], rec.get("predicted")
+            this = f"; predicted {p['this_kill_s']:.2f} s" if p else ""
+            lines.append(f"recovery      rank {rec['killed']['rank']} killed at step {rec['killed']['step']}, resumed "
+                         f"from step {rec['resumed_from_step']} ({rec['steps_redone']} redone): lost {m['lost_s']:.2f} s "
+                         f"(restart {m['restart_s']:.2f} s + redo {m['redo_s']:.2f} s){this}")
         if self.error:
             lines.append(f"error         {self.error}")
         return "\n".join(lines)
@@ -65,6 +79,9 @@ class ExecResult:
                "program_fingerprint": self.fingerprint, "error": self.error}
         if self.loss_scales:
             out.update(loss_scales=self.loss_scales, skipped_steps=self.skipped_steps)
+        if self.first_step:
+            out["first_step"] = self.first_step
+        out.update(self.reports)
         if rp is not None:
             out.update(_describe(rp))
         return out
@@ -76,7 +93,9 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
             profile_dir: Optional[Union[str, os.PathLike]] = None, trace: bool = True, fault=None,
             runner: Optional[Union[str, Callable]] = None, return_params: bool = False,
             on_start: Optional[Callable[[list[dict]], None]] = None, pool=None,
-            memory_plan: bool = False) -> ExecResult:
+            memory_plan: bool = False, slow: Optional[dict[int, float]] = None,
+            checkpoint_dir: Optional[Union[str, os.PathLike]] = None, checkpoint_every: int = 0,
+            resume: bool = False, kill: Optional[str] = None) -> ExecResult:
     """Run `steps` training steps of `plan` on real ranks and measure them.
 
     model / cluster / plan: specs or their names (`gpt-tiny`, `local`, `dp=2,tp=2`).
@@ -90,8 +109,16 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     replaces `Launch`, so several plans run without starting actors each time.
     memory_plan: run the program in the order that lowers each rank's peak
     (`simexec.program.reorder`): the same instructions and maths, the memory saving measured.
+
+    slow: stragglers, {rank: F} (`simexec.resilience` reads `simulate --slow`'s SPEC into it): the
+    plan runs healthy, then with those ranks computing F times as long; the result is the slowed
+    run's, with `stragglers` (both runs' step times and their ratio). checkpoint_dir / checkpoint_every:
+    every rank saves its state (torch.distributed.checkpoint) after steps K, 2K, ... resume: continue
+    from the newest complete checkpoint there (`first_step`). kill `rank:R:step:S`: rank R exits hard
+    as it begins step S; the run restarts from the newest checkpoint and finishes, and `recovery`
+    says what the failure cost, measured (`simexec.resilience` adds the goodput model's prediction).
     """
-    from simexec.exec.runtime.launcher import Launch, RankFailure, start_ray, stop_ray
+    from simexec.exec.runtime.launcher import start_ray, stop_ray
     from simexec.exec.measure.tracer import FAULT_ENV, Fault
     from simexec.program.lower import lower
     from simexec.specs.plan import resolve
@@ -107,6 +134,7 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     if steps < 1:
         raise ExecError(f"steps must be at least 1, got {steps}")
     rp = resolve(*_specs(model, cluster, plan), seq_len)
+    control, kill_at = _control(rp, steps, backend, runner, slow, checkpoint_dir, checkpoint_every, resume, kill)
     program = lower(rp, symmetric=False)
     if memory_plan:
         from simexec.program.reorder import reorder_program
@@ -126,35 +154,186 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
 
     timings: dict[str, float] = {}
     owned = False
-    launch = (pool.launch if pool is not None else Launch)(
-        rp, program, backend=backend, timeout_s=timeout_s, trace=trace, fault=fault,
-        profile=profile_dir is not None, on_start=on_start)
+    attempt = _Attempt(rp, program, pool=pool, steps=steps, seed=seed, runner=runner, return_params=return_params,
+                       profile_dir=profile_dir, files=(trace_path, json_path),
+                       launch_kw=dict(backend=backend, timeout_s=timeout_s, trace=trace, fault=fault,
+                                      profile=profile_dir is not None, on_start=on_start))
+    report: dict = {}
     try:
         t0 = time.perf_counter()
         owned = start_ray(ray_address)
         timings["ray_start_s"] = time.perf_counter() - t0
-        with launch:
-            timings.update(launch.timings)
-            t0 = time.perf_counter()
-            try:
-                outs = launch.run(steps=steps, seed=seed, runner=runner, return_params=return_params,
-                                  profile_dir=str(profile_dir) if profile_dir else None)
-            except RankFailure as exc:
-                timings["run_s"] = time.perf_counter() - t0
-                result = _result(rp, program, exc.partial["outs"], launch.infos, timings, error=str(exc))
-                exc.partial["result"] = result
-                _write(result, rp, trace_path, json_path, profile_dir, exc.partial["outs"])
-                raise
-            timings["run_s"] = time.perf_counter() - t0
-        timings["teardown_s"] = launch.timings.get("teardown_s", 0.0)
+        if control is not None and control.slow:
+            healthy, _ = attempt.run(replace(control, slow={}), timings={})
+            outs, infos = attempt.run(control, timings)
+            report["stragglers"] = _stragglers(control.slow, healthy, outs)
+        elif kill_at is not None:
+            outs, infos, report["recovery"], control = _kill_and_restart(attempt, control, kill_at, timings)
+        else:
+            outs, infos = attempt.run(control, timings)
     finally:
         t0 = time.perf_counter()
         stop_ray(owned)
         if owned:
             timings["ray_stop_s"] = time.perf_counter() - t0
-    result = _result(rp, program, outs, launch.infos, timings)
+    result = _result(rp, program, outs, infos, timings)
+    result.first_step = control.start_step if control is not None else 0
+    result.reports = report
+    if control is not None:
+        result.reports["checkpoints"] = _checkpoint_summary(control, outs)
     _write(result, rp, trace_path, json_path, profile_dir, outs)
     return result
+
+
+@dataclass
+class _Attempt:
+    """One launch of the plan's ranks and one run of them; a failed run writes what it measured."""
+
+    rp: object
+    program: object
+    pool: object
+    steps: int
+    seed: int
+    runner: object
+    return_params: bool
+    profile_dir: object
+    files: tuple
+    launch_kw: dict
+
+    def run(self, control, timings: dict, *, expect_failure: bool = False) -> tuple[dict, list]:
+        from simexec.exec.runtime.launcher import Launch, RankFailure
+
+        launch = (self.pool.launch if self.pool is not None else Launch)(self.rp, self.program, **self.launch_kw)
+        with launch:
+            timings.update(launch.timings)
+            t0 = time.perf_counter()
+            try:
+                outs = launch.run(steps=self.steps, seed=self.seed, runner=self.runner,
+                                  return_params=self.return_params, control=control,
+                                  profile_dir=str(self.profile_dir) if self.profile_dir else None)
+            except RankFailure as exc:
+                timings["run_s"] = time.perf_counter() - t0
+                exc.partial["detected_wall_s"] = time.time()
+                if not expect_failure:
+                    result = _result(self.rp, self.program, exc.partial["outs"], launch.infos, timings,
+                                     error=str(exc))
+                    exc.partial["result"] = result
+                    _write(result, self.rp, *self.files, self.profile_dir, exc.partial["outs"])
+                raise
+            timings["run_s"] = time.perf_counter() - t0
+        timings["teardown_s"] = launch.timings.get("teardown_s", 0.0)
+        return outs, launch.infos
+
+
+def _control(rp, steps: int, backend: str, runner, slow, checkpoint_dir, every: int, resume: bool, kill):
+    """The ranks' `RunControl` from the options (None when none is given), and the kill's (rank, step);
+    bad values fail with one line before any rank starts."""
+    from simexec.exec.rank.run_control import RunControl, newest_checkpoint, parse_kill
+
+    if not (slow or checkpoint_dir or every or resume or kill):
+        return None, None
+    if runner is not None:
+        raise ExecError("--slow, --checkpoint-dir, --resume and --kill need the executor's own interpreter, not a runner")
+    if slow and (checkpoint_dir or every or resume or kill):
+        raise ExecError("--slow runs the plan twice (healthy, slowed): it does not combine with checkpoints or --kill")
+    if backend == "xla" and (checkpoint_dir or kill):
+        raise ExecError("checkpoints and --kill are not implemented for backend xla")
+    if slow:
+        bad = {r: f for r, f in slow.items() if not 0 <= r < rp.world or not 1.0 <= f < float("inf")}
+        if bad:
+            raise ExecError(f"slow: ranks must be in 0..{rp.world - 1} and factors finite numbers >= 1, got {bad}")
+        return RunControl(slow=dict(slow)), None
+    if every < 0:
+        raise ExecError(f"--checkpoint-every must be at least 1, got {every}")
+    if (every or resume or kill) and not checkpoint_dir:
+        raise ExecError("--checkpoint-every, --resume and --kill need --checkpoint-dir")
+    if kill and not every:
+        raise ExecError("--kill needs --checkpoint-every K: the restart resumes from the newest checkpoint")
+    if kill and resume:
+        raise ExecError("--kill restarts from a checkpoint of its own run: it does not combine with --resume")
+    directory = os.fspath(checkpoint_dir)
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ExecError(f"--checkpoint-dir {directory}: not a directory")
+    kill_at = parse_kill(kill, rp.world, steps) if kill else None
+    start, path = 0, None
+    if resume:
+        newest = newest_checkpoint(directory)
+        if newest is None:
+            raise ExecError(f"--resume: no complete checkpoint under {directory}")
+        path, start = newest
+        if start >= steps:
+            raise ExecError(f"--resume: the newest checkpoint ({path}) holds {start} steps; --steps {steps} asks for no more")
+    elif kill:
+        from simexec.exec.rank.run_control import CHECKPOINT_PREFIX
+
+        if os.path.isdir(directory) and any(n.startswith(CHECKPOINT_PREFIX) for n in os.listdir(directory)):
+            raise ExecError(f"--kill: {directory} holds checkpoints already; the restart must find its own run's")
+    os.makedirs(directory, exist_ok=True)
+    return RunControl(checkpoint_dir=directory, checkpoint_every=every, resume_from=path, start_step=start,
+                      kill_rank=kill_at[0] if kill_at else None, kill_step=kill_at[1] if kill_at else None), kill_at
+
+
+def _kill_and_restart(attempt: _Attempt, control, kill_at: tuple[int, int], timings: dict) -> tuple:
+    """The run with its kill, then the restart from the newest checkpoint: the restart's outputs and
+    rank infos, what the failure cost, and the restart's `RunControl`."""
+    import json
+
+    from simexec.exec.measure.recovery import recovery_report
+    from simexec.exec.rank.run_control import KILL_RECORD, newest_checkpoint
+    from simexec.exec.runtime.launcher import RankFailure
+
+    first: dict = {}
+    try:
+        attempt.run(control, first, expect_failure=True)
+        raise ExecError(f"--kill rank:{kill_at[0]}:step:{kill_at[1]}: the run finished without the rank dying")
+    except RankFailure as exc:
+        failure = exc
+    torn_down = time.time()
+    detected = failure.partial["detected_wall_s"]
+    record_path = os.path.join(control.checkpoint_dir, KILL_RECORD)
+    if failure.rank != kill_at[0] or failure.kind != "died" or not os.path.exists(record_path):
+        raise ExecError(f"--kill: the run failed otherwise than by the kill: {failure}")
+    with open(record_path) as fh:
+        killed = json.load(fh)
+    newest = newest_checkpoint(control.checkpoint_dir)
+    path, start = newest if newest is not None else (None, 0)
+    restart = replace(control, kill_rank=None, kill_step=None, resume_from=path, start_step=start)
+    outs, infos = attempt.run(restart, timings)
+    before = {r: st.get("progress", []) for r, st in failure.partial["status"].items()}
+    healthy = [t1 - t0 for rows in before.values() for s, t0, t1, _ in rows if s > 0]
+    saves = [s for o in outs.values() for _, s in o.get("checkpoints", [])]
+    loads = [o["load_s"] for o in outs.values() if o.get("load_s") is not None]
+    report = recovery_report(
+        kill_rank=kill_at[0], kill_step=kill_at[1], kill_wall_s=killed["wall_s"], detected_wall_s=detected,
+        torn_down_wall_s=torn_down, every=control.checkpoint_every, resumed_from=start,
+        healthy_step_s=statistics.median(healthy) if healthy else None,
+        save_s=statistics.median(saves) if saves else None, load_s=max(loads) if loads else None,
+        restarted={r: o.get("progress", []) for r, o in outs.items()}, before=before, steps=attempt.steps)
+    report["first_attempt_timings"] = first
+    return outs, infos, report, restart
+
+
+def _stragglers(factors: dict[int, float], healthy: dict, slowed: dict) -> dict:
+    """Both runs' step times, their ratio and the slowed ranks' own CPU."""
+    from simexec.exec.measure.stragglers import straggler_report
+
+    return straggler_report(factors, _slowest_steps(healthy), _slowest_steps(slowed),
+                            {r: o.get("main_cpu_times_s", []) for r, o in healthy.items()},
+                            {r: o.get("main_cpu_times_s", []) for r, o in slowed.items()})
+
+
+def _slowest_steps(outs: dict) -> list[float]:
+    times = [o["step_times_s"] for o in outs.values() if o.get("step_times_s")]
+    return [max(t[s] for t in times if len(t) > s) for s in range(max(map(len, times), default=0))]
+
+
+def _checkpoint_summary(control, outs: dict) -> dict:
+    saves = sorted({n for o in outs.values() for n, _ in o.get("checkpoints", [])})
+    per_save = [max(s for o in outs.values() for n, s in o.get("checkpoints", []) if n == k) for k in saves]
+    loads = [o["load_s"] for o in outs.values() if o.get("load_s") is not None]
+    return {"dir": control.checkpoint_dir, "every": control.checkpoint_every, "saved_after_steps": saves,
+            "save_s": per_save, "resumed_from": control.resume_from, "first_step": control.start_step,
+            "load_s": max(loads) if loads else None}
 
 
 def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = None, seed: int = 0,
@@ -212,6 +391,13 @@ def execute_in_process(model, cluster, plan, *, steps: int = 3, seq_len: Optiona
     result = _result(rp, program, {0: out}, [info], timings)
     _write(result, rp, trace_path, json_path, profile_dir, {0: out})
     return result
+
+
+def resolved(model, cluster, plan, seq_len: Optional[int] = None):
+    """The ResolvedPlan of specs or their names, as `execute` resolves them."""
+    from simexec.specs.plan import resolve
+
+    return resolve(*_specs(model, cluster, plan), seq_len)
 
 
 def _specs(model, cluster, plan) -> tuple:

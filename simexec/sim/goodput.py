@@ -83,6 +83,15 @@ def daly_wall_time(solve_s: float, tau_s: float, delta_s: float, mtbf_s: float, 
     return m * math.exp(restart_s / m) * math.expm1((tau_s + delta_s) / m) * solve_s / tau_s
 
 
+def lost_per_failure(tau_s: float, delta_s: float, mtbf_s: float, restart_s: float) -> float:
+    """What one failure costs in Daly's model: the wall time `daly_wall_time` adds over a failure-free
+    run, divided by the expected failures (T_w / M): M - (tau + delta) / (e^{R/M} (e^{(tau + delta)/M} - 1)).
+    For M much longer than an interval it is R + (tau + delta) / 2: the restart and, on average, half
+    an interval of work redone."""
+    x = (tau_s + delta_s) / mtbf_s
+    return mtbf_s - (tau_s + delta_s) / (math.exp(restart_s / mtbf_s) * math.expm1(x))
+
+
 @dataclass(frozen=True)
 class GoodputParams:
     """The knobs of the failure and checkpoint model, each with its sourced default."""

@@ -115,6 +115,19 @@ class Adam:
             if w is not p:
                 p.copy_(w)
 
+    def named_state(self) -> dict[str, Tensor]:
+        """Everything a step changes, by name, for a checkpoint: the parameters it updates, fp32
+        masters, moments and the fused kernel's step counts (`steps` is the Python counter beside)."""
+        out: dict[str, Tensor] = {}
+        for i, (p, w, m, v) in enumerate(zip(self.params, self.master, self.m, self.v)):
+            out[f"param/{i}"] = p.detach()
+            if w is not p:
+                out[f"master/{i}"] = w
+            out[f"m/{i}"], out[f"v/{i}"] = m, v
+        counts = self._step_counts if self._calls is None else [c for call in self._step_counts for c in call]
+        out.update({f"count/{i}": c for i, c in enumerate(counts)})
+        return out
+
     def state_tensors(self) -> list[Tensor]:
         """Moments and fp32 masters: what the optimizer holds beyond the parameters."""
         return self.m + self.v + [w for p, w in zip(self.params, self.master) if w is not p]

@@ -39,6 +39,8 @@ handle of an issued one), `simexec.exec.rank.dataflow` (what each block reads an
 """
 from __future__ import annotations
 
+import json
+import os
 import time
 from typing import Any, Callable, Optional
 
@@ -60,7 +62,9 @@ from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, CO
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
+from simexec.exec.rank import checkpoint
 from simexec.exec.rank.ring import RingAttention
+from simexec.exec.rank.run_control import KILL_RECORD, KILLED_EXIT_CODE, RunControl, checkpoint_path
 from simexec.exec.rank.sharding import Sharding
 from simexec.program.instructions import Instr
 
@@ -102,6 +106,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.lay = Layout.of(rp, self.rank)
         self.L = m.layers
         self.step_no = -1
+        self.slow_factor = 1.0  # a straggler's compute slowdown (`slowed_compute`)
         self.inflight: dict[str, InflightComm] = {}
         # gloo's sends complete only when waited on (`SendWaiter`); NCCL's and XLA's host sends do not need it
         self.send_waiter = SendWaiter.shared() if device.type == "cpu" and self.comm is TorchComm else None
@@ -277,6 +282,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.loss: Optional[Tensor] = None
         self.attach_grads()
         inflight, tracer, cut = self.inflight, self.tracer, self.cut
+        slow = self.slow_factor > 1.0
         begin, end = tracer.begin, tracer.end
         for ins, code, deps, free, drop in self._ops:
             for dep in deps:
@@ -287,9 +293,12 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if inflight:
                     self.reap()
                 begin(ins, step)
-                self.compute(ins)
-                if cut is not None:
-                    cut()
+                if slow:
+                    self.slowed_compute(ins)
+                else:
+                    self.compute(ins)
+                    if cut is not None:
+                        cut()
                 end(ins, step)
                 for key in free:
                     self.z3_release(key)
@@ -307,6 +316,31 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 self.drop_layer(*drop)
         self.wait_all()
         return None if self.loss is None else float(self.loss)
+
+    def slowed_compute(self, ins: Instr) -> None:
+        """A straggler's compute (`--slow`): the instruction, then (F - 1) times its measured time more,
+        so the rank's compute takes F times as long. On a CPU rank the time is the thread's CPU time
+        (the rank computes on this one thread) and the extra is CPU work, a spin until the thread has
+        used that much more: the rank's core does F times the work, as a slower core would, and on
+        cores shared with other processes both the work and the extra wait their turn alike (a sleep
+        would wake up late there, and wall time would double whatever preempted the instruction). On
+        a GPU the device is synchronized around the instruction and the extra is wall time."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            clock = time.perf_counter
+        else:
+            clock = time.thread_time
+        t0 = clock()
+        self.compute(ins)
+        if self.cut is not None:
+            self.cut()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t1 = clock()
+        until = t1 + (self.slow_factor - 1.0) * (t1 - t0)
+        while clock() < until:
+            pass
+
     # --- results ----------------------------------------------------------------------------------
     def final_params(self) -> dict[str, Tensor]:
         """This rank's tensor-/expert-parallel shard of every parameter it holds. ZeRO-3 shards are
@@ -344,17 +378,25 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
 # ---------------------------------------------------------------------------------------------------
 
 
-def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "torch.device", seed: int = 0) -> dict:
-    """Run `steps` training steps of this rank's program. Returns {"losses": [float per step] (on the
-    rank(s) that compute the loss; others return []), "step_times_s": [...], "params": {name: tensor
-    (cpu, this rank's shard)}, "peak_memory_bytes": int}, and under loss_scale "loss_scales" (per
-    step) and "skipped_steps" (those whose gradients overflowed on some rank). Peak memory is that of
-    the first step (optimizer states exist from the start, so it is the steady state): on CUDA
+def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "torch.device", seed: int = 0,
+             control: Optional[RunControl] = None, progress: Optional[list] = None) -> dict:
+    """Run training steps `control.start_step` (0 unless resuming) to `steps` - 1 of this rank's
+    program. Returns {"losses": [float per step] (on the rank(s) that compute the loss; others
+    return []), "step_times_s": [...], "params": {name: tensor (cpu, this rank's shard)},
+    "peak_memory_bytes": int}, and under loss_scale "loss_scales" (per step) and "skipped_steps"
+    (those whose gradients overflowed on some rank). Peak memory is that of the first step run
+    (optimizer states exist from the start, so it is the steady state): on CUDA
     `max_memory_allocated`, on CPU the live tensor storages of device memory (not the communication
     backend's temporaries, such as gloo's copy inside reduce-scatter, nor the host copies of an
     offloaded optimizer); there also `largest_alloc_bytes`, the largest single tensor storage the
     interpreter's ops created in that step. On an XLA device the runtime's peak where it reports one
-    (TPU, GPU), else 0."""
+    (TPU, GPU), else 0.
+
+    control (`simexec.exec.rank.run_control`): this rank's slowdown, checkpoints (saved after steps
+    K, 2K, ...: "checkpoints" [(steps done, seconds)]), the checkpoint to resume from ("load_s"), a
+    kill. progress: a list this appends [step, wall-clock begin, end, loss] to as each step ends,
+    which the actor reports while the run goes on (so a failed run's progress is known)."""
+    control = control or RunControl()
     device = torch.device(device)
     cuda = device.type == "cuda"
     xla = device.type == "xla"
@@ -364,11 +406,18 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
 
         comm = X.comm_for(dist.get_backend() if dist.is_initialized() else "xla")
     r = RankInterpreter(rp, instrs, groups, tracer, device, seed, comm)
+    r.slow_factor = control.slow_factor(r.rank)
+    saved: list[tuple[int, float]] = []
+    load_s = checkpoint.load(r, control.resume_from) if control.resume_from else None
+    progress = progress if progress is not None else []
     losses, times, cpu, main_cpu = [], [], [], []  # the process's CPU time a step (every thread), this thread's
     peak = largest = 0
-    for step in range(steps):
+    first = control.start_step
+    for step in range(first, steps):
+        if control.kills(r.rank, step):
+            die(control, r.rank, step)
         tracker = None
-        if step == 0:
+        if step == first:
             if cuda:
                 torch.cuda.reset_peak_memory_stats(device)
             elif not xla:  # XLA tensors have no storage to count: the runtime's figure (0 on CPU)
@@ -382,6 +431,7 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
                 LIVE_TRACKER[0] = tracker
         if cuda:
             torch.cuda.synchronize(device)
+        wall0 = time.time()
         t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         try:
             loss = r.run_step(step)
@@ -394,7 +444,8 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         times.append(time.perf_counter() - t0)
         main_cpu.append(time.thread_time() - m0)  # read inside the process's interval: never above it
         cpu.append(time.process_time() - c0)
-        if step == 0:
+        wall1 = time.time()
+        if step == first:
             if xla:
                 peak = X.peak_memory(device)
             else:
@@ -403,8 +454,22 @@ def run_rank(rp, instrs: list[Instr], *, steps: int, groups, tracer, device: "to
         loss = r.global_loss(loss)
         if loss is not None:
             losses.append(loss)
+        progress.append([step, wall0, wall1, loss])
+        if control.saves_after(step + 1):
+            saved.append((step + 1, checkpoint.save(r, checkpoint_path(control.checkpoint_dir, step + 1))))
     out = {"losses": losses, "step_times_s": times, "cpu_times_s": cpu, "main_cpu_times_s": main_cpu,
-           "params": r.final_params(), "peak_memory_bytes": peak, "largest_alloc_bytes": largest}
+           "params": r.final_params(), "peak_memory_bytes": peak, "largest_alloc_bytes": largest,
+           "progress": [list(p) for p in progress], "checkpoints": saved, "load_s": load_s}
     if rp.plan.loss_scale > 0:
-        out.update(loss_scales=r.scaler.scales, skipped_steps=r.scaler.skipped)
+        scales, skipped = r.scaler.scales, r.scaler.skipped
+        out.update(loss_scales=scales[first:], skipped_steps=[s for s in skipped if s >= first])
     return out
+
+
+def die(control: RunControl, rank: int, step: int) -> None:
+    """`--kill`: note which rank stops and when (wall clock), then leave at once, as a crash does:
+    no cleanup, no goodbye to the process group."""
+    record = {"rank": rank, "step": step, "wall_s": time.time()}
+    with open(os.path.join(control.checkpoint_dir, KILL_RECORD), "w") as fh:
+        json.dump(record, fh)
+    os._exit(KILLED_EXIT_CODE)

@@ -189,8 +189,9 @@ class Launch:
 
     # --- run --------------------------------------------------------------------------------------
     def run(self, *, steps: int, seed: int = 0, runner=None, profile_dir: Optional[str] = None,
-            return_params: bool = False) -> dict[int, dict]:
-        """Every rank's result; raises `RankFailure` when a rank dies, raises or hangs."""
+            return_params: bool = False, control=None) -> dict[int, dict]:
+        """Every rank's result; raises `RankFailure` when a rank dies, raises or hangs. control: a
+        `simexec.exec.rank.run_control.RunControl` for every rank (None: the runner's defaults)."""
         import ray
 
         from simexec.exec.runtime.worker import DEFAULT_RUNNER
@@ -198,7 +199,8 @@ class Launch:
         ranks_ref = ray.put(self.program.ranks)
         rp_ref = ray.put(self.rp)
         pending = {a.run.remote(rp_ref, ranks_ref, steps=steps, seed=seed, runner=runner or DEFAULT_RUNNER,
-                                profile_dir=profile_dir, return_params=return_params): r
+                                profile_dir=profile_dir, return_params=return_params,
+                                **({} if control is None else {"control": control})): r
                    for r, a in enumerate(self.actors)}
         outs: dict[int, dict] = {}
         failures: dict[int, Failure] = {}

@@ -49,6 +49,7 @@ class RankWorker:
         self.groups: Optional[GroupTable] = None
         self.device = torch.device("cpu")
         self.gloo_loops_idled = 0  # gloo event-loop threads put at SCHED_IDLE by `setup`
+        self.progress: list = []  # under a RunControl: [step, wall begin, wall end, loss] per finished step
 
     def info(self) -> dict:
         ctx = ray.get_runtime_context()
@@ -89,8 +90,11 @@ class RankWorker:
 
     def run(self, rp, program_ranks: dict, *, steps: int, seed: int = 0,
             runner: Union[str, Callable] = DEFAULT_RUNNER, profile_dir: Optional[str] = None,
-            return_params: bool = False) -> dict:
+            return_params: bool = False, control=None) -> dict:
+        """control: a `RunControl` for the runner (slowdown, checkpoints, resume, kill); the runner then
+        also gets `progress`, a list of finished steps that `status` reports while it runs."""
         self.phase = "running"
+        self.progress = []
         out: dict = {"rank": self.rank, "error": None, "gloo_loops_idled": self.gloo_loops_idled}
         prof = None
         try:
@@ -99,7 +103,9 @@ class RankWorker:
             if profile_dir:
                 prof = torch_profiler(self.device)
                 prof.__enter__()
-            res = fn(rp, instrs, steps=steps, groups=self.groups, tracer=self.tracer, device=self.device, seed=seed)
+            more = {} if control is None else {"control": control, "progress": self.progress}
+            res = fn(rp, instrs, steps=steps, groups=self.groups, tracer=self.tracer, device=self.device, seed=seed,
+                     **more)
             if prof is not None:
                 prof.__exit__(None, None, None)
                 out["profile"] = chrome_text(prof)
@@ -112,6 +118,9 @@ class RankWorker:
             if "loss_scales" in res:
                 out.update(loss_scales=[float(x) for x in res["loss_scales"]],
                            skipped_steps=[int(x) for x in res["skipped_steps"]])
+            for key in ("progress", "checkpoints", "load_s"):  # (a RunControl's reports)
+                if key in res:
+                    out[key] = res[key]
             if res.get("extra") is not None:  # anything else a runner reports (benchmarks)
                 out["extra"] = res["extra"]
             if return_params:
@@ -142,6 +151,8 @@ class RankWorker:
         st = {"rank": self.rank, "phase": self.phase, "step": -1, "current": "", "count": 0}
         if self.tracer is not None:
             st.update(self.tracer.status())
+        if self.progress:
+            st["progress"] = [list(p) for p in self.progress]
         return st
 
     @ray.method(concurrency_group="ctl")

@@ -62,6 +62,7 @@ class Instr:
     category: str = ""
     keys: float = 0.0  # attention on a GPU: the keys its average query attends to (Block.keys)
     gemm_groups: float = 0.0  # a grouped GEMM: the equal GEMMs its FLOPs split into (Block.gemm_groups)
+    host_s: float = 0.0  # seconds the rank's host spends before the device can run it (its stream waits)
 
     @property
     def id(self) -> str:
@@ -81,7 +82,7 @@ class Instr:
                 continue
             if isinstance(val, tuple):
                 val = ",".join(str(v) for v in val)
-            elif f.name in ("flops", "bytes", "keys", "gemm_groups"):
+            elif f.name in ("flops", "bytes", "keys", "gemm_groups", "host_s"):
                 val = repr(float(val))
             parts.append(f"{f.name}={val}")
         return " ".join(parts)
@@ -99,7 +100,7 @@ class Instr:
                 kw[key] = tuple(int(v) for v in val.split(",")) if val else ()
             elif key in ("layer", "mb", "chunk", "peer"):
                 kw[key] = int(val)
-            elif key in ("flops", "bytes", "keys", "gemm_groups"):
+            elif key in ("flops", "bytes", "keys", "gemm_groups", "host_s"):
                 kw[key] = float(val)
             else:
                 kw[key] = val

@@ -167,7 +167,7 @@ class Engine:
         memory: list[int] = []  # memory instructions, in program order
         anchor_of: dict[int, int] = {}  # memory instr not visited -> the instruction it ends with (-1: none)
         signals: set[int] = set()
-        cost_cache: dict[tuple[str, float, float], float] = {}
+        cost_cache: dict[tuple, float] = {}
         work_of, host_work = m.work, m.host_work
         kinds = _KIND
         base = 0
@@ -214,7 +214,7 @@ class Engine:
                         kind[k] = HOST
                         work[k] = host_work(ins)
                     else:
-                        key = (ins.op, ins.flops, ins.bytes)
+                        key = (ins.op, ins.flops, ins.bytes, ins.phase, ins.keys, ins.gemm_groups, ins.host_s)
                         w = cost_cache.get(key)
                         if w is None:
                             w = cost_cache[key] = work_of(ins)

@@ -65,8 +65,8 @@ class Machine:
     # --- compute ---------------------------------------------------------------------------------
 
     def work(self, ins: Instr) -> float:
-        """Seconds of a compute instruction on an idle device."""
-        return self.compute.time(ins.op, ins.flops, ins.bytes, ins.phase, ins.keys, ins.gemm_groups)
+        """Seconds of a compute instruction on an idle device, after the host time it waits for."""
+        return self.compute.time(ins.op, ins.flops, ins.bytes, ins.phase, ins.keys, ins.gemm_groups) + ins.host_s
 
     def compute_rate(self, transfers_in_flight: int) -> float:
         """Compute speed (1 = idle device) while `transfers_in_flight` transfers of the rank run:

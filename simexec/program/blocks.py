@@ -192,6 +192,22 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         per_token = self.tokens * self.dt / self.tp
         return (q + kv) * per_token, o * per_token
 
+    def exchange_bytes(self, name: str, ep_net_ranks: int = 1) -> float:
+        """What one rank's exchange `name` (a `LayerStep` on the cp, ep or etp axis) moves: a collective's
+        buffer as `simexec.sim.network` takes it, an all-gather's gathered tensor, an all-to-all's send
+        buffer, per `Plan.moe_dispatcher`. `ep_net_ranks`: the size of the rank's `ep_net` group (the
+        NVLink domains DeepEP's network hop spans). The lowering and the search's bounds both read it."""
+        dispatcher = self.rp.plan.moe_dispatcher
+        if name in ("dispatch", "combine"):
+            return self.gathered_tokens_bytes if dispatcher == "allgather" else self.dispatch_bytes
+        if name in ("dispatch_net", "combine_net"):
+            return self.deepep_network_bytes(ep_net_ranks)
+        if name in ("etp_in", "etp_out"):
+            return self.gathered_tokens_bytes * self.etp if dispatcher == "allgather" else self.etp_gathered_bytes
+        if name == "kv":
+            return self.kv_bytes
+        return self.heads_exchange_bytes[0 if name == "heads_in" else 1]
+
     # --- blocks --------------------------------------------------------------------------------------
     @property
     def dense(self) -> dict[str, Block]:

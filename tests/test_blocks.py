@@ -148,7 +148,7 @@ def test_fp32_main_gradients_accumulate_each_micro_batch_at_ten_bytes_a_paramete
 
 def test_the_embedding_gradient_is_accumulated_like_every_weight_gradient():
     """The embedding's backward zeroes a dense gradient of its vocabulary shard, scatters the rows into
-    it, then adds it into the accumulated sum as every weight gradient is (`_wgrad`): 2 bytes per
+    it, then adds it into the accumulated sum as every weight gradient is (`weight_grad_bytes`): 2 bytes per
     parameter for the zeroing and 6 for the sum in bf16, 4 more when the sum is fp32 (`grad_fp32`)."""
     params = MODEL.embedding_params() / 2
     rows = 2 * 2 * (2 * S) * H  # read the incoming gradient of two sequences, write its rows

@@ -154,16 +154,16 @@ def counting_cores(stats: collections.Counter):
     from simexec.sim.host.cores import Cores
 
     class CountingCores(Cores):
-        def _advance(self) -> None:
+        def advance(self) -> None:
             dt = self.env.now - self.t
             if dt > 0:
                 stats["idle_s"] += dt if self.n == 0 else 0.0
                 stats["full_s"] += dt if self.n >= self.capacity else 0.0
                 stats["busy_core_s"] += dt * min(self.capacity, self.n)
-            super()._advance()
+            super().advance()
 
         def run(self, key, seconds: float):
-            k = self._weight(key)
+            k = self.weight_of(key)
             stats["comm_cpu_s" if isinstance(key, tuple) else "main_cpu_s"] += seconds * k
             if seconds > 0 and self.last_end.get(key) != self.env.now:
                 stats["wake_wait_s"] += (self.idle_wake_wait() + self.wake_wait()) * k

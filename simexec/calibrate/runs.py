@@ -143,9 +143,9 @@ def _pooled_launch_class():
             self.actors, self.infos = list(actors), list(infos)
             self.timings["actors_s"] = time.perf_counter() - t0
             t0 = time.perf_counter()
-            port = self._get([self.actors[0].free_port.remote()], STARTUP_TIMEOUT_S, "start")[0]
+            port = self.get_all([self.actors[0].free_port.remote()], STARTUP_TIMEOUT_S, "start")[0]
             specs = group_specs(self.rp, self.program)
-            self._get([a.setup.remote(self.infos[0]["ip"], port, self.backend, self.timeout_s + PG_TIMEOUT_MARGIN_S,
+            self.get_all([a.setup.remote(self.infos[0]["ip"], port, self.backend, self.timeout_s + PG_TIMEOUT_MARGIN_S,
                                       specs, trace=self.trace, fault=self.fault, profile=self.profile)
                        for a in self.actors], STARTUP_TIMEOUT_S, "rendezvous")
             self.timings["rendezvous_s"] = time.perf_counter() - t0

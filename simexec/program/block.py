@@ -57,3 +57,13 @@ class Block:
     @property
     def bwd_bytes(self) -> float:
         return 2.0 * self.bytes if self.bwd is None else self.bwd
+
+
+def gemm_cost(m: float, k: float, n: float, dt: int) -> tuple[float, float]:
+    """FLOPs and operand bytes of an (m x k) @ (k x n) matmul."""
+    return 2.0 * m * k * n, dt * (m * k + k * n + m * n)
+
+
+def ln_bytes(tokens: float, h: float, dt: int, sp: int) -> float:
+    """One [tokens, h] activation on this rank (split by sequence parallelism)."""
+    return tokens * h * dt / sp

@@ -24,8 +24,9 @@ from dataclasses import replace
 from functools import cached_property
 from typing import Optional
 
-from simexec.program.block import Block
-from simexec.program.layer_order import LayerStep, destination_domains, layer_steps
+from simexec.program.block import Block, gemm_cost
+from simexec.program.layer_order import LayerStep, layer_steps
+from simexec.program.moe_blocks import MoEBlocks
 from simexec.program.stack_kernels import CrossEntropyCost, FrameworkKernels, cross_entropy_cost
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
@@ -35,17 +36,7 @@ FUSED_ATTENTION_BWD_RATIO = 2.5
 HIGH_PRECISION_GEMM = "gemm_bf16"  # op class of a GEMM an FP8 recipe leaves in bf16
 
 
-def _gemm(m: float, k: float, n: float, dt: int) -> tuple[float, float]:
-    """FLOPs and operand bytes of an (m x k) @ (k x n) matmul."""
-    return 2.0 * m * k * n, dt * (m * k + k * n + m * n)
-
-
-def ln_bytes(tokens: float, h: float, dt: int, sp: int) -> float:
-    """One [tokens, h] activation on this rank (split by sequence parallelism)."""
-    return tokens * h * dt / sp
-
-
-class Anatomy(FrameworkKernels):
+class Anatomy(FrameworkKernels, MoEBlocks):
     """Per-rank block costs for one resolved plan (computed once, looked up per instruction)."""
 
     def __init__(self, rp: ResolvedPlan):
@@ -112,7 +103,7 @@ class Anatomy(FrameworkKernels):
         self._kinds: dict[tuple[bool, Optional[int]], dict[str, Block]] = {}
 
     # --- memory-bound kernels (bytes read + written) ----------------------------------------------
-    def _norm_fwd(self) -> float:
+    def norm_fwd(self) -> float:
         """LayerNorm / RMSNorm: read x, write y (replicated over tp unless sp)."""
         return 2 * self.dt * self.tokens * self.h / self.sp_div
 
@@ -123,32 +114,32 @@ class Anatomy(FrameworkKernels):
         return self.tokens / self.sp_div * self.norm_stats_per_token
 
     @property
-    def _opening_stats(self) -> float:
+    def opening_stats(self) -> float:
         """The statistics of the norm that opens a column-parallel block (under sp, its own block's)."""
         return 0.0 if self.sp else self.norm_stats
 
-    def _norm_bwd(self) -> float:
+    def norm_bwd(self) -> float:
         """Norm backward (read x, dy; write dx) + the residual stream's gradient sum (read 2, write 1)."""
         return 6 * self.dt * self.tokens * self.h / self.sp_div
 
-    def _opening_norm(self) -> tuple[float, float]:
+    def opening_norm(self) -> tuple[float, float]:
         """(forward, backward) bytes of the norm that opens a column-parallel block; nothing under sp,
-        where the norm is a block of its own (`_sp_norm`)."""
-        return (0.0, 0.0) if self.sp else (self._norm_fwd(), self._norm_bwd())
+        where the norm is a block of its own (`sp_norm`)."""
+        return (0.0, 0.0) if self.sp else (self.norm_fwd(), self.norm_bwd())
 
-    def _residual_fwd(self) -> float:
+    def residual_fwd(self) -> float:
         """(bias +) dropout + residual add: read branch and residual, write the sum (+ a 1-byte mask)."""
         n = self.tokens * self.h / self.sp_div
         return 3 * self.dt * n + (n if self.dropout else 0.0)
 
-    def _residual_bwd(self, bias: bool) -> float:
+    def residual_bwd(self, bias: bool) -> float:
         """Dropout backward (read dy and the mask, write dx); the bias gradient reads dy once more."""
         n = self.tokens * self.h / self.sp_div
         if not self.dropout:
             return self.dt * n if bias else 0.0
         return (2 * self.dt + 1) * n + (self.dt * n if bias else 0.0)
 
-    def _wgrad(self, params: float) -> float:
+    def weight_grad_bytes(self, params: float) -> float:
         """Accumulating a weight gradient over micro-batches: read the sum and the new one, write the sum
         (the sum in fp32 under `grad_fp32`: 10 bytes per parameter instead of 6)."""
         return (2 * self.acc_dt + self.grad_dt) * params
@@ -201,61 +192,21 @@ class Anatomy(FrameworkKernels):
         per_token = self.tokens * self.dt / self.tp
         return (q + kv) * per_token, o * per_token
 
-    @cached_property
-    def expert_slots(self) -> float:
-        """Rows one rank's tokens fill in the experts' buffers: top_k per token under balanced routing,
-        times the capacity factor where buffers are cut or padded to capacity (MoESpec.capacity_factor)."""
-        moe = self.rp.model.moe
-        return self.tokens * moe.top_k * (moe.capacity_factor or 1.0) if moe else 0.0
-
-    @cached_property
-    def routed_tokens(self) -> float:
-        """Tokens this rank routes: all of its micro-batch's (each tp rank the same ones, its experts'
-        outputs partial over tp); under parallel folding only its own sequence shard (Megatron-Core's
-        MoE layer under sp routes the sp slice it holds)."""
-        return self.tokens / self.sp_div if self.rp.folded else self.tokens
-
-    @cached_property
-    def router_skew(self) -> float:
-        """The busiest ep rank's rows over the balanced share (`Plan.moe_router_skew`); 1 where the
-        experts' buffers are cut or padded to capacity (`MoESpec.capacity_factor`), whatever the routing."""
-        moe = self.rp.model.moe
-        return 1.0 if moe is None or moe.capacity_factor is not None else self.rp.plan.moe_router_skew
-
-    @cached_property
-    def expert_rows(self) -> float:
-        """Rows this rank's experts compute: `expert_slots`; under parallel folding its share of the rows
-        its ep group dispatched (what its own tokens fill), times etp after the etp all-gather. Under
-        `moe_router_skew` the busiest ep rank's, which every rank waits for in the combine."""
-        rows = self.expert_slots if not self.rp.folded else self.expert_slots / self.sp_div * self.etp
-        return rows * self.router_skew
-
-    @cached_property
-    def etp_gathered_bytes(self) -> float:
-        """A folded plan's etp all-gather of the dispatched rows (and reduce-scatter of the outputs):
-        the gathered size."""
-        return self.expert_rows * self.h * self.dt
-
-    @cached_property
-    def dispatch_bytes(self) -> float:
-        """Rows sent to experts by one rank: top_k copies of each of its tokens (capacity-bound); under
-        `moe_router_skew` the busiest rank's share, which sets the all-to-all's time."""
-        return self.expert_slots * self.h * self.dt / self.sp_div * self.router_skew
-
-    @cached_property
-    def gathered_tokens_bytes(self) -> float:
-        """moe_dispatcher=allgather: the hidden states of the tokens the ep group routes, gathered whole
-        on each of its ranks (each once, whatever its top_k; the ranks keep their experts' rows)."""
-        return self.routed_tokens * self.h * self.dt * self.ep
-
-    def deepep_network_bytes(self, domains: int) -> float:
-        """moe_dispatcher=deepep: what one rank sends over the network hop: each of its tokens once per
-        NVLink domain that holds one of its top_k experts (DeepEP's internode dispatch forwards a token
-        to a domain once and fans it out there over NVLink), under `moe_router_skew` the busiest rank's. Its
-        tokens as `dispatch_bytes` counts them (under sp each tp rank sends its sequence shard's)."""
-        moe = self.rp.model.moe
-        return (self.tokens / self.sp_div * self.h * self.dt * destination_domains(moe.experts, moe.top_k, domains)
-                * self.router_skew)
+    def exchange_bytes(self, name: str, ep_net_ranks: int = 1) -> float:
+        """What one rank's exchange `name` (a `LayerStep` on the cp, ep or etp axis) moves: a collective's
+        buffer as `simexec.sim.network` takes it, an all-gather's gathered tensor, an all-to-all's send
+        buffer, per `Plan.moe_dispatcher`. `ep_net_ranks`: the size of the rank's `ep_net` group (the
+        NVLink domains DeepEP's network hop spans). The lowering and the search's bounds both read it."""
+        dispatcher = self.rp.plan.moe_dispatcher
+        if name in ("dispatch", "combine"):
+            return self.gathered_tokens_bytes if dispatcher == "allgather" else self.dispatch_bytes
+        if name in ("dispatch_net", "combine_net"):
+            return self.deepep_network_bytes(ep_net_ranks)
+        if name in ("etp_in", "etp_out"):
+            return self.gathered_tokens_bytes * self.etp if dispatcher == "allgather" else self.etp_gathered_bytes
+        if name == "kv":
+            return self.kv_bytes
+        return self.heads_exchange_bytes[0 if name == "heads_in" else 1]
 
     # --- blocks --------------------------------------------------------------------------------------
     @property
@@ -274,16 +225,16 @@ class Anatomy(FrameworkKernels):
         key = (moe, window)
         if key not in self._kinds:
             attention = self._attention(window)
-            blocks = self._with_workspace({**attention, **(self._moe() if moe else self._mlp())})
-            self._kinds[key] = self._with_sp_layout_copies(self._with_stack_elementwise(blocks), moe)
+            blocks = self._with_workspace({**attention, **(self.moe_mlp() if moe else self._mlp())})
+            self._kinds[key] = self.with_sp_layout_copies(self.with_stack_elementwise(blocks), moe)
         return self._kinds[key]
 
     # --- backward workspace ------------------------------------------------------------------------------
-    def _wgrad_tmp(self, *params: float) -> float:
+    def wgrad_tmp(self, *params: float) -> float:
         """The largest weight-gradient temporary of a block (0 with fused wgrad)."""
         return 0.0 if self.fused_wgrad or not params else max(params) * self.grad_dt
 
-    def _norm_bwd_temps(self, elems: float) -> float:
+    def norm_bwd_temps(self, elems: float) -> float:
         """The temporaries a norm's backward over `elems` input elements holds at its worst, beside the
         incoming gradient (its own output among them); 0 for a fused kernel."""
         return self.norm_bwd_fp32_buffers * 4.0 * elems
@@ -304,16 +255,16 @@ class Anatomy(FrameworkKernels):
         latent = m.latent_matmul_params()
         # a block that opens with a norm (without sp) runs the norm's backward last, on the GEMM's
         # input gradient n with the residual stream's gradient carried beside it
-        opening_norm = 0.0 if self.sp else n_s + n + self._norm_bwd_temps(T * h)
-        inner_norms = max(self._norm_bwd_temps(T * (m.q_lora_rank or 0)), self._norm_bwd_temps(T * (m.kv_lora_rank or 0)),
-                          self._norm_bwd_temps(T * max(m.heads, m.kv_heads) / t * qk) if m.qk_norm else 0.0)
+        opening_norm = 0.0 if self.sp else n_s + n + self.norm_bwd_temps(T * h)
+        inner_norms = max(self.norm_bwd_temps(T * (m.q_lora_rank or 0)), self.norm_bwd_temps(T * (m.kv_lora_rank or 0)),
+                          self.norm_bwd_temps(T * max(m.heads, m.kv_heads) / t * qk) if m.qk_norm else 0.0)
         ws = {
-            "proj": n_s + ctx + self._wgrad_tmp(o_params / t),
-            "qkv": max(n_s + qkv + n + self._wgrad_tmp((qkv_params - latent) / t + latent), n_s + qkv + inner_norms,
+            "proj": n_s + ctx + self.wgrad_tmp(o_params / t),
+            "qkv": max(n_s + qkv + n + self.wgrad_tmp((qkv_params - latent) / t + latent), n_s + qkv + inner_norms,
                        opening_norm),
         }
         if self.sp:  # a norm on the sequence slice: its input gradient
-            ws["norm1"] = ws["norm2"] = n_s + self._norm_bwd_temps(T * h / self.sp_div)
+            ws["norm1"] = ws["norm2"] = n_s + self.norm_bwd_temps(T * h / self.sp_div)
         if self.rp.plan.flash_attention:
             ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
         else:
@@ -326,18 +277,11 @@ class Anatomy(FrameworkKernels):
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t
-            ws["fc2"] = n_s + T * ffn * dt + self._wgrad_tmp(m.ffn * h / t)
+            ws["fc2"] = n_s + T * ffn * dt + self.wgrad_tmp(m.ffn * h / t)
             swiglu = T * (ffn + width + self.swiglu_bwd_buffers * ffn) * dt
-            ws["fc1"] = max(n_s + max(swiglu, T * width * dt + n) + self._wgrad_tmp(h * width), opening_norm)
+            ws["fc1"] = max(n_s + max(swiglu, T * width * dt + n) + self.wgrad_tmp(h * width), opening_norm)
         else:
-            e = m.moe
-            routed, slots = self.routed_tokens * e.top_k, self.expert_rows
-            width = e.expert_ffn * (2 if m.gated else 1) / self.etp
-            shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts * (2 if m.gated else 1) / t
-            ws["moe_out"] = n_s + routed * h * dt + T * shared * dt + n + self._wgrad_tmp(h * shared)
-            ws["experts"] = n_s + 2 * slots * h * dt + slots * width * dt + self._wgrad_tmp(h * width)
-            ws["router"] = max(n_s + slots * h * dt / self.sp_div + n + 2 * T * e.experts * 4
-                               + self._wgrad_tmp(h * e.experts), opening_norm)
+            ws.update(self.moe_workspaces(n_s, n, opening_norm))
         return ws
 
     def _with_workspace(self, blocks: dict[str, Block]) -> dict[str, Block]:
@@ -354,7 +298,7 @@ class Anatomy(FrameworkKernels):
         gradient accumulation, autograd's temporary."""
         if not params:
             return {}
-        return {"wgrad_flops": b.flops, "wgrad_bytes": self._wgrad(params), "wgrad_tmp": self._wgrad_tmp(params),
+        return {"wgrad_flops": b.flops, "wgrad_bytes": self.weight_grad_bytes(params), "wgrad_tmp": self.wgrad_tmp(params),
                 "grad_out": grad_out}
 
     def weight_passes(self, moe: bool = False) -> dict[str, tuple[float, float]]:
@@ -374,16 +318,7 @@ class Anatomy(FrameworkKernels):
             out["fc1"] = (h * width, T * width * dt + norm)
             out["fc2"] = (m.ffn * h / t, n)
         else:
-            e = m.moe
-            width = e.expert_ffn * (2 if m.gated else 1) / self.etp
-            shared = (e.shared_expert_ffn or e.expert_ffn) * e.shared_experts
-            slots = self.expert_rows
-            out["router"] = (h * e.experts, self.routed_tokens * e.experts * 4 + norm)
-            out["experts"] = (e.experts / self.ep * (h * width + e.expert_ffn * h / self.etp),
-                              slots * (width + h) * dt)
-            if shared:
-                out["moe_out"] = (h * shared * ((3 if m.gated else 2) / t),
-                                  T * (shared * (2 if m.gated else 1) / t + h) * dt)
+            out.update(self.moe_weight_passes(norm))
         return out
 
     def layer(self, i: int) -> dict[str, Block]:
@@ -395,13 +330,6 @@ class Anatomy(FrameworkKernels):
         p = self.rp.plan
         return layer_steps(self.rp.model.is_moe_layer(i), bool(p.sp), p.cp, p.cp_impl, p.etp or 1, p.moe_dispatcher,
                            not self.moe_without_tp)
-
-    @cached_property
-    def moe_without_tp(self) -> bool:
-        """MoE layers without tp collectives around their MLP: folded experts over tp > 1 (under sp, which
-        folding needs there) and no shared expert, whose TP MLP would need the gathered sequence."""
-        m = self.rp.model
-        return bool(self.rp.folded and self.tp > 1 and m.moe is not None and not m.moe.shared_experts)
 
     def _keys_per_query(self, window: Optional[int]) -> float:
         """Keys a fused attention kernel computes per query of this rank (load-balanced over cp)."""
@@ -434,10 +362,10 @@ class Anatomy(FrameworkKernels):
         has_bias = m.bias or m.qkv_bias
         # qkv: norm (its own block under sp), GEMM, bias add (matmul then add: read + write the
         # output), rotary on q and k
-        norm_f, norm_b = self._opening_norm()
+        norm_f, norm_b = self.opening_norm()
         ln = T * h * dt / sp  # a norm's saved input (replicated over tp unless sp)
         b_qkv = norm_f + (2 * dt * T * qkv_out if has_bias else 0.0)
-        bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self._wgrad(qkv_rank)
+        bb_qkv = norm_b + (dt * T * qkv_out if has_bias else 0.0) + self.weight_grad_bytes(qkv_rank)
         if not m.learned_pos:
             rope = 2 * dt * T * (m.heads / t + (m.kv_heads / t if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk)
             b_qkv += rope
@@ -499,27 +427,27 @@ class Anatomy(FrameworkKernels):
                 per_score = 5.0 * (dt / 2) if self.dropout else dt
                 saved_attn += per_score * m.heads * T * self.seq / t
             attn = Block("gemm", f_attn, b_attn, saved_attn, bb_attn)
-        f_proj, _ = _gemm(T, m.heads * v / t, h, dt)
-        b_proj = self._residual_fwd()
-        bb_proj = self._residual_bwd(m.bias) + self._wgrad(o_params / t)
+        f_proj, _ = gemm_cost(T, m.heads * v / t, h, dt)
+        b_proj = self.residual_fwd()
+        bb_proj = self.residual_bwd(m.bias) + self.weight_grad_bytes(o_params / t)
         mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
         return {
-            **self._sp_norm("norm1"),
-            "qkv": self._with_fp8_casts(Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv), (T, h, qkv_rank / h, True)),
+            **self.sp_norm("norm1"),
+            "qkv": self.with_fp8_casts(Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv), (T, h, qkv_rank / h, True)),
             "attn": attn,
-            "proj": self._with_fp8_casts(Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
+            "proj": self.with_fp8_casts(Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
                                          (T, m.heads * v / t, h)),
         }
 
-    def _sp_norm(self, name: str) -> dict[str, Block]:
+    def sp_norm(self, name: str) -> dict[str, Block]:
         """Under sp, the norm before a column-parallel block as a block of its own, on this rank's
         slice of the sequence: it saves its input; the GEMM block saves the norm's output."""
         if not self.sp:
             return {}
-        return {name: Block("elementwise", 0.0, self._norm_fwd(), self.hidden_bytes + self.norm_stats, self._norm_bwd())}
+        return {name: Block("elementwise", 0.0, self.norm_fwd(), self.hidden_bytes + self.norm_stats, self.norm_bwd())}
 
     @property
-    def _mask(self) -> float:
+    def residual_mask(self) -> float:
         """A residual branch's dropout mask on this rank (1 byte per element), 0 without dropout."""
         return self.tokens * self.h / self.sp_div if self.dropout else 0.0
 
@@ -527,7 +455,7 @@ class Anatomy(FrameworkKernels):
     def _selective(self) -> bool:
         return self.rp.plan.recompute == "selective"
 
-    def _act(self, width: float) -> tuple[float, float]:
+    def activation(self, width: float) -> tuple[float, float]:
         """Activation function over `width` features per token on this rank: GeLU (fused with its
         bias, Megatron) or SwiGLU (silu(gate) * up); (forward, backward) bytes."""
         T, dt, m = self.tokens, self.dt, self.rp.model
@@ -538,69 +466,19 @@ class Anatomy(FrameworkKernels):
     def _mlp(self) -> dict[str, Block]:
         m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
         width = m.ffn * (2 if m.gated else 1)
-        f1, _ = _gemm(T, h, width / t, dt)
-        f2, _ = _gemm(T, m.ffn / t, h, dt)
-        a_f, a_b = self._act(m.ffn / t)
+        f1, _ = gemm_cost(T, h, width / t, dt)
+        f2, _ = gemm_cost(T, m.ffn / t, h, dt)
+        a_f, a_b = self.activation(m.ffn / t)
         ln = T * h * dt / sp
-        norm_f, norm_b = self._opening_norm()
+        norm_f, norm_b = self.opening_norm()
         return {
-            **self._sp_norm("norm2"),
-            "fc1": self._with_fp8_casts(
-                Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self._opening_stats + T * width * dt / t,
-                      norm_b + a_b + self._wgrad(h * width / t), bwd_only=T * width * dt / t), (T, h, width / t, True)),
-            "fc2": self._with_fp8_casts(
-                Block("gemm", f2, self._residual_fwd(), T * m.ffn * dt / t + self._mask,
-                      self._residual_bwd(m.bias) + self._wgrad(m.ffn * h / t), bwd_only=self._mask), (T, m.ffn / t, h)),
-        }
-
-    def _moe(self) -> dict[str, Block]:
-        m, t, T, dt, h, sp = self.rp.model, self.tp, self.tokens, self.dt, self.h, self.sp_div
-        moe = m.moe
-        width = moe.expert_ffn * (2 if m.gated else 1)
-        R = self.routed_tokens  # the tokens this rank routes
-        routed = R * moe.top_k  # token-expert pairs they make
-        slots = self.expert_rows  # the rows the experts compute (balanced routing, capacity)
-        et = self.etp  # what an expert's width is split by
-        local_experts = moe.experts / self.ep
-        fr, _ = _gemm(R, h, moe.experts, dt)
-        fe1, _ = _gemm(slots, h, width / et, dt)
-        fe2, _ = _gemm(slots, moe.expert_ffn / et, h, dt)
-        shared_ffn = (moe.shared_expert_ffn or moe.expert_ffn) * moe.shared_experts
-        fs1, _ = _gemm(T, h, shared_ffn * (2 if m.gated else 1) / t, dt)
-        fs2, _ = _gemm(T, shared_ffn / t, h, dt)
-        # router: norm, fp32 softmax / top-k over the experts, tokens permuted into expert order
-        gate = 3 * 4 * R * moe.experts
-        permute = 2 * dt * routed * (moe.capacity_factor or 1.0) * h
-        norm_f, norm_b = self._opening_norm()
-        b_router = norm_f + gate + permute
-        bb_router = norm_b + 2 * gate + permute + self._wgrad(h * moe.experts)
-        ea_f, ea_b = self._act(moe.expert_ffn / et)
-        # expert rows per token of the micro-batch's cp slice
-        per_token = slots / T
-        ea_f, ea_b = ea_f * per_token, ea_b * per_token
-        expert_w = local_experts * (h * width + moe.expert_ffn * h) / et
-        sa_f, sa_b = self._act(shared_ffn / t) if shared_ffn else (0.0, 0.0)
-        # combine: un-permute, weight and sum the top_k outputs, then the residual add. It saves the
-        # un-permuted outputs and the weights (the weights' gradient); the shared experts' input is
-        # the router's norm output, saved once (by the router)
-        combine = dt * (routed * (moe.capacity_factor or 1.0) + routed) * h + dt * routed * h
-        return {
-            **self._sp_norm("norm2"),
-            "router": Block("gemm", fr, b_router, (1 if self.sp else 2) * ln_bytes(T, h, dt, sp) + self._opening_stats
-                            + R * moe.experts * 4,
-                            bb_router, bwd_only=R * moe.experts * 4),
-            "experts": self._with_fp8_casts(
-                Block("gemm", fe1 + fe2, ea_f, slots * (h + width / et + moe.expert_ffn / et) * dt,
-                      ea_b + self._wgrad(expert_w), gemm_groups=2 * local_experts),
-                (slots, h, width / et, False, local_experts * h * width / et),
-                (slots, moe.expert_ffn / et, h, False, local_experts * moe.expert_ffn * h / et)),
-            "moe_out": self._with_fp8_casts(Block("gemm", fs1 + fs2, sa_f + combine + self._residual_fwd(),
-                             (routed * h + routed + T * shared_ffn * (3 if m.gated else 2) / t) * dt
-                             + self._mask,
-                             sa_b + 2 * combine + self._residual_bwd(False)
-                             + self._wgrad(3 * h * shared_ffn / t if m.gated else 2 * h * shared_ffn / t),
-                             bwd_only=(routed * h + routed) * dt + self._mask),
-                *(((T, h, shared_ffn * (2 if m.gated else 1) / t, True), (T, shared_ffn / t, h)) if shared_ffn else ())),
+            **self.sp_norm("norm2"),
+            "fc1": self.with_fp8_casts(
+                Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self.opening_stats + T * width * dt / t,
+                      norm_b + a_b + self.weight_grad_bytes(h * width / t), bwd_only=T * width * dt / t), (T, h, width / t, True)),
+            "fc2": self.with_fp8_casts(
+                Block("gemm", f2, self.residual_fwd(), T * m.ffn * dt / t + self.residual_mask,
+                      self.residual_bwd(m.bias) + self.weight_grad_bytes(m.ffn * h / t), bwd_only=self.residual_mask), (T, m.ffn / t, h)),
         }
 
     # --- embedding and head --------------------------------------------------------------------------
@@ -612,7 +490,7 @@ class Anatomy(FrameworkKernels):
         m, T, h, dt = self.rp.model, self.tokens, self.h, self.dt
         n = T * h
         fwd = 2 * dt * n + (3 * dt * n if m.learned_pos else 0.0) + ((2 * dt + 1) * n if self.dropout else 0.0)
-        bwd = 2 * dt * n + self.grad_dt * self.embed_params() + self._wgrad(self.embed_params())
+        bwd = 2 * dt * n + self.grad_dt * self.embed_params() + self.weight_grad_bytes(self.embed_params())
         # the incoming (gathered) gradient and the dense vocab-shard weight gradient, which the
         # embedding's backward materialises before adding it to main_grad even in Megatron
         return Block("embedding", 0.0, fwd, 0.0, bwd, bwd_workspace=n * dt + self.embed_params() * dt)
@@ -620,15 +498,15 @@ class Anatomy(FrameworkKernels):
     @cached_property
     def head(self) -> dict[str, Block]:
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
-        f, _ = _gemm(T, h, m.vocab / t, dt)
+        f, _ = gemm_cost(T, h, m.vocab / t, dt)
         n_logits = self.n_logits
         ce = self.cross_entropy
         logits = ce.saved * n_logits  # what the loss keeps of the logits for its backward
         # final norm (a block of its own under sp), GEMM, and a cast of the logits to fp32 where the loss has one
-        norm_f, norm_b = self._norm_fwd(), 3 * dt * T * h / self.sp_div
+        norm_f, norm_b = self.norm_fwd(), 3 * dt * T * h / self.sp_div
         b_head = (0.0 if self.sp else norm_f) + ce.head_cast * n_logits
-        bb_head = (0.0 if self.sp else norm_b) + self._wgrad(h * m.vocab / t)
-        wgrad_tmp = self._wgrad_tmp(h * m.vocab / t)
+        bb_head = (0.0 if self.sp else norm_b) + self.weight_grad_bytes(h * m.vocab / t)
+        wgrad_tmp = self.wgrad_tmp(h * m.vocab / t)
         # the logits' gradient the GEMMs read, and what the loss's backward holds at its own peak
         cast, loss_peak = ce.grad_out * n_logits, ce.bwd_workspace * n_logits
         if self.sp:
@@ -636,7 +514,7 @@ class Anatomy(FrameworkKernels):
             # GEMM's input gradient (gathered), the norm's (this rank's slice)
             blocks = {
                 "norm": Block("elementwise", 0.0, norm_f, self.hidden_bytes + self.norm_stats, norm_b,
-                              self.hidden_bytes + self._norm_bwd_temps(T * h / self.sp_div)),  # as norm1
+                              self.hidden_bytes + self.norm_bwd_temps(T * h / self.sp_div)),  # as norm1
                 "head": Block(self.head_op, f, b_head, self.hidden_bytes + logits, bb_head,
                               max(loss_peak, self.full_hidden_bytes + wgrad_tmp + cast)),
             }
@@ -644,7 +522,7 @@ class Anatomy(FrameworkKernels):
             # backward: the logits' gradient (`cast`); the GEMM's input gradient and the norm's, plus autograd's weight-gradient temporary; then the norm's backward
             n = self.full_hidden_bytes
             blocks = {"head": Block(self.head_op, f, b_head, 2 * T * h * dt + self.norm_stats + logits, bb_head,
-                                    max(loss_peak, 2 * n + wgrad_tmp + cast, n + self._norm_bwd_temps(T * h)))}
+                                    max(loss_peak, 2 * n + wgrad_tmp + cast, n + self.norm_bwd_temps(T * h)))}
         head = blocks["head"]
         grad_out = cast + (0.0 if self.sp else self.full_hidden_bytes)
         blocks["head"] = replace(head, **self._weight_pass(head, h * m.vocab / t, grad_out))
@@ -660,11 +538,11 @@ class Anatomy(FrameworkKernels):
         shifted tokens' embedding lookup, the norms of it and of the hidden state, their concatenation
         and the 2h->h projection; the backward also scatters into the embedding's gradient."""
         t, T, dt, h = self.tp, self.tokens, self.dt, self.h
-        f, _ = _gemm(T, 2 * h, h / t, dt)
-        fwd = 2 * dt * T * h + 2 * self._norm_fwd() + 2 * dt * T * 2 * h
+        f, _ = gemm_cost(T, 2 * h, h / t, dt)
+        fwd = 2 * dt * T * h + 2 * self.norm_fwd() + 2 * dt * T * 2 * h
         saved = 3 * dt * T * h  # the two norm inputs, the projection's (concatenated) input
         embed = self.embed_params()
-        bwd = 2 * dt * T * h + 2 * self._norm_bwd() + 2 * dt * T * 2 * h + self.grad_dt * embed + self._wgrad(embed)
+        bwd = 2 * dt * T * h + 2 * self.norm_bwd() + 2 * dt * T * 2 * h + self.grad_dt * embed + self.weight_grad_bytes(embed)
         b = Block("gemm", f, fwd, saved, bwd, bwd_workspace=dt * T * 2 * h + dt * embed)
         return replace(b, **self._weight_pass(b, 2 * h * h / t, dt * T * h))
 

@@ -86,7 +86,7 @@ class FrameworkKernels:
             bwd += cast * (m * k + w)
         return fwd, bwd
 
-    def _with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
+    def with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
         """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""
         if self.fp8 is None:
             return block
@@ -96,7 +96,7 @@ class FrameworkKernels:
             f, b = f + df, b + db
         return replace(block, bytes=block.bytes + f, bwd=block.bwd_bytes + b)
 
-    def _with_stack_elementwise(self, blocks: dict[str, Block]) -> dict[str, Block]:
+    def with_stack_elementwise(self, blocks: dict[str, Block]) -> dict[str, Block]:
         """The blocks with the element-wise traffic the stack's kernels move beyond the fused kernels they
         count (`StackSpec.layer_elementwise` against Megatron-Core's), half on the attention's opening
         block and half on the MLP's; none on CPU ranks, whose operators the host model prices."""
@@ -111,7 +111,7 @@ class FrameworkKernels:
             out[name] = replace(b, bytes=max(0.0, b.bytes + fwd), bwd=max(0.0, b.bwd_bytes + bwd))
         return out
 
-    def _with_sp_layout_copies(self, blocks: dict[str, Block], moe: bool) -> dict[str, Block]:
+    def with_sp_layout_copies(self, blocks: dict[str, Block], moe: bool) -> dict[str, Block]:
         """The blocks with the memory passes a stack adds around each sequence-parallel collective, forward
         and backward (the backward of an all-gather is a reduce-scatter and the other way round).
         Without tp_async, a stack whose sequence parallelism shards dim 1 (`StackSpec.sp_layout_copies`)

@@ -6,13 +6,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
-from simexec.program.layer_order import TP_CONJUGATES
+from simexec.program.layer_order import TP_CONJUGATES, LayerStep
 from simexec.program.param_tensors import unit_tensors
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, Zero3Flavour, zero3_flavour
 from simexec.search.space import Structure
 
 if TYPE_CHECKING:
     from simexec.search.bounds import Bounds
+
+# Sequence parallelism's norm blocks (`layer_steps`' norm1, norm2): left out of the bounds, which stay
+# below the simulation without them.
+UNPRICED_BLOCKS = ("norm1", "norm2")
+EP_AXES = ("ep", "ep_net", "ep_domain")  # the ep all-to-alls `moe_a2a_overlap` hides
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,54 +228,64 @@ class StageCosts:
         self._k += t
         return t
 
-    def _moe_exchanges(self, rank: int) -> float:
-        """The MoE layer's collectives around its experts (`layer_steps`' dispatch, combine and a folded
-        plan's etp_in / etp_out, per `moe_dispatcher`), forward or backward: the same verbs either way.
-        Under `moe_a2a_overlap` the ep ones may run under the paired micro-batch's compute: 0 here."""
-        p, an = self.p, self.an
-        if p.moe_dispatcher == "allgather":
-            n = an.gathered_tokens_bytes
-            t = self._coll("allgather", rank, "ep", n) + self._coll("reducescatter", rank, "ep", n)
-        elif p.moe_a2a_overlap:
-            t = 0.0
-        elif p.moe_dispatcher == "deepep":
-            net = an.deepep_network_bytes(len(self.comm.groups(rank, p.ep, p.dp_shard, p.etp)["ep_net"]))
-            t = 2 * (self._coll("alltoall", rank, "ep_net", net) + self._coll("alltoall", rank, "ep_domain",
-                                                                            an.dispatch_bytes))
-        else:
-            t = 2 * self._coll("alltoall", rank, "ep", an.dispatch_bytes)
-        if p.etp is not None and p.etp > 1:
-            n = an.gathered_tokens_bytes * an.etp if p.moe_dispatcher == "allgather" else an.etp_gathered_bytes
-            t += self._coll("allgather", rank, "etp", n) + self._coll("reducescatter", rank, "etp", n)
+    def _exchange(self, step: LayerStep, bwd: int, rank: int) -> float:
+        """A cp, ep or etp collective of the layer's walk (`LayerStep`), as its forward or backward verb,
+        of the bytes the lowering gives it (`Anatomy.exchange_bytes`). Under `moe_a2a_overlap` the ep
+        all-to-alls may run under the paired micro-batch's compute: 0 here."""
+        p = self.p
+        if p.moe_a2a_overlap and step.axis in EP_AXES and p.moe_dispatcher != "allgather":
+            return 0.0
+        net_ranks = len(self.comm.groups(rank, p.ep, p.dp_shard, p.etp)["ep_net"]) if step.axis == "ep_net" else 1
+        return self._coll(step.bwd if bwd else step.fwd, rank, step.axis, self.an.exchange_bytes(step.name, net_ranks))
+
+    def _ring_attention(self, attn, bwd: int) -> float:
+        """Ring attention: cp partial attentions between the hops of K/V around the cp group (whose
+        messages are left out: they only delay)."""
+        p = self.p
+        f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
+        return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp, "bwd" if bwd else "fwd", attn.keys / p.cp)
+
+    def _layer_forward(self, steps: tuple[LayerStep, ...], blocks: dict, rank: int) -> float:
+        """A layer's forward: its steps (`layer_steps`) in order, each block's compute and each
+        collective the compute stream waits on."""
+        t = 0.0
+        for step in steps:
+            if step.axis == "tp":
+                t += self._tp(step.name, 0, rank)
+            elif step.axis:
+                t += self._exchange(step, 0, rank)
+            elif step.name in UNPRICED_BLOCKS:
+                continue
+            elif step.ring:
+                t += self._ring_attention(blocks[step.name], 0)
+            else:
+                t += self._fwd(blocks[step.name])
         return t
 
-    def _layer_forward(self, blocks: dict, rank: int) -> float:
-        an, t = self.an, 0.0
-        t += self._tp("attn_in", 0, rank) + self._fwd(blocks["qkv"])
-        t += self._attention(blocks["attn"], rank, 0) + self._fwd(blocks["proj"])
-        t += self._tp("attn_out", 0, rank) + self._tp("mlp_in", 0, rank)
-        if "fc1" in blocks:
-            t += self._fwd(blocks["fc1"]) + self._fwd(blocks["fc2"])
-        else:
-            t += self._fwd(blocks["router"]) + self._fwd(blocks["experts"]) + self._fwd(blocks["moe_out"])
-            t += self._moe_exchanges(rank)
-        return t + self._tp("mlp_out", 0, rank)
-
-    def _attention(self, attn, rank: int, bwd: int) -> float:
-        """The attention core: after an all-gather of K/V over cp (backward: before a reduce-scatter
-        of their gradients), between cp_impl=a2a's two all-to-alls, or as cp partial attentions
-        between the hops of ring attention (whose messages are left out: they only delay)."""
-        p = self.p
-        if p.cp > 1 and p.cp_impl == "ring":
-            f, by = (attn.bwd_flops, attn.bwd_bytes) if bwd else (attn.flops, attn.bytes)
-            return p.cp * self.cm.time(attn.op, f / p.cp, by / p.cp, "bwd" if bwd else "fwd", attn.keys / p.cp)
-        if p.cp > 1 and p.cp_impl == "a2a":
-            qkv, out = self.an.heads_exchange_bytes
-            exchanges = self._coll("alltoall", rank, "cp", qkv) + self._coll("alltoall", rank, "cp", out)
-            return exchanges + (self._bwd(attn) if bwd else self._fwd(attn))
-        if bwd:
-            return self._bwd(attn) + (self._coll("reducescatter", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0)
-        return (self._coll("allgather", rank, "cp", self.an.kv_bytes) if p.cp > 1 else 0.0) + self._fwd(attn)
+    def _layer_backward(self, steps: tuple[LayerStep, ...], blocks: dict, rank: int, rc: bool) -> float:
+        """A layer's backward: its steps in reverse, a column-parallel block with the tp conjugate of
+        its input gradient (`_column_bwd`), the attention after its selective recompute."""
+        p, t = self.p, 0.0
+        for i in range(len(steps) - 1, -1, -1):
+            step = steps[i]
+            if step.axis == "tp":
+                if i + 1 < len(steps) and steps[i + 1].column:
+                    continue  # priced with the column-parallel block after it
+                t += self._tp(step.name, 1, rank)
+            elif step.axis:
+                t += self._exchange(step, 1, rank)
+            elif step.name in UNPRICED_BLOCKS:
+                continue
+            elif step.column:
+                t += self._column_bwd(blocks[step.name], steps[i - 1].name, rank)
+            elif step.name == "attn":
+                attn = blocks["attn"]
+                if rc and p.recompute == "selective":
+                    t += self._ring_attention(attn, 0) if step.ring else self._fwd(attn)
+                t += self._ring_attention(attn, 1) if step.ring else self._bwd(attn)
+            else:
+                t += self._bwd(blocks[step.name])
+        return t
 
     def _layer(self, l: int, rc: bool, rank: int) -> LayerCost:
         """Layer l on `rank`, recomputed or not (`rc`); shared by the search's structures through
@@ -284,26 +299,16 @@ class StageCosts:
         if out is not None:
             return out
         an = self.an
-        blocks = an.layer(l)
+        blocks, steps = an.layer(l), an.layer_steps(l)
         full = rc and p.recompute == "full"
         self._k = 0.0
-        f = self._layer_forward(blocks, rank)
+        f = self._layer_forward(steps, blocks, rank)
         kf = self._k
         b = f if full else 0.0
         if rc and p.recompute == "op":
             b += sum(self._fwd(x) for x in an.op_recomputed(l).values())
         self._k = kf if full else 0.0
-        b += self._tp("mlp_out", 1, rank)
-        column = blocks["fc1"] if "fc1" in blocks else blocks["router"]  # before the mlp_in collective
-        if "fc1" in blocks:
-            b += self._bwd(blocks["fc2"])
-        else:
-            b += self._bwd(blocks["moe_out"]) + self._bwd(blocks["experts"]) + self._moe_exchanges(rank)
-        b += self._column_bwd(column, "mlp_in", rank) + self._tp("attn_out", 1, rank) + self._bwd(blocks["proj"])
-        if rc and p.recompute == "selective":
-            b += self._attention(blocks["attn"], rank, 0) if p.cp_impl == "ring" else self._fwd(blocks["attn"])
-        b += self._attention(blocks["attn"], rank, 1)
-        b += self._column_bwd(blocks["qkv"], "attn_in", rank)
+        b += self._layer_backward(steps, blocks, rank, rc)
         saved = an.hidden_bytes if full else sum(x.saved for x in blocks.values())
         kb = self._k
         w = sum(self._wgrad(x) for x in blocks.values())

@@ -156,21 +156,21 @@ class Launch:
                 num_cpus=cpus, num_gpus=gpus, max_restarts=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=idx),
             ).remote(rank, world))
-        self.infos = self._get([a.info.remote() for a in self.actors], STARTUP_TIMEOUT_S, "start")
+        self.infos = self.get_all([a.info.remote() for a in self.actors], STARTUP_TIMEOUT_S, "start")
         self.timings["actors_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        port = self._get([self.actors[0].free_port.remote()], STARTUP_TIMEOUT_S, "start")[0]
+        port = self.get_all([self.actors[0].free_port.remote()], STARTUP_TIMEOUT_S, "start")[0]
         specs = group_specs(self.rp, self.program)
         pg_timeout = self.timeout_s + PG_TIMEOUT_MARGIN_S
-        self._get([a.setup.remote(self.infos[0]["ip"], port, self.backend, pg_timeout, specs,
+        self.get_all([a.setup.remote(self.infos[0]["ip"], port, self.backend, pg_timeout, specs,
                                   trace=self.trace, fault=self.fault, profile=self.profile)
                    for a in self.actors], STARTUP_TIMEOUT_S, "rendezvous")
         self.timings["rendezvous_s"] = time.perf_counter() - t0
         if self.on_start is not None:
             self.on_start(self.infos)
 
-    def _get(self, refs: list, timeout: float, what: str) -> list:
+    def get_all(self, refs: list, timeout: float, what: str) -> list:
         """ray.get of one call per rank, turning a dead or stuck rank into a one-line error."""
         import ray
 

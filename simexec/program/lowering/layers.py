@@ -78,7 +78,7 @@ class LayerLowering(TensorParallel):
         all its heads into the whole sequence for a cp-th of them, `heads_out` turns the attention's
         output back); the experts' dispatch and combine over ep (`moe_dispatcher`'s collectives); under
         parallel folding with etp > 1 the dispatched rows' all-gather over etp and the outputs' reduce-scatter."""
-        nbytes = self.exchange_bytes(step.name)
+        nbytes = self.an.exchange_bytes(step.name, len(self.groups.ep_net))
         # an exchange right after another (dispatch then etp_in, etp_out then combine, DeepEP's two hops)
         # moves what that one delivered: it waits for it, not only for the compute before both
         prev = self.out[-1] if self.out else None
@@ -89,20 +89,6 @@ class LayerLowering(TensorParallel):
         axis = "ep" if step.axis.startswith("ep_") else step.axis  # DeepEP's two hops: one comm stream
         self.coll(f"{phase}.{step.name}.L{l}.m{mb}", step.bwd if phase == "bwd" else step.fwd, axis, group,
                   nbytes, (self.last_compute(), *chained), phase=phase, block=step.name, layer=l, mb=mb, chunk=c)
-
-    def exchange_bytes(self, name: str) -> float:
-        """What one rank's exchange `name` moves (a collective's buffer as `simexec.sim.network` takes
-        it: an all-gather's gathered tensor, an all-to-all's send buffer), per `Plan.moe_dispatcher`."""
-        an, dispatcher = self.an, self.p.moe_dispatcher
-        if name in ("dispatch", "combine"):
-            return an.gathered_tokens_bytes if dispatcher == "allgather" else an.dispatch_bytes
-        if name in ("dispatch_net", "combine_net"):
-            return an.deepep_network_bytes(len(self.groups.ep_net))
-        if name in ("etp_in", "etp_out"):
-            return an.gathered_tokens_bytes * an.etp if dispatcher == "allgather" else an.etp_gathered_bytes
-        if name == "kv":
-            return an.kv_bytes
-        return an.heads_exchange_bytes[0 if name == "heads_in" else 1]
 
     def ring_attention(self, phase: str, l: int, mb: int, c: int, attn: Block) -> None:
         """Ring attention over the cp group: K/V chunks hop to the next rank while each rank attends

@@ -94,7 +94,7 @@ class _HostCores:
             return 0.0
         return self.idle_wake * -math.expm1(-(self.env.now - self.idle[-1]) / self.idle_poll)
 
-    def _advance(self) -> None:
+    def advance(self) -> None:
         """Bring every running thread's remaining work up to now."""
         now = self.env.now
         if self.active and now > self.t:
@@ -207,7 +207,8 @@ class Cores(_HostCores):
         self.n_idle = 0  # idle-priority threads running (copies counted)
         self.awake: dict = {}  # key -> when its thread last woke (its slice runs from then)
 
-    def _weight(self, key) -> int:
+    def weight_of(self, key) -> int:
+        """How many threads a key's job counts for: its rank's weight (the ranks it stands for)."""
         rank = key[0] if isinstance(key, tuple) else key
         return self.weights.get(rank, 1)
 
@@ -228,7 +229,7 @@ class Cores(_HostCores):
             done.succeed(self.env.now)
             return done
         going_on = self.last_end.get(key) == self.env.now
-        job = _Job(done, seconds, self._weight(key), key)
+        job = _Job(done, seconds, self.weight_of(key), key)
         # an idle-priority thread preempts nobody: it runs on what is left (`_idle_rate`)
         wait = 0.0 if going_on else self.idle_wake_wait() + (0.0 if job.idle else self.wake_wait())
         if not going_on:
@@ -259,7 +260,7 @@ class Cores(_HostCores):
         return min(1.0, max(left, fair))
 
     def _add(self, job: _Job) -> None:
-        self._advance()
+        self.advance()
         job.first = self.env.now
         self.active.append(job)
         if job.idle:
@@ -278,7 +279,7 @@ class Cores(_HostCores):
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
             return
-        self._advance()
+        self.advance()
         left = []
         now = self.env.now
         for job in self.active:
@@ -359,12 +360,12 @@ class SlicedCores(_HostCores):
                 self._start(th, self.env.now)
         elif th.comm and any(not r.comm and self.env.now - r.since >= self.slice for r in self.active):
             victim = min((r for r in self.active if not r.comm), key=lambda r: r.since)
-            self._advance()
+            self.advance()
             self.active.remove(victim)
             self.main_q.insert(0, victim)
             self._start(th, self.env.now)
         else:
-            self._advance()
+            self.advance()
             (self.comm_q if th.comm else self.main_q).append(th)
             self._schedule()  # the running threads' slices now end
         return done
@@ -379,7 +380,7 @@ class SlicedCores(_HostCores):
         if not th.comm and self.comm_q:  # a burst queued while this core was waking: it goes first
             self.main_q.insert(0, th)
             th, since = self.comm_q.pop(0), self.env.now
-        self._advance()
+        self.advance()
         if th.first is None:
             th.first = self.env.now
         th.since = since
@@ -399,7 +400,7 @@ class SlicedCores(_HostCores):
         kept = self.kept.get(key)
         if kept is not None and kept[1] == token:
             del self.kept[key]
-            self._advance()
+            self.advance()
             self._release()
             self._schedule()
 
@@ -418,7 +419,7 @@ class SlicedCores(_HostCores):
     def _tick(self, ver: int) -> None:
         if ver != self.ver:
             return
-        self._advance()
+        self.advance()
         now = self.env.now
         finished = [th for th in self.active if th.left <= 1e-12]
         for th in finished:

@@ -788,3 +788,31 @@ def test_executor_refuses_a_flavour_that_splits_units_in_one_line():
     assert why is not None and "\n" not in why and "deepspeed" in why
     assert unsupported(resolve(get_model("gpt-tiny"), get_cluster("local"),
                                parse_plan("dp=2,zero=3,zero_impl=fsdp1,gbs=4"))) is None
+
+
+def test_deepspeed_2021_gathers_and_reduces_each_tensor_through_per_rank_lists():
+    """DeepSpeed 0.3's ZeRO-3: one gather per sharded tensor and one reduce-scatter per tensor, each
+    behind a host loop over the ranks (a view and a copy per rank): the gathers' on the compute stream
+    (the device synchronized first), the reduce-scatters' on their own stream; the host time grows
+    with the data-parallel size, so a bigger job pays more per call."""
+    from simexec.specs.zero3_flavours import LIST_VIEW_S
+
+    def lists(dp: int):
+        rp = resolve(get_model("llama3-8b"), get_cluster(f"{dp // 8}xdgx-a100-80g"),
+                     parse_plan(f"dp={dp},zero=3,zero_impl=deepspeed-2021,gbs={dp}"))
+        return [i for i in lower(rp, symmetric=True).ranks[0] if i.block in ("gather_list", "grads_list")], rp
+
+    found, rp = lists(64)
+    gathers = [i for i in found if i.block == "gather_list"]
+    reduces = [i for i in found if i.block == "grads_list"]
+    assert gathers and all(i.stream == "compute" for i in gathers)
+    assert reduces and all(i.stream.startswith("comm.") for i in reduces)
+    launch = rp.cluster.device.launch_overhead_s
+    assert gathers[0].host_s == pytest.approx(64 * (LIST_VIEW_S["allgather"] + launch))
+    assert reduces[0].host_s == pytest.approx(64 * (LIST_VIEW_S["reducescatter"] + launch))
+    calls = _zero3_calls("dp=32,zero=3,zero_impl=deepspeed-2021,gbs=32")
+    assert len(calls[0]) == 7 and len(calls[1]) == 9  # a layer's 7 matrices gathered; norms reduced too
+    bigger, _ = lists(128)
+    assert bigger[0].host_s == pytest.approx(2 * gathers[0].host_s)
+    text = gathers[0].to_text()
+    assert "host_s=" in text and Instr.from_text(text) == gathers[0]

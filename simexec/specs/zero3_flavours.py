@@ -15,6 +15,7 @@ from simexec.errors import PlanError
 
 PYTORCH = "pytorch/pytorch@8fc2039decebd92b15b38296df8bf9aa13275be0"
 DEEPSPEED = "deepspeedai/DeepSpeed@edaa7221267243c7be7fb49c5d5f5c4fb97b4641"
+DEEPSPEED_2021 = "deepspeedai/DeepSpeed@429dfa6c3dc5763008a04fd1c94d7b72817dd93e"  # 0.3.15
 
 
 def pack_calls(tensors: Sequence[float], bucket: Optional[float]) -> list[float]:
@@ -51,7 +52,8 @@ class Zero3Flavour:
     holds_grad_shards: bool = False
     # --- the collectives it issues (what decides the step at scale: per-call latency, overlap) ---
     # one unit's gathered parameters go out in calls of `gather_bucket_params` elements each, its
-    # tensors taken in order until a call holds that many; None: one grouped call per unit
+    # tensors taken in order until a call holds that many; None: one grouped call per unit; 0: one
+    # call per tensor
     gather_bucket_params: Optional[float] = None
     # a tensor of at most this many elements is never sharded, so never gathered (its gradient is
     # still reduce-scattered with the rest); 0: every tensor is sharded
@@ -68,6 +70,12 @@ class Zero3Flavour:
     gather_copy_in: int = 0
     gather_copy_out: int = 0
     reduce_copy_in: int = 0
+    # gathers and reduce-scatters through torch.distributed's list forms, one tensor view per rank made
+    # in Python (`all_gather(partitions, ...)`, `reduce_scatter(out, input_list)`): per call the host
+    # makes world-size views, and torch 1.x's ProcessGroupNCCL copies each rank's piece out of (into) its
+    # flat buffer with one copy_ per rank (ProcessGroupNCCL::allgather / reduce_scatter,
+    # flatten_for_scatter_gather); the calls run one after another with the device idle between them
+    list_collectives: bool = False
     # --- under a pipeline schedule ---
     # a stage's units, once gathered, stay gathered (no reshard after a backward) and their unsharded
     # gradients accumulate over the step's micro-batches, reduce-scattered and resharded after the
@@ -88,6 +96,13 @@ class Zero3Flavour:
         return (self.gather_bucket_params is not None or self.persist_below_params > 0
                 or self.reduce_bucket_params is not None)
 
+
+# Host seconds per rank to build a list collective's views, measured on this project's build machine
+# (torch 2.13 CPU, CPython 3.11) with DeepSpeed 0.3.15's loops: `flat.narrow(0, p * i, p)` appended
+# per rank for a gather (partition_parameters.py _allgather_param), `param.grad.view(-1).narrow(...)`
+# with its bounds checks for a reduce-scatter (_reduce_scatter_gradient). Each rank's copy_ costs a
+# kernel launch on top (`DeviceSpec.launch_overhead_s`).
+LIST_VIEW_S = {"allgather": 1.5e-6, "reducescatter": 2.7e-6}
 
 ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
     # FSDP2 (fully_shard): one all_gather_into_tensor per parameter group, its input made by
@@ -122,6 +137,16 @@ ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
     # Its buckets span units; simexec closes them at a unit's end (a bucket per unit below 5e8).
     Zero3Flavour("deepspeed", holds_grad_shards=True, gather_bucket_params=5e7, persist_below_params=1e5,
                  reduce_bucket_params=5e8, reduce_copy_in=1),
+    # DeepSpeed stage 3 as released from 0.3.13 (March 2021) to 0.5.5 (until #1188, "ZeRO3, improved
+    # parameter all-gather operation", October 2021), read at DEEPSPEED_2021: each parameter above the
+    # persistence threshold (1e5) gathered alone, after torch.cuda.synchronize(), through
+    # torch.distributed.all_gather(partitions, ...) over world-size views of a flat buffer
+    # (partition_parameters.py: _allgather_param); the coordinator fetches a module's parameters and
+    # prefetches the next module's, 5e7 elements' worth (stage3.py: fetch_sub_module,
+    # prefetch_next_sub_modules); each parameter's gradient copied into the ipg bucket and
+    # reduce-scattered alone through reduce_scatter(out, input_list) (_reduce_scatter_gradient).
+    Zero3Flavour("deepspeed-2021", holds_grad_shards=True, gather_bucket_params=0.0, persist_below_params=1e5,
+                 reduce_bucket_params=0.0, reduce_copy_in=1, list_collectives=True),
 )}
 DEFAULT_ZERO3_FLAVOUR = "fsdp"
 

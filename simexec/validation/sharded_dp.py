@@ -22,7 +22,7 @@ Stack and plan (tp = pp = 1; dp derived = gpus; `zero` as the row, `zero_impl` o
 
 | stack | simexec stack | plan |
 | --- | --- | --- |
-| deepspeed-zero3 | deepspeed | zero_impl=deepspeed; fp16 gradients reduced in fp16 (DeepSpeed's communication_data_type defaults to the model's dtype) |
+| deepspeed-zero3 | deepspeed | zero_impl=deepspeed-2021 (the ZeRO-3 of DeepSpeed 0.3.13-0.5.5, March-October 2021, the only one released when Megatron SC'21 compared against it: simexec.specs.zero3_flavours); fp16 gradients reduced in fp16 (DeepSpeed's communication_data_type defaults to the model's dtype) |
 | fsdp1 (llmf) | `LLM_FOUNDRY_STACK`: torchtitan's eager element-wise traffic (Composer runs MPT's modules eagerly: LayerNorm, GELU, residual adds; no torch.compile in the benchmark yamls), FlashAttention (attn_impl flash/triton), cross_entropy `compiled` (llm-foundry's default loss_fn `fused_crossentropy`, flash_attn's Triton kernel: one fused forward, one fused backward, modeling_mpt.py) | zero_impl=`FSDP1_IMPL`; grad_fp32 where the row's FSDP mixed precision is DEFAULT (Composer's get_mixed_precision: reduce_dtype float32), not under PURE (reduce_dtype = the precision, bf16): mosaicml/composer composer/trainer/mosaic_fsdp_utils.py |
 | fsdp1 (yafsdp) | torchtitan (HF transformers' Llama run eagerly, its loss on an fp32 copy of the logits) | zero_impl=`FSDP1_IMPL`; bf16 reduction (YaFSDP's examples run through accelerate with mixed_precision bf16, whose FSDP plugin reduces in bf16: huggingface/accelerate utils/dataclasses.py set_mixed_precision) |
 | yafsdp | torchtitan, as its FSDP baseline | zero_impl=yafsdp; bf16 reduction (the same rule) |
@@ -172,7 +172,7 @@ def row_plan(r: dict) -> str:
     else:
         fields.update(recompute_fields(recompute))
     if zero == 3:
-        fields["zero_impl"] = {"deepspeed-zero3": "deepspeed", "yafsdp": "yafsdp", "fsdp1": FSDP1_IMPL}.get(
+        fields["zero_impl"] = {"deepspeed-zero3": "deepspeed-2021", "yafsdp": "yafsdp", "fsdp1": FSDP1_IMPL}.get(
             r["stack"], "fsdp")  # fsdp2, fsdp2-compile: FSDP2
     return Plan(**fields).to_string()
 

@@ -17,7 +17,7 @@ from simexec.specs.plan import ResolvedPlan
 # the device copies around ZeRO-3's collectives (`Zero3Flavour.gather_copy_in` ...): compute-stream
 # memory traffic the simulator prices, never what a later instruction waits on as "the last compute";
 # the executor's flat buffers make their own
-ZERO3_COPY_BLOCKS = ("gather_in", "gather_out", "grads_in")
+ZERO3_COPY_BLOCKS = ("gather_in", "gather_out", "grads_in", "gather_list", "grads_list")
 
 
 class PendingWeightPass(NamedTuple):

@@ -10,6 +10,7 @@ from simexec.program.block import Block
 from simexec.program.instructions import Instr
 from simexec.program.lowering.emit import ZERO3_COPY_BLOCKS, RankEmitter
 from simexec.program.param_tensors import unit_tensors
+from simexec.specs.zero3_flavours import LIST_VIEW_S
 
 
 def copy_block(nbytes: float, passes: int) -> Block:
@@ -92,6 +93,26 @@ class Zero3Lowering(RankEmitter):
                                deps=tuple(d for d in deps if d)))
         return (name,)
 
+    def z3_list_views(self, verb: str, phase: str, unit: int, mb: int, c: int, nbytes: float, deps: tuple,
+                      tag: str) -> tuple:
+        """A list collective's (`Zero3Flavour.list_collectives`) per-rank work before it: the host makes
+        a view per rank and launches one copy per rank out of (into) NCCL's flat buffer, the copies
+        moving the call's bytes once each way. A gather's runs on the compute stream: DeepSpeed 0.3's
+        prefetch synchronizes the device before each parameter's gather and issues the module's compute
+        only after it. A reduce-scatter's runs on its own stream: the gradient hook builds it while the
+        module's backward kernels already issued run. `deps` then, or this instruction; none on CPU
+        ranks or where the flavour has no list collectives."""
+        ranks = self.zero_size
+        if not self.p.zero3.list_collectives or ranks <= 1 or nbytes <= 0 or self.an.eager_kernels:
+            return deps
+        host_s = ranks * (LIST_VIEW_S[verb] + self.rp.cluster.device.launch_overhead_s)
+        block = "gather_list" if verb == "allgather" else "grads_list"
+        stream = "compute" if verb == "allgather" else f"comm.{self.groups.zero_axis}"
+        name = self.emit(Instr(self.rank, f"{phase}.{block}.{tag}", "compute", stream, "elementwise",
+                               phase=phase, block=block, layer=unit, mb=mb, chunk=c, bytes=2.0 * nbytes,
+                               host_s=host_s, deps=tuple(d for d in deps if d)))
+        return (name,)
+
     def tied_head_gathers_embedding(self, unit: int) -> bool:
         """ZeRO-3 with the head on the embedding's rank (no pipeline, or a V): a tied LM head reads the
         embedding's unit, so the head gathers it too, and reduce-scatters the head's share of its
@@ -151,8 +172,11 @@ class Zero3Lowering(RankEmitter):
         cdeps = self.z3_copy(phase, "gather_in", unit, mb, c, sum(calls) * dt / self.zero_size,
                              zero3.gather_copy_in, deps, tag.removeprefix(f"{phase}.gather."))
         for k, elems in enumerate(calls):
-            names.append(self.coll(tag + (f".c{k}" if k else ""), "allgather", zero_axis, self.groups.zero,
-                                   elems * dt, cdeps, phase=phase, block="gather", layer=unit, mb=mb, chunk=c,
+            call = tag + (f".c{k}" if k else "")
+            ldeps = self.z3_list_views("allgather", phase, unit, mb, c, elems * dt, cdeps,
+                                       call.removeprefix(f"{phase}.gather."))
+            names.append(self.coll(call, "allgather", zero_axis, self.groups.zero,
+                                   elems * dt, ldeps, phase=phase, block="gather", layer=unit, mb=mb, chunk=c,
                                    items=(unit,), wait=False))
         n = self.coll(tag + ".experts", "allgather", "edp", self.groups.edp, expert * dt, deps, phase=phase,
                       block="gather", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)
@@ -242,9 +266,14 @@ class Zero3Lowering(RankEmitter):
         calls = self.z3_reduce_calls(unit) if self.zero_size > 1 else []
         cdeps = self.z3_copy("bwd", "grads_in", unit, mb, c, dense * gdt * (self.zero_size > 1),
                              self.p.zero3.reduce_copy_in, (after,), f"L{unit}.m{mb}{suffix}")
-        dense_calls = [self.coll(tag + (f".c{k}" if k else ""), "reducescatter", zero_axis, self.groups.zero,
-                                 elems * gdt, cdeps, phase="bwd", block="grads", layer=unit, mb=mb, chunk=c,
-                                 items=(unit,), wait=False) for k, elems in enumerate(calls)]
+        dense_calls = []
+        for k, elems in enumerate(calls):
+            call = tag + (f".c{k}" if k else "")
+            ldeps = self.z3_list_views("reducescatter", "bwd", unit, mb, c, elems * gdt, cdeps,
+                                       call.removeprefix("bwd.grads."))
+            dense_calls.append(self.coll(call, "reducescatter", zero_axis, self.groups.zero, elems * gdt, ldeps,
+                                         phase="bwd", block="grads", layer=unit, mb=mb, chunk=c, items=(unit,),
+                                         wait=False))
         a = dense_calls[-1] if dense_calls else None  # the unit's last: the stream runs them in order
         b = self.coll(tag + ".experts", "reducescatter", "edp", self.groups.edp, expert * gdt, (after,), phase="bwd",
                       block="grads", layer=unit, mb=mb, chunk=c, items=(unit,), wait=False)

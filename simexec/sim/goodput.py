@@ -192,8 +192,12 @@ STEP_PARTS = {"compute": ("compute", "recompute", "optimizer"), "pipeline bubble
 
 
 def time_to_train(tokens: float, tokens_per_s: float, breakdown_s: dict[str, float], gpus: int, ckpt: Checkpoint,
-                  params: GoodputParams = GoodputParams(), variation_slowdown: float = 1.0) -> TimeToTrain:
-    """Days to train: the step's parts scaled to the run, variation, then failures and checkpoints."""
+                  params: GoodputParams = GoodputParams(), variation_slowdown: float = 1.0,
+                  straggler_slowdown: float = 1.0) -> TimeToTrain:
+    """Days to train: the step's parts scaled to the run, stragglers, variation, then failures and
+    checkpoints. `straggler_slowdown` is the straggled step over the healthy one (`--slow`, a
+    straggler for the whole run); variation multiplies on top of it (its median slowdown was
+    measured without the stragglers: the two compound where they fall on different groups)."""
     if not tokens > 0:
         raise SpecError(f"--tokens must be > 0, got {tokens:g}")
     if not tokens_per_s > 0:
@@ -206,9 +210,12 @@ def time_to_train(tokens: float, tokens_per_s: float, breakdown_s: dict[str, flo
     comm = sum(v for k, v in breakdown_s.items() if k.startswith("comm.") or k == "sync")
     parts["exposed communication"] = ideal * comm / step
     parts["other (idle, offload)"] = ideal - sum(parts.values())
-    solve = ideal * max(1.0, variation_slowdown)
-    if variation_slowdown != 1.0:
-        parts["GPU variation"] = solve - ideal
+    straggled = ideal * max(1.0, straggler_slowdown)
+    if straggled != ideal:
+        parts["stragglers"] = straggled - ideal
+    solve = straggled * max(1.0, variation_slowdown)
+    if solve != straggled:
+        parts["GPU variation"] = solve - straggled
     g = goodput(solve, gpus, ckpt, params)
     parts["failures (lost + restart)"] = g.failure_s
     parts["checkpoints"] = g.checkpoint_s

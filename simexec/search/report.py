@@ -229,7 +229,7 @@ class SearchResult:
         lines += self._time_to_train_lines()
         lines.append("")
         if self.pareto_limit is not None:
-            edge = (f"step time up to {self.pareto_limit:.4g} s" if self.objective == "throughput"
+            edge = (f"step time up to {self.pareto_limit:.4g} s" if self.objective != "memory"
                     else f"peak memory up to {self.pareto_limit / GiB:.2f} GiB")
         else:
             edge = "every fitting plan simulated"

@@ -176,7 +176,7 @@ class SearchResult:
     against: Optional[dict] = None  # the user's plan against the best (`against_report`)
     refusals: list = field(default_factory=list)  # the rules of `resolve` that refused the most (`SpaceStats`)
     robust: Optional[dict] = None  # the best plans re-ranked under a straggler (`simexec.search.robust`)
-    time_to_train: Optional[dict] = None  # objective time-to-train: the pool, exactness (`simexec.search.time_to_train`)
+    time_to_train: Optional[dict] = None  # objective time-to-train: its pool and exactness (search/time_to_train.py)
 
     def to_json(self) -> dict:
         """JSON-ready; the same for the same inputs, whatever the backend (wall time left out)."""
@@ -287,8 +287,8 @@ def _fix_str(fix: dict) -> str:
 
 def _table(rows: list[dict], rank: bool = True) -> str:
     days = rank and any("days" in r for r in rows)
-    head = (f"  {'#':>3}  {'step s':>9}  {'tokens/s':>11}  {'MFU':>6}  {'peak GiB':>8}" + (f"  {'days':>8}" if days else "")
-            + f"  {'bottleneck':<20}  plan")
+    head = (f"  {'#':>3}  {'step s':>9}  {'tokens/s':>11}  {'MFU':>6}  {'peak GiB':>8}"
+            + (f"  {'days':>8}" if days else "") + f"  {'bottleneck':<20}  plan")
     out = [head]
     for i, r in enumerate(rows, 1):
         out.append(

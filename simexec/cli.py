@@ -48,6 +48,33 @@ def _spec_args(p: argparse.ArgumentParser, plan: bool = True) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="override the model's sequence length")
 
 
+def _goodput_args(p: argparse.ArgumentParser) -> None:
+    """The failure and checkpoint model's knobs (`simexec.sim.goodput.GoodputParams`)."""
+    p.add_argument("--restart-min", type=float, default=None, metavar="MIN",
+                   help="minutes to restart after a failure, before loading the checkpoint (default 11)")
+    p.add_argument("--storage-gbps", type=float, default=None, metavar="GB/S",
+                   help="checkpoint write bandwidth per node, GB/s (default 0.98: Llama 3's Tectonic, 2 TB/s / 2,048 nodes)")
+    p.add_argument("--sync-checkpoint", action="store_true",
+                   help="checkpoints block for the write too (default: async_save, only the device-to-host copy blocks)")
+    p.add_argument("--failure-rate", type=float, default=None, metavar="PER_GPU_HOUR",
+                   help="interruptions per GPU-hour (default 1.97e-5: Llama 3 405B's 419 in 54 days on 16,384 GPUs; "
+                        "scripts/validate_goodput.py lists other fleets' measured rates)")
+
+
+def _goodput_params(args):
+    from simexec.sim.goodput import GoodputParams
+
+    defaults = GoodputParams()
+    params = GoodputParams(
+        failures_per_gpu_hour=defaults.failures_per_gpu_hour if args.failure_rate is None else args.failure_rate,
+        restart_s=defaults.restart_s if args.restart_min is None else args.restart_min * 60.0,
+        storage_write_bw_per_node=defaults.storage_write_bw_per_node if args.storage_gbps is None
+        else args.storage_gbps * 1e9,
+        async_checkpoint=not args.sync_checkpoint)
+    params.check()
+    return params
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="simexec", description="Plan, simulate and execute parallel training of large models.")
     subs = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -86,12 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seeds", type=int, default=16, help="draws of per-GPU speed for --variation (default 16)")
     p.add_argument("--tokens", type=float, default=None,
                    help="also the days to train this many tokens, with failures and checkpoints (e.g. 15e12)")
-    p.add_argument("--restart-min", type=float, default=None, metavar="MIN",
-                   help="minutes to restart after a failure, before loading the checkpoint (default 11)")
-    p.add_argument("--storage-gbps", type=float, default=None, metavar="GB/S",
-                   help="checkpoint write bandwidth per node, GB/s (default 0.98: Llama 3's Tectonic, 2 TB/s / 2,048 nodes)")
-    p.add_argument("--sync-checkpoint", action="store_true",
-                   help="checkpoints block for the write too (default: async_save, only the device-to-host copy blocks)")
+    _goodput_args(p)
     p.add_argument("--json", dest="json_path", default=None, help="write the summary as JSON here")
     p.add_argument("--trace", dest="trace_path", default=None, help="write the predicted trace (Perfetto JSON) here")
     p.set_defaults(func=cmd_simulate)
@@ -121,7 +143,16 @@ def _add_optional_commands(subs) -> None:
         _spec_args(p, plan=False)
         p.add_argument("--gbs", type=int, required=True, help="global batch size (sequences)")
         p.add_argument("--top", type=int, default=10, help="how many plans to print")
-        p.add_argument("--objective", choices=("throughput", "memory"), default="throughput")
+        p.add_argument("--objective", choices=("throughput", "memory", "time-to-train"), default="throughput",
+                       help="rank by step time, peak memory, or days to train --tokens with failures and checkpoints")
+        p.add_argument("--tokens", type=float, default=None, help="tokens to train, for --objective time-to-train")
+        _goodput_args(p)
+        p.add_argument("--robust", nargs="?", const="", default=None, metavar="F|SPEC",
+                       help="also re-rank the best top x 3 plans by their step with a straggler: one GPU F x slower "
+                            "(default 1.2) at each plan's worst stage, or a --slow spec (docs/variation.md)")
+        p.add_argument("--variation", type=float, default=None, metavar="CV",
+                       help="with --robust: rank by the p90 step over --seeds draws of per-GPU speed")
+        p.add_argument("--seeds", type=int, default=16, help="draws of per-GPU speed for --variation (default 16)")
         p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4; a|b leaves a choice, e.g. \"tp=4|8,zero=0|1\"")
         p.add_argument("--against", default=None, metavar="PLAN",
                        help="a plan of yours (e.g. the one you run): where it ranks and why the best beats it")
@@ -273,15 +304,7 @@ def cmd_simulate(args) -> int:
     from simexec.specs.stack import get_stack
     from simexec.trace.schema import save_json
 
-    from simexec.sim.goodput import GoodputParams
-
-    defaults = GoodputParams()
-    params = GoodputParams(
-        restart_s=defaults.restart_s if args.restart_min is None else args.restart_min * 60.0,
-        storage_write_bw_per_node=defaults.storage_write_bw_per_node if args.storage_gbps is None
-        else args.storage_gbps * 1e9,
-        async_checkpoint=not args.sync_checkpoint)
-    params.check()
+    params = _goodput_params(args)
     result = simulate(get_model(args.model, seq_len=args.seq_len), get_cluster(args.cluster), load_plan(args.plan),
                       seq_len=args.seq_len, symmetric=not args.full, profile=args.profile,
                       trace=args.trace_path is not None, stack=get_stack(args.stack),
@@ -323,10 +346,16 @@ def cmd_search(args) -> int:
     from simexec.search.driver import parse_fix, search
     from simexec.trace.schema import save_json
 
+    from simexec.search.robust import parse_robust
+
+    if args.variation is not None and args.robust is None:
+        raise SimexecError("--variation ranks plans under GPU variation: it needs --robust")
+    robust = parse_robust(args.robust, args.variation, args.seeds) if args.robust is not None else None
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
                     profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against,
-                    stack=args.stack, memory_margin_bytes=args.memory_margin * 2**30)
+                    stack=args.stack, memory_margin_bytes=args.memory_margin * 2**30, robust=robust,
+                    tokens=args.tokens, goodput_params=_goodput_params(args))
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

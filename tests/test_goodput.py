@@ -50,3 +50,23 @@ def test_time_to_train_breakdown_adds_up():
     assert t.breakdown_days["GPU variation"] > 0
     j = r.to_json()["time_to_train"]
     assert j["goodput"]["interval_s"] > 0 and j["days"] == t.days
+
+
+def test_validate_goodput_rows_are_predictions_with_ratios(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    from simexec.sim.goodput import FAILURES_PER_GPU_HOUR, MEASURED_FAILURES_PER_GPU_HOUR
+
+    path = Path(__file__).resolve().parents[1] / "scripts" / "validate_goodput.py"
+    spec = importlib.util.spec_from_file_location("validate_goodput", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--json", str(tmp_path / "g.json")]) == 0
+    rows = {(r["run"], r["quantity"][:20]): r for r in json.loads((tmp_path / "g.json").read_text())["rows"]}
+    opt = rows[("opt-175b", "machine failures per")]
+    # OPT's fleet fails about 4x as often per GPU-hour: reported as its own fleet, the default untouched
+    assert 0.2 < opt["ratio"] < 0.3
+    assert sum(FAILURES_PER_GPU_HOUR.values()) == pytest.approx(
+        MEASURED_FAILURES_PER_GPU_HOUR["llama3-405b (16,384 H100, 2024)"], rel=1e-12)

@@ -39,14 +39,17 @@ from simexec.specs.model import ModelSpec, get_model
 from simexec.specs.plan import Plan, validate_fields, load_plan, resolve, split_pairs
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.search.bounds import Bounds, Candidate
+from simexec.search.robust import RobustSpec
+from simexec.sim.goodput import GoodputParams
 from simexec.search.report import (SearchResult, against_report, entry, explain, objective_attr, pareto_front,
                                    sort_key)
 from simexec.search.runners import Context, evaluate, make_runner
 from simexec.search.space import ALTERNATIVE_KEYS, Allowed, AnyOf, SpaceStats, search_world, structures
 
 WAVE = 16  # plans simulated between two pruning decisions (fixed: results must not depend on workers)
+TIME_TO_TRAIN_POOL = 3  # objective time-to-train: the fastest top x 3 plans are ranked by days
 PARETO_WINDOW = 0.0  # the Pareto front is exact over plans as fast as the K-th best (widen: pareto_window)
-OBJECTIVES = ("throughput", "memory")
+OBJECTIVES = ("throughput", "memory", "time-to-train")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -130,7 +133,9 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
            ray_address: Optional[str] = None, workers: Optional[int] = None, progress: bool = True,
            pareto_window: float = PARETO_WINDOW, prune: bool = True, limit: Optional[float] = None,
            simulator: Optional[Callable] = None, against: Optional[str] = None,
-           stack: Union[str, StackSpec, None] = None, memory_margin_bytes: float = 0.0) -> SearchResult:
+           stack: Union[str, StackSpec, None] = None, memory_margin_bytes: float = 0.0,
+           robust: Optional[RobustSpec] = None, tokens: Optional[float] = None,
+           goodput_params: Optional[GoodputParams] = None) -> SearchResult:
     """Search the plans of `model` on `cluster` at global batch `gbs` (sequences).
 
     top: plans to return; objective: "throughput" (shortest step) or "memory" (smallest peak);
@@ -153,12 +158,24 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     None: the default stack, every knob.
     memory_margin_bytes: device memory every plan must leave free; the bounds prune and the simulations judge
     with the same capacity less the margin.
+    robust: also re-simulate the best `top` x 3 plans with a straggler (`simexec.search.robust`) and rank
+    them by the straggled step (`result.robust`).
+    tokens, goodput_params: for objective "time-to-train": plans ranked by the days to train `tokens`
+    with failures and checkpoints (`simexec.search.time_to_train`).
     Ctrl-C stops the search and returns the best plans so far, `interrupted` set. Local processes
     use the spawn start method: a script that calls `search` needs `if __name__ == "__main__":`.
     """
     t0 = time.perf_counter()
     if objective not in OBJECTIVES:
         raise PlanError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    if objective == "time-to-train":
+        if tokens is None:
+            raise PlanError("--objective time-to-train needs --tokens N (the tokens to train, e.g. 15e12)")
+        if not tokens > 0:
+            raise PlanError(f"--tokens must be > 0, got {tokens:g}")
+        (goodput_params or GoodputParams()).check()
+    elif tokens is not None:
+        raise PlanError("--tokens ranks plans by the days to train: it needs --objective time-to-train")
     if isinstance(gbs, bool) or not isinstance(gbs, int) or gbs <= 0:
         raise PlanError(f"global batch must be a positive integer, got {gbs!r}")
     if isinstance(top, bool) or not isinstance(top, int) or top <= 0:
@@ -199,6 +216,13 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
 
         bound_cluster = apply_profile(cluster, profile)
 
+    wanted = objective
+    if objective == "time-to-train":  # simulate the fastest top x POOL, then rank them by days
+        objective, top = "throughput", top * TIME_TO_TRAIN_POOL
+    if robust is not None and robust.slow is not None:  # a bad --robust spec fails before the search
+        from simexec.sim.slowdown import parse_slow
+
+        parse_slow(robust.slow, search_world(cluster, fix), cluster.node.gpus_per_node or search_world(cluster, fix))
     yours = None
     if against is not None:
         yours = _evaluate_against(against, model, cluster, gbs, seq, seq_len, profile, simulator, stack)
@@ -300,11 +324,26 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
     limit = max(kth, edge) if ok else None
     attr = objective_attr(objective)
     front_rows = [entry(r) for r in pareto_front([r for r in ok if r[attr] <= limit])] if ok else []
-    explanation = explain(entries[0] if entries else None, entries[1] if len(entries) > 1 else None, objective)
+    ttt = None
+    if wanted == "time-to-train":  # the fastest top x POOL, ranked by days; the front stays over them
+        from simexec.search.time_to_train import rank_by_days
+
+        ttt = rank_by_days(ok[:top], ctx, tokens, goodput_params or GoodputParams(), complete=not interrupted,
+                           keep=top // TIME_TO_TRAIN_POOL, whole=len(ok) < top)
+        top //= TIME_TO_TRAIN_POOL
+        entries = [entry(r) for r in ttt.ranked[:top]]
+    explanation = explain(entries[0] if entries else None, entries[1] if len(entries) > 1 else None,
+                          objective)
     closest = None if entries else _closest(results, cands, capacity)
+    robust_rows = None
+    if robust is not None and ok:
+        from simexec.search.robust import ROBUST_POOL, robust_report
+
+        pool = ok[:top * ROBUST_POOL] if ttt is None else ttt.ranked[:top * ROBUST_POOL]
+        robust_rows = robust_report([entry(r) for r in pool], ctx, robust).to_json()
     return SearchResult(
         model=model.name, cluster=cluster.name, gbs=gbs, seq_len=seq, world=search_world(cluster, fix),
-        objective=objective, top=top, fix=fix, plans=entries, pareto=front_rows,
+        objective=wanted, top=top, fix=fix, plans=entries, pareto=front_rows,
         pareto_limit=None if limit is None or math.isinf(limit) else limit, space=stats.combinations,
         invalid=stats.invalid, refusals=stats.most_often(), candidates=len(cands), evaluated=len(results), pruned=pruned,
         oom=oom_bound + oom_sim, oom_bound=oom_bound, errors=errors, interrupted=interrupted,
@@ -312,6 +351,7 @@ def search(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], gbs: 
         bound_s=bound_s, backend=runner.name, workers=runner.workers,
         error_examples=sorted((r for r in results if "error" in r), key=lambda r: r["plan"])[:3],
         against=against_report(yours, ok, top, objective, not interrupted) if yours is not None else None,
+        robust=robust_rows, time_to_train=ttt.to_json() if ttt is not None else None,
     )
 
 

@@ -33,7 +33,8 @@ def entry(r: dict) -> dict:
             "tflops_per_gpu": r.get("tflops_per_gpu"), "mfu": r["mfu"],
             "peak_memory_bytes": r["peak_memory_bytes"], "fits": r["fits"],
             "bottleneck": _bottleneck(r.get("breakdown_s", {}), r["step_time_s"]),
-            "breakdown_s": r.get("breakdown_s", {}), "memory_breakdown_bytes": r.get("memory_breakdown_bytes", {})}
+            "breakdown_s": r.get("breakdown_s", {}), "memory_breakdown_bytes": r.get("memory_breakdown_bytes", {}),
+            **{k: r[k] for k in ("days", "time_to_train") if k in r}}
 
 
 def sort_key(objective: str):
@@ -174,6 +175,8 @@ class SearchResult:
     workers: int = 1
     against: Optional[dict] = None  # the user's plan against the best (`against_report`)
     refusals: list = field(default_factory=list)  # the rules of `resolve` that refused the most (`SpaceStats`)
+    robust: Optional[dict] = None  # the best plans re-ranked under a straggler (`simexec.search.robust`)
+    time_to_train: Optional[dict] = None  # objective time-to-train: its pool and exactness (search/time_to_train.py)
 
     def to_json(self) -> dict:
         """JSON-ready; the same for the same inputs, whatever the backend (wall time left out)."""
@@ -190,6 +193,8 @@ class SearchResult:
             "pareto_limit": self.pareto_limit,
             "explanation": self.explanation, "closest": self.closest, "error_examples": self.error_examples,
             **({"against": self.against} if self.against is not None else {}),
+            **({"robust": self.robust} if self.robust is not None else {}),
+            **({"time_to_train": self.time_to_train} if self.time_to_train is not None else {}),
         }
 
     def format(self) -> str:
@@ -221,9 +226,10 @@ class SearchResult:
         lines.append("")
         lines.append(f"  top {len(self.plans)} by {self.objective}:")
         lines.append(_table(self.plans))
+        lines += self._time_to_train_lines()
         lines.append("")
         if self.pareto_limit is not None:
-            edge = (f"step time up to {self.pareto_limit:.4g} s" if self.objective == "throughput"
+            edge = (f"step time up to {self.pareto_limit:.4g} s" if self.objective != "memory"
                     else f"peak memory up to {self.pareto_limit / GiB:.2f} GiB")
         else:
             edge = "every fitting plan simulated"
@@ -232,7 +238,26 @@ class SearchResult:
         lines.append("")
         lines.append("  why the best: " + self.explanation.get("text", ""))
         lines += self._against_lines()
+        lines += self._robust_lines()
         return "\n".join(lines)
+
+    def _time_to_train_lines(self) -> list[str]:
+        t = self.time_to_train
+        if t is None:
+            return []
+        how = ("exact: no plan outside them trains in fewer than "
+               f"{t['outside_days_lower_bound']:.2f} days" if t["exact"] and t["outside_days_lower_bound"]
+               else "exact" if t["exact"] else "not proven exact: a plan outside them could train faster")
+        return [f"  days to train {t['tokens']:.3g} tokens with failures and checkpoints; the fastest "
+                f"{t['pool']} plans ranked ({how})"]
+
+    def _robust_lines(self) -> list[str]:
+        if self.robust is None:
+            return []
+        from simexec.search.robust import RobustReport, RobustRow
+
+        rows = [RobustRow(**r) for r in self.robust["plans"]]
+        return ["", RobustReport(self.robust["spec"], self.robust["ranked_by"], rows).format()]
 
     def _against_lines(self) -> list[str]:
         a = self.against
@@ -261,12 +286,15 @@ def _fix_str(fix: dict) -> str:
 
 
 def _table(rows: list[dict], rank: bool = True) -> str:
-    head = f"  {'#':>3}  {'step s':>9}  {'tokens/s':>11}  {'MFU':>6}  {'peak GiB':>8}  {'bottleneck':<20}  plan"
+    days = rank and any("days" in r for r in rows)
+    head = (f"  {'#':>3}  {'step s':>9}  {'tokens/s':>11}  {'MFU':>6}  {'peak GiB':>8}"
+            + (f"  {'days':>8}" if days else "") + f"  {'bottleneck':<20}  plan")
     out = [head]
     for i, r in enumerate(rows, 1):
         out.append(
             f"  {i if rank else '':>3}  {r['step_time_s']:9.4g}  {r['tokens_per_s']:11,.0f}  {100 * r['mfu']:5.1f}%  "
-            f"{r['peak_memory_bytes'] / GiB:8.2f}  {r.get('bottleneck', ''):<20}  {r['plan']}"
+            f"{r['peak_memory_bytes'] / GiB:8.2f}" + (f"  {r.get('days', math.nan):8.3f}" if days else "")
+            + f"  {r.get('bottleneck', ''):<20}  {r['plan']}"
         )
     return "\n".join(out)
 

@@ -54,6 +54,16 @@ LLAMA3_PLANNED = 47  # automated maintenance (firmware upgrades, operator config
 LLAMA3_GPU_HOURS = LLAMA3_GPUS * LLAMA3_DAYS * 24
 FAILURES_PER_GPU_HOUR = {cause: n / LLAMA3_GPU_HOURS for cause, n in LLAMA3_INTERRUPTIONS.items()}
 
+# Other fleets' measured interruption rates per GPU-hour, for `--failure-rate` (the default stays Llama 3's).
+# OPT-175B on 1,024 A100 80GB (128 nodes, a public cloud, Nov 2021-Jan 2022): "~2 machines go down every
+# day" (metaseq, projects/OPT/chronicles/final_update.md, commit f2cd36798793604cf51ab8b8a2cb167c964f9667).
+OPT175B_GPUS = 1024
+OPT175B_MACHINE_FAILURES_PER_DAY = 2
+MEASURED_FAILURES_PER_GPU_HOUR = {
+    "llama3-405b (16,384 H100, 2024)": sum(LLAMA3_INTERRUPTIONS.values()) / LLAMA3_GPU_HOURS,
+    "opt-175b (1,024 A100, cloud, 2021)": OPT175B_MACHINE_FAILURES_PER_DAY / (OPT175B_GPUS * 24),
+}
+
 # Tectonic: 2 TB/s sustained for the 16K-GPU job (Llama 3 paper, section 3.1.2), per 8-GPU node.
 STORAGE_WRITE_BW_PER_NODE = 2e12 / (LLAMA3_GPUS / 8)
 RESTART_S = 11 * 60.0  # median automatic retry interval, 504-GPU B200 cluster report (2025)
@@ -201,8 +211,12 @@ STEP_PARTS = {"compute": ("compute", "recompute", "optimizer"), "pipeline bubble
 
 
 def time_to_train(tokens: float, tokens_per_s: float, breakdown_s: dict[str, float], gpus: int, ckpt: Checkpoint,
-                  params: GoodputParams = GoodputParams(), variation_slowdown: float = 1.0) -> TimeToTrain:
-    """Days to train: the step's parts scaled to the run, variation, then failures and checkpoints."""
+                  params: GoodputParams = GoodputParams(), variation_slowdown: float = 1.0,
+                  straggler_slowdown: float = 1.0) -> TimeToTrain:
+    """Days to train: the step's parts scaled to the run, stragglers, variation, then failures and
+    checkpoints. `straggler_slowdown` is the straggled step over the healthy one (`--slow`, a
+    straggler for the whole run); variation multiplies on top of it (its median slowdown was
+    measured without the stragglers: the two compound where they fall on different groups)."""
     if not tokens > 0:
         raise SpecError(f"--tokens must be > 0, got {tokens:g}")
     if not tokens_per_s > 0:
@@ -215,9 +229,12 @@ def time_to_train(tokens: float, tokens_per_s: float, breakdown_s: dict[str, flo
     comm = sum(v for k, v in breakdown_s.items() if k.startswith("comm.") or k == "sync")
     parts["exposed communication"] = ideal * comm / step
     parts["other (idle, offload)"] = ideal - sum(parts.values())
-    solve = ideal * max(1.0, variation_slowdown)
-    if variation_slowdown != 1.0:
-        parts["GPU variation"] = solve - ideal
+    straggled = ideal * max(1.0, straggler_slowdown)
+    if straggled != ideal:
+        parts["stragglers"] = straggled - ideal
+    solve = straggled * max(1.0, variation_slowdown)
+    if solve != straggled:
+        parts["GPU variation"] = solve - straggled
     g = goodput(solve, gpus, ckpt, params)
     parts["failures (lost + restart)"] = g.failure_s
     parts["checkpoints"] = g.checkpoint_s

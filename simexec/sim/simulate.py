@@ -248,8 +248,9 @@ def _real_cluster(result: SimResult, rp: ResolvedPlan, program: Program, slow: O
     if tokens is not None:
         params = params or GoodputParams()
         spread = result.variation.median_slowdown if result.variation is not None else 1.0
+        straggled = result.stragglers.slowdown if result.stragglers is not None else 1.0
         result.time_to_train = time_to_train(tokens, result.tokens_per_s, result.breakdown_s, rp.world,
-                                             plan_checkpoint(rp, params), params, spread)
+                                             plan_checkpoint(rp, params), params, spread, straggled)
 
 
 def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float, str]]], bool]:

@@ -58,6 +58,7 @@ class Route:
 
     rows: Tensor  # (N*k,) row of each assignment (token*k + slot) in the expert-sorted list; -1: dropped
     counts: Tensor  # (E,) rows per expert (under a capacity factor, the padded capacity)
+    experts: Optional[Tensor] = None  # (N, k) expert of each assignment, -1 where dropped
 
 
 def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
@@ -280,6 +281,33 @@ class GPT:
         weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies sorted by expert
         (what dispatch sends), and the Route. Under a capacity factor each expert's rows are cut or
         zero-padded to its capacity per sequence (`_capacity_rows`); else no token is dropped."""
+        h, src, w, route = self._route(l, x, fetch)
+        moe = self.m.moe
+        if moe.capacity_factor is None:
+            xs = src[torch.argsort(route.rows) // moe.top_k]
+        else:
+            rows = route.rows
+            kept = (rows >= 0).nonzero().squeeze(1)
+            n_rows = int(route.counts.sum())
+            # gathered, then the padding rows zeroed in place: autograd keeps the indices and the mask
+            # only (index_copy into zeros would save the gathered tokens too)
+            pick = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
+            pick[rows[kept]] = kept // moe.top_k
+            pad = torch.ones(n_rows, dtype=torch.bool, device=rows.device)
+            pad[rows[kept]] = False
+            xs = src[pick].masked_fill_(pad.unsqueeze(1), 0)
+        return h, w, xs, route
+
+    def router_gathered(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Route]:
+        """The router of Megatron-Core's MoEAllGatherTokenDispatcher: what the dispatch all-gathers
+        is each token once with its routing weights, xg (N, C + k) = [normed token | w], rather than
+        one copy per assignment; the experts pick their assignments from the gathered rows by
+        `Route.experts` (a dropped one, under a capacity factor, is -1: no expert computes it)."""
+        h, src, w, route = self._route(l, x, fetch)
+        return h, torch.cat([src, w.to(src.dtype)], dim=1), route
+
+    def _route(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
+        """The gate and top-k: h (None under sp), the normed tokens src (N, C), w (N, k) and the Route."""
         moe = self.m.moe
         if self.lay.sp:
             logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
@@ -293,23 +321,14 @@ class GPT:
         src = x.reshape(-1, x.shape[-1]) if self.lay.sp else h
         if moe.capacity_factor is None:
             order = torch.argsort(flat, stable=True)
-            route = Route(torch.argsort(order), torch.bincount(flat, minlength=moe.experts))
-            xs = src[order // moe.top_k]
+            route = Route(torch.argsort(order), torch.bincount(flat, minlength=moe.experts), idx)
         else:
             sequences = x.shape[0]
             cap = expert_capacity(moe.capacity_factor, w.shape[0] // sequences, moe.top_k, moe.experts)
             rows = _capacity_rows(flat, sequences, moe.experts, cap)
-            kept = (rows >= 0).nonzero().squeeze(1)
-            n_rows = moe.experts * sequences * cap
-            route = Route(rows, torch.full((moe.experts,), sequences * cap, dtype=torch.int64, device=flat.device))
-            # gathered, then the padding rows zeroed in place: autograd keeps the indices and the mask
-            # only (index_copy into zeros would save the gathered tokens too)
-            pick = torch.zeros(n_rows, dtype=torch.int64, device=flat.device)
-            pick[rows[kept]] = kept // moe.top_k
-            pad = torch.ones(n_rows, dtype=torch.bool, device=flat.device)
-            pad[rows[kept]] = False
-            xs = src[pick].masked_fill_(pad.unsqueeze(1), 0)
-        return (None if self.lay.sp else h), w, xs, route
+            route = Route(rows, torch.full((moe.experts,), sequences * cap, dtype=torch.int64, device=flat.device),
+                          idx.masked_fill(rows.view(idx.shape) < 0, -1))
+        return (None if self.lay.sp else h), src, w, route
 
     def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
         """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
@@ -328,6 +347,22 @@ class GPT:
         y = torch.cat(ys) if ys else xr[:0]
         return y[torch.argsort(perm)]  # back to arrival order
 
+    def experts_gathered(self, l: int, xg: Tensor, experts: Tensor) -> Tensor:
+        """moe_dispatcher=allgather: this rank's routed experts on the tokens gathered over ep. xg
+        (R, C + k) [token | routing weights] as `router_gathered` packs them, experts (R, k) each
+        assignment's expert -> (R, C) each gathered token's weighted sum over the assignments this
+        rank's experts computed (zero elsewhere; the combine's reduce-scatter sums the ranks' shares,
+        as Megatron's unpermute scatter-adds the probability-weighted outputs)."""
+        C = self.m.hidden
+        tokens, w = xg[:, :C], xg[:, C:]
+        y = torch.zeros_like(tokens)
+        for e in local_experts(self.m, self.lay):
+            tok, slot = (experts == e).nonzero(as_tuple=True)
+            pre = f"layers.{l}.moe.e{e}"
+            ye = self._ffn_down(pre, self._ffn_up(pre, tokens[tok])) * w[tok, slot].unsqueeze(1)
+            y = y.index_add(0, tok, ye)
+        return y
+
     def moe_out(self, l: int, x: Tensor, h: Tensor, w: Tensor, yc: Tensor, route: Route, fetch=None) -> Tensor:
         """Weighted sum of the k expert outputs per token (yc (N*k, C), expert-sorted, as combine
         returns them), plus the shared experts on the normed tokens h (N, C; under sp the gathered
@@ -336,7 +371,12 @@ class GPT:
         per_slot = yc[route.rows.clamp(min=0)].view(N, k, -1)  # (N, k, C) in token order
         if self.m.moe.capacity_factor is not None:  # a dropped assignment adds nothing
             per_slot = per_slot.masked_fill_((route.rows < 0).view(N, k, 1), 0)
-        y = (w.unsqueeze(-1) * per_slot).sum(1)  # (N, C)
+        return self.moe_out_weighted(l, x, h, (w.unsqueeze(-1) * per_slot).sum(1), fetch)
+
+    def moe_out_weighted(self, l: int, x: Tensor, h: Tensor, y: Tensor, fetch=None) -> Tensor:
+        """The routed experts' weighted sum per token y (N, C), plus the shared experts on h, plus the
+        residual x -> (B, T, C) partial over tp (moe_dispatcher=allgather: y is what the combine's
+        reduce-scatter returns)."""
         if self.lay.sp:
             y = y.view(h.shape)
         for s in range(self.m.moe.shared_experts):

@@ -62,8 +62,10 @@ class ActivationCollectives:
         backward = ins.phase == "bwd" and ins.block not in SP_REGATHERS
         # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
         gathered_input = self.plan.sp and not backward and (ins.block in SP_GATHERS or ins.block in SP_REGATHERS)
-        if ins.block in ("dispatch", "combine"):
+        if ins.block in ("dispatch", "combine") and verb == "alltoall":
             return self.alltoall(ins, g, src, dst, backward)
+        if ins.block == "dispatch" and not backward:  # moe_dispatcher=allgather
+            self.gather_routes(ins, g)
         if ins.block in ("heads_in", "heads_out"):
             return self.heads_exchange(ins, g, backward)
         if backward:
@@ -197,6 +199,15 @@ class ActivationCollectives:
             self.g[name] = r if name not in self.g else self.g[name] + r
             if self.g_pending.get(name) is not None and self.g_pending[name].done:
                 del self.g_pending[name]
+
+    def gather_routes(self, ins: Instr, g) -> None:
+        """moe_dispatcher=allgather: before the tokens, every ep rank's routing (the expert of each
+        assignment, a small blocking all-gather), so the experts know which gathered rows are theirs."""
+        l, mb = ins.layer, ins.mb
+        mine = self.read(("route", l, mb)).experts.contiguous()
+        out = torch.empty((len(ins.group) * mine.shape[0],) + mine.shape[1:], dtype=mine.dtype, device=mine.device)
+        self.comm.all_gather(out, mine, group=g)
+        self.env[("gathered_experts", l, mb)] = out
 
     def alltoall(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
         """MoE dispatch / combine over ep. Dispatch first exchanges the per-expert counts (a small

@@ -62,6 +62,17 @@ BLOCK_IO_SP = {
     "fc2": (("a", "xm"), ("y2p",)),
     "moe_out": (("xm", "xma", "w", "yc"), ("y2p",)),
 }
+
+
+def gathered_dispatch_io(io: dict) -> dict:
+    """moe_dispatcher=allgather (Megatron-Core's MoEAllGatherTokenDispatcher): the routing weights
+    travel with the tokens the dispatch all-gathers (`GPT.router_gathered`) and the experts weight
+    their outputs before the combine's reduce-scatter, so the router writes no w and moe_out reads
+    the weighted sum as yc."""
+    return {**io, "router": (io["router"][0], ("h", "xs", "route")),
+            "moe_out": (tuple(n for n in io["moe_out"][0] if n != "w"), io["moe_out"][1])}
+
+
 # sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
 # (`<sub-layer>_regather`, delivered as an activation, not a gradient)
 SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}

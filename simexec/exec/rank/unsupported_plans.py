@@ -51,7 +51,7 @@ def unsupported(rp) -> Optional[str]:
                        "routing and dispatching its own sequence shard); the executor folds ep over cp x dp (tp=1)")
     elif p.etp is not None and p.etp > 1:
         missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
-    if p.moe_dispatcher != "alltoall":
+    if p.moe_dispatcher == "deepep":
         missing.append(f"moe_dispatcher={p.moe_dispatcher} (the executor dispatches MoE tokens with all-to-alls)")
     if p.moe_a2a_overlap:
         missing.append("moe_a2a_overlap=1 (one micro-batch's forward interleaved with another's backward)")

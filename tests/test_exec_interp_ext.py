@@ -73,6 +73,11 @@ EXTENDED = [
     # the executor refuses it (xfail with the reason)
     ("moe-tiny", "dp=2,cp=2,ep=4,etp=1"),
     ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1"),
+    # MoE dispatchers: allgather (each token once with its routing weights gathered over ep, the
+    # weighted outputs reduce-scattered back); deepep inside one NVLink domain (one all-to-all over ep)
+    ("moe-tiny", "dp=2,ep=2,moe_dispatcher=allgather"),
+    ("moe-tiny", "dp=2,ep=2,tp=2,sp=1,moe_dispatcher=allgather"),
+    ("moe-tiny", "dp=4,ep=4,moe_dispatcher=deepep"),
 ]
 
 
@@ -87,7 +92,8 @@ def test_plan_matches_reference(model, plan):
 
 
 @pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=2,ep=2,tp=2,sp=1", "dp=4,ep=2,zero=3,mbs=2,gbs=8",
-                                  "dp=2,ep=2,pp=2,gbs=4", "dp=4,ep=4,mbs=2,gbs=8"])
+                                  "dp=2,ep=2,pp=2,gbs=4", "dp=4,ep=4,mbs=2,gbs=8",
+                                  "dp=4,ep=4,mbs=2,gbs=8,moe_dispatcher=allgather"])
 def test_token_dropping_matches_reference(plan):
     """capacity_factor=1: the experts' buffers cut and padded to capacity per sequence, so every
     split of the batch drops what the single process drops (tests/test_exec_model.py checks that
@@ -499,3 +505,19 @@ def test_context_parallel_memory_follows_the_simulator(model, impl, tol):
     for r, res in enumerate(results):
         err = res["peak_memory_bytes"] / predicted[r] - 1
         assert abs(err) < tol, f"{plan} rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted[r]:.0f} ({err:+.1%})"
+
+
+def test_deepep_across_nvlink_domains_refused():
+    """DeepEP's two hops (RDMA between NVLink domains, then NVLink inside one) are refused by name;
+    inside one domain the lowering emits one all-to-all over ep, which the executor runs."""
+    from simexec.exec.rank.unsupported_plans import unsupported
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan, resolve
+
+    m = get_model("moe-tiny")
+    m = m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 16})})
+    across = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=16,moe_dispatcher=deepep,gbs=16"), 32)
+    assert "moe_dispatcher=deepep with ep=16 across NVLink domains of 8" in unsupported(across)
+    inside = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=8,moe_dispatcher=deepep,gbs=16"), 32)
+    assert unsupported(inside) is None

@@ -51,8 +51,10 @@ def unsupported(rp) -> Optional[str]:
                        "routing and dispatching its own sequence shard); the executor folds ep over cp x dp (tp=1)")
     elif p.etp is not None and p.etp > 1:
         missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
-    if p.moe_dispatcher == "deepep":
-        missing.append(f"moe_dispatcher={p.moe_dispatcher} (the executor dispatches MoE tokens with all-to-alls)")
+    if p.moe_dispatcher == "deepep" and m.moe is not None and _deepep_crosses_domains(rp):
+        missing.append(f"moe_dispatcher=deepep with ep={p.ep} across NVLink domains of {rp.cluster.nvlink_domain} "
+                       "(DeepEP's two hops, RDMA between domains then NVLink inside one; the executor runs "
+                       "deepep inside one domain, where the lowering emits its one all-to-all over ep)")
     if p.moe_a2a_overlap:
         missing.append("moe_a2a_overlap=1 (one micro-batch's forward interleaved with another's backward)")
     if p.moe_router_skew != 1.0:
@@ -70,6 +72,13 @@ def unsupported(rp) -> Optional[str]:
     if not missing:
         return None
     return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
+
+
+def _deepep_crosses_domains(rp) -> bool:
+    """Whether some rank's ep group spans NVLink domains (the lowering then emits DeepEP's network hop)."""
+    from simexec.program.groups import rank_groups
+
+    return any(len(rank_groups(rp, r).ep_net) > 1 for r in range(rp.world))
 
 
 def _lowering_gaps(rp) -> list[str]:

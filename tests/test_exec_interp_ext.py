@@ -69,10 +69,12 @@ EXTENDED = [
     ("gpt-tiny", "cp=2,tp=2,sp=1,cp_impl=a2a,recompute=full"),
     ("gpt-tiny", "dp=2,cp=2,pp=2,gbs=4,cp_impl=a2a,flash_attention=0"),
     ("moe-tiny", "dp=2,ep=2,cp=2,cp_impl=a2a"),
-    # MoE parallel folding (etp): ep spans cp x dp (4 ranks, each expert on one), edp of one; over tp
-    # the executor refuses it (xfail with the reason)
+    # MoE parallel folding (etp=1): ep spans cp x dp, or tp x dp (each tp rank routes its own slice of
+    # the sequence, the experts whole on their rank), each expert on one rank (edp of one) or two
     ("moe-tiny", "dp=2,cp=2,ep=4,etp=1"),
     ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=1,zero=1"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1,moe_dispatcher=allgather"),
     # MoE dispatchers: allgather (each token once with its routing weights gathered over ep, the
     # weighted outputs reduce-scattered back); deepep inside one NVLink domain (one all-to-all over ep)
     ("moe-tiny", "dp=2,ep=2,moe_dispatcher=allgather"),
@@ -521,3 +523,14 @@ def test_deepep_across_nvlink_domains_refused():
     assert "moe_dispatcher=deepep with ep=16 across NVLink domains of 8" in unsupported(across)
     inside = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=8,moe_dispatcher=deepep,gbs=16"), 32)
     assert unsupported(inside) is None
+
+
+@pytest.mark.parametrize("model,plan,reason", [
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=2", "etp=2 (the expert-tensor-parallel"),
+    (str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), "dp=2,tp=2,sp=1,ep=4,etp=1",
+     "token dropping (capacity_factor=1.0) with etp=1 and tp=2"),
+])
+def test_folding_refused_where_not_run(model, plan, reason):
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    assert reason in (unsupported(resolved(model, plan)) or "")

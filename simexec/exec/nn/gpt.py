@@ -102,6 +102,7 @@ class GPT:
         self.m, self.lay, self.p, self.flash = m, lay, params, flash
         H = m.hidden
         self.hlo, self.hhi = split_range(H, lay.tp, lay.tp_rank)  # this rank's hidden slice
+        self.elo = split_range(H, lay.etp, lay.etp_rank)[0]  # a routed expert's hidden slice (its bias's)
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
@@ -166,11 +167,12 @@ class GPT:
     def final_norm(self, x: Tensor) -> Tensor:
         return self._norm("head.norm", x)
 
-    def _ffn_down(self, prefix: str, a: Tensor) -> Tensor:
-        """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice."""
+    def _ffn_down(self, prefix: str, a: Tensor, lo: Optional[int] = None) -> Tensor:
+        """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice (`lo`:
+        where it starts, a routed expert's over etp; else this rank's over tp)."""
         y = a @ self.p[f"{prefix}.w2"]
         b = self.p.get(f"{prefix}.b2")
-        return y if b is None else add_slice(y, b, self.hlo)
+        return y if b is None else add_slice(y, b, self.hlo if lo is None else lo)
 
     # -- embedding ----------------------------------------------------------------------------------
 
@@ -311,6 +313,9 @@ class GPT:
         moe = self.m.moe
         if self.lay.sp:
             logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
+            if self.lay.fold_tp:  # parallel folding: this tp rank routes its slice of the gathered sequence
+                lo, hi = self._folded_slice(x.shape[1])
+                logits, x = logits[:, lo:hi], x[:, lo:hi]
             probs = torch.softmax(logits.reshape(-1, moe.experts), dim=-1)  # (N, E)
         else:
             h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
@@ -330,6 +335,11 @@ class GPT:
                           idx.masked_fill(rows.view(idx.shape) < 0, -1))
         return (None if self.lay.sp else h), src, w, route
 
+    def _folded_slice(self, seq: int) -> tuple[int, int]:
+        """[lo, hi) of the gathered sequence this tp rank routes under parallel folding (Megatron-Core's
+        MoE layer routes the sequence-parallel shard each tp rank holds)."""
+        return split_range(seq, self.lay.tp, self.lay.tp_rank)
+
     def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
         """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
         rank, then by local expert; counts (sources, local experts) says how many -> (R, C) partial
@@ -343,7 +353,8 @@ class GPT:
         # Megatron's sort_chunks_by_idxs: one permuted copy, which the expert GEMMs save; the index's
         # backward keeps only `perm`, so xr itself is not needed by the backward (the interpreter frees it)
         groups = xr[perm].split(torch.bincount(expert_of_row, minlength=n_local).tolist())
-        ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g)) for e, g in zip(mine, groups)]
+        ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g), self.elo)
+              for e, g in zip(mine, groups)]
         y = torch.cat(ys) if ys else xr[:0]
         return y[torch.argsort(perm)]  # back to arrival order
 
@@ -359,7 +370,7 @@ class GPT:
         for e in local_experts(self.m, self.lay):
             tok, slot = (experts == e).nonzero(as_tuple=True)
             pre = f"layers.{l}.moe.e{e}"
-            ye = self._ffn_down(pre, self._ffn_up(pre, tokens[tok])) * w[tok, slot].unsqueeze(1)
+            ye = self._ffn_down(pre, self._ffn_up(pre, tokens[tok]), self.elo) * w[tok, slot].unsqueeze(1)
             y = y.index_add(0, tok, ye)
         return y
 
@@ -377,7 +388,11 @@ class GPT:
         """The routed experts' weighted sum per token y (N, C), plus the shared experts on h, plus the
         residual x -> (B, T, C) partial over tp (moe_dispatcher=allgather: y is what the combine's
         reduce-scatter returns)."""
-        if self.lay.sp:
+        if self.lay.fold_tp:  # this tp rank's slice of the sequence; the mlp_out reduce-scatter sums the slices
+            B, T, C = h.shape
+            lo, hi = self._folded_slice(T)
+            y = F.pad(y.view(B, hi - lo, C), (0, 0, lo, T - hi))
+        elif self.lay.sp:
             y = y.view(h.shape)
         for s in range(self.m.moe.shared_experts):
             pre = f"layers.{l}.moe.s{s}"

@@ -53,8 +53,6 @@ def unsupported(rp) -> Optional[str]:
     if p.etp is not None and p.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with etp={p.etp} and "
                        f"tp={p.tp} (each tp rank fills the experts' buffers from its own sequence shard)")
-    if p.etp is not None and p.etp > 1:
-        missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
     if p.moe_dispatcher == "deepep" and m.moe is not None and _deepep_crosses_domains(rp):
         missing.append(f"moe_dispatcher=deepep with ep={p.ep} across NVLink domains of {rp.cluster.nvlink_domain} "
                        "(DeepEP's two hops, RDMA between domains then NVLink inside one; the executor runs "

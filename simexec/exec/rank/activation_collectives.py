@@ -169,6 +169,8 @@ class ActivationCollectives:
         """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
         tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
         that it lives only as long as the collective (and whatever autograd saved) needs it."""
+        if key not in self.env and key[0] in ("xd", "yd"):  # no etp exchange: what dispatch or experts wrote
+            key = self.resolve(key) or key
         if key not in self.env:
             return
         name, l, mb = key

@@ -79,6 +79,10 @@ EXTENDED = [
     ("moe-tiny", "dp=4,ep=2,etp=2"),
     ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=2"),
     ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=allgather"),
+    # pipeline layouts with stages that hold no transformer layer (only the embedding, or only the head)
+    ("gpt-tiny", "pp=3,gbs=6,layout=E|tttt|L"),
+    ("gpt-tiny", "pp=2,vpp=2,gbs=4,layout=E|tt|tt|L"),
+    ("moe-tiny", "tp=2,sp=1,pp=2,gbs=4,layout=E|ttttL"),
     # MoE dispatchers: allgather (each token once with its routing weights gathered over ep, the
     # weighted outputs reduce-scattered back); deepep inside one NVLink domain (one all-to-all over ep)
     ("moe-tiny", "dp=2,ep=2,moe_dispatcher=allgather"),

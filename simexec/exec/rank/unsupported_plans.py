@@ -27,10 +27,6 @@ def unsupported(rp) -> Optional[str]:
     missing = []
     if m.mtp_layers:
         missing.append(f"multi-token prediction ({m.name}: mtp_layers={m.mtp_layers}; the executor builds no MTP module)")
-    empty = [vs for vs, layers in enumerate(rp.stage_layers) if not layers]
-    if empty:
-        missing.append(f"a layout whose virtual stage {empty[0]} holds no transformer layer (the executor's stages"
-                       " each run at least one block)")
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "

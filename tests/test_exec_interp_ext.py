@@ -69,10 +69,25 @@ EXTENDED = [
     ("gpt-tiny", "cp=2,tp=2,sp=1,cp_impl=a2a,recompute=full"),
     ("gpt-tiny", "dp=2,cp=2,pp=2,gbs=4,cp_impl=a2a,flash_attention=0"),
     ("moe-tiny", "dp=2,ep=2,cp=2,cp_impl=a2a"),
-    # MoE parallel folding (etp): ep spans cp x dp (4 ranks, each expert on one), edp of one; over tp
-    # the executor refuses it (xfail with the reason)
+    # MoE parallel folding (etp=1): ep spans cp x dp, or tp x dp (each tp rank routes its own slice of
+    # the sequence, the experts whole on their rank), each expert on one rank (edp of one) or two
     ("moe-tiny", "dp=2,cp=2,ep=4,etp=1"),
     ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=1,zero=1"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1,moe_dispatcher=allgather"),
+    # etp > 1: the dispatched rows gathered over etp (uneven after an all-to-all), each expert split over it
+    ("moe-tiny", "dp=4,ep=2,etp=2"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=2"),
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=allgather"),
+    # pipeline layouts with stages that hold no transformer layer (only the embedding, or only the head)
+    ("gpt-tiny", "pp=3,gbs=6,layout=E|tttt|L"),
+    ("gpt-tiny", "pp=2,vpp=2,gbs=4,layout=E|tt|tt|L"),
+    ("moe-tiny", "tp=2,sp=1,pp=2,gbs=4,layout=E|ttttL"),
+    # MoE dispatchers: allgather (each token once with its routing weights gathered over ep, the
+    # weighted outputs reduce-scattered back); deepep inside one NVLink domain (one all-to-all over ep)
+    ("moe-tiny", "dp=2,ep=2,moe_dispatcher=allgather"),
+    ("moe-tiny", "dp=2,ep=2,tp=2,sp=1,moe_dispatcher=allgather"),
+    ("moe-tiny", "dp=4,ep=4,moe_dispatcher=deepep"),
 ]
 
 
@@ -87,7 +102,8 @@ def test_plan_matches_reference(model, plan):
 
 
 @pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=2,ep=2,tp=2,sp=1", "dp=4,ep=2,zero=3,mbs=2,gbs=8",
-                                  "dp=2,ep=2,pp=2,gbs=4", "dp=4,ep=4,mbs=2,gbs=8"])
+                                  "dp=2,ep=2,pp=2,gbs=4", "dp=4,ep=4,mbs=2,gbs=8",
+                                  "dp=4,ep=4,mbs=2,gbs=8,moe_dispatcher=allgather"])
 def test_token_dropping_matches_reference(plan):
     """capacity_factor=1: the experts' buffers cut and padded to capacity per sequence, so every
     split of the batch drops what the single process drops (tests/test_exec_model.py checks that
@@ -499,3 +515,29 @@ def test_context_parallel_memory_follows_the_simulator(model, impl, tol):
     for r, res in enumerate(results):
         err = res["peak_memory_bytes"] / predicted[r] - 1
         assert abs(err) < tol, f"{plan} rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted[r]:.0f} ({err:+.1%})"
+
+
+def test_deepep_across_nvlink_domains_refused():
+    """DeepEP's two hops (RDMA between NVLink domains, then NVLink inside one) are refused by name;
+    inside one domain the lowering emits one all-to-all over ep, which the executor runs."""
+    from simexec.exec.rank.unsupported_plans import unsupported
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan, resolve
+
+    m = get_model("moe-tiny")
+    m = m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 16})})
+    across = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=16,moe_dispatcher=deepep,gbs=16"), 32)
+    assert "moe_dispatcher=deepep with ep=16 across NVLink domains of 8" in unsupported(across)
+    inside = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=8,moe_dispatcher=deepep,gbs=16"), 32)
+    assert unsupported(inside) is None
+
+
+@pytest.mark.parametrize("model,plan,reason", [
+    (str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), "dp=2,tp=2,sp=1,ep=4,etp=1",
+     "token dropping (capacity_factor=1.0) with etp=1 and tp=2"),
+])
+def test_folding_refused_where_not_run(model, plan, reason):
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    assert reason in (unsupported(resolved(model, plan)) or "")

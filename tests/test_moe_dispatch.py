@@ -214,9 +214,16 @@ def test_bounds_stay_below_the_simulation_of_the_new_knobs():
 
 
 # --- 6. executor -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("knob", ["moe_dispatcher=allgather", "moe_a2a_overlap=1", "moe_router_skew=1.2"])
+@pytest.mark.parametrize("knob", ["moe_a2a_overlap=1", "moe_router_skew=1.2"])
 def test_executor_refuses_the_new_knobs_in_one_line(knob):
     from simexec.exec.rank.unsupported_plans import unsupported
 
     msg = unsupported(rp_of("dp=4,ep=4," + knob))
     assert msg and knob.split("=")[0] in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("knob", ["moe_dispatcher=allgather", "moe_dispatcher=deepep"])
+def test_executor_runs_the_dispatchers_inside_one_domain(knob):
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    assert unsupported(rp_of("dp=4,ep=4," + knob)) is None

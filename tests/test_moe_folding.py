@@ -133,13 +133,14 @@ def test_simulate_folded_plan_reports_etp_traffic():
     assert "comm.etp" not in simulate(MOE, "local", "dp=2,tp=2,sp=1,ep=4,etp=1").breakdown_s
 
 
-def test_executor_refuses_folding_over_tp_in_one_line():
+def test_executor_runs_folding_and_refuses_what_it_cannot_in_one_line():
     from simexec.exec.rank.unsupported_plans import unsupported
 
-    msg = unsupported(rp_of("dp=2,tp=2,sp=1,ep=4,etp=1"))
-    assert msg and "etp=1 with tp=2" in msg and "\n" not in msg
-    assert "etp=2" in unsupported(rp_of("dp=2,tp=2,sp=1,ep=2,etp=2"))
-    assert unsupported(rp_of("dp=2,cp=2,ep=4,etp=1")) is None
+    for plan in ("dp=2,tp=2,sp=1,ep=4,etp=1", "dp=2,tp=2,sp=1,ep=2,etp=2", "dp=2,cp=2,ep=4,etp=1"):
+        assert unsupported(rp_of(plan)) is None, plan
+    unshared = MOE.model_copy(update={"moe": MOE.moe.model_copy(update={"shared_experts": 0})})
+    msg = unsupported(rp_of("dp=2,tp=2,sp=1,ep=4,etp=1", unshared))
+    assert msg and "etp=1 with tp=2 on a MoE without shared experts" in msg and "\n" not in msg
 
 
 def test_search_enumerates_folded_layouts():

@@ -36,6 +36,8 @@ class Holders:
         tp_rank, units, lay = self.ranks[r]
         if spec.unit not in units or not holds(spec, self.rp.model, lay):
             return None
+        if spec.expert is not None:  # a routed expert: split over etp
+            return lay.etp_rank if spec.tp_dim is not None and lay.etp > 1 else "all"
         return tp_rank if spec.tp_dim is not None and self.rp.plan.tp > 1 else "all"
 
     def count(self, spec: ParamSpec, rank: int) -> int:

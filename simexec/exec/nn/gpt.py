@@ -58,6 +58,7 @@ class Route:
 
     rows: Tensor  # (N*k,) row of each assignment (token*k + slot) in the expert-sorted list; -1: dropped
     counts: Tensor  # (E,) rows per expert (under a capacity factor, the padded capacity)
+    experts: Optional[Tensor] = None  # (N, k) expert of each assignment, -1 where dropped
 
 
 def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
@@ -101,6 +102,7 @@ class GPT:
         self.m, self.lay, self.p, self.flash = m, lay, params, flash
         H = m.hidden
         self.hlo, self.hhi = split_range(H, lay.tp, lay.tp_rank)  # this rank's hidden slice
+        self.elo = split_range(H, lay.etp, lay.etp_rank)[0]  # a routed expert's hidden slice (its bias's)
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
@@ -165,11 +167,12 @@ class GPT:
     def final_norm(self, x: Tensor) -> Tensor:
         return self._norm("head.norm", x)
 
-    def _ffn_down(self, prefix: str, a: Tensor) -> Tensor:
-        """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice."""
+    def _ffn_down(self, prefix: str, a: Tensor, lo: Optional[int] = None) -> Tensor:
+        """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice (`lo`:
+        where it starts, a routed expert's over etp; else this rank's over tp)."""
         y = a @ self.p[f"{prefix}.w2"]
         b = self.p.get(f"{prefix}.b2")
-        return y if b is None else add_slice(y, b, self.hlo)
+        return y if b is None else add_slice(y, b, self.hlo if lo is None else lo)
 
     # -- embedding ----------------------------------------------------------------------------------
 
@@ -280,9 +283,39 @@ class GPT:
         weights (top-k softmax probabilities, renormalised), xs (N*k, C) token copies sorted by expert
         (what dispatch sends), and the Route. Under a capacity factor each expert's rows are cut or
         zero-padded to its capacity per sequence (`_capacity_rows`); else no token is dropped."""
+        h, src, w, route = self._route(l, x, fetch)
+        moe = self.m.moe
+        if moe.capacity_factor is None:
+            xs = src[torch.argsort(route.rows) // moe.top_k]
+        else:
+            rows = route.rows
+            kept = (rows >= 0).nonzero().squeeze(1)
+            n_rows = int(route.counts.sum())
+            # gathered, then the padding rows zeroed in place: autograd keeps the indices and the mask
+            # only (index_copy into zeros would save the gathered tokens too)
+            pick = torch.zeros(n_rows, dtype=torch.int64, device=rows.device)
+            pick[rows[kept]] = kept // moe.top_k
+            pad = torch.ones(n_rows, dtype=torch.bool, device=rows.device)
+            pad[rows[kept]] = False
+            xs = src[pick].masked_fill_(pad.unsqueeze(1), 0)
+        return h, w, xs, route
+
+    def router_gathered(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Route]:
+        """The router of Megatron-Core's MoEAllGatherTokenDispatcher: what the dispatch all-gathers
+        is each token once with its routing weights, xg (N, C + k) = [normed token | w], rather than
+        one copy per assignment; the experts pick their assignments from the gathered rows by
+        `Route.experts` (a dropped one, under a capacity factor, is -1: no expert computes it)."""
+        h, src, w, route = self._route(l, x, fetch)
+        return h, torch.cat([src, w.to(src.dtype)], dim=1), route
+
+    def _route(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
+        """The gate and top-k: h (None under sp), the normed tokens src (N, C), w (N, k) and the Route."""
         moe = self.m.moe
         if self.lay.sp:
             logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
+            if self.lay.fold_tp:  # parallel folding: this tp rank routes its slice of the gathered sequence
+                lo, hi = self._folded_slice(x.shape[1])
+                logits, x = logits[:, lo:hi], x[:, lo:hi]
             probs = torch.softmax(logits.reshape(-1, moe.experts), dim=-1)  # (N, E)
         else:
             h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
@@ -293,23 +326,19 @@ class GPT:
         src = x.reshape(-1, x.shape[-1]) if self.lay.sp else h
         if moe.capacity_factor is None:
             order = torch.argsort(flat, stable=True)
-            route = Route(torch.argsort(order), torch.bincount(flat, minlength=moe.experts))
-            xs = src[order // moe.top_k]
+            route = Route(torch.argsort(order), torch.bincount(flat, minlength=moe.experts), idx)
         else:
             sequences = x.shape[0]
             cap = expert_capacity(moe.capacity_factor, w.shape[0] // sequences, moe.top_k, moe.experts)
             rows = _capacity_rows(flat, sequences, moe.experts, cap)
-            kept = (rows >= 0).nonzero().squeeze(1)
-            n_rows = moe.experts * sequences * cap
-            route = Route(rows, torch.full((moe.experts,), sequences * cap, dtype=torch.int64, device=flat.device))
-            # gathered, then the padding rows zeroed in place: autograd keeps the indices and the mask
-            # only (index_copy into zeros would save the gathered tokens too)
-            pick = torch.zeros(n_rows, dtype=torch.int64, device=flat.device)
-            pick[rows[kept]] = kept // moe.top_k
-            pad = torch.ones(n_rows, dtype=torch.bool, device=flat.device)
-            pad[rows[kept]] = False
-            xs = src[pick].masked_fill_(pad.unsqueeze(1), 0)
-        return (None if self.lay.sp else h), w, xs, route
+            route = Route(rows, torch.full((moe.experts,), sequences * cap, dtype=torch.int64, device=flat.device),
+                          idx.masked_fill(rows.view(idx.shape) < 0, -1))
+        return (None if self.lay.sp else h), src, w, route
+
+    def _folded_slice(self, seq: int) -> tuple[int, int]:
+        """[lo, hi) of the gathered sequence this tp rank routes under parallel folding (Megatron-Core's
+        MoE layer routes the sequence-parallel shard each tp rank holds)."""
+        return split_range(seq, self.lay.tp, self.lay.tp_rank)
 
     def experts(self, l: int, xr: Tensor, counts: Tensor) -> Tensor:
         """This rank's routed experts on the tokens it received. xr (R, C) arrives grouped by source
@@ -324,9 +353,26 @@ class GPT:
         # Megatron's sort_chunks_by_idxs: one permuted copy, which the expert GEMMs save; the index's
         # backward keeps only `perm`, so xr itself is not needed by the backward (the interpreter frees it)
         groups = xr[perm].split(torch.bincount(expert_of_row, minlength=n_local).tolist())
-        ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g)) for e, g in zip(mine, groups)]
+        ys = [self._ffn_down(f"layers.{l}.moe.e{e}", self._ffn_up(f"layers.{l}.moe.e{e}", g), self.elo)
+              for e, g in zip(mine, groups)]
         y = torch.cat(ys) if ys else xr[:0]
         return y[torch.argsort(perm)]  # back to arrival order
+
+    def experts_gathered(self, l: int, xg: Tensor, experts: Tensor) -> Tensor:
+        """moe_dispatcher=allgather: this rank's routed experts on the tokens gathered over ep. xg
+        (R, C + k) [token | routing weights] as `router_gathered` packs them, experts (R, k) each
+        assignment's expert -> (R, C) each gathered token's weighted sum over the assignments this
+        rank's experts computed (zero elsewhere; the combine's reduce-scatter sums the ranks' shares,
+        as Megatron's unpermute scatter-adds the probability-weighted outputs)."""
+        C = self.m.hidden
+        tokens, w = xg[:, :C], xg[:, C:]
+        y = torch.zeros_like(tokens)
+        for e in local_experts(self.m, self.lay):
+            tok, slot = (experts == e).nonzero(as_tuple=True)
+            pre = f"layers.{l}.moe.e{e}"
+            ye = self._ffn_down(pre, self._ffn_up(pre, tokens[tok]), self.elo) * w[tok, slot].unsqueeze(1)
+            y = y.index_add(0, tok, ye)
+        return y
 
     def moe_out(self, l: int, x: Tensor, h: Tensor, w: Tensor, yc: Tensor, route: Route, fetch=None) -> Tensor:
         """Weighted sum of the k expert outputs per token (yc (N*k, C), expert-sorted, as combine
@@ -336,8 +382,17 @@ class GPT:
         per_slot = yc[route.rows.clamp(min=0)].view(N, k, -1)  # (N, k, C) in token order
         if self.m.moe.capacity_factor is not None:  # a dropped assignment adds nothing
             per_slot = per_slot.masked_fill_((route.rows < 0).view(N, k, 1), 0)
-        y = (w.unsqueeze(-1) * per_slot).sum(1)  # (N, C)
-        if self.lay.sp:
+        return self.moe_out_weighted(l, x, h, (w.unsqueeze(-1) * per_slot).sum(1), fetch)
+
+    def moe_out_weighted(self, l: int, x: Tensor, h: Tensor, y: Tensor, fetch=None) -> Tensor:
+        """The routed experts' weighted sum per token y (N, C), plus the shared experts on h, plus the
+        residual x -> (B, T, C) partial over tp (moe_dispatcher=allgather: y is what the combine's
+        reduce-scatter returns)."""
+        if self.lay.fold_tp:  # this tp rank's slice of the sequence; the mlp_out reduce-scatter sums the slices
+            B, T, C = h.shape
+            lo, hi = self._folded_slice(T)
+            y = F.pad(y.view(B, hi - lo, C), (0, 0, lo, T - hi))
+        elif self.lay.sp:
             y = y.view(h.shape)
         for s in range(self.m.moe.shared_experts):
             pre = f"layers.{l}.moe.s{s}"

@@ -39,6 +39,9 @@ class Layout:
     cp: int = 1
     cp_rank: int = 0
     sp: bool = False
+    etp: int = 1  # the ranks a routed expert's weights are split over (tp, or under parallel folding `Plan.etp`)
+    etp_rank: int = 0
+    fold_tp: bool = False  # parallel folding over tp > 1: each tp rank routes its own slice of the sequence
 
     @staticmethod
     def of(rp, rank: int) -> "Layout":
@@ -46,12 +49,14 @@ class Layout:
         under parallel folding (`Plan.etp`) the expert mesh's (`folded_expert_groups`)."""
         c = rp.mesh.coords(rank)
         p = rp.plan
-        ep_rank = c["dp"] % p.ep
+        ep_rank, etp, etp_rank = c["dp"] % p.ep, p.tp, c["tp"]
         if p.etp is not None:
             from simexec.program.groups import folded_expert_groups
 
-            ep_rank = folded_expert_groups(rp, rank)[1].index(rank)
-        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=ep_rank, cp=p.cp, cp_rank=c["cp"], sp=p.sp)
+            etp_group, ep_group, _ = folded_expert_groups(rp, rank)
+            ep_rank, etp, etp_rank = ep_group.index(rank), p.etp, etp_group.index(rank)
+        return Layout(tp=p.tp, tp_rank=c["tp"], ep=p.ep, ep_rank=ep_rank, cp=p.cp, cp_rank=c["cp"], sp=p.sp,
+                      etp=etp, etp_rank=etp_rank, fold_tp=p.etp is not None and p.tp > 1)
 
 
 def split_range(n: int, parts: int, i: int) -> tuple[int, int]:
@@ -222,6 +227,7 @@ def holds(spec: ParamSpec, m: ModelSpec, lay: Layout) -> bool:
 def shard(spec: ParamSpec, full: Tensor, lay: Layout) -> Tensor:
     """This rank's slice of one full parameter (a contiguous copy of its own: a slice along the first
     dimension is contiguous already, and `.contiguous()` would keep the whole tensor's storage)."""
-    if spec.tp_dim is None or lay.tp == 1:
+    parts, i = (lay.tp, lay.tp_rank) if spec.expert is None else (lay.etp, lay.etp_rank)
+    if spec.tp_dim is None or parts == 1:
         return full.clone()
-    return full.tensor_split(lay.tp, dim=spec.tp_dim)[lay.tp_rank].clone(memory_format=torch.contiguous_format)
+    return full.tensor_split(parts, dim=spec.tp_dim)[i].clone(memory_format=torch.contiguous_format)

@@ -62,8 +62,12 @@ class ActivationCollectives:
         backward = ins.phase == "bwd" and ins.block not in SP_REGATHERS
         # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
         gathered_input = self.plan.sp and not backward and (ins.block in SP_GATHERS or ins.block in SP_REGATHERS)
-        if ins.block in ("dispatch", "combine"):
+        if ins.block in ("dispatch", "combine") and verb == "alltoall":
             return self.alltoall(ins, g, src, dst, backward)
+        if ins.block in ("etp_in", "etp_out") and not self.gathered_dispatch:
+            return self.etp_exchange(ins, g, src, dst, backward)
+        if ins.block in ("dispatch", "etp_in") and not backward:  # moe_dispatcher=allgather
+            self.gather_routes(ins, g)
         if ins.block in ("heads_in", "heads_out"):
             return self.heads_exchange(ins, g, backward)
         if backward:
@@ -165,6 +169,8 @@ class ActivationCollectives:
         """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
         tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
         that it lives only as long as the collective (and whatever autograd saved) needs it."""
+        if key not in self.env and key[0] in ("xd", "yd"):  # no etp exchange: what dispatch or experts wrote
+            key = self.resolve(key) or key
         if key not in self.env:
             return
         name, l, mb = key
@@ -197,6 +203,59 @@ class ActivationCollectives:
             self.g[name] = r if name not in self.g else self.g[name] + r
             if self.g_pending.get(name) is not None and self.g_pending[name].done:
                 del self.g_pending[name]
+
+    def gather_routes(self, ins: Instr, g) -> None:
+        """moe_dispatcher=allgather: before the tokens, every ep rank's routing (the expert of each
+        assignment, a small blocking all-gather), so the experts know which gathered rows are theirs."""
+        l, mb = ins.layer, ins.mb
+        mine = self.env.get(("gathered_experts", l, mb)) if ins.block == "etp_in" else None
+        mine = (self.read(("route", l, mb)).experts if mine is None else mine).contiguous()
+        out = torch.empty((len(ins.group) * mine.shape[0],) + mine.shape[1:], dtype=mine.dtype, device=mine.device)
+        self.comm.all_gather(out, mine, group=g)
+        self.env[("gathered_experts", l, mb)] = out
+
+    def etp_exchange(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
+        """Parallel folding with etp > 1 after an all-to-all dispatch (Megatron-Core's
+        MoEAlltoAllTokenDispatcher over its expert tp group): `etp_in` gathers the rows each etp rank
+        received (their counts first, a small blocking all-gather, since the ranks receive different
+        numbers of rows) so that every etp rank runs its shard of the experts on all of them; `etp_out`
+        sums the partial outputs over etp and hands each rank its own rows. A gather of uneven pieces
+        is a gather of pieces padded to the largest; a reduce-scatter of them an all-reduce, each rank
+        keeping its piece."""
+        l, mb = ins.layer, ins.mb
+        n = len(ins.group)
+        if ins.block == "etp_in" and not backward:
+            rc = self.env[("rcounts", l, mb)]
+            every = torch.empty((n * rc.shape[0], rc.shape[1]), dtype=rc.dtype, device=rc.device)
+            self.comm.all_gather(every, rc.contiguous(), group=g)
+            self.env[("rcounts", l, mb)] = every  # in arrival order: etp rank, then source
+            rows = every.reshape(n, -1).sum(1).tolist()
+            me = ins.group.index(self.rank)
+            self.env[("etp_rows", l, mb)] = (rows, sum(rows[:me]))
+        rows, offset = self.env[("etp_rows", l, mb)]
+        mine = rows[ins.group.index(self.rank)]
+        gathers = (ins.block == "etp_in") != backward
+        x = (self.take_grad(dst) if backward else self.read(src)).detach().contiguous()
+        target = src if backward else dst
+        if gathers:
+            pad = max(rows)
+            piece = torch.zeros((pad,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            piece[:mine] = x
+            out = torch.empty((n * pad,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            work = self.comm.all_gather(out, piece, group=g, async_op=True)
+
+            def finish():
+                self.deliver(target, torch.cat([out[i * pad : i * pad + r] for i, r in enumerate(rows)]), backward)
+        else:
+            buf = x.clone()
+            work = self.comm.all_reduce(buf, op=dist.ReduceOp.SUM, group=g, async_op=True)
+
+            def finish():
+                self.deliver(target, buf[offset : offset + mine].clone(), backward)
+        w = self.issue(ins, [work], finish)
+        (self.d if backward else self.env)[target] = w
+        if not backward:
+            self.drop_consumed(src)
 
     def alltoall(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
         """MoE dispatch / combine over ep. Dispatch first exchanges the per-expert counts (a small

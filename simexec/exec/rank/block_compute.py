@@ -84,7 +84,7 @@ class BlockCompute:
     `compute` dispatches one, `forward` / `backward` / `weight_grads` run a block of the model, and
     `drop_layer` is full recompute's drop after a layer's forward.
 
-    Reads of the rank: `rp`, `plan`, `model`, `device`, `rank`, `xla`, `blocks_io`, `token_weight`,
+    Reads of the rank: `rp`, `plan`, `model`, `device`, `rank`, `xla`, `blocks_io`, `gathered_dispatch`, `token_weight`,
     `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `ring`,
     `ring_hop`, `heads`, `heads_pos`, `read`, `resolve`, `take_grad`, `add_grad`, `batch`, and the
     other mixins' compute (`optimizer_step`, `grad_norm`, `unscale`, `bucket_in`, `bucket_out`,
@@ -153,12 +153,21 @@ class BlockCompute:
         if block == "fc2":
             return (M.fc2(l, xs[0], xs[1]),)
         if block == "router":
+            if self.gathered_dispatch:
+                return M.router_gathered(l, xs[0], self._fetch("xma", l, mb))
             return M.router(l, xs[0], self._fetch("xma", l, mb))
+        if block == "experts" and self.gathered_dispatch:
+            experts = self.env.get(("gathered_experts", l, mb))
+            if experts is None:  # no dispatch (ep = 1): the tokens are this rank's own
+                experts = self.read(("route", l, mb)).experts
+            return (M.experts_gathered(l, xs[0], experts),)
         if block == "experts":
             counts = self.env.get(("rcounts", l, mb))
             if counts is None:  # no dispatch (ep = 1): every routed token is here
                 counts = self.read(("route", l, mb)).counts.view(1, -1)
             return (M.experts(l, xs[0], counts),)
+        if block == "moe_out" and self.gathered_dispatch:
+            return (M.moe_out_weighted(l, *xs, self._fetch("xma", l, mb)),)
         if block == "moe_out":
             return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
         if block == "head":

@@ -47,8 +47,10 @@ COLLECTIVE_IO: dict[str, tuple[str, str, Optional[int]]] = {
     "kv": ("kv", "kvf", 3),
     "heads_in": ("q", "qf", None),  # with kv -> kvf: cp_impl=a2a (`simexec.exec.rank.heads_exchange`)
     "heads_out": ("oh", "o", None),
-    "dispatch": ("xs", "xr", 0),
-    "combine": ("yr", "yc", 0),
+    "dispatch": ("xs", "xd", 0),
+    "etp_in": ("xd", "xr", 0),  # parallel folding with etp > 1: the dispatched rows gathered over etp
+    "etp_out": ("yr", "yd", 0),  # and the experts' partial outputs reduce-scattered back
+    "combine": ("yd", "yc", 0),
 }
 # Under sp the norms run on the sequence slice, between the g and f collectives (n1, n2, nf: their
 # outputs, kept as slices until the backward's re-gather); the residual is added on the sequence slice
@@ -62,6 +64,17 @@ BLOCK_IO_SP = {
     "fc2": (("a", "xm"), ("y2p",)),
     "moe_out": (("xm", "xma", "w", "yc"), ("y2p",)),
 }
+
+
+def gathered_dispatch_io(io: dict) -> dict:
+    """moe_dispatcher=allgather (Megatron-Core's MoEAllGatherTokenDispatcher): the routing weights
+    travel with the tokens the dispatch all-gathers (`GPT.router_gathered`) and the experts weight
+    their outputs before the combine's reduce-scatter, so the router writes no w and moe_out reads
+    the weighted sum as yc."""
+    return {**io, "router": (io["router"][0], ("h", "xs", "route")),
+            "moe_out": (tuple(n for n in io["moe_out"][0] if n != "w"), io["moe_out"][1])}
+
+
 # sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
 # (`<sub-layer>_regather`, delivered as an activation, not a gradient)
 SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
@@ -79,7 +92,7 @@ TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
 # later collective of their unit carries, an all-reduce of their own (`norm_grads`)
 SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
-CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "yr", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
+CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xd", "yr", "yd", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
 
 
 def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO) -> tuple[tuple, tuple]:

@@ -26,12 +26,14 @@ class PipelineMessages:
 
     def _boundary(self, ins: Instr) -> int:
         """The layer whose input crosses this send/recv (or the gather after it): a virtual stage's
-        first layer, or the one after its last (L = the head's input)."""
+        first layer, or the one after its last (L = the head's input). A stage without transformer
+        layers (only the embedding, or only the head) passes on the input it takes: the layer after
+        the stages before it."""
         stage = self.rp.stage(self.coords["pp"], ins.chunk)
-        layers = self.rp.stage_layers[stage]
+        first = sum(len(self.rp.stage_layers[s]) for s in range(stage))
         what = ins.block.removesuffix("_gather")
         outgoing = (ins.kind == "send") == (what == "act")  # act sent / grad received: stage output
-        return layers[-1] + 1 if outgoing else layers[0]
+        return first + len(self.rp.stage_layers[stage]) if outgoing else first
 
     @property
     def _message_shape(self) -> tuple[int, int, int]:

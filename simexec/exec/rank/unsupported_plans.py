@@ -27,10 +27,6 @@ def unsupported(rp) -> Optional[str]:
     missing = []
     if m.mtp_layers:
         missing.append(f"multi-token prediction ({m.name}: mtp_layers={m.mtp_layers}; the executor builds no MTP module)")
-    empty = [vs for vs, layers in enumerate(rp.stage_layers) if not layers]
-    if empty:
-        missing.append(f"a layout whose virtual stage {empty[0]} holds no transformer layer (the executor's stages"
-                       " each run at least one block)")
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
@@ -46,13 +42,17 @@ def unsupported(rp) -> Optional[str]:
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
-    if p.etp is not None and p.tp > 1:
-        missing.append(f"etp={p.etp} with tp={p.tp} (parallel folding over tensor-parallel ranks: each tp rank "
-                       "routing and dispatching its own sequence shard); the executor folds ep over cp x dp (tp=1)")
-    elif p.etp is not None and p.etp > 1:
-        missing.append(f"etp={p.etp} (the expert-tensor-parallel all-gather and reduce-scatter around the experts)")
-    if p.moe_dispatcher != "alltoall":
-        missing.append(f"moe_dispatcher={p.moe_dispatcher} (the executor dispatches MoE tokens with all-to-alls)")
+    if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
+        missing.append(f"etp={p.etp} with tp={p.tp} on a MoE without shared experts (no tp collective around "
+                       "the MoE layer then, and the lowering emits no tp sum of the router's and norm's partial "
+                       "gradients, which each tp rank computes on its own sequence shard)")
+    if p.etp is not None and p.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
+        missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with etp={p.etp} and "
+                       f"tp={p.tp} (each tp rank fills the experts' buffers from its own sequence shard)")
+    if p.moe_dispatcher == "deepep" and m.moe is not None and _deepep_crosses_domains(rp):
+        missing.append(f"moe_dispatcher=deepep with ep={p.ep} across NVLink domains of {rp.cluster.nvlink_domain} "
+                       "(DeepEP's two hops, RDMA between domains then NVLink inside one; the executor runs "
+                       "deepep inside one domain, where the lowering emits its one all-to-all over ep)")
     if p.moe_a2a_overlap:
         missing.append("moe_a2a_overlap=1 (one micro-batch's forward interleaved with another's backward)")
     if p.moe_router_skew != 1.0:
@@ -70,6 +70,13 @@ def unsupported(rp) -> Optional[str]:
     if not missing:
         return None
     return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
+
+
+def _deepep_crosses_domains(rp) -> bool:
+    """Whether some rank's ep group spans NVLink domains (the lowering then emits DeepEP's network hop)."""
+    from simexec.program.groups import rank_groups
+
+    return any(len(rank_groups(rp, r).ep_net) > 1 for r in range(rp.world))
 
 
 def _lowering_gaps(rp) -> list[str]:

@@ -411,6 +411,8 @@ class Engine:
                 continue
             ins = instrs[k]
             if kd == COLLECTIVE:
+                if self.host_sync is not None and self.host_sync[k] and self.host_clock[rank] < now:
+                    self.host_clock[rank] = now  # the host waited for the device to get here (token counts)
                 mid = match[k]
                 if mid < 0:  # the only present member
                     done = Event(env)

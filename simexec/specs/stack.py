@@ -10,7 +10,7 @@ described (Megatron-LM's fused kernels).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -57,6 +57,35 @@ class ElementwiseTraffic(_Spec):
     bwd_units: float = Field(ge=0)
 
 
+class HostLaunches(_Spec):
+    """What a GPU rank's host thread does to issue a layer's kernels (docs/stacks.md §2): the operators a
+    framework launches per layer, forward and backward, priced at `op_s` each, and the scopes it runs as
+    CUDA graphs (one launch for the whole scope). The host issues ahead of the device until it is slower
+    than the kernels it launches (small layers, short sequences, fine-grained experts), or until it waits
+    for the device (`moe_dispatch_syncs`): `simexec.sim.host.stack_clock`."""
+
+    op_s: tuple[float, float] = Field(description="host seconds per operator the framework issues, forward (Python, "
+                                      "the dispatcher, autograd's record, the driver's launch) and backward (autograd's "
+                                      "engine running the node from C++, the dispatcher, the launch)")
+    launch_s: float = Field(ge=0, description="host seconds per kernel launched from C++ without Python in between "
+                            "(a grouped GEMM's per-expert cuBLAS calls, a compiled graph's kernels)")
+    attention_ops: tuple[int, int] = Field(description="operators of a layer's attention half (norm, QKV, rotary, "
+                                           "attention, projection, residual), forward and backward")
+    mlp_ops: tuple[int, int] = Field(description="operators of a dense MLP half (norm, FC1, activation, FC2, residual)")
+    moe_ops: tuple[int, int] = Field((0, 0), description="operators of an MoE MLP apart from its experts' GEMMs "
+                                     "(router, top-k, auxiliary loss, permutation, token counts, activation)")
+    expert_launches: tuple[int, int] = Field((0, 0), description="kernels launched per local expert from C++ "
+                                             "(a grouped GEMM that runs one GEMM per expert), forward and backward")
+    compiled: bool = Field(False, description="the layer's operators are one compiled graph's kernels: each costs "
+                           "`launch_s`, not `op_s`")
+    cuda_graphs: tuple[Literal["attn", "mlp", "moe_router", "full"], ...] = Field(
+        (), description="scopes captured as CUDA graphs, one launch each: attn, mlp (a dense MLP half), moe_router "
+        "(the router and the token counts' preprocessing), full (the whole forward and backward; not where the "
+        "host waits for the device inside it)")
+    moe_dispatch_syncs: bool = Field(False, description="the host waits for the device at a forward MoE dispatch "
+                                     "(it reads the token counts per expert to size the all-to-all)")
+
+
 class StackSpec(_Spec):
     """One training framework as it runs a transformer on GPUs."""
 
@@ -91,12 +120,26 @@ class StackSpec(_Spec):
         "exchanged chunk by chunk and then summed by a reduction kernel on the compute stream, reading the "
         "stacked partials (the whole unreduced tensor) once they have all arrived "
         "(_fused_matmul_reduce_scatter_impl in torch/distributed/_symmetric_memory/__init__.py)")
+    host: Optional[HostLaunches] = Field(
+        None, description="the host's cost of issuing the kernels on a GPU rank (None: the host keeps ahead)")
     search_choices: dict[str, list[Union[bool, int, str]]] = Field(
         default_factory=dict, description="the plan knobs this framework can run, as the values of each "
         "(`{zero: [0, 1], schedule: [1f1b, interleaved-1f1b]}`): the search enumerates only these; a user's --fix "
         "overrides a knob")
     source: str = ""
 
+
+# Host seconds per eager operator: the host's own part measured on CPU tensors of one element
+# (scripts/probe_op_host_cost.py, torch 2.13, one thread's CPU time on this project's Xeon VM): 3.6 us a
+# forward op recorded by autograd, 5.7 us a backward node run by the engine; plus the driver's
+# cuLaunchKernel, 3.0 us on GB200 (meta-pytorch/tritonbench PR #1017, nop_triton_direct_culaunch).
+CU_LAUNCH_S = 3.0e-6
+EAGER_OP_S = (3.6e-6 + CU_LAUNCH_S, 5.7e-6 + CU_LAUNCH_S)
+# Megatron-Core's MoE layer apart from its experts' GEMMs, forward and backward: router GEMM, softmax and
+# top-k, the auxiliary loss, TE's fused permute and unpermute, the token counts' sum and device-to-host
+# copy, sort_chunks, the activation (megatron/core/transformer/moe/{router,token_dispatcher,moe_utils}.py):
+# a code-reading count, not a profile.
+MCORE_MOE_OPS = (15, 15)
 
 TORCHTITAN_CHOICES = dict(zero=[0, 3], zero_impl=["fsdp"], cp_impl=["allgather"], recompute=["none", "op", "full"],
                           schedule=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v"], offload=["none"],
@@ -124,6 +167,16 @@ STACKS: dict[str, StackSpec] = {
         # (Megatron-Bridge@067f987 src/megatron/bridge/recipes/llama/h100/llama3.py:98-99); Megatron-LM's own default is the
         # native vocab-parallel one (--cross-entropy-loss-fusion off)
         cross_entropy="te",
+        # eager by default (Megatron-Bridge's recipes: cuda_graph_impl="none", recipes/llama/h100/llama3.py:92).
+        # Per layer: attention half 7 kernels forward (TE norm in LayerNormLinear, QKV GEMM, 2 fused RoPE, cuDNN
+        # attention, projection GEMM, bias-dropout-add), 10 backward (norm 2, QKV dgrad+wgrad, RoPE 2, attention,
+        # projection 2, residual grad); MLP half 5 / 8 (docs/stacks.md §1.3). TE's GroupedLinear runs one cuBLAS
+        # GEMM per local expert (multi_stream_cublas_gemm, TransformerEngine@d0067d0
+        # transformer_engine/common/gemm/cublaslt_gemm.cu:971-1040): fc1 and fc2 forward, dgrad and wgrad of each
+        # backward. The all-to-all dispatcher reads the token counts on the host before the token all-to-all
+        # (MoEAlltoAllTokenDispatcher.preprocess, cuda_sync_point "before_ep_alltoall", token_dispatcher.py@d98e8a6)
+        host=HostLaunches(op_s=EAGER_OP_S, launch_s=CU_LAUNCH_S, attention_ops=(7, 10), mlp_ops=(5, 8),
+                          moe_ops=MCORE_MOE_OPS, expert_launches=(2, 4), moe_dispatch_syncs=True),
         # DDP or the distributed optimizer (megatron/core/optimizer/distrib_optimizer.py), Megatron-FSDP
         # (megatron/core/distributed/fsdp); context parallel as TE's p2p ring or a2a (cp_comm_type); the
         # pipeline schedules of megatron/core/pipeline_parallel/schedules.py; async TP gradients always on
@@ -148,6 +201,11 @@ STACKS: dict[str, StackSpec] = {
         layer_elementwise=ElementwiseTraffic(fwd_units=72, bwd_units=190),
         # cross_entropy(pred.flatten(0, 1).float(), labels) (torchtitan/components/loss.py)
         cross_entropy="eager",
+        # aten operators per layer as dispatched (docs/stacks.md §1.1, decomposed RMSNorm): attention half 20
+        # forward (norm 8, 3 mm, RoPE 6, SDPA, wo, add), 38 backward; MLP half 14 / 29. Its experts run as one
+        # grouped_mm; its EP dispatch reads the splits on the host (torchtitan/distributed/expert_parallel.py)
+        host=HostLaunches(op_s=EAGER_OP_S, launch_s=CU_LAUNCH_S, attention_ops=(20, 38), mlp_ops=(14, 29),
+                          moe_dispatch_syncs=True),
         # FSDP2 (fully_shard) or plain replication; torch's context parallel (all-gather of K/V); the
         # schedules of torch.distributed.pipelining; DTensor's TP collectives after each backward
         search_choices=TORCHTITAN_CHOICES,
@@ -171,6 +229,11 @@ STACKS: dict[str, StackSpec] = {
         # (2024-12-18, "turning off compile on loss function") and then it ran eager: a stack file with
         # cross_entropy: eager says so
         cross_entropy="compiled",
+        # per block: the 7 mm, SDPA and ~6 Triton kernels forward, ~10 and 15 extern kernels backward (§1.2):
+        # attention half 8 / 13, MLP half 6 / 12. Each kernel is Inductor's CachingAutotuner.run, 6.8 us with its
+        # cuLaunchKernel on GB200 (meta-pytorch/tritonbench PR #1017, nop_inductor_per_kernel)
+        host=HostLaunches(op_s=(6.8e-6, 6.8e-6), launch_s=6.8e-6, attention_ops=(8, 13), mlp_ops=(6, 12),
+                          compiled=True, moe_dispatch_syncs=True),
         search_choices=TORCHTITAN_CHOICES,
         expandable_segments=True,  # the same run_train.sh
         sp_layout_copies=True,  # the copies are extern-adjacent (a cuBLAS mm on one side): compile keeps them
@@ -186,6 +249,9 @@ STACKS: dict[str, StackSpec] = {
         # apex fused RMSNorm, unfused RoPE and SwiGLU, scripted bias-dropout-add (docs/stacks.md §1.4)
         layer_elementwise=ElementwiseTraffic(fwd_units=40, bwd_units=72),
         cross_entropy="native",  # Megatron's vocab_parallel_cross_entropy (megatron/model/gpt_model.py)
+        # attention half 15 forward (apex norm, QKV GEMM, unfused RoPE ~10, flash attention, projection, scripted
+        # bias-dropout-add), 18 backward; MLP half 6 / 13 (docs/stacks.md §1.4)
+        host=HostLaunches(op_s=EAGER_OP_S, launch_s=CU_LAUNCH_S, attention_ops=(15, 18), mlp_ops=(6, 13)),
         # ZeRO stages 0-3 and ZeRO-Offload; DeepSpeed-Ulysses for sequence parallelism; its pipeline
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
         search_choices=dict(zero=[0, 1, 2, 3], zero_impl=["deepspeed"], cp_impl=["a2a"],

@@ -198,6 +198,11 @@ def row_stack(r: dict) -> StackSpec:
     if r["dtype"] == "fp8" and r["fp8_recipe"]:
         scaling = FP8_SCALING.get(r["fp8_recipe"], r["fp8_recipe"])
         stack = stack.model_copy(update={"fp8": stack.fp8.model_copy(update={"scaling": scaling})})
+    if r.get("cuda_graphs") == "1" and r["moe_experts"] and stack.host is not None:
+        # Megatron-Bridge's MoE workload configs graph the router and the token counts' preprocessing
+        # with TE (cuda_graph_scope moe_router, moe_preprocess: the B200 Qwen3 row's source); the dispatch and
+        # the experts stay eager. A dense row's scope is not stated: its layers are priced eager.
+        stack = stack.model_copy(update={"host": stack.host.model_copy(update={"cuda_graphs": ("moe_router",)})})
     return stack
 
 

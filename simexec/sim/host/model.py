@@ -60,6 +60,7 @@ from typing import Callable, Iterable, Optional
 from simexec.specs.cluster import ClusterSpec
 from simexec.program.instructions import Instr, Program
 from simexec.sim.host.cores import Cores
+from simexec.sim.host.launches import launch_clock
 from simexec.sim.host.issue import ISSUE_OPS_PER_TENSOR, activation_ops, is_activation_collective, partial_gradients, tensor_passes
 from simexec.program.adam import ADAM_FLOPS_PER_PARAM, ADAM_PIECE
 from simexec.program.dispatch_key import dispatch_key
@@ -97,9 +98,10 @@ def dispatch_clock(cluster: ClusterSpec, program: Program) -> Optional[tuple[lis
     for the device first. The device runs an instruction no earlier than the host has issued it,
     and ends it no earlier than the host has issued its last operator; the host runs ahead
     otherwise, so small kernels leave the device idle (launch-bound) and large ones hide the host.
-    None where the host keeps ahead (the default)."""
+    Without `host_dispatch_s`, a GPU rank's host issues its stack's kernels
+    (`simexec.sim.host.launches.launch_clock`, `StackSpec.host`); None where the host keeps ahead."""
     if getattr(cluster.costs, "host_dispatch_s", 0.0) <= 0:
-        return None
+        return None if cluster.device.name == "cpu" else launch_clock(program)
     hc = HostCosts(cluster, program)
     per_op, c = cluster.costs.host_dispatch_s, cluster.costs
     issue, sync = [], []

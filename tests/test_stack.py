@@ -9,11 +9,12 @@ from simexec import simulate
 from simexec.errors import SpecError
 from simexec.program.blocks import FUSED_ATTENTION_BWD_RATIO, HIGH_PRECISION_GEMM, Anatomy
 from simexec.program.lower import lower
+from simexec.program.stack_kernels import fp8_cast_bytes, fp8_norm_input_bytes
 from simexec.sim.compute import ComputeModel, attention_efficiency
 from simexec.specs.cluster import get_cluster
 from simexec.specs.model import get_model
 from simexec.specs.plan import parse_plan, resolve
-from simexec.specs.stack import STACKS, get_stack
+from simexec.specs.stack import STACKS, Fp8Recipe, get_stack
 
 
 def _resolved(plan: str, cluster: str = "dgx-h100", stack: str = "megatron-core", model: str = "llama3-8b"):
@@ -256,3 +257,42 @@ def test_sequence_parallel_on_dim_one_copies_the_gathered_tensor_around_each_col
     no_sp = _resolved("tp=8,mbs=2", stack="torchtitan")
     assert Anatomy(no_sp).dense["qkv"].bytes == Anatomy(replace(no_sp, stack=plain)).dense["qkv"].bytes
     assert mc["qkv"].bytes < tt["qkv"].bytes
+
+
+def _with_scaling(scaling: str) -> Fp8Recipe:
+    return STACKS["megatron-core"].fp8.model_copy(update={"scaling": scaling})
+
+
+def test_mxfp8_cast_writes_what_te_quantizer_allocates():
+    # MXFP8Quantizer (transformer_engine/pytorch/tensor/mxfp8_tensor.py): _rowwise_data and _columnwise_data,
+    # each the tensor's shape in uint8, and one E8M0 scale per 32 elements for each; it reads bf16 once
+    mx = _with_scaling("mxfp8")
+    assert fp8_cast_bytes(mx, any_layout=True) == 2 + 2 * (1 + 1 / 32)
+    assert fp8_cast_bytes(mx, any_layout=False) == fp8_cast_bytes(mx, any_layout=True)
+    # current scaling on Blackwell: one `_data` backs both GEMM uses; the amax is one more read
+    cs = _with_scaling("current")
+    assert fp8_cast_bytes(cs, any_layout=True) == 2 + 2 + 1
+    assert fp8_cast_bytes(cs, any_layout=False) == 2 + 2 + 2  # Hopper: the transposed copy too
+    assert fp8_cast_bytes(_with_scaling("delayed"), any_layout=True) == 3
+
+
+def test_norm_fusion_follows_te_normalization_choice():
+    # normalization.cpp: delayed FULLY_FUSED, current FUSED_NORM_AMAX_FP8 (the cast reads the norm's output
+    # back), MXFP8 UNFUSED without NVTE_NORM_FWD_USE_CUDNN (a whole cast)
+    assert fp8_norm_input_bytes(_with_scaling("delayed"), any_layout=True) == 0
+    assert fp8_norm_input_bytes(_with_scaling("delayed"), any_layout=False) == 1
+    assert fp8_norm_input_bytes(_with_scaling("current"), any_layout=True) == 2 + 1
+    mx = _with_scaling("mxfp8")
+    assert fp8_norm_input_bytes(mx, any_layout=True) == fp8_cast_bytes(mx, any_layout=True)
+
+
+def test_mxfp8_layer_moves_more_cast_bytes_than_per_tensor_on_blackwell():
+    def casts(scaling: str, plan: str) -> float:
+        stack = STACKS["megatron-core"].model_copy(update={"fp8": _with_scaling(scaling)})
+        an = Anatomy(resolve(get_model("llama3-8b"), get_cluster("hgx-b200"), parse_plan(plan), None, stack))
+        plain = Anatomy(_resolved(plan.replace(",dtype=fp8", ""), cluster="hgx-b200"))
+        return sum(an.dense[n].bytes + an.dense[n].bwd_bytes - plain.dense[n].bytes - plain.dense[n].bwd_bytes
+                   for n in ("qkv", "proj", "fc1", "fc2"))
+    plan = "dp=8,gbs=64,dtype=fp8"
+    # per-tensor delayed scaling on sm100 writes one FP8 copy, fused into the norm; MXFP8 two copies, unfused
+    assert casts("delayed", plan) < casts("mxfp8", plan)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from simexec.program.block import Block
-from simexec.specs.stack import DEFAULT_STACK, STACKS
+from simexec.specs.stack import DEFAULT_STACK, STACKS, Fp8Recipe
 
 
 @dataclass(frozen=True)
@@ -57,33 +57,82 @@ def cross_entropy_cost(kind: str, dt: float) -> CrossEntropyCost:
     raise ValueError(f"unknown cross entropy {kind!r}")
 
 
+MXFP8_BLOCK = 32  # elements per E8M0 scale (transformer_engine/pytorch/constants.py, MXFP8_BLOCK_SCALING_SIZE)
+
+
+def fp8_copies(recipe: Fp8Recipe, any_layout: bool, both_layouts: bool) -> int:
+    """FP8 copies a cast writes of one bf16 tensor. One layout: one. Both (an operand used by a GEMM and
+    by its transposed use in the backward): a per-tensor scale serves either use, so where the GEMM takes
+    any layout (Blackwell: transformer_engine/pytorch/utils.py is_non_tn_fp8_gemm_supported) one copy
+    backs both (Float8CurrentScalingQuantizer.inner_tensor_specs, tensor/float8_tensor.py: `_data` only);
+    on TN-only GEMMs (Hopper) a transposed copy. A block-scaled tensor's scales run along the GEMM's
+    reduction axis, which the transposed use swaps: two copies whatever the GEMM takes (MXFP8's
+    `_rowwise_data` and `_columnwise_data`, tensor/mxfp8_tensor.py; the 1x128 blocks' columnwise copy)."""
+    if not both_layouts:
+        return 1
+    if recipe.scaling in ("mxfp8", "blockwise"):
+        return 2
+    return 1 if any_layout else 2
+
+
+def fp8_scale_bytes(recipe: Fp8Recipe) -> float:
+    """Scale bytes per element of one FP8 copy: one E8M0 byte per 32 elements for MXFP8
+    (`_rowwise_scale_inv` [rows, cols / 32] uint8, tensor/mxfp8_tensor.py), an fp32 per 128 for
+    blockwise; per-tensor scales are one number."""
+    return {"mxfp8": 1.0 / MXFP8_BLOCK, "blockwise": 4.0 / 128}.get(recipe.scaling, 0.0)
+
+
+def fp8_cast_bytes(recipe: Fp8Recipe, any_layout: bool, both_layouts: bool = True) -> float:
+    """HBM bytes per element of the kernels that cast one bf16 tensor to FP8: read it (2), under
+    per-tensor current scaling read it once more for the amax first (2; Float8CurrentScalingQuantizer
+    computes the amax, then casts), and write each FP8 copy (1) with its scales."""
+    amax = 2.0 if recipe.scaling == "current" else 0.0
+    return 2.0 + amax + fp8_copies(recipe, any_layout, both_layouts) * (1.0 + fp8_scale_bytes(recipe))
+
+
+def fp8_norm_input_bytes(recipe: Fp8Recipe, any_layout: bool) -> float:
+    """Cast bytes per element of a GEMM input that a fused norm produces, beyond the norm's own bf16-sized
+    output, as Transformer Engine's rmsnorm_fwd / layernorm_fwd choose (pytorch/csrc/extensions/
+    normalization.cpp): delayed scaling, FULLY_FUSED, the norm writes FP8 and on TN-only GEMMs the
+    transposed copy costs its byte; current scaling, FUSED_NORM_AMAX_FP8, the norm writes bf16 and
+    its amax and a cast reads it back (the scale needs the whole tensor's amax first); MXFP8 and
+    blockwise, UNFUSED unless NVTE_NORM_FWD_USE_CUDNN is set (Megatron-Bridge's Llama recipes do not),
+    a whole cast."""
+    if recipe.scaling == "current":
+        return fp8_cast_bytes(recipe, any_layout) - 2.0
+    if recipe.scaling in ("mxfp8", "blockwise"):
+        return fp8_cast_bytes(recipe, any_layout)
+    return fp8_copies(recipe, any_layout, True) - 1.0
+
+
 class FrameworkKernels:
     """The stack's share of a layer's blocks."""
 
     def fp8_casts(self, m: float, k: float, n: float, after_norm: bool = False, weights: float = -1.0
                   ) -> tuple[float, float]:
         """(forward, backward) bytes of the casts one linear GEMM (m x k) @ (k x n) needs under an FP8
-        recipe (`Fp8Recipe`), 0 without one. A cast reads bf16 and writes FP8 (3 bytes per element),
-        plus one more read of the bf16 tensor for its amax under per-tensor current scaling; its
-        transposed copy is one more byte in the same kernel (TE's cast_transpose) or, without that
-        kernel, a second cast in the backward. Forward: the input (none where the norm before it
-        writes FP8) and the weights (`weights` elements, default k x n; once per step where cached,
-        so a micro-batch's share); backward: the output gradient in both layouts, and without the
-        fused transpose, the input and weights again along the other axis."""
+        recipe (`Fp8Recipe`), 0 without one; `fp8_cast_bytes` prices one element. Forward: the input
+        (after a norm that writes FP8, only what the fusion leaves: `fp8_norm_input_bytes`) and the
+        weights (`weights` elements, default k x n; once per step where cached, so a micro-batch's
+        share); backward: the output gradient in both layouts, and where the stack's cast writes one
+        layout only, the input and weights again along the other axis."""
         r = self.fp8
         if r is None:
             return 0.0, 0.0
         w = k * n if weights < 0 else weights
-        cast = 3.0 + (2.0 if r.scaling == "current" else 0.0)
-        transpose = 1.0 if r.cast_writes_transpose else 0.0
-        fused_input = after_norm and r.norm_cast_fused
-        per_weight = (cast + transpose) / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
+        any_layout = self.rp.cluster.device.fp8_gemm_any_layout
+        both = fp8_cast_bytes(r, any_layout, both_layouts=True)
+        one = fp8_cast_bytes(r, any_layout, both_layouts=False)
+        separate = not r.cast_writes_transpose and both > one  # the other layout is a second cast, later
+        first = one if separate else both
+        x = fp8_norm_input_bytes(r, any_layout) if after_norm and r.norm_cast_fused else first
+        per_weight = first / (self.rp.micro_batches if r.weights_cast_once_per_step else 1)
         if self.rp.plan.fp8_param_gather:  # the gathered weights are FP8 already; the shard's cast is 1/dp of it
             per_weight = 0.0
-        fwd = ((0.0 if fused_input else cast) + transpose) * m * k + per_weight * w
-        bwd = (cast + (transpose or cast)) * m * n
-        if not r.cast_writes_transpose:
-            bwd += cast * (m * k + w)
+        fwd = x * m * k + per_weight * w
+        bwd = (one + one if separate else both) * m * n
+        if separate:
+            bwd += one * (m * k + w)
         return fwd, bwd
 
     def with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:

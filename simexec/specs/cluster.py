@@ -36,6 +36,10 @@ class DeviceSpec(_Spec):
     nccl_arch: Optional[Literal["ampere", "hopper", "blackwell"]] = Field(
         None, description="the NVIDIA generation NCCL tunes its collectives for (simexec.sim.nccl_tuning); "
         "None: not NCCL (RCCL, gloo), collectives priced by plain alpha-beta candidates")
+    fp8_gemm_any_layout: bool = Field(
+        False, description="the FP8 tensor cores take operands in either layout (Blackwell, sm100; Transformer "
+        "Engine's is_non_tn_fp8_gemm_supported, transformer_engine/pytorch/utils.py); False: TN only (Hopper, "
+        "Ada), so an FP8 operand used transposed in the backward needs a transposed copy")
 
     @field_validator("peak_flops")
     @classmethod
@@ -332,11 +336,13 @@ _B200 = dict(
     peak_flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "tf32": 1100e12, "fp32": 75e12},
     launch_overhead_s=4e-6,  # not measured on Blackwell: the Hopper presets' value
     nccl_arch="blackwell",  # SM100 (src/graph/tuning.cc, compCapIndex)
+    fp8_gemm_any_layout=True,  # sm100: (10, 0) <= capability < (12, 0) (TE utils.is_non_tn_fp8_gemm_supported)
 )
 _GB200 = dict(
     peak_flops={"bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "tf32": 1250e12, "fp32": 80e12},
     launch_overhead_s=4e-6,  # as _B200
     nccl_arch="blackwell",
+    fp8_gemm_any_layout=True,  # as _B200 (GB200's B200 is sm100 as well)
 )
 # Device memory as CUDA reports it: B200 178.35 GiB (cudaDeviceProp.totalGlobalMem in pytorch/ao PR #4002,
 # and "GPU 0 has a total capacity of 178.35 GiB" in public out-of-memory reports; nvidia-smi shows

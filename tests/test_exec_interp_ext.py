@@ -533,6 +533,25 @@ def test_deepep_across_nvlink_domains_refused():
     assert unsupported(inside) is None
 
 
+@pytest.mark.parametrize("plan", ["dp=2,tp=2,sp=1,ep=4,etp=1", "dp=2,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=allgather"])
+def test_folding_without_shared_experts_matches_reference(plan):
+    """Parallel folding over tp on a MoE without shared experts: no tp collective surrounds the MoE
+    layer, each tp rank routes its own slice of the sequence, and the router's partial weight
+    gradients are summed over tp by the first norm's all-reduce (the lowering's `norm_grads`)."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / "moe-noshared-tiny.yaml"), plan)
+
+
+def test_folding_without_shared_experts_sums_the_router_gradient_over_tp():
+    """The lowering's norm_grads of a folded MoE layer without shared experts carries the router."""
+    from simexec.program.lower import lower
+
+    path = str(Path(__file__).resolve().parent / "data" / "moe-noshared-tiny.yaml")
+    rp = resolved(path, "dp=2,tp=2,sp=1,ep=4,etp=1")
+    m = rp.model
+    sums = [i for i in lower(rp, symmetric=True).ranks[0] if i.block == "norm_grads" and 0 <= i.layer < m.layers]
+    assert sums and all(i.bytes == (m.pre_norm_params() + m.hidden * m.moe.experts) * 4 for i in sums)
+
+
 @pytest.mark.parametrize("model,plan,reason", [
     (str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), "dp=2,tp=2,sp=1,ep=4,etp=1",
      "token dropping (capacity_factor=1.0) with etp=1 and tp=2"),

@@ -105,6 +105,9 @@ class GPT:
         self.elo = split_range(H, lay.etp, lay.etp_rank)[0]  # a routed expert's hidden slice (its bias's)
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
+        # parallel folding over tp without a shared expert: no tp collective around the MoE layer, whose
+        # blocks read and write this rank's sequence slice as the second norm leaves it
+        self.moe_on_slice = lay.fold_tp and m.moe is not None and not m.moe.shared_experts
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
         self._band: Optional[tuple] = None  # (query positions, key positions, window, mask) last built
 
@@ -311,7 +314,9 @@ class GPT:
     def _route(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
         """The gate and top-k: h (None under sp), the normed tokens src (N, C), w (N, k) and the Route."""
         moe = self.m.moe
-        if self.lay.sp:
+        if self.moe_on_slice:  # x: this tp rank's slice, as the second norm left it
+            probs = torch.softmax((x @ self.p[f"layers.{l}.moe.router"]).reshape(-1, moe.experts), dim=-1)
+        elif self.lay.sp:
             logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
             if self.lay.fold_tp:  # parallel folding: this tp rank routes its slice of the gathered sequence
                 lo, hi = self._folded_slice(x.shape[1])
@@ -388,6 +393,8 @@ class GPT:
         """The routed experts' weighted sum per token y (N, C), plus the shared experts on h, plus the
         residual x -> (B, T, C) partial over tp (moe_dispatcher=allgather: y is what the combine's
         reduce-scatter returns)."""
+        if self.moe_on_slice:  # no shared expert, no mlp_out: this rank's slice plus its residual
+            return y.view(x.shape) + x
         if self.lay.fold_tp:  # this tp rank's slice of the sequence; the mlp_out reduce-scatter sums the slices
             B, T, C = h.shape
             lo, hi = self._folded_slice(T)

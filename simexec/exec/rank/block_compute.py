@@ -197,6 +197,11 @@ class BlockCompute:
 
         return fetch
 
+    def _reads_slice(self, block: str) -> bool:
+        """A MoE layer no tp collective surrounds (`GPT.moe_on_slice`): moe_out reads the second norm's
+        slice itself, which the router's matmul saved, so there is no gathered copy to let go of."""
+        return block == "moe_out" and self.model.moe_on_slice
+
     def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
         """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps
         it (the GEMMs saved only the slice, re-gathered in the backward). The environment lets go of
@@ -231,7 +236,7 @@ class BlockCompute:
         if not record:
             for n, o in zip(out_names, outs):
                 self.env[(n, l, mb)] = o
-            if self.plan.sp and ins.block in LAST_READER_OF_GATHERED:
+            if self.plan.sp and ins.block in LAST_READER_OF_GATHERED and not self._reads_slice(ins.block):
                 self._release_gathered(ins.block, l, mb, [])
             return
         for n, o in zip(out_names, outs):
@@ -243,7 +248,7 @@ class BlockCompute:
                 name = PERMUTED_INPUT[ins.block]
                 self._free_permuted_input(name, l, mb, vals[ins_names.index(name)])
         self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
-        if self.plan.sp and ins.block in LAST_READER_OF_GATHERED:
+        if self.plan.sp and ins.block in LAST_READER_OF_GATHERED and not self._reads_slice(ins.block):
             self._release_gathered(ins.block, l, mb, vals)
 
     def _free_permuted_input(self, name: str, l: int, mb: int, xr: Tensor) -> None:

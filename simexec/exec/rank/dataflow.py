@@ -105,16 +105,24 @@ _UP = {dst: src for src, dst, _ in COLLECTIVE_IO.values() if dst != "x"}  # each
 _DOWN = {src: dst for src, dst, _ in COLLECTIVE_IO.values() if src not in ("emb", "y2p", "x")}
 
 
-def upstream(key: tuple) -> Optional[tuple]:
+# under sp the f-conjugates gather a norm's output (`SP_GATHERS`): where one is absent (a MoE layer no tp
+# collective surrounds, `GPT.moe_on_slice`) its reader reads the norm's slice
+_UP_SP = {**_UP, **{dst: src for src, dst, _ in SP_GATHERS.values()}}
+
+
+def upstream(key: tuple, sp: bool = False) -> Optional[tuple]:
     """The name a collective turns into `key`, for reads where that collective is absent."""
     name, l, mb = key
     if name == "x":
         return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
-    src = _UP.get(name)
+    src = (_UP_SP if sp else _UP).get(name)
     return None if src is None else (src, l, mb)
 
 
-def downstream(key: tuple, layers: int) -> Optional[tuple]:
+_DOWN_SP = {**_DOWN, **{src: dst for src, dst, _ in SP_GATHERS.values()}}
+
+
+def downstream(key: tuple, layers: int, sp: bool = False) -> Optional[tuple]:
     """The name `key` turns into through a collective, for gradient reads where it is absent."""
     name, l, mb = key
     if name == "emb":
@@ -123,5 +131,5 @@ def downstream(key: tuple, layers: int) -> Optional[tuple]:
         return ("x", l + 1, mb)
     if name == "x":
         return ("xh", l, mb) if l == layers else ("xa", l, mb)
-    dst = _DOWN.get(name)
+    dst = (_DOWN_SP if sp else _DOWN).get(name)
     return None if dst is None else (dst, l, mb)

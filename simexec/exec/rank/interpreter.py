@@ -132,6 +132,10 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
+        if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
+            # parallel folding without a shared expert: no mlp_in around the MoE layer, so the router's
+            # partial gradient (each tp rank routed its own slice) rides the first norm's all-reduce
+            self.partial_by.update({n: "norm_grads" for n in self.partial_by if n.endswith(".moe.router")})
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
         self.split = p.pipeline_schedule.splits_backward
@@ -173,7 +177,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
         k = key
         while k is not None and k not in self.env:
-            k = upstream(k)
+            k = upstream(k, self.plan.sp)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -194,7 +198,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = downstream(k, self.L)
+            k = downstream(k, self.L, self.plan.sp)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:

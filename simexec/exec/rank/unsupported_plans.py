@@ -42,10 +42,6 @@ def unsupported(rp) -> Optional[str]:
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
-    if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
-        missing.append(f"etp={p.etp} with tp={p.tp} on a MoE without shared experts (no tp collective around "
-                       "the MoE layer then, and the lowering emits no tp sum of the router's and norm's partial "
-                       "gradients, which each tp rank computes on its own sequence shard)")
     if p.etp is not None and p.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with etp={p.etp} and "
                        f"tp={p.tp} (each tp rank fills the experts' buffers from its own sequence shard)")

@@ -552,6 +552,46 @@ def test_folding_without_shared_experts_sums_the_router_gradient_over_tp():
     assert sums and all(i.bytes == (m.pre_norm_params() + m.hidden * m.moe.experts) * 4 for i in sums)
 
 
+MTP = [
+    ("mtp-tiny", "dp=1,gbs=2"),
+    ("mtp-tiny", "dp=2"),
+    ("mtp-tiny", "cp=2"),
+    ("mtp-tiny", "pp=2,gbs=4"),
+    ("mtp-moe-tiny", "dp=2,ep=2"),
+    ("mtp-moe-tiny", "dp=2,ep=2,zero=1"),
+]
+
+
+@pytest.mark.parametrize("model,plan", MTP, ids=[f"{m}:{p}" for m, p in MTP])
+def test_multi_token_prediction_matches_reference(model, plan):
+    """MTP depths (DeepSeek-V3 §2.2, Megatron-Core's MultiTokenPredictionLayer) beside the head: each
+    projects the normed shifted embedding and hidden state, runs a block like the last layer, the shared
+    head and a cross entropy k tokens ahead, scaled into the loss. Under cp each chunk's shifted tokens
+    come from the whole sequence; under pp the last stage embeds them with its copy of the embedding,
+    summed with the first stage's."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / f"{model}.yaml"), plan)
+
+
+def test_multi_token_prediction_adds_its_scaled_losses_to_the_reference():
+    from simexec.exec.nn.reference import reference
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.plan import resolve
+
+    rp = resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "dp=1,gbs=2")
+    with_mtp = reference(rp, 1)["losses"][0]
+    without = reference(resolve(rp.model.model_copy(update={"mtp_layers": 0}), get_cluster("local"), rp.plan, 32),
+                        1)["losses"][0]
+    # two depths, each a cross entropy near ln(512) over random tokens, weighted 0.3 / 2 each
+    assert with_mtp - without == pytest.approx(0.3 * math.log(512), rel=0.05)
+
+
+def test_multi_token_prediction_with_tp_refused():
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "tp=2"))
+    assert why and "multi-token prediction with tp=2" in why and "eh_proj" in why
+
+
 @pytest.mark.parametrize("model,plan,reason", [
     (str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), "dp=2,tp=2,sp=1,ep=4,etp=1",
      "token dropping (capacity_factor=1.0) with etp=1 and tp=2"),

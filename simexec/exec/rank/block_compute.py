@@ -170,10 +170,18 @@ class BlockCompute:
             return (M.moe_out_weighted(l, *xs, self._fetch("xma", l, mb)),)
         if block == "moe_out":
             return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
+        if block == "mtp_in":
+            d = l - self.L - 1
+            sh = self.batch(mb).mtp[d]
+            return (M.mtp_in(d, xs[0], sh.tokens, sh.pos),)
+        d = l - self.L - 1 - self.m.mtp_layers  # an MTP depth's use of the head: layer `mtp_head`
         if block == "head":
-            return M.head(xs[0], self._fetch("xh", l, mb))
+            return M.head(xs[0], self._fetch("xh", l, mb), **({"norm": M.mtp_norm(d)} if d >= 0 else {}))
         if block == "xent":
-            return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
+            return (M.xent(xs[0], xs[1], self.batch(mb).mtp[d].targets if d >= 0 else self.batch(mb).targets),)
+        if block == "loss" and d >= 0:
+            tokens = self.plan.gbs * (self.rp.seq_len - d - 1)  # the global batch's tokens depth d predicts
+            return (M.loss(xs[0], M.mtp_scale(d, tokens), self.batch(mb).mtp[d].mask),)
         if block == "loss":
             return (M.loss(xs[0], self.token_weight),)
         raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")

@@ -26,6 +26,7 @@ BLOCK_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "head": (("xh",), ("logits", "lmax")),
     "xent": (("logits", "gmax"), ("ce",)),
     "loss": (("ceg",), ("loss",)),
+    "mtp_in": (("hprev",), ("x",)),  # an MTP depth's input projection: its block's input x (`mtp_aliases`)
 }
 
 # blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
@@ -93,6 +94,20 @@ TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
 SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
 CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xd", "yr", "yd", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
+
+
+def mtp_aliases(layers: int, depths: int) -> dict[tuple[str, int], tuple[str, int]]:
+    """Where the MTP depths' reads meet the names the rest of the model writes: depth d (unit u =
+    layers + 1 + d, `ModelSpec.mtp_block`) reads as `hprev` the main head's input (d = 0) or the
+    previous depth's block output, and its head (layer u + depths, the lowering's `mtp_head`) reads
+    its block's output as `xh`. Gradients added to an alias sum where the name they stand for
+    collects the head's, so the block before takes both."""
+    out = {}
+    for d in range(depths):
+        u = layers + 1 + d
+        out[("hprev", u)] = ("xh", layers) if d == 0 else ("y2p", u - 1)
+        out[("xh", u + depths)] = ("y2p", u)
+    return out
 
 
 def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO) -> tuple[tuple, tuple]:

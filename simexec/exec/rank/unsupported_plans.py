@@ -25,8 +25,10 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.mtp_layers:
-        missing.append(f"multi-token prediction ({m.name}: mtp_layers={m.mtp_layers}; the executor builds no MTP module)")
+    if m.mtp_layers and p.tp > 1:
+        missing.append(f"multi-token prediction with tp={p.tp} ({m.name}: mtp_layers={m.mtp_layers}; the depth's "
+                       "column-parallel eh_proj output must be all-gathered over tp, and under sp scattered back, "
+                       "as Megatron-Core's MultiTokenPredictionLayer does, and the lowering emits no such collective)")
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "

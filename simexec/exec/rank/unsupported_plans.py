@@ -29,6 +29,10 @@ def unsupported(rp) -> Optional[str]:
         missing.append(f"multi-token prediction with tp={p.tp} ({m.name}: mtp_layers={m.mtp_layers}; the depth's "
                        "column-parallel eh_proj output must be all-gathered over tp, and under sp scattered back, "
                        "as Megatron-Core's MultiTokenPredictionLayer does, and the lowering emits no such collective)")
+    if m.mtp_layers and m.learned_pos and rp.head_pp_rank != 0:
+        missing.append(f"multi-token prediction with learned positions with pp={p.pp} ({m.name}: the MTP depths "
+                       "embed the shifted tokens on the last stage, whose copy of the embedding holds the word "
+                       "table only, not the position table)")
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "

@@ -585,13 +585,15 @@ def test_multi_token_prediction_adds_its_scaled_losses_to_the_reference():
     assert with_mtp - without == pytest.approx(0.3 * math.log(512), rel=0.05)
 
 
-def test_multi_token_prediction_with_tp_or_a_position_table_over_pp_refused():
+def test_multi_token_prediction_refused_where_the_lowering_lacks_what_it_reads():
     from simexec.exec.rank.unsupported_plans import unsupported
 
     why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "tp=2"))
     assert why and "multi-token prediction with tp=2" in why and "eh_proj" in why
     why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "pp=2,gbs=4"))
     assert why and "learned positions with pp=2" in why
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"), "dp=2,zero=3"))
+    assert why and "multi-token prediction with zero=3" in why
 
 
 @pytest.mark.parametrize("model,plan,reason", [

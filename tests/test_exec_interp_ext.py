@@ -533,6 +533,69 @@ def test_deepep_across_nvlink_domains_refused():
     assert unsupported(inside) is None
 
 
+@pytest.mark.parametrize("plan", ["dp=2,tp=2,sp=1,ep=4,etp=1", "dp=2,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=allgather"])
+def test_folding_without_shared_experts_matches_reference(plan):
+    """Parallel folding over tp on a MoE without shared experts: no tp collective surrounds the MoE
+    layer, each tp rank routes its own slice of the sequence, and the router's partial weight
+    gradients are summed over tp by the first norm's all-reduce (the lowering's `norm_grads`)."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / "moe-noshared-tiny.yaml"), plan)
+
+
+def test_folding_without_shared_experts_sums_the_router_gradient_over_tp():
+    """The lowering's norm_grads of a folded MoE layer without shared experts carries the router."""
+    from simexec.program.lower import lower
+
+    path = str(Path(__file__).resolve().parent / "data" / "moe-noshared-tiny.yaml")
+    rp = resolved(path, "dp=2,tp=2,sp=1,ep=4,etp=1")
+    m = rp.model
+    sums = [i for i in lower(rp, symmetric=True).ranks[0] if i.block == "norm_grads" and 0 <= i.layer < m.layers]
+    assert sums and all(i.bytes == (m.pre_norm_params() + m.hidden * m.moe.experts) * 4 for i in sums)
+
+
+MTP = [
+    ("mtp-tiny", "dp=1,gbs=2"),
+    ("mtp-tiny", "dp=2"),
+    ("mtp-tiny", "cp=2"),
+    ("mtp-moe-tiny", "pp=2,gbs=4"),
+    ("mtp-moe-tiny", "dp=2,ep=2"),
+    ("mtp-moe-tiny", "dp=2,ep=2,zero=1"),
+]
+
+
+@pytest.mark.parametrize("model,plan", MTP, ids=[f"{m}:{p}" for m, p in MTP])
+def test_multi_token_prediction_matches_reference(model, plan):
+    """MTP depths (DeepSeek-V3 §2.2, Megatron-Core's MultiTokenPredictionLayer) beside the head: each
+    projects the normed shifted embedding and hidden state, runs a block like the last layer, the shared
+    head and a cross entropy k tokens ahead, scaled into the loss. Under cp each chunk's shifted tokens
+    come from the whole sequence; under pp the last stage embeds them with its copy of the embedding,
+    summed with the first stage's."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / f"{model}.yaml"), plan)
+
+
+def test_multi_token_prediction_adds_its_scaled_losses_to_the_reference():
+    from simexec.exec.nn.reference import reference
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.plan import resolve
+
+    rp = resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "dp=1,gbs=2")
+    with_mtp = reference(rp, 1)["losses"][0]
+    without = reference(resolve(rp.model.model_copy(update={"mtp_layers": 0}), get_cluster("local"), rp.plan, 32),
+                        1)["losses"][0]
+    # two depths, each a cross entropy near ln(512) over random tokens, weighted 0.3 / 2 each
+    assert with_mtp - without == pytest.approx(0.3 * math.log(512), rel=0.05)
+
+
+def test_multi_token_prediction_refused_where_the_lowering_lacks_what_it_reads():
+    from simexec.exec.rank.unsupported_plans import unsupported
+
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "tp=2"))
+    assert why and "multi-token prediction with tp=2" in why and "eh_proj" in why
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "pp=2,gbs=4"))
+    assert why and "learned positions with pp=2" in why
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"), "dp=2,zero=3"))
+    assert why and "multi-token prediction with zero=3" in why
+
+
 @pytest.mark.parametrize("model,plan,reason", [
     (str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), "dp=2,tp=2,sp=1,ep=4,etp=1",
      "token dropping (capacity_factor=1.0) with etp=1 and tp=2"),

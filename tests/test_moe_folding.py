@@ -139,8 +139,30 @@ def test_executor_runs_folding_and_refuses_what_it_cannot_in_one_line():
     for plan in ("dp=2,tp=2,sp=1,ep=4,etp=1", "dp=2,tp=2,sp=1,ep=2,etp=2", "dp=2,cp=2,ep=4,etp=1"):
         assert unsupported(rp_of(plan)) is None, plan
     unshared = MOE.model_copy(update={"moe": MOE.moe.model_copy(update={"shared_experts": 0})})
-    msg = unsupported(rp_of("dp=2,tp=2,sp=1,ep=4,etp=1", unshared))
-    assert msg and "etp=1 with tp=2 on a MoE without shared experts" in msg and "\n" not in msg
+    assert unsupported(rp_of("dp=2,tp=2,sp=1,ep=4,etp=1", unshared)) is None
+    dropping = MOE.model_copy(update={"moe": MOE.moe.model_copy(update={"capacity_factor": 1.0})})
+    msg = unsupported(rp_of("dp=2,tp=2,sp=1,ep=4,etp=1", dropping))
+    assert msg and "with etp=1 and tp=2" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_folded_dispatch_moves_each_tp_ranks_slice_with_or_without_shared_experts(dispatcher):
+    """Under folding over tp each tp rank routes its own slice of the sequence, shared experts or not
+    (they only add the tp gather around the MLP): the dispatch moves the slice's rows, half of what the
+    same ranks move with tp=1 and ep over dp alone."""
+    unshared = MOE.model_copy(update={"moe": MOE.moe.model_copy(update={"shared_experts": 0})})
+
+    def dispatch_bytes(plan: str, model=MOE) -> float:
+        rp = rp_of(f"{plan},moe_dispatcher={dispatcher}", model)
+        return next(i.bytes for i in lower(rp, symmetric=True).ranks[0]
+                    if i.block == "dispatch" and i.phase == "fwd" and i.kind == "collective")
+
+    shared = dispatch_bytes("dp=2,tp=2,sp=1,ep=4,etp=1")
+    assert shared == dispatch_bytes("dp=2,tp=2,sp=1,ep=4,etp=1", unshared)
+    assert shared == dispatch_bytes("dp=4,ep=4") / 2
+    rp = rp_of("dp=2,tp=2,sp=1,ep=4,etp=1")
+    tokens, h, dt = rp.plan.mbs * rp.seq_len // 2, MOE.hidden, 2  # one tp rank's slice of its micro-batch, bf16
+    assert shared == (tokens * MOE.moe.top_k if dispatcher == "alltoall" else tokens * 4) * h * dt
 
 
 def test_search_enumerates_folded_layouts():

@@ -115,6 +115,9 @@ class ModelSpec(BaseModel):
         0, ge=0, description="multi-token prediction depths (DeepSeek-V3 §2.2: 1; HF num_nextn_predict_layers,"
         " Megatron-Core's mtp_num_layers): each two norms, a 2h->h projection, a block like the last layer and the"
         " shared head and loss again; 0: none")
+    mtp_loss_scaling_factor: float = Field(
+        0.1, ge=0, description="weight of the MTP losses (their mean over the depths) added to the main loss"
+        " (DeepSeek-V3 §2.2 lambda: 0.3, then 0.1; Megatron-Core's mtp_loss_scaling_factor, default 0.1)")
 
     @model_validator(mode="after")
     def _check(self) -> "ModelSpec":

@@ -105,6 +105,9 @@ class GPT:
         self.elo = split_range(H, lay.etp, lay.etp_rank)[0]  # a routed expert's hidden slice (its bias's)
         self.vlo, self.vhi = split_range(m.vocab, lay.tp, lay.tp_rank)  # this rank's vocabulary slice
         self.nh, self.nkv = m.heads // lay.tp, m.kv_heads // lay.tp
+        # parallel folding over tp without a shared expert: no tp collective around the MoE layer, whose
+        # blocks read and write this rank's sequence slice as the second norm leaves it
+        self.moe_on_slice = lay.fold_tp and m.moe is not None and not m.moe.shared_experts
         self._rope: Optional[tuple] = None  # (positions, (head dim, dtype), (cos, sin)) last built
         self._band: Optional[tuple] = None  # (query positions, key positions, window, mask) last built
 
@@ -311,7 +314,9 @@ class GPT:
     def _route(self, l: int, x: Tensor, fetch=None) -> tuple[Optional[Tensor], Tensor, Tensor, Route]:
         """The gate and top-k: h (None under sp), the normed tokens src (N, C), w (N, k) and the Route."""
         moe = self.m.moe
-        if self.lay.sp:
+        if self.moe_on_slice:  # x: this tp rank's slice, as the second norm left it
+            probs = torch.softmax((x @ self.p[f"layers.{l}.moe.router"]).reshape(-1, moe.experts), dim=-1)
+        elif self.lay.sp:
             logits = GatheredLinear.apply(x, self.p[f"layers.{l}.moe.router"], fetch)
             if self.lay.fold_tp:  # parallel folding: this tp rank routes its slice of the gathered sequence
                 lo, hi = self._folded_slice(x.shape[1])
@@ -388,6 +393,8 @@ class GPT:
         """The routed experts' weighted sum per token y (N, C), plus the shared experts on h, plus the
         residual x -> (B, T, C) partial over tp (moe_dispatcher=allgather: y is what the combine's
         reduce-scatter returns)."""
+        if self.moe_on_slice:  # no shared expert, no mlp_out: this rank's slice plus its residual
+            return y.view(x.shape) + x
         if self.lay.fold_tp:  # this tp rank's slice of the sequence; the mlp_out reduce-scatter sums the slices
             B, T, C = h.shape
             lo, hi = self._folded_slice(T)
@@ -401,16 +408,43 @@ class GPT:
 
     # -- head and loss ------------------------------------------------------------------------------
 
-    def head(self, x: Tensor, fetch=None) -> tuple[Tensor, Tensor]:
+    def head(self, x: Tensor, fetch=None, norm: str = "head.norm") -> tuple[Tensor, Tensor]:
         """Final norm (under sp: `final_norm`) + LM head (vocab-parallel): (B, T, C) -> logits
         (B, T, V/tp) in fp32 (the cross entropy's precision, whatever the model's) and their local max
-        (B, T), which carries no gradient (softmax does not depend on the shift)."""
+        (B, T), which carries no gradient (softmax does not depend on the shift). `norm`: an MTP depth's
+        own final norm before the shared head (`mtp_norm`)."""
         w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
         if self.lay.sp:
             logits = GatheredLinear.apply(x, w, fetch).float()
         else:
-            logits = (self._norm("head.norm", x) @ w).float()
+            logits = (self._norm(norm, x) @ w).float()
         return logits, logits.detach().amax(-1)
+
+    # -- multi-token prediction ---------------------------------------------------------------------
+    # DeepSeek-V3 §2.2 as Megatron-Core's MultiTokenPredictionLayer runs it: depth d (0-based) predicts
+    # the token d + 2 ahead from the previous depth's hidden state (the main model's after its final
+    # norm; a depth's after its own) and the embedding of the token d + 1 ahead; then a block like the
+    # last layer, the depth's final norm and the shared head and cross entropy.
+
+    @staticmethod
+    def mtp_norm(d: int) -> str:
+        """The final norm of MTP depth d (the main head's for d = -1)."""
+        return "head.norm" if d < 0 else f"mtp.{d}.norm"
+
+    def mtp_in(self, d: int, h: Tensor, tokens: Tensor, pos: Tensor) -> Tensor:
+        """MTP depth d's input: h (B, T, C) the previous depth's residual stream (its final norm applied
+        here again, as the head applies it), tokens / pos the ids and positions one further ahead ->
+        eh_proj([enorm(embed(tokens)) | hnorm(h)]) (B, T, C). Megatron-Core concatenates the embedding
+        first."""
+        e = self._norm(f"mtp.{d}.enorm", self.embed(tokens, pos))
+        hn = self._norm(f"mtp.{d}.hnorm", self._norm(self.mtp_norm(d - 1), h))
+        return torch.cat([e, hn], -1) @ self.p[f"mtp.{d}.eh_proj"]
+
+    def mtp_scale(self, d: int, tokens: int) -> float:
+        """Each kept token's weight in MTP depth d's loss: mtp_loss_scaling_factor / depths over the
+        tokens depth d keeps (`tokens` of the global batch, d + 1 fewer per sequence: Megatron-Core's
+        `mtp_loss_scale * mtp_loss / num_tokens`)."""
+        return self.m.mtp_loss_scaling_factor / self.m.mtp_layers / tokens
 
     def xent(self, logits: Tensor, gmax: Tensor, targets: Tensor) -> Tensor:
         """Local half of the vocab-parallel cross entropy (Megatron): with z = logits - global max,
@@ -422,17 +456,21 @@ class GPT:
         exp(z) overwrites them and is the one logits-sized tensor kept for the backward, which turns
         it into the logits' gradient in place. The logits must not be read again afterwards."""
         return VocabParallelXent.apply(logits, gmax, targets, self.vlo)
+
     @staticmethod
-    def loss(ce: Tensor, scale: float) -> Tensor:
+    def loss(ce: Tensor, scale: float, mask: Optional[Tensor] = None) -> Tensor:
         """Sum over tokens of log(sum exp z) - z_target, times scale = 1 / tokens of the global batch,
-        so that the losses of all micro-batches and ranks add up to the global mean."""
-        return (ce[0].log() - ce[1]).sum() * scale
+        so that the losses of all micro-batches and ranks add up to the global mean. `mask` (T,): an
+        MTP depth's, which drops the positions whose target lies past the sequence."""
+        per_token = ce[0].log() - ce[1]
+        return (per_token if mask is None else per_token * mask).sum() * scale
 
     # -- the whole model, unsharded ------------------------------------------------------------------
 
-    def forward(self, tokens: Tensor, targets: Tensor, pos: Tensor) -> Tensor:
-        """Mean cross entropy of a whole (B, T) batch: the blocks chained without communication. Only
-        valid for an unsharded layout (tp = ep = cp = 1), where every collective is the identity."""
+    def forward(self, tokens: Tensor, targets: Tensor, pos: Tensor, mtp: tuple = ()) -> Tensor:
+        """Mean cross entropy of a whole (B, T) batch, plus the MTP depths' scaled losses (`mtp`: their
+        `data.Shifted`): the blocks chained without communication. Only valid for an unsharded layout
+        (tp = ep = cp = 1), where every collective is the identity."""
         assert self.lay == Layout(), "forward() chains blocks without their collectives"
         x = self.embed(tokens, pos)
         for l in range(self.m.layers):
@@ -445,4 +483,20 @@ class GPT:
             else:
                 x = self.fc2(l, self.fc1(l, x), x)
         logits, lmax = self.head(x)
-        return self.loss(self.xent(logits, lmax, targets), 1.0 / targets.numel())
+        total = self.loss(self.xent(logits, lmax, targets), 1.0 / targets.numel())
+        h = x
+        for d, sh in enumerate(mtp):
+            u = self.m.mtp_block(d)
+            x = self.mtp_in(d, h, sh.tokens, sh.pos)
+            q, kv = self.qkv(u, x, pos)
+            x = self.proj(u, self.attn(u, q, kv, pos, pos), x)
+            if self.m.is_moe_layer(u):
+                hh, w, xs, route = self.router(u, x)
+                x = self.moe_out(u, x, hh, w, self.experts(u, xs, route.counts.view(1, -1)), route)
+            else:
+                x = self.fc2(u, self.fc1(u, x), x)
+            logits, lmax = self.head(x, norm=self.mtp_norm(d))
+            scale = self.mtp_scale(d, int(sh.mask.sum()) * targets.shape[0])
+            total = total + self.loss(self.xent(logits, lmax, sh.targets), scale, sh.mask)
+            h = x
+        return total

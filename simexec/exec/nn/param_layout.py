@@ -115,7 +115,8 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
     if m.learned_pos:
         add("embed.wpe", (m.max_positions or m.seq_len, H), std, -1, 1)  # hidden slice per tp rank
     qkv_bias = m.bias or m.qkv_bias
-    for l in range(L):
+
+    def layer(l):
         p = f"layers.{l}"
         norm(f"{p}.norm1", l, "attn_in")
         if m.is_mla:
@@ -143,9 +144,19 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
                 ffn(f"{p}.moe.s{s}", l, m.moe.shared_expert_ffn or m.moe.expert_ffn)
         else:
             ffn(f"{p}.mlp", l, m.ffn)
+
+    for l in range(L):
+        layer(l)
     norm("head.norm", L, "head_in")
     if not m.tied_embeddings:  # tied: the head multiplies by the embedding's transpose
         add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
+    for d in range(m.mtp_layers):  # Megatron-Core's MultiTokenPredictionLayer, unit `mtp_block(d)`
+        u = m.mtp_block(d)
+        norm(f"mtp.{d}.enorm", u, "")  # of the shifted tokens' embedding
+        norm(f"mtp.{d}.hnorm", u, "")  # of the previous depth's hidden state
+        add(f"mtp.{d}.eh_proj", (2 * H, H), std, u, 1)  # [embedding | hidden] -> hidden, column-parallel
+        layer(u)  # a block like the last layer (`ModelSpec.block_kind_layer`)
+        norm(f"mtp.{d}.norm", u, "")  # its final norm, before the shared head
     return out
 
 
@@ -192,12 +203,14 @@ def local_experts(m: ModelSpec, lay: Layout) -> range:
 
 
 def stage_units(rp, pp_rank: int) -> set[int]:
-    """The units (embedding -1, layers, head L) a pipeline rank holds."""
+    """The units (embedding -1, layers, head L, the MTP depths beside it) a pipeline rank holds."""
     units = set(rp.layers_of_pp_rank(pp_rank))
     if pp_rank == 0:
         units.add(-1)
     if pp_rank == rp.head_pp_rank:
-        units.add(rp.model.layers)
+        m = rp.model
+        units.add(m.layers)
+        units.update(m.mtp_block(d) for d in range(m.mtp_layers))
     return units
 
 

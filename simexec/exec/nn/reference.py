@@ -3,7 +3,8 @@
 `reference(rp, steps)` trains the unsharded model on the whole global batch at once (all micro-batches
 of all data-parallel ranks) with the same Adam, the loss scaled and the gradients unscaled under
 `loss_scale` (a step with an overflowed gradient is skipped, and a dynamic scale moves), torch's
-`clip_grad_norm_` under `clip_grad`; it returns the loss of every step and the final parameters.
+`clip_grad_norm_` under `clip_grad`; it returns the loss of every step (with MTP depths, the main loss
+plus their scaled losses) and the final parameters.
 Every plan's losses and parameters must match these (fp32: relative 1e-4).
 """
 from __future__ import annotations
@@ -27,7 +28,7 @@ def reference(rp, steps: int, seed: int = 0) -> dict:
     losses = []
     for step in range(steps):
         b = data.whole_batch(rp, seed, step)
-        loss = model.forward(b.tokens, b.targets, b.pos)
+        loss = model.forward(b.tokens, b.targets, b.pos, b.mtp)
         (loss * scaler.scale).backward()
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params.values()]
         if rp.plan.loss_scale > 0:

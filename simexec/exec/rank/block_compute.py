@@ -170,10 +170,18 @@ class BlockCompute:
             return (M.moe_out_weighted(l, *xs, self._fetch("xma", l, mb)),)
         if block == "moe_out":
             return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
+        if block == "mtp_in":
+            d = l - self.L - 1
+            sh = self.batch(mb).mtp[d]
+            return (M.mtp_in(d, xs[0], sh.tokens, sh.pos),)
+        d = l - self.L - 1 - self.m.mtp_layers  # an MTP depth's use of the head: layer `mtp_head`
         if block == "head":
-            return M.head(xs[0], self._fetch("xh", l, mb))
+            return M.head(xs[0], self._fetch("xh", l, mb), **({"norm": M.mtp_norm(d)} if d >= 0 else {}))
         if block == "xent":
-            return (M.xent(xs[0], xs[1], self.batch(mb).targets),)
+            return (M.xent(xs[0], xs[1], self.batch(mb).mtp[d].targets if d >= 0 else self.batch(mb).targets),)
+        if block == "loss" and d >= 0:
+            tokens = self.plan.gbs * (self.rp.seq_len - d - 1)  # the global batch's tokens depth d predicts
+            return (M.loss(xs[0], M.mtp_scale(d, tokens), self.batch(mb).mtp[d].mask),)
         if block == "loss":
             return (M.loss(xs[0], self.token_weight),)
         raise ValueError(f"rank {self.rank}: unknown compute block {block!r}")
@@ -196,6 +204,11 @@ class BlockCompute:
             return v
 
         return fetch
+
+    def _reads_slice(self, block: str) -> bool:
+        """A MoE layer no tp collective surrounds (`GPT.moe_on_slice`): moe_out reads the second norm's
+        slice itself, which the router's matmul saved, so there is no gathered copy to let go of."""
+        return block == "moe_out" and self.model.moe_on_slice
 
     def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
         """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps
@@ -231,7 +244,7 @@ class BlockCompute:
         if not record:
             for n, o in zip(out_names, outs):
                 self.env[(n, l, mb)] = o
-            if self.plan.sp and ins.block in LAST_READER_OF_GATHERED:
+            if self.plan.sp and ins.block in LAST_READER_OF_GATHERED and not self._reads_slice(ins.block):
                 self._release_gathered(ins.block, l, mb, [])
             return
         for n, o in zip(out_names, outs):
@@ -243,7 +256,7 @@ class BlockCompute:
                 name = PERMUTED_INPUT[ins.block]
                 self._free_permuted_input(name, l, mb, vals[ins_names.index(name)])
         self.records[(ins.block, l, mb)] = (ins_names, vals, out_names, outs)
-        if self.plan.sp and ins.block in LAST_READER_OF_GATHERED:
+        if self.plan.sp and ins.block in LAST_READER_OF_GATHERED and not self._reads_slice(ins.block):
             self._release_gathered(ins.block, l, mb, vals)
 
     def _free_permuted_input(self, name: str, l: int, mb: int, xr: Tensor) -> None:

@@ -26,6 +26,7 @@ BLOCK_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "head": (("xh",), ("logits", "lmax")),
     "xent": (("logits", "gmax"), ("ce",)),
     "loss": (("ceg",), ("loss",)),
+    "mtp_in": (("hprev",), ("x",)),  # an MTP depth's input projection: its block's input x (`mtp_aliases`)
 }
 
 # blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
@@ -95,6 +96,20 @@ SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_
 CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xd", "yr", "yd", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
 
 
+def mtp_aliases(layers: int, depths: int) -> dict[tuple[str, int], tuple[str, int]]:
+    """Where the MTP depths' reads meet the names the rest of the model writes: depth d (unit u =
+    layers + 1 + d, `ModelSpec.mtp_block`) reads as `hprev` the main head's input (d = 0) or the
+    previous depth's block output, and its head (layer u + depths, the lowering's `mtp_head`) reads
+    its block's output as `xh`. Gradients added to an alias sum where the name they stand for
+    collects the head's, so the block before takes both."""
+    out = {}
+    for d in range(depths):
+        u = layers + 1 + d
+        out[("hprev", u)] = ("xh", layers) if d == 0 else ("y2p", u - 1)
+        out[("xh", u + depths)] = ("y2p", u)
+    return out
+
+
 def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO) -> tuple[tuple, tuple]:
     src, dst, _ = table[block]
     out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
@@ -105,16 +120,24 @@ _UP = {dst: src for src, dst, _ in COLLECTIVE_IO.values() if dst != "x"}  # each
 _DOWN = {src: dst for src, dst, _ in COLLECTIVE_IO.values() if src not in ("emb", "y2p", "x")}
 
 
-def upstream(key: tuple) -> Optional[tuple]:
+# under sp the f-conjugates gather a norm's output (`SP_GATHERS`): where one is absent (a MoE layer no tp
+# collective surrounds, `GPT.moe_on_slice`) its reader reads the norm's slice
+_UP_SP = {**_UP, **{dst: src for src, dst, _ in SP_GATHERS.values()}}
+
+
+def upstream(key: tuple, sp: bool = False) -> Optional[tuple]:
     """The name a collective turns into `key`, for reads where that collective is absent."""
     name, l, mb = key
     if name == "x":
         return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
-    src = _UP.get(name)
+    src = (_UP_SP if sp else _UP).get(name)
     return None if src is None else (src, l, mb)
 
 
-def downstream(key: tuple, layers: int) -> Optional[tuple]:
+_DOWN_SP = {**_DOWN, **{src: dst for src, dst, _ in SP_GATHERS.values()}}
+
+
+def downstream(key: tuple, layers: int, sp: bool = False) -> Optional[tuple]:
     """The name `key` turns into through a collective, for gradient reads where it is absent."""
     name, l, mb = key
     if name == "emb":
@@ -123,5 +146,5 @@ def downstream(key: tuple, layers: int) -> Optional[tuple]:
         return ("x", l + 1, mb)
     if name == "x":
         return ("xh", l, mb) if l == layers else ("xa", l, mb)
-    dst = _DOWN.get(name)
+    dst = (_DOWN_SP if sp else _DOWN).get(name)
     return None if dst is None else (dst, l, mb)

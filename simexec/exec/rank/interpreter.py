@@ -58,7 +58,7 @@ from simexec.exec.rank.activation_collectives import ActivationCollectives
 from simexec.exec.rank.block_compute import BlockCompute
 from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
 from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
-                                        downstream, gathered_dispatch_io, upstream)
+                                        downstream, gathered_dispatch_io, mtp_aliases, upstream)
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
@@ -105,6 +105,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.coords = rp.mesh.coords(self.rank)
         self.lay = Layout.of(rp, self.rank)
         self.L = m.layers
+        self.aliases = mtp_aliases(m.layers, m.mtp_layers)  # the MTP depths' reads (empty without)
         self.step_no = -1
         self.slow_factor = 1.0  # a straggler's compute slowdown (`slowed_compute`)
         self.inflight: dict[str, InflightComm] = {}
@@ -132,6 +133,10 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
+        if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
+            # parallel folding without a shared expert: no mlp_in around the MoE layer, so the router's
+            # partial gradient (each tp rank routed its own slice) rides the first norm's all-reduce
+            self.partial_by.update({n: "norm_grads" for n in self.partial_by if n.endswith(".moe.router")})
         # a zero-bubble schedule: blocks' weight gradients wait for the program's `wgrad` instructions,
         # after the input-gradient collectives; one all-reduce per unit sums the partial ones
         self.split = p.pipeline_schedule.splits_backward
@@ -169,11 +174,18 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self._prepare()
 
     # --- env reads and writes ---------------------------------------------------------------------
+    def alias(self, key: tuple) -> tuple:
+        """`key`, or under MTP the name it reads (`mtp_aliases`)."""
+        if not self.aliases:
+            return key
+        a = self.aliases.get(key[:2])
+        return key if a is None else (*a, key[2])
+
     def resolve(self, key: tuple) -> Optional[tuple]:
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
-        k = key
+        k = self.alias(key)
         while k is not None and k not in self.env:
-            k = upstream(k)
+            k = upstream(k, self.plan.sp)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -194,10 +206,11 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = downstream(k, self.L)
+            k = downstream(k, self.L, self.plan.sp)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:
+        key = self.alias(key)
         cur = self.d.get(key)
         if isinstance(cur, InflightComm):
             cur.wait()
@@ -254,7 +267,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
             if self._pos is None or not torch.equal(self._pos[0], b.pos):
                 self._pos = (b.pos, b.pos.to(self.device))
             # one positions tensor for the step: the model builds its rotary tables once for it
-            b = data.Batch(b.tokens.to(self.device), b.targets.to(self.device), self._pos[1])
+            b = b.to(self.device, self._pos[1])
             self._batches[mb] = b
         return b
 

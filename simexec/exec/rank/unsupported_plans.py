@@ -25,8 +25,18 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.mtp_layers:
-        missing.append(f"multi-token prediction ({m.name}: mtp_layers={m.mtp_layers}; the executor builds no MTP module)")
+    if m.mtp_layers and p.tp > 1:
+        missing.append(f"multi-token prediction with tp={p.tp} ({m.name}: mtp_layers={m.mtp_layers}; the depth's "
+                       "column-parallel eh_proj output must be all-gathered over tp, and under sp scattered back, "
+                       "as Megatron-Core's MultiTokenPredictionLayer does, and the lowering emits no such collective)")
+    if m.mtp_layers and p.zero3 is not None:
+        missing.append(f"multi-token prediction with zero=3 ({m.name}: an MTP depth reads the embedding's and the "
+                       "head's parameters, whose units the lowering gathers for their own blocks only, not beside "
+                       "the depth's)")
+    if m.mtp_layers and m.learned_pos and rp.head_pp_rank != 0:
+        missing.append(f"multi-token prediction with learned positions with pp={p.pp} ({m.name}: the MTP depths "
+                       "embed the shifted tokens on the last stage, whose copy of the embedding holds the word "
+                       "table only, not the position table)")
     if rp.tied_copy and p.zero >= 2:
         missing.append(f"tied embeddings with pp={p.pp} and zero={p.zero} ({m.name}: the two stages' copies of "
                        "the embedding would be summed before every micro-batch's reduce-scatter; the executor "
@@ -42,10 +52,6 @@ def unsupported(rp) -> Optional[str]:
     if m.moe is not None and m.moe.capacity_factor is not None and p.cp > 1:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with cp={p.cp} (each "
                        "sequence fills the experts' buffers up to their capacity, and cp splits it over ranks)")
-    if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
-        missing.append(f"etp={p.etp} with tp={p.tp} on a MoE without shared experts (no tp collective around "
-                       "the MoE layer then, and the lowering emits no tp sum of the router's and norm's partial "
-                       "gradients, which each tp rank computes on its own sequence shard)")
     if p.etp is not None and p.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with etp={p.etp} and "
                        f"tp={p.tp} (each tp rank fills the experts' buffers from its own sequence shard)")

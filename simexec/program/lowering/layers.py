@@ -186,7 +186,8 @@ class LayerLowering(TensorParallel):
         """A block's backward, then the release of what it saved. A column-parallel block reads the
         re-gathered input and its input gradient goes to the tp conjugate next (`column_backward`);
         so do the shared experts' GEMMs in `moe_out`, the first block of the MoE's backward, which
-        waits for the gather. After the first norm, its gradient's tp sum (`norm_grads`)."""
+        waits for the gather. After the first norm, its gradient's tp sum (`norm_grads`), with the router's
+        where no tp collective surrounds the MoE layer (`unsurrounded_router_params`)."""
         l, mb, c = lb.layer, lb.mb, lb.chunk
         name, b = step.name, lb.blocks[step.name]
         if step.column:
@@ -205,7 +206,7 @@ class LayerLowering(TensorParallel):
             # under tp_overlap the weight passes before it made every partial gradient of the layer
             m = self.rp.model
             self.norm_grads(l, mb, c, self.partial_params(l) if self.p.tp_overlap
-                            else m.pre_norm_params() + m.latent_params())
+                            else m.pre_norm_params() + m.latent_params() + self.unsurrounded_router_params(l))
 
     def attention_backward(self, step: LayerStep, lb: LayerBackward) -> None:
         """The attention core's backward (in cp parts under ring attention), after its selective

@@ -106,6 +106,15 @@ class TensorParallel(RankEmitter):
                   (self.last_compute(),), phase="bwd", block="norm_grads", layer=unit, mb=mb, chunk=chunk,
                   wait=False)
 
+    def unsurrounded_router_params(self, unit: int) -> float:
+        """The router of a MoE layer that no tp collective surrounds (parallel folding over tp without a
+        shared expert, `Anatomy.moe_without_tp`): each tp rank routes its own slice of the sequence, so
+        its weight gradient is partial over tp with no `mlp_in` backward to carry it; the first norm's
+        all-reduce sums it (Megatron-Core all-reduces sequence-parallel parameters' gradients over tp in
+        finalize_model_grads)."""
+        m = self.rp.model
+        return float(m.hidden * m.moe.experts) if self.an.moe_without_tp and m.is_moe_layer(unit) else 0.0
+
     def partial_params(self, unit: int) -> float:
         """Parameters of a unit that tp replicates but each rank computes a part of the gradient of
         (norms, a router, MLA's latent projections)."""

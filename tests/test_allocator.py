@@ -129,3 +129,50 @@ def test_the_offline_plan_is_made_on_request_only():
 
     r = simulate("llama3-8b", "dgx-h100", "dp=8,zero=1,mbs=1,gbs=16")
     assert r.planned_peak_bytes == 0 and "offline memory plan" not in r.format()
+
+
+def _stream_events(ops):
+    """ops: ("+", tag, bytes, stream) / ("-", tag, bytes) in order -> events with the allocation's stream."""
+    return [(float(k), k, "buffers", o[2] if o[0] == "+" else -o[2], o[1], *(o[3:] if o[0] == "+" else ()))
+            for k, o in enumerate(ops)]
+
+
+def test_a_freed_block_serves_only_its_own_stream():
+    # 30 MiB on the all-gather's stream, freed; 30 MiB on the compute stream: PyTorch's get_free_block
+    # skips the cached block of the other stream, so a second 30 MiB segment; the same stream reuses it
+    ops = [("+", "gathered", 30 * MiB, "comm.dp"), ("-", "gathered", 30 * MiB), ("+", "act", 30 * MiB, "compute")]
+    trace = build_trace(_stream_events(ops))
+    assert [b.stream for b in trace.blocks] == ["comm.dp", "compute"]
+    assert replay(trace, CAP).reserved_peak == 60 * MiB
+    same = [("+", "gathered", 30 * MiB, "comm.dp"), ("-", "gathered", 30 * MiB), ("+", "next", 30 * MiB, "comm.dp")]
+    assert replay(build_trace(_stream_events(same)), CAP).reserved_peak == 30 * MiB
+    # expandable segments: one segment per stream, 2 pages of 20 MiB each
+    assert replay(trace, CAP, expandable_segments=True).reserved_peak == 80 * MiB
+    assert replay(build_trace(_stream_events(same)), CAP, expandable_segments=True).reserved_peak == 40 * MiB
+    # events without a stream are the compute stream's
+    assert build_trace(_events([("+", "a", 1024)])).blocks[0].stream == "compute"
+
+
+def test_release_cached_blocks_frees_every_streams_segments():
+    alloc = CachingAllocator(100 * MiB)
+    alloc.free(alloc.malloc(60 * MiB, "comm.dp"))
+    alloc.malloc(60 * MiB, "compute")  # 120 > 100: the comm stream's free segment is released first
+    assert alloc.reserved == 60 * MiB and not alloc.out_of_memory
+
+
+def test_allocation_markers_name_the_stream_that_allocates():
+    """ZeRO-3's gathered parameters are allocated on the gather's side stream (FSDP2's copy-in
+    stream); the sequence-parallel backward's re-gather buffer on the compute stream, which issues it."""
+    from simexec.program.lower import lower
+    from simexec.specs.cluster import get_cluster
+    from simexec.specs.model import get_model
+    from simexec.specs.plan import parse_plan, resolve
+
+    def allocs(plan):
+        rp = resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan))
+        return [i for i in lower(rp).ranks[0] if i.kind == "memory" and i.op == "alloc"]
+
+    gathers = [i for i in allocs("dp=2,zero=3,gbs=2") if ".gather." in i.name]
+    assert gathers and all(i.stream == "comm.dp" for i in gathers)
+    regathers = [i for i in allocs("tp=2,sp=1,gbs=1") if "_regather" in i.name]
+    assert regathers and all(i.stream == "compute" for i in regathers)

@@ -234,6 +234,22 @@ def test_the_loss_holds_what_its_kernels_keep_of_the_logits():
     assert peaks["eager"] > peaks["native"] + 4 * n
 
 
+def test_a_vocabulary_parallel_eager_loss_holds_the_dtensor_handlers_temporaries():
+    """Under tp, torch's `loss_parallel()` replaces the eager kernels (torch/distributed/tensor/parallel/
+    loss.py): its backward makes `(grad_input + exp(x)) * grad_output`, 12 B per logit beside the saved
+    fp32 log-softmax where the unsharded kernels hold 8; Megatron's own vocab-parallel loss is unchanged."""
+    def head(plan, kind):
+        rp = resolve(get_model("llama3-8b"), get_cluster("dgx-h100"), parse_plan(plan), 8192,
+                     STACKS["torchtitan"].model_copy(update={"cross_entropy": kind}))
+        return Anatomy(rp).head["head"]
+
+    n = 8192 * 128256 / 2
+    eager, native = head("dp=4,tp=2,sp=1", "eager"), head("dp=4,tp=2,sp=1", "native")
+    assert eager.bwd_workspace == pytest.approx(12 * n)
+    assert head("dp=8", "eager").bwd_workspace - 2 * n * 8 == pytest.approx(0, abs=n)
+    assert native.bwd_workspace < 8 * n
+
+
 def test_sequence_parallel_on_dim_one_copies_the_gathered_tensor_around_each_collective():
     """torchtitan shards [batch, seq, hidden] on the sequence: torch's functional all-gather and
     reduce-scatter chunk-and-cat the whole gathered tensor (2 x read + write per layer side and

@@ -164,7 +164,7 @@ class Anatomy(FrameworkKernels, MoEBlocks):
     def cross_entropy(self) -> CrossEntropyCost:
         """The stack's cross entropy over this rank's logits; simexec's executor's on CPU ranks (native)."""
         kind = "native" if self.eager_kernels else self.rp.stack.cross_entropy
-        return cross_entropy_cost(kind, self.dt)
+        return cross_entropy_cost(kind, self.dt, vocab_parallel=self.tp > 1)
 
     @cached_property
     def logits_released(self) -> float:

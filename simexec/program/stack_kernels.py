@@ -27,8 +27,9 @@ class CrossEntropyCost:
     released: float  # of `saved`, what the loss backward frees before a weight-gradient pass
 
 
-def cross_entropy_cost(kind: str, dt: float) -> CrossEntropyCost:
-    """What a stack's cross entropy (`StackSpec.cross_entropy`) costs over logits of `dt` bytes.
+def cross_entropy_cost(kind: str, dt: float, vocab_parallel: bool = False) -> CrossEntropyCost:
+    """What a stack's cross entropy (`StackSpec.cross_entropy`) costs over logits of `dt` bytes;
+    `vocab_parallel`: the logits are sharded over tp along the vocabulary.
 
     native: Megatron's vocab-parallel cross entropy (megatron/core/tensor_parallel/cross_entropy.py): the
       logits cast to fp32, max, subtract, exp in place, sum, divide (32 B); the fp32 exp(z) saved; its
@@ -39,7 +40,12 @@ def cross_entropy_cost(kind: str, dt: float) -> CrossEntropyCost:
     eager: torch's `cross_entropy(logits.float(), labels)` unfused (torchtitan's loss, uncompiled): the
       fp32 copy, a log-softmax that reads its input three times and writes its fp32 output (16 B), which
       it saves; the backward writes nll's dense fp32 gradient, log-softmax's fp32 input gradient beside
-      it and the saved output (8 B held beyond it), then casts to dt.
+      it and the saved output (8 B held beyond it), then casts to dt. Vocabulary-parallel (torchtitan
+      with tp: `loss_parallel()`, whose DTensor handlers replace the kernels,
+      torch/distributed/tensor/parallel/loss.py): the backward `_nll_loss_and_log_softmax_backward`
+      makes `(grad_input + torch.exp(x)) * grad_output` from the saved output x: the dense one-hot
+      `grad_input`, `exp(x)` and their sum, then the sum and the product beside `grad_input`: 12 B
+      held beyond the saved output, 4 B more than the unsharded kernels (the traffic is left as theirs).
     compiled: the same under torch.compile (Inductor): the forward reads the dt logits twice and saves
       them; the backward reads them and writes the dt gradient in one kernel.
     """
@@ -50,8 +56,8 @@ def cross_entropy_cost(kind: str, dt: float) -> CrossEntropyCost:
     if kind == "te":
         return CrossEntropyCost(0.0, 3 * dt, 2 * dt, dt, 0.0, 0.0, 0.0)
     if kind == "eager":
-        return CrossEntropyCost(dt + 4 if low else 0.0, 16.0, 4.0 + 16.0 + (4.0 + dt if low else 0.0), 4.0, 8.0,
-                                dt if low else 4.0, 4.0)
+        return CrossEntropyCost(dt + 4 if low else 0.0, 16.0, 4.0 + 16.0 + (4.0 + dt if low else 0.0), 4.0,
+                                12.0 if vocab_parallel else 8.0, dt if low else 4.0, 4.0)
     if kind == "compiled":
         return CrossEntropyCost(0.0, 2 * dt, 2 * dt, dt, dt, dt, dt)
     raise ValueError(f"unknown cross entropy {kind!r}")

@@ -39,6 +39,7 @@ class TraceBlock:
     free_at: int | None
     category: str
     tag: str
+    stream: str = "compute"
 
 
 @dataclass
@@ -63,25 +64,26 @@ def _index_tokens(tag: str) -> frozenset[str]:
 
 
 class _Live:
-    __slots__ = ("seq", "tag", "category", "remaining", "pieces", "at", "index")
+    __slots__ = ("seq", "tag", "category", "remaining", "pieces", "at", "index", "stream")
 
-    def __init__(self, seq: int, tag: str, category: str, nbytes: float, at: int):
+    def __init__(self, seq: int, tag: str, category: str, nbytes: float, at: int, stream: str = "compute"):
         self.seq, self.tag, self.category, self.remaining, self.at = seq, tag, category, nbytes, at
+        self.stream = stream
         self.index = _index_tokens(tag)
         self.pieces: list[tuple[float, int]] = []  # (bytes, event of the free)
 
 
-def build_trace(events: list[tuple[float, int, str, float, str]], skip: tuple[str, ...] = ()) -> AllocationTrace:
-    """`events`: one rank's (time, program order, category, +bytes alloc / -bytes free, tag), in any order;
-    `skip`: categories left out (the runtime workspace, counted apart)."""
+def build_trace(events: list[tuple], skip: tuple[str, ...] = ()) -> AllocationTrace:
+    """`events`: one rank's (time, program order, category, +bytes alloc / -bytes free, tag[, stream]), in
+    any order; `skip`: categories left out (the runtime workspace, counted apart)."""
     events = sorted(e for e in events if e[2] not in skip)
     by_tag: dict[str, list[_Live]] = {}
     by_category: dict[str, dict[int, _Live]] = {}
     allocations: list[_Live] = []
     unmatched = 0.0
-    for k, (_, _, cat, delta, tag) in enumerate(events):
+    for k, (_, _, cat, delta, tag, *rest) in enumerate(events):
         if delta > 0:
-            a = _Live(len(allocations), tag, cat, delta, k)
+            a = _Live(len(allocations), tag, cat, delta, k, rest[0] if rest else "compute")
             allocations.append(a)
             by_tag.setdefault(tag, []).append(a)
             by_category.setdefault(cat, {})[a.seq] = a
@@ -110,7 +112,7 @@ def build_trace(events: list[tuple[float, int, str, float, str]], skip: tuple[st
         if a.remaining > TOLERANCE:
             pieces.insert(0, (a.remaining, None))
         for nbytes, free_at in pieces:
-            b = TraceBlock(len(blocks), int(math.ceil(nbytes)), a.at, free_at, a.category, a.tag)
+            b = TraceBlock(len(blocks), int(math.ceil(nbytes)), a.at, free_at, a.category, a.tag, a.stream)
             blocks.append(b)
             ops.append((a.at, b.block))
             if free_at is not None:

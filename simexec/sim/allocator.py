@@ -27,10 +27,16 @@ every split leaves >= 512 B (`should_split`); on a retry the fully free pages ar
 (`unmap_block`). So freed space at the segment's end is reused by requests of any size, and what is
 wasted is inside pages.
 
-One stream: PyTorch caches a freed block for its allocation stream; simexec's programs allocate where
-the compute stream would (the collectives' buffers are recorded on the comm streams), so the replay
-puts every block on one. The best fit of an expandable segment ignores the room a block could map at
-its end (`expandable_size`): a tie-break among free blocks.
+Streams: a block belongs to the stream it was allocated on (`Block::stream`); `get_free_block` looks
+for a cached block of the request's stream only (`BlockComparatorSize` orders by stream first, and a
+found block of another stream is no fit), a segment is allocated for one stream, and an expandable
+segment serves one stream (`get_expandable_segment`/`find_expandable_block` match `segment->stream()`).
+So the pools below are per stream: a buffer a stack allocates on a side stream (FSDP2's all-gather
+output on its copy-in stream, `foreach_all_gather` in torch/distributed/fsdp/_fully_shard/
+_fsdp_collectives.py) is cached there and never serves the compute stream's activations, nor the
+reverse. `release_cached_blocks` frees the wholly free segments of every stream. The best fit of an
+expandable segment ignores the room a block could map at its end (`expandable_size`): a tie-break
+among free blocks.
 """
 from __future__ import annotations
 
@@ -115,15 +121,21 @@ class CachingAllocator:
     def __init__(self, capacity: float, expandable_segments: bool = False):
         self.capacity = capacity
         self.expandable = expandable_segments
-        self.small, self.large = _Pool(True), _Pool(False)
+        self.pools: dict[tuple[str, bool], _Pool] = {}  # (stream, small): each stream's small and large pool
         self.reserved = self.allocated = 0
         self.next_address = 0
         self.out_of_memory = False
 
     # --- malloc -------------------------------------------------------------------------------------
-    def malloc(self, nbytes: int) -> _Block:
+    def pool(self, stream: str, small: bool) -> _Pool:
+        key = (stream, small)
+        if key not in self.pools:
+            self.pools[key] = _Pool(small)
+        return self.pools[key]
+
+    def malloc(self, nbytes: int, stream: str = "compute") -> _Block:
         size = round_size(nbytes)
-        pool = self.small if size <= SMALL_SIZE else self.large
+        pool = self.pool(stream, size <= SMALL_SIZE)
         block = pool.best_fit(size)
         if block is not None:
             pool.remove(block)
@@ -281,7 +293,7 @@ class CachingAllocator:
 
     def release_cached_blocks(self) -> None:
         """`release_cached_blocks`: free every cached segment with nothing in use (expandable: unmap free pages)."""
-        for pool in (self.large, self.small):
+        for pool in list(self.pools.values()):
             for b in list(pool.blocks.values()):
                 if self.expandable:
                     self._unmap(b)
@@ -298,7 +310,7 @@ def replay(trace: AllocationTrace, capacity: float, expandable_segments: bool = 
     best_event, at_best = -1, 0
     for event, op in trace.ops:
         if op >= 0:
-            handles[op] = alloc.malloc(trace.blocks[op].size)
+            handles[op] = alloc.malloc(trace.blocks[op].size, trace.blocks[op].stream)
         else:
             alloc.free(handles.pop(-op - 1))
         if alloc.reserved > best:

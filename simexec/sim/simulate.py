@@ -254,8 +254,8 @@ def _real_cluster(result: SimResult, rp: ResolvedPlan, program: Program, slow: O
 
 
 def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float, str]]], bool]:
-    """Per rank: (time, program order, category, +alloc / -free bytes, tag); and whether the program
-    allocates the runtime workspace itself (then `workspace_bytes` is not added again)."""
+    """Per rank: (time, program order, category, +alloc / -free bytes, tag[, an allocation's stream]); and
+    whether the program allocates the runtime workspace itself (then `workspace_bytes` is not added again)."""
     out: dict[int, list] = {r: [] for r, _ in eng.streams}
     workspace = False
     start, instrs = eng.start, eng.instrs
@@ -264,7 +264,7 @@ def _memory_events(eng) -> tuple[dict[int, list[tuple[float, int, str, float, st
         if ins.op == "free":
             out[ins.rank].append((start[k], k, ins.category, -ins.bytes, ins.name[len("mem.free."):]))
         else:
-            out[ins.rank].append((start[k], k, ins.category, ins.bytes, ins.name[len("mem.alloc."):]))
+            out[ins.rank].append((start[k], k, ins.category, ins.bytes, ins.name[len("mem.alloc."):], ins.stream))
             workspace = workspace or ins.category == "workspace"
     return out, workspace
 

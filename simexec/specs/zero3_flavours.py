@@ -81,6 +81,10 @@ class Zero3Flavour:
     # gradients accumulate over the step's micro-batches, reduce-scattered and resharded after the
     # stage's last backward; False: every micro-batch's backward reshards and reduce-scatters
     pipeline_defers_reduction: bool = False
+    # the root module's parameters (the embedding's and the head's units, wrapped by the last
+    # fully_shard(model)) are not resharded after the forward: gathered once for the forward, they stay
+    # gathered through the backward until the root's post-backward, after the embedding's backward
+    root_kept_through_backward: bool = False
 
     def gather_calls(self, tensors: Sequence[float]) -> list[float]:
         """Elements of each all-gather of a unit whose tensors (in forward order) are `tensors`."""
@@ -119,7 +123,13 @@ ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
     # schedules.py REDUCE_GRAD action (stage.perform_reduce_grad) after the last backward; meanwhile
     # FSDPParam.to_accumulated_grad_if_needed keeps the unsharded gradient in reduce_dtype
     # (_fsdp_param_group.py post_backward).
-    Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1, pipeline_defers_reduction=True),
+    # The root's group is never resharded after the forward (_fsdp_state.py FSDPState._lazy_init: "For the
+    # root, do not reshard after forward since for training, the parameters would be freed and
+    # all-gathered immediately": post_forward_mesh_info = None); torchtitan's apply_fsdp wraps the blocks,
+    # then the whole model, whose own parameters are the embedding, the final norm and the output
+    # (pytorch/torchtitan@ba2469780 torchtitan/parallelisms/parallelize_llama.py).
+    Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1, pipeline_defers_reduction=True,
+                 root_kept_through_backward=True),
     # FSDP1 (FullyShardedDataParallel): one FlatParameter per wrapped unit, all-gathered from its
     # shard straight into the padded flat buffer the parameters are views of, and reduce-scattered
     # from the flat gradient, no copies (torch/distributed/fsdp/_flat_param.py: _all_gather_flat_param;

@@ -76,15 +76,16 @@ class TensorParallel(RankEmitter):
         `LinearWithGradAccumulationAndAsyncCommunication`). Megatron issues it with the GEMM's backward
         and overlaps it with the input gradient; a block's backward here is one instruction, so it is
         issued as the sub-layer's backward starts, beside the blocks before the GEMM. Its buffer
-        lives until the GEMM's backward ends."""
+        lives until the GEMM's backward ends. The compute stream allocates it as it issues the gather
+        (`torch.empty` before `all_gather_into_tensor`), so the caching allocator caches it there."""
         if not self.p.sp:
             return None
         name = f"bwd.{where}_regather.L{layer}.m{mb}"
-        got = self.coll(name, "allgather", "tp", self.groups.tp, self.an.full_hidden_bytes, (self.last_compute(),),
-                        phase="bwd", block=f"{where}_regather", layer=layer, mb=mb, chunk=chunk, wait=False)
-        if got:
-            self.memory("alloc", "activations", self.an.full_hidden_bytes, name, stream="comm.tp", deps=(name,))
-        return got
+        after = self.last_compute()
+        if len(self.groups.tp) > 1:
+            self.memory("alloc", "activations", self.an.full_hidden_bytes, name)
+        return self.coll(name, "allgather", "tp", self.groups.tp, self.an.full_hidden_bytes, (after,),
+                         phase="bwd", block=f"{where}_regather", layer=layer, mb=mb, chunk=chunk, wait=False)
 
     def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
                            wait: bool = True, release: bool = True, input_only: bool = False) -> None:

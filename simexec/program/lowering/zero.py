@@ -216,13 +216,29 @@ class Zero3Lowering(RankEmitter):
             return self.p.reshard_after_forward
         return not self.z3_defer or mb == self.micro_batches - 1
 
+    def root_kept(self, unit: int) -> bool:
+        """Whether `unit` is the root's (embedding or head) and the flavour keeps the root gathered from
+        its forward to the end of the backward (`root_kept_through_backward`): on a rank that holds both
+        (no pipeline) and an untied head (a tied one gathers the embedding's parameters itself)."""
+        return (self.p.zero3.root_kept_through_backward and unit in (-1, self.head_unit)
+                and self.rp.virtual_stages == 1 and not self.rp.model.tied_embeddings)
+
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
         if not self.zero3_sharded or not self.reshards_after(phase, mb):
             return
-        held = self.z3_held.pop(unit, None)
-        if held is not None and not self.p.zero3.preallocated_buffers:
-            for u, t in held.buffers:
-                self.memory("free", "buffers", self.z3_gathered_bytes(u, self.rp.param_gather_bytes), t)
+        if self.root_kept(unit):
+            if phase == "fwd" or unit != -1:
+                return  # kept for the backward; released with the embedding's, the backward's last unit
+            self.release_units((self.head_unit, -1))
+            return
+        self.release_units((unit,))
+
+    def release_units(self, units: tuple[int, ...]) -> None:
+        for unit in units:
+            held = self.z3_held.pop(unit, None)
+            if held is not None and not self.p.zero3.preallocated_buffers:
+                for u, t in held.buffers:
+                    self.memory("free", "buffers", self.z3_gathered_bytes(u, self.rp.param_gather_bytes), t)
 
     # --- gradient reduce-scatters --------------------------------------------------------------------
     def z3_grads_ready(self, unit: int, mb: int, c: int, after: str) -> None:

@@ -113,7 +113,7 @@ SP_OPS: dict[str, dict[str, int]] = {
     "rmsnorm-swiglu-rope": {
         "fwd.norm1": 8, "fwd.norm2": 8, "fwd.norm": 8, "bwd.norm1": 13, "bwd.norm2": 13, "bwd.norm": 12,
         "fwd.qkv": 34, "bwd.qkv": 53, "fwd.fc1": 11, "bwd.fc1": 29, "fwd.head": 8, "bwd.head": 10,
-        "fwd.router": 18, "bwd.router": 28,
+        "fwd.router": 20, "bwd.router": 28,  # the route keeps its top-k indices (the allgather dispatcher reads them)
     },
 }
 # Every table counts fp32. Under 16-bit types the executor's RMSNorm (`simexec.exec.nn.ops.rms_norm`)

@@ -109,12 +109,13 @@ def test_reshard_after_forward_is_fsdp2s(plan):
 def test_fsdp2_keeps_its_root_gathered_from_the_forward_to_the_end_of_the_backward():
     """FSDPState._lazy_init sets the root group's post_forward_mesh_info to None: the embedding and the
     head, gathered for the forward, stay gathered until the backward has run through the embedding;
-    the blocks reshard after each pass. FSDP1 reshards the root's units like the rest
-    (gpt-tiny's head is untied: a tied one gathers the embedding's parameters itself)."""
-    def rank0_of(plan):
-        return lower(resolve(get_model("gpt-tiny"), get_cluster("local"), parse_plan(plan)), symmetric=False).ranks[0]
+    the blocks reshard after each pass. FSDP1 reshards the root's units like the rest, and so does
+    simexec's executor on CPU ranks (gpt-tiny's head is untied: a tied one gathers the embedding's
+    parameters itself)."""
+    def rank0_of(plan, cluster="dgx-h100"):
+        return lower(resolve(get_model("gpt-tiny"), get_cluster(cluster), parse_plan(plan)), symmetric=False).ranks[0]
 
-    rank0 = rank0_of("dp=2,zero=3,gbs=2")
+    rank0 = rank0_of("dp=8,zero=3,gbs=8")
     pos = {i.name: n for n, i in enumerate(rank0)}
     head = get_model("gpt-tiny").layers
     embed_bwd = max(n for n, i in enumerate(rank0) if i.kind == "compute" and i.phase == "bwd" and i.layer == -1)
@@ -122,5 +123,7 @@ def test_fsdp2_keeps_its_root_gathered_from_the_forward_to_the_end_of_the_backwa
         assert pos[f"mem.free.fwd.gather.L{unit}.m0"] > embed_bwd
         assert f"bwd.gather.L{unit}.m0" not in pos
     assert pos["mem.free.fwd.gather.L0.m0"] < min(n for n, i in enumerate(rank0) if i.phase == "bwd")
-    fsdp1 = rank0_of("dp=2,zero=3,zero_impl=fsdp1,gbs=2")
+    fsdp1 = rank0_of("dp=8,zero=3,zero_impl=fsdp1,gbs=8")
     assert any(i.name == f"bwd.gather.L{head}.m0" for i in fsdp1)
+    # simexec's executor on CPU ranks reshards the root like any unit
+    assert any(i.name == f"bwd.gather.L{head}.m0" for i in rank0_of("dp=2,zero=3,gbs=2", cluster="local"))

@@ -296,11 +296,10 @@ def test_zero3_gathers_each_unit_before_forward_and_backward_with_two_in_flight(
     prog = _program("gpt-tiny", "dp=2,zero=3,gbs=4")
     rank0 = prog.ranks[0]
     gathers = [i for i in rank0 if i.block == "gather"]
-    layers = get_model("gpt-tiny").layers
-    # two micro-batches; the forward gathers every unit, the backward the blocks: FSDP2's root (the
-    # embedding and the head) stays gathered from its forward to the end of the backward
-    assert len(gathers) == 2 * (2 * layers + 2)
-    assert not [g for g in gathers if g.phase == "bwd" and g.layer in (-1, layers)]
+    units = get_model("gpt-tiny").layers + 2
+    # two micro-batches, forward and backward: on CPU ranks the executor reshards the root as any unit
+    # (FSDP2's root kept gathered on GPUs: tests/test_fsdp2_reshard.py)
+    assert len(gathers) == 2 * 2 * units
     pos = {i.name: n for n, i in enumerate(rank0)}
     # the third gather of a pass waits for the first unit's compute: at most two buffers in flight
     third = [g for g in gathers if g.phase == "fwd" and g.mb == 0][2]

@@ -219,9 +219,12 @@ class Zero3Lowering(RankEmitter):
     def root_kept(self, unit: int) -> bool:
         """Whether `unit` is the root's (embedding or head) and the flavour keeps the root gathered from
         its forward to the end of the backward (`root_kept_through_backward`): on a rank that holds both
-        (no pipeline) and an untied head (a tied one gathers the embedding's parameters itself)."""
+        (no pipeline) and an untied head (a tied one gathers the embedding's parameters itself). Not on
+        CPU ranks: simexec's executor reshards the root like any unit, as it gathers its flat buffers
+        itself (as `z3_copy`)."""
         return (self.p.zero3.root_kept_through_backward and unit in (-1, self.head_unit)
-                and self.rp.virtual_stages == 1 and not self.rp.model.tied_embeddings)
+                and self.rp.virtual_stages == 1 and not self.rp.model.tied_embeddings
+                and not self.an.eager_kernels)
 
     def release_gather(self, unit: int, phase: str, mb: int) -> None:
         if not self.zero3_sharded or not self.reshards_after(phase, mb):

@@ -28,12 +28,12 @@ class ReorderedStep:
         return out
 
     def format(self, original) -> str:
-        from simexec.sim.simulate import _size
+        from simexec.sim.simulate import byte_size
 
         dt = self.step_time_s / original.step_time_s - 1.0 if original.step_time_s else 0.0
-        planned = f", planned {_size(self.planned_peak_bytes)}" if self.planned_peak_bytes else ""
-        return (f"    reordered for memory ({self.moved} moves): peak {_size(self.peak_memory_bytes)}"
-                f" (tensors {_size(self.peak_tensor_bytes)}{planned}), step time {self.step_time_s:.4g} s"
+        planned = f", planned {byte_size(self.planned_peak_bytes)}" if self.planned_peak_bytes else ""
+        return (f"    reordered for memory ({self.moved} moves): peak {byte_size(self.peak_memory_bytes)}"
+                f" (tensors {byte_size(self.peak_tensor_bytes)}{planned}), step time {self.step_time_s:.4g} s"
                 f" ({100 * dt:+.1f}%)")
 
 

@@ -89,18 +89,18 @@ class SimResult:
             f"{self.tflops_per_gpu:.3g} TFLOP/s per GPU    MFU {100 * self.mfu:.1f}%",
         ]
         over = self.peak_memory_bytes + self.memory_margin_bytes - self.memory_capacity_bytes
-        margin = f" with {_size(self.memory_margin_bytes)} kept free" if self.memory_margin_bytes else ""
-        verdict = f"fits{margin}" if self.fits else f"DOES NOT FIT{margin}: {_size(over)} over"
+        margin = f" with {byte_size(self.memory_margin_bytes)} kept free" if self.memory_margin_bytes else ""
+        verdict = f"fits{margin}" if self.fits else f"DOES NOT FIT{margin}: {byte_size(over)} over"
         reserved = f" reserved ({self.memory_model})" if self.memory_model else ""
-        lines.append(f"  peak memory     {_size(self.peak_memory_bytes)}{reserved} of {_size(self.memory_capacity_bytes)}"
+        lines.append(f"  peak memory     {byte_size(self.peak_memory_bytes)}{reserved} of {byte_size(self.memory_capacity_bytes)}"
                      f" (rank {self.peak_rank}): {verdict}")
         if self.peak_tensor_bytes < 0.995 * self.peak_memory_bytes:
-            lines.append(f"    of which tensors {_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
+            lines.append(f"    of which tensors {byte_size(self.peak_tensor_bytes)} (what max_memory_allocated reports)")
         if self.planned_peak_bytes:
-            lines.append(f"    an offline memory plan needs {_size(self.planned_peak_bytes)} (greedy by size, same order)")
+            lines.append(f"    an offline memory plan needs {byte_size(self.planned_peak_bytes)} (greedy by size, same order)")
         if self.reordered is not None:
             lines.append(self.reordered.format(self))
-        parts = [f"{k} {_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
+        parts = [f"{k} {byte_size(v)}" for k, v in self.memory_breakdown_bytes.items() if v]
         lines.append("    " + ", ".join(parts))
         if self.memory_breakdown_bytes:
             largest, size = max(self.memory_breakdown_bytes.items(), key=lambda kv: kv[1])
@@ -117,7 +117,8 @@ class SimResult:
         return "\n".join(lines)
 
 
-def _size(n: float) -> str:
+def byte_size(n: float) -> str:
+    """Bytes in the largest binary unit they reach (GiB, MiB, KiB), two decimals."""
     for unit, scale in (("GiB", GiB), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= scale:
             return f"{n / scale:.2f} {unit}"

@@ -113,7 +113,7 @@ def sdp_rows():
 
 def test_sharded_dp_rows_map_by_stack(sdp_rows):
     m = sharded_dp.map_row(sdp_rows["megsc21-zero3-174.6b-384"])
-    assert m.plan == "zero=3,zero_impl=deepspeed,mbs=4,gbs=1536,recompute=full,dtype=fp16"
+    assert m.plan == "zero=3,zero_impl=deepspeed-2021,mbs=4,gbs=1536,recompute=full,dtype=fp16"
     assert m.stack.name == "deepspeed" and m.cluster.name == "48xdgx-a100-80g"
     assert (m.model.layers, m.model.hidden, m.model.vocab) == (96, 12288, 51200) and m.model.bias
     default = sharded_dp.map_row(sdp_rows["mpt-h100-7b-128"])  # Composer's DEFAULT mixed precision reduces in fp32

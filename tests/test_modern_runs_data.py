@@ -9,7 +9,7 @@ from simexec.validation.published import DATA, read_published_csv
 CSV = DATA / "modern_runs.csv"
 COLUMNS = ("name,source,device,gpus,stack,model,layers,hidden,ffn,heads,kv_heads,vocab,seq_len,moe_experts,moe_top_k,"
            "moe_ffn,moe_shared,dtype,fp8_recipe,tp,sp,pp,vpp,cp,ep,etp,fsdp,mbs,gbs,recompute,cuda_graphs,metric,value,"
-           "peak_mem_gib,notes").split(",")
+           "peak_mem_gib,moe_dispatcher,moe_a2a_overlap,superseded_by,layout,notes").split(",")
 REQUIRED = ("name", "source", "device", "gpus", "stack", "model", "layers", "hidden", "ffn", "heads", "kv_heads",
             "vocab", "seq_len", "dtype", "tp", "sp", "pp", "cp", "fsdp", "mbs", "gbs", "recompute", "metric", "value")
 DEVICES = {"h100", "h200", "b200", "gb200", "mi300x", "a100"}
@@ -75,8 +75,22 @@ def test_moe_rows_are_complete_and_dense_rows_empty(rows):
             assert int(r["moe_top_k"]) <= int(r["moe_experts"]), r["name"]
             dp = int(r["gpus"]) // (int(r["tp"]) * int(r["pp"]) * int(r["cp"]))
             assert (dp * int(r["tp"]) * int(r["cp"])) % (int(r["ep"]) * int(r["etp"])) == 0, r["name"]
+            assert r["moe_dispatcher"] in {"alltoall", "allgather", "deepep", "hybridep"}, r["name"]
+            assert r["moe_a2a_overlap"] in {"0", "1"}, r["name"]
         else:
-            assert not any(r[c] for c in moe_cols), r["name"]
+            assert not any(r[c] for c in moe_cols + ("moe_dispatcher", "moe_a2a_overlap")), r["name"]
+
+
+def test_a_superseded_row_names_a_newer_row_of_its_workload(rows):
+    by_name = {r["name"]: r for r in rows}
+    superseded = [r for r in rows if r["superseded_by"]]
+    assert superseded
+    for r in superseded:
+        newer = by_name[r["superseded_by"]]
+        assert not newer["superseded_by"], r["name"]
+        assert (newer["device"], newer["model"], newer["dtype"], newer["fp8_recipe"]) == (
+            r["device"], r["model"], r["dtype"], r["fp8_recipe"]), r["name"]
+        assert newer["source"].split(":")[0] != r["source"].split(":")[0], r["name"]
 
 
 def test_values_are_positive(rows):

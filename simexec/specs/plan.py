@@ -555,6 +555,22 @@ def balanced_stages(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
     of Megatron-LM's `--account-for-embedding-in-pipeline-split --account-for-loss-in-pipeline-split`
     and of torchtitan's input and output weights of 1; Llama 3 405B drops a layer from both end
     stages for the same reason. None when a stage would hold no layer."""
+    counts = _embedding_and_loss_split(layers, n_stages)
+    return counts if counts and min(counts) >= 1 else None
+
+
+def balanced_layout(layers: int, n_stages: int) -> Optional[str]:
+    """The same split as `balanced_stages` in Megatron's layout notation, where it leaves an end stage with the
+    embedding or the loss alone (Llama 3.1 405B's 126 layers on 128 virtual stages: `E|t|...|t|L`, which
+    Megatron-LM builds from the same two flags); None where a middle stage would hold nothing."""
+    counts = _embedding_and_loss_split(layers, n_stages)
+    if not counts or min(counts[1:-1], default=1) < 1 or min(counts) < 0:
+        return None
+    return "|".join(("E" if i == 0 else "") + "t" * c + ("L" if i == n_stages - 1 else "")
+                    for i, c in enumerate(counts))
+
+
+def _embedding_and_loss_split(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
     if n_stages < 2:
         return None
     base, extra = divmod(layers + 2, n_stages)
@@ -562,5 +578,4 @@ def balanced_stages(layers: int, n_stages: int) -> Optional[tuple[int, ...]]:
     order = list(range(n_stages - 2, 0, -1)) + [n_stages - 1, 0]
     for i in order[:extra]:
         units[i] += 1
-    counts = [u - (i == 0) - (i == n_stages - 1) for i, u in enumerate(units)]
-    return tuple(counts) if min(counts) >= 1 else None
+    return tuple(u - (i == 0) - (i == n_stages - 1) for i, u in enumerate(units))

@@ -29,12 +29,13 @@ recompute (none | selective | full: `selective:<modules>` -> selective, `full:bl
 recompute_layers=N; torchtitan's selective is its per-operator policy, `op`, which its llama3 configs choose:
 selective_ac_option = "op"), fused attention (simexec's default); dp is derived (gpus / (tp*pp*cp)). Where pp*vpp
 does not divide the layers (Llama 3.1 405B's 126, DeepSeek-V3's 61, Qwen3-235B's 94), the virtual stages
-are `simexec.specs.plan.balanced_stages`: the embedding and the loss count as a layer each (Megatron's
+are `simexec.specs.plan.balanced_stages` (`balanced_layout` where an end stage is left with only the embedding
+or the loss): the embedding and the loss count as a layer each (Megatron's
 --account-for-embedding/loss-in-pipeline-split, which the 405B recipes set; the Qwen3 recipes give a
 hand-written pipeline layout of the same kind, approximated by this split). Megatron-Bridge's DeepSeek-V3
 rows take its recipe's `layout` for their (pp, vpp) (`DSV3_LAYOUTS`), with the MTP module where the row
-says it ran one (`mtp_layers=1`). What the
-framework does beyond the columns, by stack:
+says it ran one (`mtp_layers=1`); a row's `layout` column (its release config's pipeline layout) comes
+first. What the framework does beyond the columns, by stack:
 
 | stack | settings |
 | --- | --- |
@@ -42,10 +43,19 @@ framework does beyond the columns, by stack:
 | torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1 or cp > 1 (it shards over dp_shard x cp: parallel_dims.py `fsdp_enabled`), else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op"); `reshard_after_forward=0` when pp > 1 (its FSDP policy: `not pp_enabled`) |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
-Not modelled (in the notes of the rows that have them): CUDA graphs, async TP, activation offloading,
-HybridEP, multi-token prediction. An MoE row whose expert tensor-parallel size (`etp`) differs from tp
-runs Megatron-Core's parallel folding: plan `etp` (the experts on their own etp x ep x edp mesh over each
-stage's ranks). A row simexec refuses (PlanError, SpecError) is kept as `refused`.
+MoE rows: `moe_dispatcher` (alltoall where empty; Megatron's flex dispatcher over DeepEP or Hybrid-EP is
+simexec's node-limited `deepep`, `DISPATCHERS`) and `moe_a2a_overlap` (1: the recipe's
+--overlap-moe-expert-parallel-comm) become the plan's knobs of the same names; an MoE row whose expert
+tensor-parallel size (`etp`) differs from tp runs Megatron-Core's parallel folding: plan `etp` (the experts
+on their own etp x ep x edp mesh over each stage's ranks); the MTP module where the notes say it ran one.
+Not modelled (in the notes of the rows that have them): activation offloading. A row simexec refuses
+(PlanError, SpecError) is kept as `refused`.
+
+Superseded rows: where a publisher measured the same workload (system, model, precision) again in a newer
+software release (the plan or GPU count may change with it), the older row names the newer one in
+`superseded_by`. simexec models each stack as it is now, so a superseded row is predicted and printed in its
+own family, `superseded`, and left out of the overall statistics and the other families (one rule for every
+publisher and model).
 
 Measured step time: `step_s` as published; `tokens_per_s_per_gpu` -> gbs * seq_len / (value * gpus)
 (torchtitan counts a step's tokens before the cp split and divides by tp*cp*pp, train.py at 9dec370:
@@ -71,7 +81,7 @@ from simexec.errors import PlanError, SpecError
 from simexec.specs.cluster import ClusterSpec, get_cluster
 from simexec.specs.model import ModelSpec, MoESpec
 from simexec.specs.model_presets import MODELS
-from simexec.specs.plan import Plan, balanced_stages
+from simexec.specs.plan import Plan, balanced_layout, balanced_stages
 from simexec.specs.stack import StackSpec, get_stack
 from simexec.validation.markdown import replace_block
 from simexec.validation.published import DATA, read_published_csv
@@ -94,6 +104,9 @@ FLOP_COUNTS: dict[str, Callable[[dict], float]] = {}
 DEVICE_CLUSTERS = {"h100": "dgx-h100", "h200": "hgx-h200", "b200": "hgx-b200", "mi300x": "mi300x-8"}
 GRAND_TETON_H100 = DATA / "h100-hbm2e-500w.yaml"  # the tt-* rows' H100s (their notes)
 LONG_CONTEXT = 32768
+# The family of a row whose configuration a newer release of the same publisher measured again (its
+# `superseded_by` names that row): printed, and summarised apart from the rows that describe the current stacks.
+SUPERSEDED = "superseded"
 
 
 class NotComparable(Exception):
@@ -218,6 +231,25 @@ def recompute_fields(text: str) -> dict:
     return out
 
 
+# A row's `moe_dispatcher` column -> simexec's plan. Megatron-Core's flex dispatcher runs DeepEP or NVIDIA's
+# Hybrid-EP (DeepEP's hybrid-ep branch, docs/README_Hybrid-EP.md: RDMA between nodes, NVLink inside one, tokens
+# cross the network once per destination node): both are simexec's node-limited `deepep`.
+DISPATCHERS = {"": "alltoall", "alltoall": "alltoall", "allgather": "allgather", "deepep": "deepep",
+               "hybridep": "deepep"}
+
+
+def moe_fields(r: dict) -> dict:
+    """The MoE plan knobs a row's columns give: its dispatcher and whether dispatch and combine overlap another
+    micro-batch's compute (Megatron-Core's --overlap-moe-expert-parallel-comm, `moe_a2a_overlap` in the recipes)."""
+    dispatcher = (r.get("moe_dispatcher") or "").strip()
+    if dispatcher not in DISPATCHERS:
+        raise SpecError(f"row {r['name']}: moe_dispatcher {dispatcher!r} is none of {sorted(DISPATCHERS)[1:]}")
+    out: dict = {"moe_dispatcher": DISPATCHERS[dispatcher]}
+    if (r.get("moe_a2a_overlap") or "").strip() == "1":
+        out["moe_a2a_overlap"] = True
+    return out
+
+
 def row_plan(r: dict) -> str:
     tp, pp, cp, vpp = _int(r, "tp"), _int(r, "pp"), _int(r, "cp"), _int(r, "vpp")
     fields: dict = dict(tp=tp, sp=r["sp"] == "1", pp=pp, vpp=vpp, cp=cp, mbs=int(r["mbs"]), gbs=int(r["gbs"]),
@@ -226,14 +258,18 @@ def row_plan(r: dict) -> str:
         fields["ep"] = _int(r, "ep")
         if _int(r, "etp") != tp:  # Megatron-Core's parallel folding: the experts on their own (etp, ep, edp) mesh
             fields["etp"] = _int(r, "etp")
+        fields.update(moe_fields(r))
     layers = int(r["layers"])
-    layout = dsv3_layout(pp, vpp, row_mtp(r)) if r["model"] == "deepseek-v3" and r["source"].startswith("mb-") else None
+    layout = (r.get("layout") or "").strip() or (
+        dsv3_layout(pp, vpp, row_mtp(r)) if r["model"] == "deepseek-v3" and r["source"].startswith("mb-") else None)
     if layout:
         fields["layout"] = layout
     elif pp > 1 and layers % (pp * vpp):
         stages = balanced_stages(layers, pp * vpp)
         if stages:
             fields["stages"] = stages
+        elif balanced_layout(layers, pp * vpp):
+            fields["layout"] = balanced_layout(layers, pp * vpp)
     fsdp = r["fsdp"] == "1"
     stack = STACK_ALIASES.get(r["stack"], r["stack"])
     if stack == "megatron-core":
@@ -283,6 +319,8 @@ def measured_step_s(r: dict) -> float:
 
 
 def families(r: dict) -> list[str]:
+    if (r.get("superseded_by") or "").strip():
+        return [SUPERSEDED]
     out = []
     if r["dtype"] == "fp8":
         out.append("fp8")
@@ -388,7 +426,8 @@ def _stats(errors: list[float]) -> dict:
 def summary(rows: list[dict]) -> dict:
     """Statistics over the compared rows, overall and per family (refused and not comparable rows left out)."""
     ok = [r for r in rows if r["status"] == "ok"]
-    if not ok:
+    current = [r for r in ok if SUPERSEDED not in r["families"]]
+    if not current:
         return {}
     from simexec.validation.sharded_dp import trend
 
@@ -398,9 +437,10 @@ def summary(rows: list[dict]) -> dict:
         t = trend([r for r in ok if f in r["families"]])
         if t["steps"]:
             st["trend"] = t
-    return {**_stats([r["error"] for r in ok]),
-            "refused": sum(r["status"] == "refused" for r in rows),
+    return {**_stats([r["error"] for r in current]),
+            "refused": sum(r["status"] == "refused" and SUPERSEDED not in r["families"] for r in rows),
             "not_comparable": sum(r["status"] == "not comparable" for r in rows),
+            "superseded": len(ok) - len(current),
             "families": families_}
 
 
@@ -415,9 +455,10 @@ def trend_text(st: dict) -> str:
 def summary_lines(s: dict) -> list[str]:
     if not s:
         return ["no row compared"]
-    lines = [f"{s['rows']} rows compared ({s['refused']} refused, {s['not_comparable']} not comparable): median "
-             f"|error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, median error "
-             f"{100 * s['median_error']:+.1f}%"]
+    apart = f", {s['superseded']} superseded apart" if s.get("superseded") else ""
+    lines = [f"{s['rows']} rows compared ({s['refused']} refused, {s['not_comparable']} not comparable{apart}): "
+             f"median |error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, "
+             f"median error {100 * s['median_error']:+.1f}%"]
     for f, st in s["families"].items():
         trend_ = trend_text(st)
         lines.append(f"  {f:<13} {st['rows']:3d} rows: median |error| {100 * st['median_abs_error']:5.1f}%, "

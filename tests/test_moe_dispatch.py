@@ -11,7 +11,7 @@ from simexec.program.layer_order import destination_domains
 from simexec.program.groups import domain_split
 from simexec.program.layer_order import layer_steps
 from simexec.program.lower import lower
-from simexec.program.moe_overlap import combined_1f1b, forward_backward_pairs
+from simexec.program.moe_overlap import combined_1f1b, moe_overlap_order
 from simexec.program.schedules import Action
 from simexec.sim.compute import ComputeModel
 from simexec.sim.simulate import simulate
@@ -101,8 +101,10 @@ def test_combined_1f1b_order_and_pairs():
     acts = [Action(0, k, m) for m in range(3) for k in "FB"]
     order = combined_1f1b(acts)
     assert [(a.kind, a.mb) for a in order] == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
-    assert forward_backward_pairs(order) == {1, 3}
-    assert forward_backward_pairs(combined_1f1b(acts[:2])) == frozenset()  # one micro-batch: nothing pairs
+    assert moe_overlap_order(acts) == (order, {1, 3})
+    assert moe_overlap_order(acts[:2])[1] == frozenset()  # one micro-batch: nothing pairs
+    every_forward_first = [Action(0, "F", m) for m in range(3)] + [Action(0, "B", m) for m in range(3)]
+    assert moe_overlap_order(every_forward_first)[1] == frozenset()  # no steady state
 
 
 def test_overlap_hides_the_all_to_alls():
@@ -110,6 +112,34 @@ def test_overlap_hides_the_all_to_alls():
     base = simulate(MIXTRAL, "dgx-h100", plan, 1024)
     over = simulate(MIXTRAL, "dgx-h100", plan + ",moe_a2a_overlap=1", 1024)
     assert over.step_time_s < base.step_time_s
+
+
+def test_overlap_under_an_interleaved_pipeline_pairs_the_steady_state():
+    from simexec.program.schedules import schedule
+
+    plain = schedule("interleaved-1f1b").order(4, 0, 8, 2)
+    acts = combined_1f1b(plain)  # Megatron's one more warm-up forward, then the steady state's pairs
+    first_b = [i for i, a in enumerate(acts) if a.kind == "B"][0]
+    assert first_b == [i for i, a in enumerate(plain) if a.kind == "B"][0] + 1 and sorted(acts) == sorted(plain)
+    pairs = moe_overlap_order(plain)[1]
+    assert pairs and all(acts[i].kind == "F" and acts[i + 1].kind == "B" for i in pairs)
+    # the merged pairs hide the all-to-alls under the other pass's compute
+    plan = "dp=8,pp=2,vpp=2,ep=8,gbs=64,recompute=selective"
+    base = simulate(MIXTRAL, "2xdgx-h100", plan, 1024)
+    over = simulate(MIXTRAL, "2xdgx-h100", plan + ",moe_a2a_overlap=1", 1024)
+    assert over.step_time_s < base.step_time_s
+    assert over.breakdown_s["comm.ep"] < 0.5 * base.breakdown_s["comm.ep"]
+
+
+@pytest.mark.parametrize("pp,vpp,rounds", [(2, 2, 2), (4, 2, 3), (4, 4, 1), (2, 4, 3)])
+def test_overlap_under_interleaved_pipelines_never_deadlocks_nor_slows(pp, vpp, rounds):
+    """Megatron's extra warm-up forward keeps each pair's forward and backward independent, so merging
+    them never waits in a cycle through the neighbours; with every forward first (rounds = 1) nothing pairs."""
+    dp = 16 // pp
+    plan = f"dp={dp},pp={pp},vpp={vpp},ep=4,gbs={pp * rounds * dp}"
+    base = simulate(MIXTRAL, "2xdgx-h100", plan, 512).step_time_s
+    over = simulate(MIXTRAL, "2xdgx-h100", plan + ",moe_a2a_overlap=1", 512).step_time_s
+    assert over == pytest.approx(base) if rounds == 1 else over < base
 
 
 def test_overlap_with_one_micro_batch_degrades_to_none():
@@ -122,7 +152,8 @@ def test_overlap_with_one_micro_batch_degrades_to_none():
     ("dp=4,moe_a2a_overlap=1", "needs ep > 1"),
     ("dp=4,ep=4,moe_dispatcher=allgather,moe_a2a_overlap=1", "alltoall or deepep"),
     ("dp=4,ep=4,recompute=full,moe_a2a_overlap=1", "recompute=full"),
-    ("dp=2,pp=2,ep=2,gbs=8,moe_a2a_overlap=1", "without a pipeline"),
+    ("dp=2,pp=2,ep=2,gbs=8,moe_a2a_overlap=1", "needs vpp > 1"),
+    ("dp=2,pp=2,vpp=2,ep=2,gbs=8,p2p_overlap=0,moe_a2a_overlap=1", "needs p2p_overlap=1"),
 ])
 def test_overlap_refused_where_megatron_refuses_it(plan, fragment):
     with pytest.raises(PlanError, match=fragment):
@@ -179,9 +210,10 @@ def test_search_enumerates_dispatchers_and_overlap():
     assert (8, None, "deepep") in triples and (8, None, "allgather") in triples and (1, None, "alltoall") in triples
     assert (2, None, "deepep") not in triples  # ep 2 x tp 2 stays in the node
     assert (1, None, "allgather") not in triples
-    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 1, "none") == [False, True]
-    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 2, "none") == [False]
-    assert _moe_a2a_overlaps({}, 8, "allgather", schedule("1f1b"), 1, "none") == [False]
+    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 1, 1, "none") == [False, True]
+    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 2, 1, "none") == [False]
+    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("interleaved-1f1b"), 2, 2, "none") == [False, True]
+    assert _moe_a2a_overlaps({}, 8, "allgather", schedule("1f1b"), 1, 1, "none") == [False]
 
 
 def test_torchtitan_searches_the_all_to_all_only():

@@ -133,7 +133,7 @@ class PipelineTimes:
         if self.p.moe_a2a_overlap:
             from simexec.program.moe_overlap import moe_overlap_order
 
-            return moe_overlap_order(self._order()[r], self.pp)[1]
+            return moe_overlap_order(self._order()[r])[1]
         if not self.p.dualpipe_overlap:
             return frozenset()
         key = ("pairs", self.pp, self.m)
@@ -246,7 +246,7 @@ class PipelineTimes:
         if self.p.moe_a2a_overlap:  # a forward, then another micro-batch's backward
             from simexec.program.moe_overlap import moe_overlap_order
 
-            order, step = {r: moe_overlap_order(acts, pp)[0] for r, acts in order.items()}, 2
+            order, step = {r: moe_overlap_order(acts)[0] for r, acts in order.items()}, 2
         pairs = [self._pairs(r) for r in range(pp)]
         fend = [[-1.0] * m for _ in range(V)]
         bend = [[-1.0] * m for _ in range(V)]

@@ -37,8 +37,8 @@ ep, etp            MoE only: ep powers of two dividing the experts and dp, exper
                    the groups differ from the unfolded plan's
 moe_dispatcher     MoE with ep > 1: alltoall, allgather, and deepep where the ep group leaves its
                    NVLink domain (inside one it is the all-to-all)
-moe_a2a_overlap    off, and on where Megatron-Core runs it and the simulator pairs: an all-to-all
-                   dispatcher, no full recompute, pp = 1 (its combined 1F1B)
+moe_a2a_overlap    off, and on where Megatron-Core runs it: an all-to-all dispatcher, no full
+                   recompute, pp = 1 or an interleaved pipeline (its combined 1F1B)
 zero               0 (DDP), 1, 2, 3 (FSDP), 3 (YaFSDP); stages above 0 only when dp > 1 (with one
                    data-parallel rank they shard over nobody and equal zero=0)
 dp_shard           ZeRO-3 only: unset, or one node's worth of the dp group (HSDP: shard inside a
@@ -336,7 +336,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int, dom
                             else:
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
-                            a2a = _moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], recompute)
+                            a2a = _moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], split["vpp"], recompute)
                             for rl, moe_overlap in product(rls, a2a):
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
@@ -399,10 +399,11 @@ def _expert_dispatches(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, s
     return out
 
 
-def _moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, recompute: str) -> list[bool]:
-    """moe_a2a_overlap where Megatron-Core runs it (`simexec.specs.plan`): ep > 1, an all-to-all
-    dispatcher, no full recompute, a whole backward, no pipeline."""
-    runs = ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward and pp == 1
+def _moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, vpp: int, recompute: str) -> list[bool]:
+    """moe_a2a_overlap where Megatron-Core runs it (`simexec.specs.plan_rules`): ep > 1, an all-to-all
+    dispatcher, no full recompute, a whole backward, and no pipeline or an interleaved one (vpp > 1)."""
+    runs = (ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward
+            and (pp == 1 or vpp > 1))
     return _choices(fix, "moe_a2a_overlap", [False, True] if runs else [False])
 
 

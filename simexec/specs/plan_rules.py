@@ -154,8 +154,9 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: in
 def _check_moe_a2a_overlap(p: Plan, fail: Callable[[str], None]) -> None:
     """Megatron-Core's rules for --overlap-moe-expert-parallel-comm (TransformerConfig.__post_init__,
     megatron/core/transformer/transformer_config.py): expert parallelism, the alltoall or flex dispatcher,
-    no full recompute; under a pipeline Megatron needs the interleaved schedule, whose pairing the
-    simulator does not model yet (merging a forward with a backward that waits on the next stage)."""
+    no full recompute; under a pipeline the interleaved schedule, whose steady state pairs each forward
+    with another virtual micro-batch's backward (combined_1f1b.py `combined_1f1b_schedule_for_interleaved_
+    pipelining`): `simexec.program.moe_overlap`."""
     if p.ep == 1:
         fail("moe_a2a_overlap=1 needs ep > 1 (it hides the expert-parallel all-to-alls)")
     if p.moe_dispatcher == "allgather":
@@ -165,9 +166,12 @@ def _check_moe_a2a_overlap(p: Plan, fail: Callable[[str], None]) -> None:
              " a whole backward)")
     if p.recompute == "full":
         fail("moe_a2a_overlap=1 does not run with recompute=full (Megatron-Core refuses full recomputation with it)")
-    if p.pp > 1:
-        fail(f"moe_a2a_overlap=1 with pp={p.pp}: the simulator pairs micro-batches without a pipeline only"
-             " (Megatron-Core's interleaved combined 1F1B is not modelled yet)")
+    if p.pp > 1 and p.vpp == 1:
+        fail(f"moe_a2a_overlap=1 with pp={p.pp} needs vpp > 1 (Megatron-Core runs it in the interleaved schedule"
+             " only: TransformerConfig asserts virtual_pipeline_model_parallel_size, which vpp=1 leaves unset)")
+    if p.pp > 1 and not p.p2p_overlap:
+        fail(f"moe_a2a_overlap=1 with pp={p.pp} needs p2p_overlap=1 (a pair's forward and backward exchange with"
+             " their neighbours on their own, as Megatron-Core's combined 1F1B posts them)")
 
 
 def _check_schedule(p: Plan, sched: Schedule, micro: int, micro_from: str, fail: Callable[[str], None]) -> None:

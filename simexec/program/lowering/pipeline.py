@@ -65,7 +65,7 @@ class PipelineLowering(RankEmitter):
         pairs = dualpipe_pairs(self.p.pp, self.pp_rank, self.micro_batches) if self.p.dualpipe_overlap else frozenset()
         paired = 3
         if self.p.moe_a2a_overlap:
-            self.actions, pairs = moe_overlap_order(self.actions, self.p.pp)
+            self.actions, pairs = moe_overlap_order(self.actions)
             paired = 2
         groups, i = self.exchange_groups(), 0
         while i < len(groups):

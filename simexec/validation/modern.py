@@ -268,8 +268,8 @@ def row_plan(r: dict) -> str:
         stages = balanced_stages(layers, pp * vpp)
         if stages:
             fields["stages"] = stages
-        elif balanced_layout(layers, pp * vpp):
-            fields["layout"] = balanced_layout(layers, pp * vpp)
+        else:
+            fields["layout"] = balanced_layout(layers, pp * vpp)  # None where no split leaves a layer per stage
     fsdp = r["fsdp"] == "1"
     stack = STACK_ALIASES.get(r["stack"], r["stack"])
     if stack == "megatron-core":

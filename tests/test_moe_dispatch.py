@@ -203,17 +203,17 @@ def test_experts_block_carries_its_gemm_count_dense_blocks_none():
 
 # --- 5. search ---------------------------------------------------------------------------------------
 def test_search_enumerates_dispatchers_and_overlap():
-    from simexec.search.space import _expert_dispatches, _moe_a2a_overlaps
+    from simexec.search.space import expert_dispatches, moe_a2a_overlaps
     from simexec.program.schedules import schedule
 
-    triples = _expert_dispatches(MIXTRAL, {}, 2, 1, 8, True, 8)
+    triples = expert_dispatches(MIXTRAL, {}, 2, 1, 8, True, 8)
     assert (8, None, "deepep") in triples and (8, None, "allgather") in triples and (1, None, "alltoall") in triples
     assert (2, None, "deepep") not in triples  # ep 2 x tp 2 stays in the node
     assert (1, None, "allgather") not in triples
-    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 1, 1, "none") == [False, True]
-    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 2, 1, "none") == [False]
-    assert _moe_a2a_overlaps({}, 8, "alltoall", schedule("interleaved-1f1b"), 2, 2, "none") == [False, True]
-    assert _moe_a2a_overlaps({}, 8, "allgather", schedule("1f1b"), 1, 1, "none") == [False]
+    assert moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 1, 1, "none") == [False, True]
+    assert moe_a2a_overlaps({}, 8, "alltoall", schedule("1f1b"), 2, 1, "none") == [False]
+    assert moe_a2a_overlaps({}, 8, "alltoall", schedule("interleaved-1f1b"), 2, 2, "none") == [False, True]
+    assert moe_a2a_overlaps({}, 8, "allgather", schedule("1f1b"), 1, 1, "none") == [False]
 
 
 def test_torchtitan_searches_the_all_to_all_only():

@@ -166,16 +166,16 @@ def test_folded_dispatch_moves_each_tp_ranks_slice_with_or_without_shared_expert
 
 
 def test_search_enumerates_folded_layouts():
-    from simexec.search.space import _expert_layouts
+    from simexec.search.space import expert_layouts
 
-    assert (4, 1) in _expert_layouts(MOE, {}, 2, 1, 2, True)  # folded layouts are searched by default
+    assert (4, 1) in expert_layouts(MOE, {}, 2, 1, 2, True)  # folded layouts are searched by default
     from simexec.search.space import AnyOf
 
-    pairs = _expert_layouts(MOE, {"etp": AnyOf((None, 1, 2))}, 2, 1, 2, True)
+    pairs = expert_layouts(MOE, {"etp": AnyOf((None, 1, 2))}, 2, 1, 2, True)
     assert (4, 1) in pairs and (2, 1) in pairs and (2, None) in pairs
     assert (2, 2) not in pairs  # etp = tp, ep out of dp: the unfolded plan again
-    assert all(e is None for _, e in _expert_layouts(MOE, {"etp": 1}, 2, 1, 2, False))  # tp > 1 without sp
-    assert _expert_layouts(MOE, {"etp": 1}, 1, 2, 2, False) == [(1, 1), (2, 1), (4, 1)]
+    assert all(e is None for _, e in expert_layouts(MOE, {"etp": 1}, 2, 1, 2, False))  # tp > 1 without sp
+    assert expert_layouts(MOE, {"etp": 1}, 1, 2, 2, False) == [(1, 1), (2, 1), (4, 1)]
 
 
 def test_folded_moe_layers_without_shared_experts_gather_nothing_over_tp():

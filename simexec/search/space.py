@@ -325,7 +325,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int, dom
         for sp, overlap, tp_overlap in product(_choices(fix, "sp", sps), _choices(fix, "dualpipe_overlap", overlaps),
                                                _choices(fix, "tp_overlap", tp_overlaps)):
             for cp_impl in _choices(fix, "cp_impl", _cp_impls(model, tp, cp)):
-                for ep, etp, dispatcher in _expert_dispatches(model, fix, tp, cp, dp, sp, domain):
+                for ep, etp, dispatcher in expert_dispatches(model, fix, tp, cp, dp, sp, domain):
                     for mbs in _choices(fix, "mbs", [m for m in MBS if gbs % (m * dp) == 0]):
                         own = FRAMEWORK_RECOMPUTE if isinstance(fix.get("recompute"), Allowed) else RECOMPUTE
                         for recompute in _choices(fix, "recompute", list(own)):
@@ -336,7 +336,7 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int, dom
                             else:
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
-                            a2a = _moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], split["vpp"], recompute)
+                            a2a = moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], split["vpp"], recompute)
                             for rl, moe_overlap in product(rls, a2a):
                                 yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp, mbs=mbs,
                                            gbs=gbs, recompute=recompute, recompute_layers=rl,
@@ -364,7 +364,7 @@ def _eps(model: ModelSpec, dp: int) -> list[int]:
     return [e for e in _pow2_upto(dp) if model.moe.experts % e == 0 and dp % e == 0]
 
 
-def _expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool) -> list[tuple]:
+def expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool) -> list[tuple]:
     """(ep, etp) pairs: ep out of dp with experts split over tp (etp None), then parallel folding
     (`Plan.etp`: 1 or tp, ep out of tp*cp*dp) where its groups differ from those (etp = tp over cp = 1
     with ep dividing dp is the unfolded plan again) and Megatron-Core runs it (tp > 1 needs sp)."""
@@ -385,21 +385,21 @@ def _expert_layouts(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: 
     return out
 
 
-def _expert_dispatches(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool,
+def expert_dispatches(model: ModelSpec, fix: dict, tp: int, cp: int, dp: int, sp: bool,
                        domain: int) -> list[tuple]:
-    """(ep, etp, moe_dispatcher) triples: each expert layout (`_expert_layouts`) with the dispatchers
+    """(ep, etp, moe_dispatcher) triples: each expert layout (`expert_layouts`) with the dispatchers
     that differ on it: alltoall; allgather where ep > 1; deepep where the ep group leaves its NVLink
     domain (inside one, DeepEP's dispatch is the all-to-all). The ep group's span in ranks: etp*ep when
     folded, else ep blocks of dp under the default rank order (tp and cp inside)."""
     out = []
-    for ep, etp in _expert_layouts(model, fix, tp, cp, dp, sp):
+    for ep, etp in expert_layouts(model, fix, tp, cp, dp, sp):
         span = (etp * ep) if etp is not None else ep * tp * cp
         kinds = ["alltoall"] + (["allgather"] if ep > 1 else []) + (["deepep"] if ep > 1 and 0 < domain < span else [])
         out += [(ep, etp, d) for d in _choices(fix, "moe_dispatcher", kinds)]
     return out
 
 
-def _moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, vpp: int, recompute: str) -> list[bool]:
+def moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, vpp: int, recompute: str) -> list[bool]:
     """moe_a2a_overlap where Megatron-Core runs it (`simexec.specs.plan_rules`): ep > 1, an all-to-all
     dispatcher, no full recompute, a whole backward, and no pipeline or an interleaved one (vpp > 1)."""
     runs = (ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward

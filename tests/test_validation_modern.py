@@ -103,6 +103,30 @@ def test_superseded_rows_are_summarised_apart():
     assert "1 superseded apart" in modern.summary_lines(s)[0]
 
 
+def test_mlperf_gpt3_rows_map_to_the_submission_plan_and_form_scale_out_series(rows):
+    r = rows["mlperf31-eos-gpt3-175b-10752"]
+    m = modern.map_row(r)
+    assert m.plan == ("tp=4,sp=1,pp=8,vpp=12,zero=1,gbs=2688,dtype=fp8,tp_overlap=1,tp_async=1,grad_fp32=1,"
+                      "param_overlap=1")  # dp = 10752 / 32 = 336: 8 micro-batches, as the result log's GA
+    assert m.model is MODELS["gpt3-175b"] and m.cluster.world_size == 10752 and m.stack.fp8.scaling == "delayed"
+    assert set(modern.families(r)) == {"fp8", "tp", "pp", modern.SCALE_OUT, "h100"}
+    series = {}
+    for row in rows.values():
+        if row["series"] and not row["superseded_by"]:
+            series.setdefault(row["series"], set()).add(int(row["gpus"]))
+    assert series["mlperf31-eos-gpt3"] == {512, 768, 4096, 6144, 8192, 10240, 10752}
+    assert all(len(gpus) >= 2 for gpus in series.values())
+
+
+def test_only_series_families_report_a_trend():
+    def row(gpus, pred, meas, fams):
+        return {"series": "s", "status": "ok", "gpus": gpus, "gbs": gpus, "seq_len": 1, "predicted_s": pred,
+                "measured_s": meas, "error": pred / meas - 1, "families": fams}
+
+    s = modern.summary([row(8, 1.0, 1.0, [modern.SCALE_OUT, "h100"]), row(16, 1.1, 1.2, [modern.SCALE_OUT, "h100"])])
+    assert s["families"][modern.SCALE_OUT]["trend"]["steps"] == 1 and "trend" not in s["families"]["h100"]
+
+
 def test_moe_dispatcher_and_overlap_columns_become_plan_knobs():
     assert modern.moe_fields({"name": "r"}) == {"moe_dispatcher": "alltoall"}
     assert modern.moe_fields({"name": "r", "moe_dispatcher": "hybridep", "moe_a2a_overlap": "1"}) == {

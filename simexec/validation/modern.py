@@ -64,7 +64,8 @@ the same per-GPU figure); `tflops_per_gpu` and `mfu` through the FLOP count the 
 
 Error = predicted / measured - 1 (positive: simexec predicts a slower step).
 Families (a row may be in several): fp8, long-context (seq_len >= 32768 or cp > 1), tp, pp, fsdp, moe,
-and the device; and `sharded-dp`, the rows of data/sharded_dp_runs.csv, mapped by their own rules
+scale-out (rows of a `series`: one publisher's model, plan and software at several GPU counts, with the
+share of GPU-count steps whose per-GPU throughput moves as published), and the device; and `sharded-dp`, the rows of data/sharded_dp_runs.csv, mapped by their own rules
 (simexec.validation.sharded_dp), which the table (`TABLE`) predicts after these, with the share of
 GPU-count steps whose per-GPU throughput moves as published (its `trend`).
 """
@@ -107,6 +108,9 @@ LONG_CONTEXT = 32768
 # The family of a row whose configuration a newer release of the same publisher measured again (its
 # `superseded_by` names that row): printed, and summarised apart from the rows that describe the current stacks.
 SUPERSEDED = "superseded"
+# The family of rows that form series over GPU counts (`series`): the summary gives its per-GPU throughput trend.
+SCALE_OUT = "scale-out"
+TREND_FAMILIES = (SCALE_OUT, "sharded-dp")
 
 
 class NotComparable(Exception):
@@ -334,6 +338,8 @@ def families(r: dict) -> list[str]:
         out.append("fsdp")
     if r["moe_experts"]:
         out.append("moe")
+    if (r.get("series") or "").strip():
+        out.append(SCALE_OUT)
     return out + [r["device"]]
 
 
@@ -376,7 +382,8 @@ def predict_row(r: dict) -> dict:
            "stack": r["stack"], "model": r["model"], "seq_len": int(r["seq_len"]), "metric": r["metric"],
            "value": float(r["value"]), "published_peak_gib": float(r["peak_mem_gib"]) if r["peak_mem_gib"] else None,
            "families": families(r), "status": "ok", "reason": "",
-           "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None}
+           "plan": "", "cluster": "", "predicted_s": None, "measured_s": None, "error": None,
+           "series": (r.get("series") or "").strip(), "gbs": int(r["gbs"])}
     return compared_row(out, lambda: measured_step_s(r), lambda: map_row(r))
 
 
@@ -434,7 +441,7 @@ def summary(rows: list[dict]) -> dict:
     fams = sorted({f for r in ok for f in r["families"]})
     families_ = {f: _stats([r["error"] for r in ok if f in r["families"]]) for f in fams}
     for f, st in families_.items():  # the families whose rows form series over GPU counts
-        t = trend([r for r in ok if f in r["families"]])
+        t = trend([r for r in ok if f in r["families"]]) if f in TREND_FAMILIES else {"steps": 0}
         if t["steps"]:
             st["trend"] = t
     return {**_stats([r["error"] for r in current]),

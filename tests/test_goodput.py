@@ -70,3 +70,6 @@ def test_validate_goodput_rows_are_predictions_with_ratios(tmp_path):
     assert 0.2 < opt["ratio"] < 0.3
     assert sum(FAILURES_PER_GPU_HOUR.values()) == pytest.approx(
         MEASURED_FAILURES_PER_GPU_HOUR["llama3-405b (16,384 H100, 2024)"], rel=1e-12)
+    week, ckpt = rows[("bloom-176b", "GPU failures a week ")], rows[("bloom-176b", "checkpoint TiB (publ")]
+    assert week["low"] <= week["predicted"] <= week["published"]  # Llama 3's rate at 384 GPUs: 1-2 a week, as BLOOM's
+    assert ckpt["ratio"] == pytest.approx(1, abs=0.05)  # weights + fp32 master + Adam moments, as BLOOM's 2.3 TiB

@@ -110,6 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "nic:N:F (node N's NICs at 1/F bandwidth), comma-separated (docs/variation.md)")
     p.add_argument("--variation", type=float, default=None, metavar="CV",
                    help="per-GPU speed's coefficient of variation: step time p50/p90/p99 over --seeds draws")
+    p.add_argument("--link-variation", type=float, default=None, metavar="CV",
+                   help="per-node NIC bandwidth's coefficient of variation, drawn with --variation's seeds")
     p.add_argument("--seeds", type=int, default=16, help="draws of per-GPU speed for --variation (default 16)")
     p.add_argument("--tokens", type=float, default=None,
                    help="also the days to train this many tokens, with failures and checkpoints (e.g. 15e12)")
@@ -310,7 +312,7 @@ def cmd_simulate(args) -> int:
                       trace=args.trace_path is not None, stack=get_stack(args.stack),
                       memory_margin_bytes=args.memory_margin * 2**30, memory_plan=args.memory_plan,
                       slow=args.slow, variation=args.variation, seeds=args.seeds, tokens=args.tokens,
-                      goodput_params=params)
+                      goodput_params=params, link_variation=args.link_variation)
     print(result.format())
     if args.json_path:
         save_json(result.to_json(), args.json_path)

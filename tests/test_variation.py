@@ -6,7 +6,7 @@ from simexec.cli import main
 from simexec.errors import SpecError
 from simexec.sim.simulate import simulate
 from simexec.sim.slowdown import parse_slow
-from simexec.sim.variation import draw_slowdowns
+from simexec.sim.variation import draw_link_slowdowns, draw_slowdowns
 
 MODEL, ONE_NODE, PLAN = "llama2-7b", "1xdgx-a100-80g", "dp=8,zero=1,gbs=16"
 
@@ -51,6 +51,17 @@ def test_variation_is_deterministic_for_a_seed():
     assert a.step_times_s == b.step_times_s
 
 
+def test_link_variation_slows_a_cross_node_all_reduce_and_is_deterministic():
+    kw = dict(seq_len=512, seeds=4)
+    healthy = simulate(MODEL, "2xdgx-a100-80g", "dp=16,gbs=16", link_variation=0.0, **kw).variation
+    links = simulate(MODEL, "2xdgx-a100-80g", "dp=16,gbs=16", link_variation=0.5, **kw).variation
+    again = simulate(MODEL, "2xdgx-a100-80g", "dp=16,gbs=16", link_variation=0.5, **kw).variation
+    assert healthy.median_slowdown == pytest.approx(1.0) and healthy.cv == 0.0
+    assert links.link_cv == 0.5 and links.p50_s > healthy.p50_s and links.step_times_s == again.step_times_s
+    # the NICs' stream of a seed is not the GPUs'
+    assert not np.array_equal(draw_link_slowdowns(64, 0.1, 3), draw_slowdowns(64, 0.1, 3))
+
+
 @pytest.mark.parametrize("spec", ["rank:8:2", "gpu:0:2", "rank:0:0.9", "rank:x:2", "nic:3:2", ""])
 def test_bad_slow_specs_fail_with_one_line(spec):
     with pytest.raises(SpecError):
@@ -58,7 +69,8 @@ def test_bad_slow_specs_fail_with_one_line(spec):
 
 
 @pytest.mark.parametrize("flags", [["--slow", "rank:99:2"], ["--variation", "1.5"],
-                                   ["--variation", "0.1", "--seeds", "0"], ["--tokens", "0"]])
+                                   ["--variation", "0.1", "--seeds", "0"], ["--tokens", "0"],
+                                   ["--link-variation", "-0.1"]])
 def test_cli_errors_are_one_line(flags, capsys):
     rc = main(["simulate", "--model", "gpt-tiny", "--cluster", "local", "--plan", "dp=2,gbs=4", *flags])
     err = capsys.readouterr().err

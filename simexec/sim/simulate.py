@@ -130,7 +130,7 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
              trace: bool = False, stack: Union[str, StackSpec, None] = None,
              memory_margin_bytes: float = 0.0, memory_plan: bool = False, slow: Union[str, Slowdown, None] = None,
              variation: Optional[float] = None, seeds: int = 16, tokens: Optional[float] = None,
-             goodput_params: Optional[GoodputParams] = None) -> SimResult:
+             goodput_params: Optional[GoodputParams] = None, link_variation: Optional[float] = None) -> SimResult:
     """Predict one training step.
 
     model / cluster / plan: specs or their names (`llama3-70b`, `128xdgx-h100`, `dp=16,tp=8,pp=8`).
@@ -143,6 +143,7 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     the program reordered to lower the peak (`reordered`).
     slow: stragglers (`rank:R:F,node:N:F,nic:N:F` or a `Slowdown`): also the step with them (`stragglers`).
     variation, seeds: per-GPU speed's coefficient of variation: the step over `seeds` draws (`variation`).
+    link_variation: per-node NIC bandwidth's coefficient of variation, drawn with the GPUs' (`variation`).
     tokens: also the days to train this many tokens with failures and checkpoints (`time_to_train`).
     """
     t0 = time.perf_counter()
@@ -162,21 +163,24 @@ def simulate(model: Union[str, ModelSpec], cluster: Union[str, ClusterSpec], pla
     program = lower(rp, symmetric=symmetric)
     return simulate_program(rp, program, trace=trace, t0=t0, memory_margin_bytes=memory_margin_bytes,
                             memory_plan=memory_plan, slow=slow, variation=variation, seeds=seeds, tokens=tokens,
-                            goodput_params=goodput_params)
+                            goodput_params=goodput_params, link_variation=link_variation)
 
 
 def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
                      t0: Optional[float] = None, memory_margin_bytes: float = 0.0,
                      memory_plan: bool = False, slow: Union[str, Slowdown, None] = None,
                      variation: Optional[float] = None, seeds: int = 16, tokens: Optional[float] = None,
-                     goodput_params: Optional[GoodputParams] = None, reorder: bool = True) -> SimResult:
+                     goodput_params: Optional[GoodputParams] = None, reorder: bool = True,
+                     link_variation: Optional[float] = None) -> SimResult:
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering). With
     `memory_plan` (and `reorder`), also the program reordered for memory (`SimResult.reordered`)."""
     from simexec.sim.variation import check_variation, gpus_per_node
 
     stragglers = parse_slow(slow, rp.world, gpus_per_node(rp)) if isinstance(slow, str) else slow
+    if link_variation is not None and variation is None:  # links alone: the GPUs identical
+        variation = 0.0
     if variation is not None:  # bad input fails before the simulation
-        check_variation(variation, seeds)
+        check_variation(variation, seeds, link_variation)
     train_tokens = tokens
     if train_tokens is not None and not train_tokens > 0:
         raise PlanError(f"--tokens must be > 0, got {train_tokens:g}")
@@ -223,7 +227,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         memory_model=mem.allocator, planned_peak_bytes=max(mem.planned_peak.values(), default=0.0),
         planned_peak_bytes_per_rank=dict(sorted(planned_per_rank.items())),
     )
-    _real_cluster(result, rp, program, stragglers, variation, seeds, train_tokens, goodput_params)
+    _real_cluster(result, rp, program, stragglers, variation, seeds, train_tokens, goodput_params, link_variation)
     if memory_plan and reorder:
         from simexec.sim.reordered import simulate_reordered
 
@@ -236,7 +240,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
 
 def _real_cluster(result: SimResult, rp: ResolvedPlan, program: Program, slow: Optional[Slowdown],
                   variation: Optional[float], seeds: int, tokens: Optional[float],
-                  params: Optional[GoodputParams]) -> None:
+                  params: Optional[GoodputParams], link_variation: Optional[float] = None) -> None:
     """What the step and the run become on real hardware: stragglers, variation, failures."""
     from simexec.sim.goodput import plan_checkpoint, time_to_train
     from simexec.sim.variation import straggler_report, variation_report
@@ -245,7 +249,7 @@ def _real_cluster(result: SimResult, rp: ResolvedPlan, program: Program, slow: O
     if slow:
         result.stragglers = straggler_report(rp, program, slow, step)
     if variation is not None:
-        result.variation = variation_report(rp, program, variation, seeds, step)
+        result.variation = variation_report(rp, program, variation, seeds, step, link_variation)
     if tokens is not None:
         params = params or GoodputParams()
         spread = result.variation.median_slowdown if result.variation is not None else 1.0

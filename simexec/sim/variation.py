@@ -15,6 +15,13 @@ slowest member of every group, so with more than a handful of ranks per group th
 almost never sets the pace). Symmetric mode keeps one simulated rank per stage, charged the largest
 draw of the ranks it stands for (`simexec.sim.slowdown`), so the cost stays one small simulation per
 seed at any rank count while the maximum over more ranks grows with the rank count, as it should.
+
+Link variation (`link_cv`): NICs and cables of one model do not all carry their line rate either (a link
+trained down, a flapping port, a congested rail). Each node's NIC links get a factor `max(1, 1 + link_cv * z)`
+from a second stream of the same seed (`numpy.random.default_rng([seed, 1])`), applied as a slowed NIC is
+(`Network.slow_nics`: the links' capacity shrinks, NCCL's choice of algorithm stays the healthy one); in
+symmetric mode a simulated rank's node takes the largest factor of the nodes it stands for. The two CVs
+have no default: measure your fleet (per-GPU GEMM speed, per-NIC `ib_write_bw` or nccl-tests busbw).
 """
 from __future__ import annotations
 
@@ -88,6 +95,15 @@ def draw_slowdowns(world: int, cv: float, seed: int) -> np.ndarray:
     return np.maximum(1.0, 1.0 + cv * z)
 
 
+LINK_STREAM = 1  # the second random stream of a seed: node NIC factors, independent of the GPUs'
+
+
+def draw_link_slowdowns(nodes: int, cv: float, seed: int) -> np.ndarray:
+    """Per node, its NIC links' slowdown against their line rate: max(1, 1 + cv * z)."""
+    z = np.random.default_rng([seed, LINK_STREAM]).standard_normal(nodes)
+    return np.maximum(1.0, 1.0 + cv * z)
+
+
 def group_max(draws: np.ndarray, program: Program) -> dict[int, float]:
     """Per simulated rank, the largest draw among the ranks it stands for (vectorised)."""
     reps = program.represents or {}
@@ -102,7 +118,8 @@ def group_max(draws: np.ndarray, program: Program) -> dict[int, float]:
 
 @dataclass
 class VariationReport:
-    """Step times over `seeds` draws of per-GPU speed with coefficient of variation `cv`."""
+    """Step times over `seeds` draws of per-GPU speed (coefficient of variation `cv`) and, where
+    `link_cv` is set, of per-node NIC bandwidth."""
 
     cv: float
     seeds: int
@@ -112,36 +129,47 @@ class VariationReport:
     p90_s: float = 0.0
     p99_s: float = 0.0
     median_slowdown: float = 1.0  # p50 / the identical-GPU step
+    link_cv: Optional[float] = None
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
     def format(self) -> str:
-        return (f"  variation       CV {self.cv:g} over {self.seeds} seeds: p50 {self.p50_s:.4g} s  "
+        links = f", links CV {self.link_cv:g}" if self.link_cv is not None else ""
+        return (f"  variation       CV {self.cv:g}{links} over {self.seeds} seeds: p50 {self.p50_s:.4g} s  "
                 f"p90 {self.p90_s:.4g} s  p99 {self.p99_s:.4g} s  "
                 f"(median x{self.median_slowdown:.3f} vs identical GPUs)")
 
 
-def check_variation(cv: float, seeds: int) -> None:
+def check_variation(cv: float, seeds: int, link_cv: Optional[float] = None) -> None:
     if not (0.0 <= cv < 1.0):
         raise SpecError(f"--variation {cv:g}: the coefficient of variation must be in [0, 1)")
+    if link_cv is not None and not (0.0 <= link_cv < 1.0):
+        raise SpecError(f"--link-variation {link_cv:g}: the coefficient of variation must be in [0, 1)")
     if seeds < 1:
         raise SpecError(f"--seeds {seeds}: need at least one seed")
 
 
 def variation_report(rp: ResolvedPlan, program: Program, cv: float, seeds: int,
-                     baseline_step_s: float) -> VariationReport:
-    """One simulation per seed (seed 0..seeds-1) with drawn per-GPU slowdowns."""
-    check_variation(cv, seeds)
+                     baseline_step_s: float, link_cv: Optional[float] = None) -> VariationReport:
+    """One simulation per seed (seed 0..seeds-1) with drawn per-GPU slowdowns and, with `link_cv`,
+    per-node NIC slowdowns."""
+    check_variation(cv, seeds, link_cv)
     from simexec.sim.engine import Engine
     from simexec.sim.machine import machine_for
 
+    gpn = gpus_per_node(rp)
+    nodes = -(-rp.world // gpn)
     times = []
     for seed in range(seeds):
-        factors = group_max(draw_slowdowns(rp.world, cv, seed), program)
-        eng = Engine(program, machine_for(rp.cluster, program, rp.plan.dtype), factors)
-        times.append(eng.run())
+        factors = group_max(draw_slowdowns(rp.world, cv, seed), program) if cv > 0 else {}
+        machine = machine_for(rp.cluster, program, rp.plan.dtype)
+        if link_cv:
+            draws = draw_link_slowdowns(nodes, link_cv, seed)
+            slowed = {n: float(f) for n, f in enumerate(draws) if f != 1.0}
+            machine.network.slow_nics(simulated_nics(slowed, program, gpn))
+        times.append(Engine(program, machine, factors).run())
     arr = np.asarray(times)
     p50, p90, p99 = (float(np.percentile(arr, q)) for q in (50, 90, 99))
     return VariationReport(cv, seeds, baseline_step_s, [float(t) for t in times], p50, p90, p99,
-                           p50 / baseline_step_s if baseline_step_s > 0 else 1.0)
+                           p50 / baseline_step_s if baseline_step_s > 0 else 1.0, link_cv)

@@ -3,7 +3,9 @@
     python scripts/validate_executor_goodput.py                  # a table on stdout
     python scripts/validate_executor_goodput.py --json out.json
 
-On CPU ranks (gloo, Ray actors) of the `local` cluster, a small plan (default gpt-tiny, dp=2):
+On CPU ranks (gloo, Ray actors) of the `local` cluster, a small plan (default gpt-tiny, dp=2, two
+micro-batches of 4 sequences of 64 tokens per rank: steps of about 40 ms, long enough that the host's
+scheduling noise stays a small part of them):
 
 - stragglers: `execute --slow rank:1:F` runs the plan healthy, then with rank 1 computing F times as
   long (`simexec.exec.rank.interpreter`); the measured ratio of the steady steps' median times is
@@ -63,9 +65,9 @@ def failure(model: str, plan: str, seq_len: int, steps: int, every: int, kill_st
 def main(argv: Optional[list[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="gpt-tiny")
-    ap.add_argument("--plan", default="dp=2,gbs=4,dtype=fp32")
-    ap.add_argument("--seq-len", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=8, help="steps of each straggler run (the first is a warm-up)")
+    ap.add_argument("--plan", default="dp=2,mbs=4,gbs=16,dtype=fp32")
+    ap.add_argument("--seq-len", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=12, help="steps of each straggler run (the first is a warm-up)")
     ap.add_argument("--factor", type=float, default=2.0, help="rank 1's compute slowdown")
     ap.add_argument("--rounds", type=int, default=3, help="healthy + slowed pairs; their median ratio is reported")
     ap.add_argument("--every", type=int, default=2, help="checkpoint every K steps")

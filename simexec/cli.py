@@ -154,6 +154,8 @@ def _add_optional_commands(subs) -> None:
                             "(default 1.2) at each plan's worst stage, or a --slow spec (docs/variation.md)")
         p.add_argument("--variation", type=float, default=None, metavar="CV",
                        help="with --robust: rank by the p90 step over --seeds draws of per-GPU speed")
+        p.add_argument("--link-variation", type=float, default=None, metavar="CV",
+                       help="with --robust: also draw per-node NIC bandwidth with this coefficient of variation")
         p.add_argument("--seeds", type=int, default=16, help="draws of per-GPU speed for --variation (default 16)")
         p.add_argument("--fix", default=None, help="fix some plan fields, e.g. tp=8,pp=4; a|b leaves a choice, e.g. \"tp=4|8,zero=0|1\"")
         p.add_argument("--against", default=None, metavar="PLAN",
@@ -350,9 +352,10 @@ def cmd_search(args) -> int:
 
     from simexec.search.robust import parse_robust
 
-    if args.variation is not None and args.robust is None:
-        raise SimexecError("--variation ranks plans under GPU variation: it needs --robust")
-    robust = parse_robust(args.robust, args.variation, args.seeds) if args.robust is not None else None
+    if (args.variation is not None or args.link_variation is not None) and args.robust is None:
+        raise SimexecError("--variation and --link-variation rank plans under variation: they need --robust")
+    robust = (parse_robust(args.robust, args.variation, args.seeds, args.link_variation)
+              if args.robust is not None else None)
     result = search(args.model, args.cluster, args.gbs, seq_len=args.seq_len, top=args.top,
                     objective=args.objective, fix=parse_fix(args.fix) if args.fix else None,
                     profile=args.profile, ray_address=args.ray_address, workers=args.workers, against=args.against,

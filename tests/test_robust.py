@@ -71,12 +71,15 @@ def test_parse_robust():
     for bad in ("0.9", "inf", "slow", "rank:1"):
         with pytest.raises(SpecError):
             parse_robust(bad)
+    links = parse_robust("", link_variation=0.1)  # NICs drawn, the GPUs identical
+    assert (links.variation, links.link_variation) == (0.0, 0.1) and "NIC CV 0.1" in links.describe()
 
 
 @pytest.mark.parametrize("flags", [["--objective", "time-to-train"], ["--tokens", "1e12"],
                                    ["--objective", "time-to-train", "--tokens", "-1"],
                                    ["--robust", "0.5"], ["--robust", "rank:99:2"], ["--variation", "0.05"],
-                                   ["--robust", "--variation", "2"],
+                                   ["--robust", "--variation", "2"], ["--link-variation", "0.1"],
+                                   ["--robust", "--link-variation", "1.5"],
                                    ["--objective", "time-to-train", "--tokens", "1e12", "--failure-rate", "-1"]])
 def test_search_bad_input_is_one_line(flags, capsys):
     rc = main(["search", "--model", "gpt-tiny", "--cluster", "local", "--gbs", "4", "--workers", "1", *flags])

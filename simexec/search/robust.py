@@ -43,35 +43,41 @@ class RobustSpec:
     slow: Optional[str] = None
     variation: Optional[float] = None
     seeds: int = 16
+    link_variation: Optional[float] = None
 
     def describe(self) -> str:
         what = (f"one GPU {self.factor:g}x slower at the plan's worst stage" if self.slow is None
                 else f"--slow {self.slow}")
         if self.variation is not None:
-            what += f"; GPU variation CV {self.variation:g} over {self.seeds} seeds (ranked by p90)"
+            links = f", NIC CV {self.link_variation:g}" if self.link_variation is not None else ""
+            what += f"; GPU variation CV {self.variation:g}{links} over {self.seeds} seeds (ranked by p90)"
         return what
 
 
-def parse_robust(text: Optional[str], variation: Optional[float] = None, seeds: int = 16) -> RobustSpec:
+def parse_robust(text: Optional[str], variation: Optional[float] = None, seeds: int = 16,
+                 link_variation: Optional[float] = None) -> RobustSpec:
     """`--robust` [F | SPEC]: a bare number is the worst-placed straggler's factor; anything else a
-    `--slow` spec. Bad input raises a one-line SpecError."""
+    `--slow` spec. Bad input raises a one-line SpecError. Link variation alone draws the NICs with
+    identical GPUs (a GPU CV of 0)."""
+    if link_variation is not None and variation is None:
+        variation = 0.0
     if variation is not None:
         from simexec.sim.variation import check_variation
 
-        check_variation(variation, seeds)
+        check_variation(variation, seeds, link_variation)
     text = (text or "").strip()
     if not text:
-        return RobustSpec(DEFAULT_FACTOR, None, variation, seeds)
+        return RobustSpec(DEFAULT_FACTOR, None, variation, seeds, link_variation)
     try:
         factor = float(text)
     except ValueError:
         if not all(len(x.split(":")) == 3 for x in text.split(",") if x.strip()):
             raise SpecError(f"--robust {text!r}: expected a slowdown factor (1.2) or a --slow spec "
                             f"(rank:R:F, node:N:F, nic:N:F)") from None
-        return RobustSpec(None, text, variation, seeds)
+        return RobustSpec(None, text, variation, seeds, link_variation)
     if not (factor >= 1.0 and math.isfinite(factor)):
         raise SpecError(f"--robust {text}: the straggler's factor must be a finite number >= 1")
-    return RobustSpec(factor, None, variation, seeds)
+    return RobustSpec(factor, None, variation, seeds, link_variation)
 
 
 @dataclass
@@ -157,7 +163,7 @@ def robust_report(plans: list[dict], ctx: Context, spec: RobustSpec) -> RobustRe
             placed = slow.to_json()
         p90 = None
         if spec.variation is not None:
-            p90 = variation_report(rp, program, spec.variation, spec.seeds, healthy).p90_s
+            p90 = variation_report(rp, program, spec.variation, spec.seeds, healthy, spec.link_variation).p90_s
         rows.append(RobustRow(e["plan"], healthy, straggled, straggled / healthy if healthy > 0 else 1.0, placed,
                               rp.tokens_per_step / straggled if straggled > 0 else 0.0, p90))
     rows.sort(key=RobustRow.key)

@@ -111,6 +111,12 @@ def test_token_dropping_matches_reference(plan):
     check_plan(str(Path(__file__).resolve().parent / "data" / "moe-cap-tiny.yaml"), plan)
 
 
+@pytest.mark.parametrize("plan", ["dp=2,ep=2", "dp=4,ep=4,moe_dispatcher=deepep"])
+def test_group_limited_routing_matches_reference(plan):
+    """router_groups=4, router_group_topk=2: each token's experts from its two best groups, on every split."""
+    check_plan(str(Path(__file__).resolve().parent / "data" / "moe-group-tiny.yaml"), plan)
+
+
 def test_deepseek_layout_matches_reference():
     """Latent attention beside MoE layers, every split they meet in DeepSeek-V3's training at once:
     experts over ep, heads over tp with sp, stages over pp."""

@@ -259,3 +259,42 @@ def test_executor_runs_the_dispatchers_inside_one_domain(knob):
     from simexec.exec.rank.unsupported_plans import unsupported
 
     assert unsupported(rp_of("dp=4,ep=4," + knob)) is None
+
+
+def test_group_limited_routing_caps_the_domains_deepep_sends_to():
+    from simexec.program.layer_order import destination_domains
+
+    assert destination_domains(256, 8, 8) == pytest.approx(5.2947, abs=1e-3)  # uniform over 8 domains
+    assert destination_domains(256, 8, 8, 8, 4) == 4.0  # one group per domain: the 4 picked groups' domains
+    assert destination_domains(256, 8, 4, 8, 4) == pytest.approx(4 * (1 - 15 / 70))  # two groups a domain
+    assert destination_domains(256, 8, 16, 8, 4) == pytest.approx(8 * (1 - 120 / 496))  # a group spans two
+    assert destination_domains(256, 8, 1, 8, 4) == 1.0
+
+
+def test_group_limited_topk_keeps_each_token_in_its_best_groups():
+    import torch
+
+    from simexec.exec.nn.gpt import group_limited_topk
+
+    probs = torch.softmax(torch.randn(64, 16, generator=torch.Generator().manual_seed(0)), dim=-1)
+    top, idx = group_limited_topk(probs, 4, groups=4, group_topk=2)
+    groups = idx // 4
+    assert all(len(set(row.tolist())) <= 2 for row in groups)
+    for n in range(64):  # the two groups with the largest sum of their top 2 scores
+        scores = probs[n].view(4, 4).topk(2, dim=-1)[0].sum(-1)
+        assert set(groups[n].tolist()) <= set(scores.topk(2)[1].tolist())
+    assert torch.equal(top, probs.gather(-1, idx))
+    plain = group_limited_topk(probs, 4)
+    assert torch.equal(plain[1], probs.topk(4, dim=-1)[1])
+
+
+def test_router_groups_are_checked_and_imported():
+    from simexec.errors import SpecError
+    from simexec.specs.model import MoESpec
+
+    moe = get_model("deepseek-v3").moe
+    assert (moe.router_groups, moe.router_group_topk) == (8, 4)
+    for bad in (dict(router_groups=3), dict(router_groups=4, router_group_topk=5),
+                dict(router_groups=4, router_group_topk=3)):
+        with pytest.raises((ValueError, SpecError)):
+            MoESpec(experts=8, top_k=2, expert_ffn=16, **bad)

@@ -105,14 +105,32 @@ def layer_steps(moe: bool, sp: bool, cp: int, cp_impl: str, etp: int = 1,
     return tuple(steps)
 
 
-def destination_domains(experts: int, top_k: int, domains: int) -> float:
-    """The NVLink domains a token's top_k distinct experts, drawn uniformly from `experts` spread evenly
-    over `domains`, fall in on average: domains x (1 - P(a domain holds none of them)), with
-    P = C(experts - experts/domains, top_k) / C(experts, top_k)."""
+def destination_domains(experts: int, top_k: int, domains: int, groups: int = 1, group_topk: int = 1) -> float:
+    """The NVLink domains a token's top_k distinct experts fall in on average, the experts spread evenly and
+    in order over `domains`.
+
+    Without router groups the experts are drawn uniformly from all of them: domains x (1 - P(a domain holds
+    none)), P = C(experts - experts/domains, top_k) / C(experts, top_k). Under group-limited routing
+    (`groups` > 1: Megatron-Core's group_limited_topk, which DeepSeek-V3's node-limited routing runs) a token
+    first picks `group_topk` groups, by the sum of each group's top (top_k / group_topk) scores, and takes its
+    top_k among their experts; under the tables' forced-balanced (random) logits the groups are a uniform
+    choice and each picked group gives about top_k / group_topk experts. Where a domain holds whole groups,
+    the domains reached are those of the picked groups (hypergeometric: domains x (1 - C(groups - groups /
+    domains, group_topk) / C(groups, group_topk))); where a group spans several domains, each picked group's
+    top_k / group_topk experts are drawn uniformly within it. Other layouts take the ungrouped formula."""
     if domains <= 1:
         return 1.0
+    if groups > 1 and groups % domains == 0:
+        return domains * (1.0 - _none_drawn(groups, groups // domains, group_topk))
+    if groups > 1 and domains % groups == 0:
+        per_group = domains // groups
+        return group_topk * per_group * (1.0 - _none_drawn(experts // groups, experts // domains, top_k // group_topk))
+    return domains * (1.0 - _none_drawn(experts, experts / domains, top_k))
+
+
+def _none_drawn(population: float, marked: float, draws: int) -> float:
+    """P(no marked item among `draws` drawn without replacement from `population`, `marked` of them marked)."""
     miss = 1.0
-    per = experts / domains
-    for i in range(top_k):
-        miss *= max(0.0, experts - per - i) / (experts - i)
-    return domains * (1.0 - miss)
+    for i in range(draws):
+        miss *= max(0.0, population - marked - i) / (population - i)
+    return miss

@@ -68,11 +68,12 @@ class MoEBlocks:
     def deepep_network_bytes(self, domains: int) -> float:
         """moe_dispatcher=deepep: what one rank sends over the network hop: each of its tokens once per
         NVLink domain that holds one of its top_k experts (DeepEP's internode dispatch forwards a token
-        to a domain once and fans it out there over NVLink), under `moe_router_skew` the busiest rank's. Its
+        to a domain once and fans it out there over NVLink; group-limited routing caps the domains), under
+        `moe_router_skew` the busiest rank's. Its
         tokens as `dispatch_bytes` counts them (under sp each tp rank sends its sequence shard's)."""
         moe = self.rp.model.moe
-        return (self.tokens / self.sp_div * self.h * self.dt * destination_domains(moe.experts, moe.top_k, domains)
-                * self.router_skew)
+        reached = destination_domains(moe.experts, moe.top_k, domains, moe.router_groups, moe.router_group_topk)
+        return self.tokens / self.sp_div * self.h * self.dt * reached * self.router_skew
 
     @cached_property
     def moe_without_tp(self) -> bool:

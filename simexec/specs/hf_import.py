@@ -196,6 +196,8 @@ def _hf_deepseek(cfg: dict, origin: str) -> dict[str, Any]:
             expert_ffn=_get(cfg, "moe_intermediate_size", origin),
             shared_experts=_get(cfg, "n_shared_experts", origin, default=0),
             first_dense_layers=_leading_dense(dense, origin),
+            router_groups=_get(cfg, "n_group", origin, default=1) or 1,
+            router_group_topk=_get(cfg, "topk_group", origin, default=1) or 1,
         ),
         mtp_layers=_get(cfg, "num_nextn_predict_layers", origin, default=0),
     )

@@ -38,11 +38,26 @@ class MoESpec(BaseModel):
     shared_expert_ffn: Optional[int] = Field(
         None, gt=0, description="FFN size of each shared expert; None: expert_ffn (Qwen2-MoE: one wide shared expert)"
     )
+    router_groups: int = Field(
+        1, gt=0, description="group-limited routing: the experts in this many equal groups, each token's top_k "
+        "taken from its `router_group_topk` best groups (DeepSeek-V3's node-limited routing: n_group 8, "
+        "topk_group 4; Megatron-Core's --moe-router-num-groups / --moe-router-group-topk); 1: no groups")
+    router_group_topk: int = Field(1, gt=0, description="groups each token's experts may come from")
 
     @model_validator(mode="after")
     def _check(self) -> "MoESpec":
         if self.top_k > self.experts:
             raise ValueError(f"moe.top_k {self.top_k} exceeds moe.experts {self.experts}")
+        if self.router_groups > 1:
+            if self.experts % self.router_groups:
+                raise ValueError(f"moe.router_groups {self.router_groups} does not divide moe.experts {self.experts}")
+            if not self.router_group_topk <= self.router_groups:
+                raise ValueError(f"moe.router_group_topk {self.router_group_topk} exceeds moe.router_groups "
+                                 f"{self.router_groups}")
+            if self.top_k % self.router_group_topk or \
+                    self.top_k > self.router_group_topk * (self.experts // self.router_groups):
+                raise ValueError(f"moe.top_k {self.top_k} cannot be taken from {self.router_group_topk} groups of "
+                                 f"{self.experts // self.router_groups} experts (top_k a multiple of router_group_topk)")
         return self
 
 

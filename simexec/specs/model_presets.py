@@ -83,9 +83,11 @@ def _presets() -> dict[str, ModelSpec]:
             name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, head_dim=128, ffn=18432,
             gated=True, vocab=129280, seq_len=4096, tied_embeddings=False, norm="rmsnorm",
             q_lora_rank=1536, kv_lora_rank=512, qk_rope_head_dim=64, v_head_dim=128,
-            moe=MoESpec(experts=256, top_k=8, expert_ffn=2048, shared_experts=1, first_dense_layers=3),
-            source="HF deepseek-ai/DeepSeek-V3 config.json; DeepSeek-AI arXiv 2412.19437 (671B total, 37B "
-            "active, 4K pre-training context). The multi-token-prediction module (14B) is left out",
+            moe=MoESpec(experts=256, top_k=8, expert_ffn=2048, shared_experts=1, first_dense_layers=3,
+                        router_groups=8, router_group_topk=4),
+            source="HF deepseek-ai/DeepSeek-V3 config.json (n_group 8, topk_group 4: node-limited routing); "
+            "DeepSeek-AI arXiv 2412.19437 (671B total, 37B active, 4K pre-training context). The "
+            "multi-token-prediction module (14B) is left out",
         ),
         # Tiny models that train on a CPU. The executor's tests rely on these exact numbers
         # (tp up to 4, pp up to 4, cp 2): change them only together with those tests.

@@ -61,6 +61,21 @@ class Route:
     experts: Optional[Tensor] = None  # (N, k) expert of each assignment, -1 where dropped
 
 
+def group_limited_topk(probs: Tensor, top_k: int, groups: int = 1, group_topk: int = 1) -> tuple[Tensor, Tensor]:
+    """The top_k experts of each token (row of `probs`), under group-limited routing taken only from its
+    `group_topk` groups with the largest sum of their top (top_k / group_topk) scores, as Megatron-Core's
+    group_limited_topk does (megatron/core/transformer/moe/moe_utils.py); groups = 1: a plain top-k."""
+    if groups <= 1:
+        return probs.topk(top_k, dim=-1)
+    n, e = probs.shape
+    by_group = probs.view(n, groups, e // groups)
+    group_scores = by_group.topk(top_k // group_topk, dim=-1)[0].sum(dim=-1)  # (N, groups)
+    picked = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(group_topk, dim=-1)[1], 1.0)
+    allowed = picked.unsqueeze(-1).expand(n, groups, e // groups).reshape(n, e).bool()
+    _, idx = probs.masked_fill(~allowed, -1.0).topk(top_k, dim=-1)  # probabilities are >= 0
+    return probs.gather(-1, idx), idx
+
+
 def expert_capacity(capacity_factor: float, tokens: int, top_k: int, experts: int) -> int:
     """Rows of one expert's buffer per sequence of `tokens` tokens: the balanced load times the
     capacity factor, rounded up (Megatron-LM's `ceil(tokens * top_k / experts * capacity_factor)`)."""
@@ -325,7 +340,7 @@ class GPT:
         else:
             h = self._norm(f"layers.{l}.norm2", x).reshape(-1, x.shape[-1])  # (N, C)
             probs = torch.softmax(h @ self.p[f"layers.{l}.moe.router"], dim=-1)  # (N, E)
-        top, idx = probs.topk(moe.top_k, dim=-1)  # (N, k)
+        top, idx = group_limited_topk(probs, moe.top_k, moe.router_groups, moe.router_group_topk)  # (N, k)
         w = top / top.sum(-1, keepdim=True)
         flat = idx.reshape(-1)  # (N*k,) expert of each assignment
         src = x.reshape(-1, x.shape[-1]) if self.lay.sp else h

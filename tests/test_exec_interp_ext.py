@@ -88,6 +88,10 @@ EXTENDED = [
     ("moe-tiny", "dp=2,ep=2,moe_dispatcher=allgather"),
     ("moe-tiny", "dp=2,ep=2,tp=2,sp=1,moe_dispatcher=allgather"),
     ("moe-tiny", "dp=4,ep=4,moe_dispatcher=deepep"),
+    # moe_a2a_overlap: one micro-batch's forward merged with another's backward, layer by layer, with
+    # and without an interleaved pipeline (Megatron's combined 1F1B)
+    ("moe-tiny", "dp=2,ep=2,gbs=8,moe_a2a_overlap=1"),
+    ("moe-tiny", "dp=2,ep=2,pp=2,vpp=2,gbs=8,moe_a2a_overlap=1"),
 ]
 
 

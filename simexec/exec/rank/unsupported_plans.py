@@ -59,8 +59,6 @@ def unsupported(rp) -> Optional[str]:
         missing.append(f"moe_dispatcher=deepep with ep={p.ep} across NVLink domains of {rp.cluster.nvlink_domain} "
                        "(DeepEP's two hops, RDMA between domains then NVLink inside one; the executor runs "
                        "deepep inside one domain, where the lowering emits its one all-to-all over ep)")
-    if p.moe_a2a_overlap:
-        missing.append("moe_a2a_overlap=1 (one micro-batch's forward interleaved with another's backward)")
     if p.moe_router_skew != 1.0:
         missing.append(f"moe_router_skew={p.moe_router_skew:g} (the executor's router routes the tokens it is given;"
                        " a skew is the simulator's what-if)")

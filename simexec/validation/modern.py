@@ -497,12 +497,33 @@ def to_markdown(rows: list[dict], command: str) -> str:
         for f, st in s["families"].items():
             lines.append(f"| {f} | {st['rows']} | {100 * st['median_abs_error']:.1f}% | "
                          f"{100 * st['within_15pct']:.0f}% | {100 * st['median_error']:+.1f}% | {trend_text(st)} |")
+        lines += moe_parts(rows)
         if any("trend" in st for st in s["families"].values()):
             lines += ["", "Trend: over each series of rows that differ only in GPU count, the share of consecutive "
                       "GPU-count steps where the predicted per-GPU throughput moves (up or down) as the published "
                       "one does."]
     lines += ["", END]
     return "\n".join(lines)
+
+
+def moe_parts(rows: list[dict]) -> list[str]:
+    """Markdown: where each compared MoE row's predicted step goes (shares of the slowest rank's compute
+    stream), so that a row near its published step by cancellation (compute too fast against
+    communication too slow) shows; rows of one workload in bf16 and FP8 sit side by side by name."""
+    moe = sorted((r for r in rows if r["status"] == "ok" and "moe" in r["families"] and r.get("breakdown")),
+                 key=lambda r: r["name"])
+    if not moe:
+        return []
+    out = ["", "MoE rows, where the predicted step goes (shares of the slowest rank's step):", "",
+           "| row | error | compute | recompute | exposed ep | other comm | bubble |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in moe:
+        b = r["breakdown"]
+        comm = sum(v for k, v in b.items() if k.startswith("comm.") and k != "comm.ep")
+        out.append(f"| {r['name']} | {100 * r['error']:+.1f}% | {100 * b.get('compute', 0):.0f}% | "
+                   f"{100 * b.get('recompute', 0):.0f}% | {100 * b.get('comm.ep', 0):.0f}% | {100 * comm:.0f}% | "
+                   f"{100 * b.get('pipeline_bubble', 0):.0f}% |")
+    return out
 
 
 def update_markdown(path: Path, block: str) -> None:

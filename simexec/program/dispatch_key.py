@@ -17,4 +17,6 @@ def dispatch_key(model) -> str:
         parts.append("mla-qlora" if model.q_lora_rank else "mla")
     if model.moe is not None:
         parts.append(f"moe{model.moe.experts}x{model.moe.top_k}+{model.moe.shared_experts}")
+        if model.moe.router_groups > 1:
+            parts.append("groups")
     return "-".join(parts)

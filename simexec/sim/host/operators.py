@@ -131,6 +131,11 @@ SP_MOE_OUT_OPS = {"fwd.moe_out": (17, 12), "bwd.moe_out": (14, 36)}
 DEFAULT_TABLE = "layernorm-mlp-pos-bias"  # models whose features no table has borrow these counts
 # a norm over each q and k head (qk_norm) adds its operators to the qkv block of any table
 QK_NORM_OPS = {"fwd.qkv": 12, "bwd.qkv": 24}
+# group-limited routing (router_groups > 1: `simexec.exec.nn.gpt.group_limited_topk`) adds the groups'
+# scores, their top-k, the mask and the gather to the router's forward (counted on deepseek-v3 and
+# tests/data/moe-group-tiny.yaml against moe-tiny, with and without sp: +14 either way; the backward's
+# gather takes the top-k's place)
+ROUTER_GROUP_OPS = {"fwd.router": 14}
 # A layer's sliding window changes the operators of its forward attention: counted on
 # tests/data/window-tiny.yaml with the window on every layer, against the same model without it. The
 # band mask is built once for the positions a step's micro-batches share; then the fused kernel with
@@ -207,6 +212,8 @@ def dispatch_table(key: str, ep: int = 1, cp: int = 1, cp_impl: str = "allgather
         extra.append(GQA_OPS[kernel])
     if "qknorm" in adders:
         extra.append(QK_NORM_OPS)
+    if "groups" in adders:
+        extra.append(ROUTER_GROUP_OPS)
     if "mla" in adders or "mla-qlora" in adders:
         extra += [MLA_OPS, MLA_ATTN_OPS[kernel]] + ([Q_LORA_OPS] if "mla-qlora" in adders else [])
     for ops in extra:
@@ -230,9 +237,9 @@ def moe_counts(moe: str) -> tuple[int, int]:
 
 def strip_adders(key: str) -> tuple[str, set[str]]:
     """A dispatch key without the features that add operators to any table (grouped heads, qk norms,
-    MLA), and those features."""
+    MLA, router groups), and those features."""
     adders = set()
-    for feature in ("mla-qlora", "mla", "qknorm", "gqa"):
+    for feature in ("mla-qlora", "mla", "qknorm", "gqa", "groups"):
         if f"-{feature}" in key:
             adders.add(feature)
             key = key.replace(f"-{feature}", "")

@@ -363,7 +363,9 @@ _GB200_CUDA_BYTES = 184.31 * GiB
 #   all_reduce_perf, 72 GPUs, 4-8 GiB; coreweave/nccl-tests PR #43) -> 0.93; the HGX B200 board has
 #   the same per-GPU NVLink 5 port and NVSwitch generation, so the same figure.
 # - InfiniBand: both use ConnectX-7 NDR 400 Gb/s, as DGX H100 does: its 0.90.
-# - Memory-bound kernels, PCIe, latencies, workspace: the H100 generation's.
+# - Memory-bound kernels: the H100 generation's 0.85, which B200 reaches: CUB's DeviceTransform (relu, 2^28
+#   fp16 elements) moves 6.553 TB/s, 0.854 of 7.67 (NVIDIA/cccl PR #7391; 0.47 at 2^24 elements, where
+#   launch and tail dominate). PCIe, latencies, workspace: the H100 generation's.
 # - Clocks under the power cap (`BLACKWELL_SUSTAINED_CLOCK`, on every tensor-core efficiency above). The
 #   figures above are short bursts at the maximum SM clock: per clock, mamf-finder's best bf16 shapes are
 #   0.733 of B200's tensor cores at 1965 MHz (1745 / (148 SMs x 8192 FLOP/clk x 1.965 GHz)), 0.729 of

@@ -4,7 +4,8 @@ import pytest
 from simexec.errors import SpecError
 from simexec.sim import nccl_tuning
 from simexec.sim.network import Network
-from simexec.specs.cluster import GB, PRESETS, ClusterSpec, NodeSpec, get_cluster
+from simexec.specs.cluster import (BLACKWELL_SUSTAINED_CLOCK, GB, PRESETS, TRAINING_SHAPES, ClusterSpec, NodeSpec,
+                                   get_cluster)
 from tests.test_sim_network import coll, run
 
 S = 256e6  # bytes of one all-gather (the gathered tensor)
@@ -43,6 +44,21 @@ def test_dense_peaks_are_half_the_sparse_datasheet_figures():
     assert PRESETS["hgx-b200"].device.peak_flops["bf16"] == 2250e12
     assert PRESETS["gb200-nvl72"].device.peak_flops["bf16"] == 360e15 / 72 / 2
     assert PRESETS["mi300x-8"].device.peak_flops["fp8"] == 2614.9e12
+
+
+def test_blackwell_tensor_cores_run_at_the_clock_they_sustain_under_the_power_cap():
+    # B200 ~1580 of 1965 MHz under back-to-back tensor-core kernels at 1000 W (flashinfer PR #2899), over the
+    # fall H100's GEMM figure already carries (TRAINING_SHAPES)
+    assert BLACKWELL_SUSTAINED_CLOCK == pytest.approx((1580 / 1965) / TRAINING_SHAPES, abs=1e-3)
+    assert 0.85 < BLACKWELL_SUSTAINED_CLOCK < 0.95
+    b200, gb200, h100 = (PRESETS[n].costs for n in ("hgx-b200", "gb200-nvl72", "dgx-h100"))
+    assert b200.gemm_eff == pytest.approx(0.776 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, abs=1e-3)
+    assert b200.fp8_gemm_eff == pytest.approx(0.763 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, abs=1e-3)
+    assert gb200.gemm_eff == pytest.approx(0.729 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, abs=1e-3)
+    for c in (b200, gb200):  # cuDNN on GB200 (causal), at the sustained clock
+        assert c.attention_eff == pytest.approx(0.707 * 0.974 * BLACKWELL_SUSTAINED_CLOCK, abs=1e-3)
+        assert c.attention_bwd_eff == pytest.approx(0.564 * 0.974 * BLACKWELL_SUSTAINED_CLOCK, abs=1e-3)
+    assert (h100.gemm_eff, h100.attention_eff) == (0.72, round(0.659 * 0.876, 3))  # the reference stands
 
 
 def test_domain_must_be_a_multiple_of_the_node():

@@ -356,32 +356,47 @@ _GB200_CUDA_BYTES = 184.31 * GiB
 # Efficiencies, per field (the Hopper figures where Blackwell has no published one, said so):
 # - GEMM: the best bf16 matmul shape reaches 1745 of 2250 TFLOP/s on B200 (0.776) and 1822 of 2500 on
 #   GB200 (0.729): S. Bekman, ml-engineering "Maximum Achievable Matmul FLOPS comparison table"
-#   (mamf-finder). The table figure as it stands: the A100's derating for the clock under a training
-#   load and for non-ideal shapes has no published counterpart on Blackwell, so these are best-shape
-#   figures, likely above what a training step's GEMMs reach. Half efficiency at 2 GFLOP: the H100's.
-# - Attention: the H100 generation's field values; attention on Blackwell is modelled separately by a
-#   sibling change, not by this scalar.
+#   (mamf-finder), times H100's training-shape ratio (`TRAINING_SHAPES`) and the sustained clock under
+#   Blackwell's power cap (below). Half efficiency at 2 GFLOP: the H100's.
+# - Attention: cuDNN's fused attention on GB200 (below), times the sustained clock.
 # - NVLink 5 all-reduce bus bandwidth 835-847 GB/s of 900 across a full GB200 NVL72 rack (nccl-tests
 #   all_reduce_perf, 72 GPUs, 4-8 GiB; coreweave/nccl-tests PR #43) -> 0.93; the HGX B200 board has
 #   the same per-GPU NVLink 5 port and NVSwitch generation, so the same figure.
 # - InfiniBand: both use ConnectX-7 NDR 400 Gb/s, as DGX H100 does: its 0.90.
-# - Memory-bound kernels, PCIe, latencies, workspace: the H100 generation's.
+# - Memory-bound kernels: the H100 generation's 0.85, which B200 reaches: CUB's DeviceTransform (relu, 2^28
+#   fp16 elements) moves 6.553 TB/s, 0.854 of 7.67 (NVIDIA/cccl PR #7391; 0.47 at 2^24 elements, where
+#   launch and tail dominate). PCIe, latencies, workspace: the H100 generation's.
+# - Clocks under the power cap (`BLACKWELL_SUSTAINED_CLOCK`, on every tensor-core efficiency above). The
+#   figures above are short bursts at the maximum SM clock: per clock, mamf-finder's best bf16 shapes are
+#   0.733 of B200's tensor cores at 1965 MHz (1745 / (148 SMs x 8192 FLOP/clk x 1.965 GHz)), 0.729 of
+#   GB200's at 2062 MHz (1822 / 2500: GB200's datasheet peak is 148 x 8192 x 2.062 GHz) and 0.742 of
+#   H100's at 1980 MHz (794.5 / (132 x 4096 x 1.98 GHz)); max clocks: nvidia-smi 1965 MHz on B200
+#   (flashinfer-ai/flashinfer PR #2899), 1965 / 2062 (ByteDance-Seed/VeOmni PR #986). A training step holds
+#   the tensor cores busy for seconds: under back-to-back tensor-core kernels a B200 at its 1000 W cap
+#   falls from 1965 to ~1580 MHz (0.804) within ~100 ms, FA4 attention from 1450 to 1237 TFLOP/s
+#   (flashinfer PR #2899, "fix GPU power throttling in benchmark utilities"). The H100 presets' GEMMs
+#   carry H100's own fall through `TRAINING_SHAPES` (0.897, training-shape GEMMs against the burst best
+#   shape), taken here as all clock (no shape loss): the smallest Blackwell derating the sources allow,
+#   0.804 / 0.897, relative to the validated H100 reference. GB200 (1200 W, liquid-cooled) has no
+#   published sustained clock: B200's fraction, said so.
+BLACKWELL_SUSTAINED_CLOCK = round((1580 / 1965) / TRAINING_SHAPES, 3)
 _BLACKWELL_COSTS = dict(
     gemm_half_flops=2.0e9, attention_half_flops=2.0e9,
     # cuDNN attention on GB200 (cuDNN 9.22): forward 0.707, backward 0.564, causal 0.974, half at 498 keys
     # (NVIDIA/cudnn-frontend sdpa_benchmark_training results: docs/kernel_efficiency.md); B200 is the same
     # chip, so the same fractions of its own peak
-    attention_eff=round(0.707 * 0.974, 3), attention_bwd_eff=round(0.564 * 0.974, 3), attention_half_keys=498,
+    attention_eff=round(0.707 * 0.974 * BLACKWELL_SUSTAINED_CLOCK, 3),
+    attention_bwd_eff=round(0.564 * 0.974 * BLACKWELL_SUSTAINED_CLOCK, 3), attention_half_keys=498,
     attention_kernel="cudnn",
     memory_eff=0.85, intra_bw_eff=0.93, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
 # GEMMs: the best-shape figures times the training-shape ratio measured on H100 (`TRAINING_SHAPES`);
 # B200's best FP8 shape reaches 3432.5 of 4500 (0.763), within 2% of its bf16 fraction, so GB200's FP8
-# takes its bf16 fraction
-_B200_COSTS = CostParams(gemm_eff=round(0.776 * TRAINING_SHAPES, 3), fp8_gemm_eff=round(0.763 * TRAINING_SHAPES, 3),
-                         **_BLACKWELL_COSTS)
-_GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES, 3), **_BLACKWELL_COSTS)
+# takes its bf16 fraction; all of them times the sustained-clock fraction (`BLACKWELL_SUSTAINED_CLOCK`)
+_B200_COSTS = CostParams(gemm_eff=round(0.776 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
+                         fp8_gemm_eff=round(0.763 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3), **_BLACKWELL_COSTS)
+_GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3), **_BLACKWELL_COSTS)
 _HGX_B200_NODE = dict(
     # DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 B200,
     # NVLink 5 1.8 TB/s bidirectional per GPU (900 GB/s each way) over NVSwitch, 2x Xeon 8570 (56 cores

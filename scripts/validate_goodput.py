@@ -50,6 +50,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
@@ -146,14 +147,10 @@ def bloom_rows(params: GoodputParams) -> list[dict]:
 
 def megascale_rows(params: GoodputParams) -> list[dict]:
     rp = resolve(get_model("gpt3-175b"), get_cluster("1536xdgx-a100-80g"), load_plan(MEGASCALE_PLAN))
-    bounded = GoodputParams(failures_per_gpu_hour=params.failures_per_gpu_hour,
-                            storage_write_bw_per_node=params.storage_write_bw_per_node,
-                            restart_s=MEGASCALE_RESTART_S, async_checkpoint=params.async_checkpoint)
+    bounded = replace(params, restart_s=MEGASCALE_RESTART_S)
     ckpt = plan_checkpoint(rp, bounded)
     g = goodput(DAY, rp.world, ckpt, bounded)
-    detection_only = GoodputParams(failures_per_gpu_hour=params.failures_per_gpu_hour,
-                                   storage_write_bw_per_node=params.storage_write_bw_per_node,
-                                   restart_s=10 * 60.0, async_checkpoint=params.async_checkpoint)
+    detection_only = replace(params, restart_s=10 * 60.0)
     return [
         {"run": "megascale", "quantity": "weeks to 100 restarts on 12,288 GPUs (published: 100+ in 'several weeks')",
          "predicted": 100 * g.mtbf_s / (7 * DAY), "published": None, "source": MEGASCALE_SOURCE},

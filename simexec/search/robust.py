@@ -59,12 +59,9 @@ def parse_robust(text: Optional[str], variation: Optional[float] = None, seeds: 
     """`--robust` [F | SPEC]: a bare number is the worst-placed straggler's factor; anything else a
     `--slow` spec. Bad input raises a one-line SpecError. Link variation alone draws the NICs with
     identical GPUs (a GPU CV of 0)."""
-    if link_variation is not None and variation is None:
-        variation = 0.0
-    if variation is not None:
-        from simexec.sim.variation import check_variation
+    from simexec.sim.variation import gpu_cv
 
-        check_variation(variation, seeds, link_variation)
+    variation = gpu_cv(variation, seeds, link_variation)
     text = (text or "").strip()
     if not text:
         return RobustSpec(DEFAULT_FACTOR, None, variation, seeds, link_variation)

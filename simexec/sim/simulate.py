@@ -174,13 +174,10 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
                      link_variation: Optional[float] = None) -> SimResult:
     """Simulate an already lowered program of `rp` (what `simulate` does after lowering). With
     `memory_plan` (and `reorder`), also the program reordered for memory (`SimResult.reordered`)."""
-    from simexec.sim.variation import check_variation, gpus_per_node
+    from simexec.sim.variation import gpu_cv, gpus_per_node
 
     stragglers = parse_slow(slow, rp.world, gpus_per_node(rp)) if isinstance(slow, str) else slow
-    if link_variation is not None and variation is None:  # links alone: the GPUs identical
-        variation = 0.0
-    if variation is not None:  # bad input fails before the simulation
-        check_variation(variation, seeds, link_variation)
+    variation = gpu_cv(variation, seeds, link_variation)  # bad input fails before the simulation
     train_tokens = tokens
     if train_tokens is not None and not train_tokens > 0:
         raise PlanError(f"--tokens must be > 0, got {train_tokens:g}")

@@ -150,6 +150,16 @@ def check_variation(cv: float, seeds: int, link_cv: Optional[float] = None) -> N
         raise SpecError(f"--seeds {seeds}: need at least one seed")
 
 
+def gpu_cv(variation: Optional[float], seeds: int, link_cv: Optional[float] = None) -> Optional[float]:
+    """The per-GPU CV to draw with, checked: `variation`, or 0 (identical GPUs) where only the links
+    vary; None where neither does."""
+    if link_cv is not None and variation is None:
+        variation = 0.0
+    if variation is not None:
+        check_variation(variation, seeds, link_cv)
+    return variation
+
+
 def variation_report(rp: ResolvedPlan, program: Program, cv: float, seeds: int,
                      baseline_step_s: float, link_cv: Optional[float] = None) -> VariationReport:
     """One simulation per seed (seed 0..seeds-1) with drawn per-GPU slowdowns and, with `link_cv`,

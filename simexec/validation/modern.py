@@ -204,13 +204,20 @@ def row_cluster(r: dict) -> ClusterSpec:
 
 # Sources that ran torchtitan at a commit whose loss was eager even under --compile: from torchtitan@e8977b007
 # (2024-12-18, "turning off compile on loss function") to torchtitan@bbb1b616e (2025-04-02, which compiles
-# it again): tt-2412 at 9dec370 (2024-12-26), tt-808 (pull request of 2025-01-27).
-EAGER_LOSS_SOURCES = ("tt-2412", "tt-808")
+# it again): tt-2412 at 9dec370 (2024-12-26), tt-808 (pull request of 2025-01-27), and tao-train's H100
+# table (added to torchao's float8 README by pytorch/ao@8c81863ba on 2025-03-12, run on pytorch 2.7.0a0; its
+# MI300X and B200 tables ran torchtitan 2c8b59479 and 6fc499f6f of August 2025). Prefixes of `source`.
+EAGER_LOSS_SOURCES = ("tt-2412:", "tt-808:", "tao-train:docs/source/workflows/training.md 'NVIDIA H100'")
+
+
+def eager_loss_source(r: dict) -> bool:
+    """Whether a torchtitan row's run computed its loss eager (`EAGER_LOSS_SOURCES`)."""
+    return r["source"].startswith(EAGER_LOSS_SOURCES)
 
 
 def row_stack(r: dict) -> StackSpec:
     stack = get_stack(STACK_ALIASES.get(r["stack"], r["stack"]))
-    if is_torchtitan(r) and r["source"].split(":")[0] in EAGER_LOSS_SOURCES:
+    if is_torchtitan(r) and eager_loss_source(r):
         stack = stack.model_copy(update={"cross_entropy": "eager"})
     if r["dtype"] == "fp8" and r["fp8_recipe"]:
         scaling = FP8_SCALING.get(r["fp8_recipe"], r["fp8_recipe"])

@@ -54,7 +54,7 @@ from simexec.specs.model import ModelSpec
 from simexec.specs.model_presets import MODELS
 from simexec.specs.plan import Plan
 from simexec.specs.stack import StackSpec, get_stack
-from simexec.validation.modern import (EAGER_LOSS_SOURCES, GRAND_TETON_H100, Mapped, NotComparable, compared_row,
+from simexec.validation.modern import (GRAND_TETON_H100, Mapped, NotComparable, compared_row, eager_loss_source,
                                        line, measured_step_s as modern_measured_step_s, recompute_fields,
                                        row_model as modern_row_model)
 from simexec.validation.published import DATA, eq3_flops, megatron_spec, read_published_csv
@@ -146,7 +146,7 @@ def row_stack(r: dict) -> StackSpec:
         base = get_stack("torchtitan-compile")
     else:
         raise SpecError(f"stack {stack!r} has no simexec mapping")
-    if source_key(r) in EAGER_LOSS_SOURCES:
+    if eager_loss_source(r):
         base = base.model_copy(update={"cross_entropy": "eager"})
     return base
 

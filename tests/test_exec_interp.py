@@ -151,18 +151,19 @@ def _pool() -> RankPool:
     return _POOL
 
 
-def resolved(model: str, plan: str, seq_len: int | None = 32, dtype: str | None = "fp32"):
-    """`plan` in `dtype` (fp32 by default, to compare with the fp32 reference; None: the plan's own)."""
-    return resolve(get_model(model), get_cluster("local"), parse_plan(plan + (f",dtype={dtype}" if dtype else "")),
-                   seq_len)
+def resolved(model: str, plan: str, seq_len: int | None = 32, dtype: str | None = "fp32", cluster=None):
+    """`plan` in `dtype` (fp32 by default, to compare with the fp32 reference; None: the plan's own), on
+    `cluster` (a ClusterSpec; None: `local`, one node of the plan's ranks)."""
+    return resolve(get_model(model), cluster or get_cluster("local"),
+                   parse_plan(plan + (f",dtype={dtype}" if dtype else "")), seq_len)
 
 
 def run_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None,
-             dtype: str | None = "fp32") -> tuple[object, list[dict]]:
+             dtype: str | None = "fp32", cluster=None) -> tuple[object, list[dict]]:
     """Lower `plan` and run every rank (in the session's pool, or `pool`); the results of run_rank per rank."""
     from simexec.program.lower import lower
 
-    rp = resolved(model, plan, seq_len, dtype)
+    rp = resolved(model, plan, seq_len, dtype, cluster)
     program = lower(rp, symmetric=False)
     program.validate()
     return rp, (pool or _pool()).run(rp, program, steps)
@@ -195,13 +196,14 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / max(float(b.norm()), floor))
 
 
-def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None
-               ) -> tuple[float, float]:
+def check_plan(model: str, plan: str, seq_len: int | None = 32, steps: int = STEPS, pool: RankPool | None = None,
+               cluster=None) -> tuple[float, float]:
     """Run `plan`; assert losses and every rank's parameter shard match the reference. Returns the
-    largest relative errors of the losses and of the parameters. `pool`: another RankPool (XLA)."""
+    largest relative errors of the losses and of the parameters. `pool`: another RankPool (XLA);
+    `cluster`: where the plan's ranks sit (`resolved`)."""
     from simexec.exec.nn.param_layout import Layout, holds, param_specs, shard
 
-    rp, results = run_plan(model, plan, seq_len, steps, pool)
+    rp, results = run_plan(model, plan, seq_len, steps, pool, cluster=cluster)
     ref = _reference(model, rp.plan.gbs, seq_len, steps, training_maths(rp.plan))
     loss_err = 0.0
     reporting = [r for r in results if r["losses"]]

@@ -527,20 +527,99 @@ def test_context_parallel_memory_follows_the_simulator(model, impl, tol):
         assert abs(err) < tol, f"{plan} rank {r}: measured {res['peak_memory_bytes']}, predicted {predicted[r]:.0f} ({err:+.1%})"
 
 
-def test_deepep_across_nvlink_domains_refused():
-    """DeepEP's two hops (RDMA between NVLink domains, then NVLink inside one) are refused by name;
-    inside one domain the lowering emits one all-to-all over ep, which the executor runs."""
+def nodes_of(gpus: int, world: int):
+    """The `local` cluster as nodes of `gpus` ranks each, every node one NVLink domain."""
+    from simexec.specs.cluster import get_cluster
+
+    local = get_cluster("local")
+    return local.model_copy(update={"nodes": world // gpus, "node": local.node.model_copy(update={"gpus_per_node": gpus})})
+
+
+DATA = Path(__file__).resolve().parent / "data"
+# moe_dispatcher=deepep over ep groups that leave their node (DeepEP's two hops: each token once per
+# destination node over the network, then over NVLink to the ranks holding its experts; the combine
+# summed in the node, then at the source): (model, plan, ranks per node)
+DEEPEP_ACROSS = [
+    ("moe-tiny", "dp=4,ep=4,moe_dispatcher=deepep", 2),
+    (str(DATA / "moe-group-tiny.yaml"), "dp=4,ep=4,moe_dispatcher=deepep", 2),  # group-limited routing
+    (str(DATA / "moe-cap-tiny.yaml"), "dp=4,ep=4,mbs=2,gbs=8,moe_dispatcher=deepep", 2),  # tokens dropped
+    ("moe-tiny", "dp=4,ep=2,zero=1,moe_dispatcher=deepep", 1),  # two ep groups, one rank per node each
+    ("moe-tiny", "dp=4,ep=4,tp=2,sp=1,moe_dispatcher=deepep", 4),  # experts split over tp
+    ("moe-tiny", "dp=2,tp=2,sp=1,ep=4,etp=1,moe_dispatcher=deepep", 2),  # folded: ep over tp x dp
+    ("moe-tiny", "dp=4,ep=4,recompute=full,moe_dispatcher=deepep", 2),
+    ("moe-tiny", "dp=4,ep=4,pp=2,gbs=8,moe_dispatcher=deepep", 2),
+    ("moe-tiny", "dp=4,ep=4,gbs=8,moe_dispatcher=deepep,moe_a2a_overlap=1", 2),
+]
+
+
+@pytest.mark.parametrize("model,plan,gpus", DEEPEP_ACROSS, ids=[f"{Path(m).stem}:{p}:{g}" for m, p, g in DEEPEP_ACROSS])
+def test_deepep_across_nvlink_domains_matches_reference(model, plan, gpus):
+    """The lowering's two hops, run as DeepEP's internode kernels move tokens, train as the single process."""
     from simexec.exec.rank.unsupported_plans import unsupported
+    from simexec.program.groups import deepep_two_hops
+
+    cluster = nodes_of(gpus, resolved(model, plan).world)
+    rp = resolved(model, plan, cluster=cluster)
+    assert deepep_two_hops(rp) and unsupported(rp) is None
+    check_plan(model, plan, cluster=cluster)
+
+
+def test_deepep_hops_send_a_token_once_per_domain_then_once_per_rank():
+    """What DeepEP's hops select (`ActivationCollectives.hop_plan`), on rank 0 of ep 4 over two nodes of
+    two ranks (rank j holds experts 2j, 2j+1): the network hop sends a token once to each node holding
+    one of its experts, not once per expert; the NVLink hop once to each rank holding one."""
+    from simexec.exec.nn.gpt import Route
+    from simexec.exec.rank.activation_collectives import ActivationCollectives
+    from simexec.program.instructions import Instr
+
+    class Echo:  # every peer sends what this rank sends: the selection is what is checked
+        @staticmethod
+        def all_to_all_single(out, inp, out_splits=None, in_splits=None, group=None, async_op=False):
+            out.copy_(inp)
+
+    class Rank(ActivationCollectives):
+        comm = Echo
+
+        def read(self, key):
+            return self.env[key]
+
+    model = str(DATA / "moe-group-tiny.yaml")
+    r = Rank()
+    r.rp = resolved(model, "dp=4,ep=4,moe_dispatcher=deepep", cluster=nodes_of(2, 4))
+    r.rank, r.m, r.env = 0, r.rp.model, {}
+    experts = torch.tensor([[0, 1], [0, 5], [4, 6], [-1, 2], [-1, -1]])  # -1: dropped under a capacity
+    r.env[("route", 0, 0)] = Route(torch.zeros(10, dtype=torch.int64), torch.zeros(8, dtype=torch.int64), experts)
+    hop = lambda block, group: Instr(0, f"fwd.{block}.L0.m0", "collective", "comm.ep", "alltoall@ep",
+                                     phase="fwd", block=block, layer=0, mb=0, axis="ep", group=group)
+    r.hop_plan(hop("dispatch_net", (0, 2)), None, net=True)
+    sel, send, recv, rows = r.env[("hop_net", 0, 0)]
+    assert sel.tolist() == [0, 1, 3, 1, 2] and send == [3, 2] and rows == 5  # 5 rows, not 7 assignments
+    r.hop_plan(hop("dispatch", (0, 1)), None, net=False)
+    sel, send, _, _ = r.env[("hop_domain", 0, 0)]
+    assert sel.tolist() == [0, 1, 3, 2] and send == [3, 1]  # token 0's two experts on rank 0: one copy
+    assert r.env[("gathered_experts", 0, 0)].tolist() == [[0, 1], [0, 5], [0, 5], [-1, 2]]
+
+
+def test_deepep_across_nvlink_domains_refusals():
+    """Across domains the executor runs deepep where every domain holds as many of an ep group's ranks
+    (DeepEP's layout) and the experts are whole on their rank; inside one domain deepep is one all-to-all."""
+    from simexec.exec.rank.unsupported_plans import unsupported
+    from simexec.program.groups import deepep_two_hops
     from simexec.specs.cluster import get_cluster
     from simexec.specs.model import get_model
     from simexec.specs.plan import parse_plan, resolve
 
     m = get_model("moe-tiny")
-    m = m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 16})})
-    across = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=16,moe_dispatcher=deepep,gbs=16"), 32)
-    assert "moe_dispatcher=deepep with ep=16 across NVLink domains of 8" in unsupported(across)
-    inside = resolve(m, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=8,moe_dispatcher=deepep,gbs=16"), 32)
-    assert unsupported(inside) is None
+    m16 = m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 16})})
+    across = resolve(m16, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=16,moe_dispatcher=deepep,gbs=16"), 32)
+    assert deepep_two_hops(across) and unsupported(across) is None
+    inside = resolve(m16, get_cluster("2xdgx-h100"), parse_plan("dp=16,ep=8,moe_dispatcher=deepep,gbs=16"), 32)
+    assert not deepep_two_hops(inside) and unsupported(inside) is None
+    m6 = m.model_copy(update={"moe": m.moe.model_copy(update={"experts": 6})})
+    uneven = resolve(m6, nodes_of(2, 6), parse_plan("dp=6,ep=3,moe_dispatcher=deepep,gbs=6"), 32)
+    assert "hold different numbers of an ep group's ranks" in unsupported(uneven)
+    folded = resolve(m, nodes_of(2, 8), parse_plan("dp=4,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=deepep,gbs=4"), 32)
+    assert "moe_dispatcher=deepep across NVLink domains with etp=2" in unsupported(folded)
 
 
 @pytest.mark.parametrize("plan", ["dp=2,tp=2,sp=1,ep=4,etp=1", "dp=2,tp=2,sp=1,ep=2,etp=2,moe_dispatcher=allgather"])

@@ -90,6 +90,19 @@ def domain_split(group: tuple[int, ...], rank: int, domain: int) -> tuple[tuple[
     return tuple(mine), net
 
 
+def deepep_two_hops(rp: ResolvedPlan) -> bool:
+    """moe_dispatcher=deepep over an ep group that leaves its NVLink domain: the lowering emits DeepEP's
+    two hops (`ep_net`, then `ep_domain`) rather than one all-to-all over ep, and the executor runs them."""
+    return (rp.plan.moe_dispatcher == "deepep" and rp.model.moe is not None
+            and any(len(rank_groups(rp, r).ep_net) > 1 for r in range(rp.world)))
+
+
+def deepep_domains_even(rp: ResolvedPlan) -> bool:
+    """Whether every NVLink domain holds as many of each ep group's ranks (DeepEP's layout: the same
+    GPUs per node, a token's network peer the GPU of its sender's local index on the destination node)."""
+    return all(len(g.ep_domain) * len(g.ep_net) == len(g.ep) for g in (rank_groups(rp, r) for r in range(rp.world)))
+
+
 def folded_expert_groups(rp: ResolvedPlan, rank: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
     """(etp, ep, edp) of `rank` on the expert mesh of a folded plan: the ranks of its pipeline stage in
     rank order, index i at etp = i % etp, ep = i // etp % ep, edp = i // (etp*ep), as Megatron-Core's

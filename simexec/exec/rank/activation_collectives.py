@@ -14,9 +14,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from simexec.exec.nn.gpt import Route
+from simexec.exec.nn.param_layout import split_range
 from simexec.exec.rank.dataflow import (CONSUMED_BY_COLLECTIVE, SP_GATHERS, SP_REGATHERS, TP_PARTIAL_COLLECTIVES,
                                         collective_keys)
+from simexec.program.groups import rank_groups
 from simexec.program.instructions import Instr
+
+# moe_dispatcher=deepep across NVLink domains: the network hop and the NVLink hop, each way
+TWO_HOP_BLOCKS = ("dispatch_net", "dispatch", "combine", "combine_net")
 
 
 class ActivationCollectives:
@@ -24,7 +29,7 @@ class ActivationCollectives:
     `collective` dispatches one by block; the activation collectives, the norms' partial gradients
     under sp (`norm_grads`), the tied embedding's gradient sum and MoE's all-to-alls run here.
 
-    Reads of the rank: `rank`, `plan`, `L`, `comm`, `colls`, `specs`, `shapes`, `p`, `device`,
+    Reads of the rank: `rp`, `rank`, `plan`, `L`, `comm`, `two_hops`, `colls`, `specs`, `shapes`, `p`, `device`,
     `gdtype`, `partial_by`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`, `deliver`,
     `local_grad`, and the other mixins' collectives. Shares with it: `env`, `d`, `g`, `g_pending`,
     `reduced`."""
@@ -62,6 +67,8 @@ class ActivationCollectives:
         backward = ins.phase == "bwd" and ins.block not in SP_REGATHERS
         # sp: a norm's output gathered for a column-parallel GEMM (forward, or again for its backward)
         gathered_input = self.plan.sp and not backward and (ins.block in SP_GATHERS or ins.block in SP_REGATHERS)
+        if self.two_hops and ins.block in TWO_HOP_BLOCKS:
+            return self.deepep_hop(ins, g, src, dst, backward)
         if ins.block in ("dispatch", "combine") and verb == "alltoall":
             return self.alltoall(ins, g, src, dst, backward)
         if ins.block in ("etp_in", "etp_out") and not self.gathered_dispatch:
@@ -169,7 +176,8 @@ class ActivationCollectives:
         """A forward collective has read `key`, its only reader (a row-parallel partial sum, the
         tokens an all-to-all sends, K/V before their cp all-gather): drop it from the environment, so
         that it lives only as long as the collective (and whatever autograd saved) needs it."""
-        if key not in self.env and key[0] in ("xd", "yd"):  # no etp exchange: what dispatch or experts wrote
+        # no etp exchange (or DeepEP's NVLink hop): what dispatch or experts wrote
+        if key not in self.env and key[0] in ("xd", "yd", "yn"):
             key = self.resolve(key) or key
         if key not in self.env:
             return
@@ -284,3 +292,80 @@ class ActivationCollectives:
         (self.d if backward else self.env)[target] = w
         if not backward:
             self.drop_consumed(src)
+
+    def deepep_hop(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
+        """moe_dispatcher=deepep across NVLink domains, as DeepEP's internode kernels move tokens
+        (deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu: dispatch's kRDMASender and
+        kRDMAAndNVLForwarder, combine's kNVLAndRDMAForwarder and kRDMAReceiver). The router packs each
+        token once with its routing weights (`GPT.router_gathered`). `dispatch_net` sends it once to each
+        NVLink domain that holds one of its experts, to the ep rank at the sender's place there
+        (`RankGroups.ep_net`); `dispatch` forwards what arrived once to each rank of the domain holding
+        one of its experts (`ep_domain`), with the expert of each assignment (`GPT.experts_gathered`
+        computes a rank's weighted share). `combine` sums a token's shares at the forwarder, before the
+        network, and `combine_net` the domains' sums at the source. Each hop is a row selection and an
+        all-to-all (`hop_plan`); the combine hops run its transpose (the all-to-all back and a
+        scatter-add), and the backward of each the other one, so every gradient is the exact conjugate."""
+        l, mb = ins.layer, ins.mb
+        net = ins.block.endswith("_net")
+        if ins.block.startswith("dispatch") and not backward:
+            self.hop_plan(ins, g, net)
+        sel, send, recv, rows = self.env[("hop_net" if net else "hop_domain", l, mb)]
+        x = (self.take_grad(dst) if backward else self.read(src)).detach()
+        target = src if backward else dst
+        if ins.block.startswith("dispatch") != backward:  # copies out: dispatch, and the combine's backward
+            out = torch.empty((sum(recv),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            work = self.comm.all_to_all_single(out, x.index_select(0, sel), recv, send, group=g, async_op=True)
+
+            def finish():
+                self.deliver(target, out, backward)
+        else:  # sums back: the combine, and the dispatch's backward
+            back = torch.empty((sum(send),) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+            work = self.comm.all_to_all_single(back, x.contiguous(), send, recv, group=g, async_op=True)
+
+            def finish():
+                summed = torch.zeros((rows,) + tuple(x.shape[1:]), dtype=x.dtype, device=x.device)
+                self.deliver(target, summed.index_add_(0, sel, back), backward)
+        w = self.issue(ins, [work], finish)
+        (self.d if backward else self.env)[target] = w
+        if not backward:
+            self.drop_consumed(src)
+
+    def hop_plan(self, ins: Instr, g, net: bool) -> None:
+        """Which rows one DeepEP hop sends to each member of its group (`sel`, grouped by member, and
+        `send`, their counts), what arrives (`recv`) and how many rows it leaves (`rows`, for the
+        transpose's scatter-add), in the environment for the hop's other three uses; the experts of the
+        rows that arrive travel beside them (small blocking all-to-alls: the counts, then the experts):
+        the NVLink hop's input, and what the experts pick their assignments by (`gathered_experts`; a
+        domain with one rank of the ep group has no NVLink hop, the network hop reaching the experts).
+        A row goes to a member if one of its experts (-1: dropped, none) is held in the member's domain
+        (the network hop) or by the member itself (the NVLink hop)."""
+        l, mb = ins.layer, ins.mb
+        experts = (self.read(("route", l, mb)).experts if net else self.env[("gathered_experts", l, mb)]).to(torch.int64)
+        owner = self.expert_owner().to(experts.device)[experts.clamp(min=0)]  # (rows, k) the rank holding each
+        members = torch.tensor(ins.group, dtype=torch.int64, device=experts.device)
+        if net:
+            domain = self.rp.cluster.nvlink_domain or self.rp.world
+            owner, members = owner // domain, members // domain
+        hit = ((owner.unsqueeze(-1) == members) & (experts >= 0).unsqueeze(-1)).any(1)  # (rows, members)
+        per_member = [hit[:, j].nonzero().squeeze(1) for j in range(len(ins.group))]
+        sel = torch.cat(per_member)
+        counts = torch.tensor([len(t) for t in per_member], dtype=torch.int64, device=experts.device)
+        rc = torch.empty_like(counts)
+        self.comm.all_to_all_single(rc, counts, group=g)
+        send, recv = counts.tolist(), rc.tolist()
+        arrived = torch.empty((sum(recv), experts.shape[1]), dtype=torch.int64, device=experts.device)
+        self.comm.all_to_all_single(arrived, experts.index_select(0, sel), recv, send, group=g)
+        self.env[("gathered_experts", l, mb)] = arrived  # the NVLink hop's input, or (absent) the experts'
+        self.env[("hop_net" if net else "hop_domain", l, mb)] = (sel, send, recv, experts.shape[0])
+
+    def expert_owner(self) -> Tensor:
+        """The rank that holds each routed expert: contiguous blocks over this rank's ep group in its
+        order (`local_experts`)."""
+        if getattr(self, "_expert_owner", None) is None:
+            ep, experts = rank_groups(self.rp, self.rank).ep, self.m.moe.experts
+            owner = torch.empty(experts, dtype=torch.int64)
+            for j, r in enumerate(ep):
+                lo, hi = split_range(experts, len(ep), j)
+                owner[lo:hi] = r
+            self._expert_owner = owner
+        return self._expert_owner

@@ -76,6 +76,16 @@ def gathered_dispatch_io(io: dict) -> dict:
             "moe_out": (tuple(n for n in io["moe_out"][0] if n != "w"), io["moe_out"][1])}
 
 
+def two_hop_io(colls: dict) -> dict:
+    """moe_dispatcher=deepep across NVLink domains (DeepEP's internode kernels): the packed tokens
+    (`gathered_dispatch_io`'s, each once with its routing weights) cross the network once per destination
+    domain (`dispatch_net`: xs -> xn, at the forwarder of the sender's local index there), then NVLink to
+    the domain's ranks that hold one of their experts (`dispatch`: xn -> xd); the combine sums each
+    token's outputs at the forwarder (`combine`: yd -> yn) and then at its source (`combine_net`: yn -> yc)."""
+    return {**colls, "dispatch_net": ("xs", "xn", 0), "dispatch": ("xn", "xd", 0),
+            "combine": ("yd", "yn", 0), "combine_net": ("yn", "yc", 0)}
+
+
 # sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
 # (`<sub-layer>_regather`, delivered as an activation, not a gradient)
 SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
@@ -93,7 +103,8 @@ TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
 # later collective of their unit carries, an all-reduce of their own (`norm_grads`)
 SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
-CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xd", "yr", "yd", "lmax", "q", "oh"))  # their backward also sums replicated params' grads
+CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xn", "xd", "yr", "yd", "yn", "lmax", "q",
+                                    "oh"))  # their backward also sums replicated params' grads
 
 
 def mtp_aliases(layers: int, depths: int) -> dict[tuple[str, int], tuple[str, int]]:
@@ -125,19 +136,25 @@ _DOWN = {src: dst for src, dst, _ in COLLECTIVE_IO.values() if src not in ("emb"
 _UP_SP = {**_UP, **{dst: src for src, dst, _ in SP_GATHERS.values()}}
 
 
-def upstream(key: tuple, sp: bool = False) -> Optional[tuple]:
+# moe_dispatcher=deepep across NVLink domains (`two_hop_io`): where a domain holds one rank of the ep
+# group, the NVLink hop is absent and the network hop delivers to the experts' rank itself
+_UP_TWO_HOPS = {"xd": "xn", "xn": "xs", "yn": "yd"}
+_DOWN_TWO_HOPS = {"xs": "xn", "xn": "xd", "yd": "yn", "yn": "yc"}
+
+
+def upstream(key: tuple, sp: bool = False, two_hops: bool = False) -> Optional[tuple]:
     """The name a collective turns into `key`, for reads where that collective is absent."""
     name, l, mb = key
     if name == "x":
         return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
-    src = (_UP_SP if sp else _UP).get(name)
+    src = (two_hops and _UP_TWO_HOPS.get(name)) or (_UP_SP if sp else _UP).get(name)
     return None if src is None else (src, l, mb)
 
 
 _DOWN_SP = {**_DOWN, **{src: dst for src, dst, _ in SP_GATHERS.values()}}
 
 
-def downstream(key: tuple, layers: int, sp: bool = False) -> Optional[tuple]:
+def downstream(key: tuple, layers: int, sp: bool = False, two_hops: bool = False) -> Optional[tuple]:
     """The name `key` turns into through a collective, for gradient reads where it is absent."""
     name, l, mb = key
     if name == "emb":
@@ -146,5 +163,5 @@ def downstream(key: tuple, layers: int, sp: bool = False) -> Optional[tuple]:
         return ("x", l + 1, mb)
     if name == "x":
         return ("xh", l, mb) if l == layers else ("xa", l, mb)
-    dst = (_DOWN_SP if sp else _DOWN).get(name)
+    dst = (two_hops and _DOWN_TWO_HOPS.get(name)) or (_DOWN_SP if sp else _DOWN).get(name)
     return None if dst is None else (dst, l, mb)

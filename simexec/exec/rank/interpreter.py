@@ -58,7 +58,7 @@ from simexec.exec.rank.activation_collectives import ActivationCollectives
 from simexec.exec.rank.block_compute import BlockCompute
 from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
 from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
-                                        downstream, gathered_dispatch_io, mtp_aliases, upstream)
+                                        downstream, gathered_dispatch_io, mtp_aliases, two_hop_io, upstream)
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
@@ -66,6 +66,7 @@ from simexec.exec.rank import checkpoint
 from simexec.exec.rank.ring import RingAttention
 from simexec.exec.rank.run_control import KILL_RECORD, KILLED_EXIT_CODE, RunControl, checkpoint_path
 from simexec.exec.rank.sharding import Sharding
+from simexec.program.groups import deepep_two_hops
 from simexec.program.instructions import Instr
 
 
@@ -126,10 +127,15 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
 
         self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
         self.blocks_io = BLOCK_IO_SP if p.sp else BLOCK_IO
-        self.gathered_dispatch = p.moe_dispatcher == "allgather"
+        # moe_dispatcher=deepep across NVLink domains: DeepEP's two hops carry each token once with its
+        # routing weights, as the allgather dispatcher's gather does (`ActivationCollectives.deepep_hop`)
+        self.two_hops = deepep_two_hops(rp)
+        self.gathered_dispatch = p.moe_dispatcher == "allgather" or self.two_hops
         if self.gathered_dispatch:
             self.blocks_io = gathered_dispatch_io(self.blocks_io)
         self.colls = COLLECTIVE_IO_SP if p.sp else COLLECTIVE_IO
+        if self.two_hops:
+            self.colls = two_hop_io(self.colls)
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
                            if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
@@ -185,7 +191,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
         k = self.alias(key)
         while k is not None and k not in self.env:
-            k = upstream(k, self.plan.sp)
+            k = upstream(k, self.plan.sp, self.two_hops)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -206,7 +212,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = downstream(k, self.L, self.plan.sp)
+            k = downstream(k, self.L, self.plan.sp, self.two_hops)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional
 
 from simexec.program.blocks import Anatomy
+from simexec.program.groups import deepep_domains_even, deepep_two_hops
 from simexec.program.param_tensors import unit_tensors
 
 
@@ -55,10 +56,13 @@ def unsupported(rp) -> Optional[str]:
     if p.etp is not None and p.tp > 1 and m.moe is not None and m.moe.capacity_factor is not None:
         missing.append(f"MoE token dropping (capacity_factor={m.moe.capacity_factor}) with etp={p.etp} and "
                        f"tp={p.tp} (each tp rank fills the experts' buffers from its own sequence shard)")
-    if p.moe_dispatcher == "deepep" and m.moe is not None and _deepep_crosses_domains(rp):
-        missing.append(f"moe_dispatcher=deepep with ep={p.ep} across NVLink domains of {rp.cluster.nvlink_domain} "
-                       "(DeepEP's two hops, RDMA between domains then NVLink inside one; the executor runs "
-                       "deepep inside one domain, where the lowering emits its one all-to-all over ep)")
+    if deepep_two_hops(rp) and not deepep_domains_even(rp):
+        missing.append(f"moe_dispatcher=deepep with ep={p.ep} over NVLink domains of {rp.cluster.nvlink_domain} that "
+                       "hold different numbers of an ep group's ranks (DeepEP's network peer of a rank is the rank "
+                       "at its local index on the other node)")
+    if deepep_two_hops(rp) and p.etp is not None and p.etp > 1:
+        missing.append(f"moe_dispatcher=deepep across NVLink domains with etp={p.etp} (the rows each etp rank "
+                       "receives differ in number; the executor gathers its etp exchange's even pieces only)")
     if p.moe_router_skew != 1.0:
         missing.append(f"moe_router_skew={p.moe_router_skew:g} (the executor's router routes the tokens it is given;"
                        " a skew is the simulator's what-if)")
@@ -74,13 +78,6 @@ def unsupported(rp) -> Optional[str]:
     if not missing:
         return None
     return f"the executor cannot run plan {p.to_string()} on {m.name} yet: " + "; ".join(missing)
-
-
-def _deepep_crosses_domains(rp) -> bool:
-    """Whether some rank's ep group spans NVLink domains (the lowering then emits DeepEP's network hop)."""
-    from simexec.program.groups import rank_groups
-
-    return any(len(rank_groups(rp, r).ep_net) > 1 for r in range(rp.world))
 
 
 def _lowering_gaps(rp) -> list[str]:

@@ -81,6 +81,23 @@ def test_deepep_splits_ep_into_nvlink_and_network_hops():
     assert any(k[0] == "combine_net" for k in c)
 
 
+def test_deepep_nvlink_hop_carries_a_token_once_per_rank():
+    """Inside the domain DeepEP forwards a token once to each rank holding one of its experts (the rank
+    permutes it to its experts' rows): with 4 experts per rank, fewer bytes than top_k copies, and both
+    the lowering prices that."""
+    m = MIXTRAL.model_copy(update={"moe": MIXTRAL.moe.model_copy(update={"experts": 64, "top_k": 8})})
+    rp = rp_of("dp=16,ep=16,moe_dispatcher=deepep", m, "2xdgx-h100", 1024)
+    an = Anatomy(rp)
+    reached = destination_domains(64, 8, 16)  # ep ranks a token's 8 experts are on
+    assert 6.0 < reached < 8.0
+    assert an.deepep_domain_bytes == pytest.approx(an.dispatch_bytes / 8 * reached)
+    c = _moe_collectives(rp)
+    assert any(k[0] == "dispatch" and k[2] == tuple(range(8)) and k[3] == an.deepep_domain_bytes for k in c)
+    assert any(k[0] == "combine" and k[3] == an.deepep_domain_bytes for k in c)
+    assert an.exchange_bytes("dispatch", 2) == an.deepep_domain_bytes
+    assert an.exchange_bytes("dispatch", 1) == an.dispatch_bytes  # inside one domain: the all-to-all
+
+
 def test_deepep_inside_one_domain_is_the_all_to_all():
     a = simulate(MIXTRAL, "2xdgx-h100", "dp=16,ep=8,gbs=16", 1024).step_time_s
     b = simulate(MIXTRAL, "2xdgx-h100", "dp=16,ep=8,gbs=16,moe_dispatcher=deepep", 1024).step_time_s

@@ -196,8 +196,11 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         """What one rank's exchange `name` (a `LayerStep` on the cp, ep or etp axis) moves: a collective's
         buffer as `simexec.sim.network` takes it, an all-gather's gathered tensor, an all-to-all's send
         buffer, per `Plan.moe_dispatcher`. `ep_net_ranks`: the size of the rank's `ep_net` group (the
-        NVLink domains DeepEP's network hop spans). The lowering and the search's bounds both read it."""
+        NVLink domains DeepEP's network hop spans; above 1 the deepep dispatch and combine are its NVLink
+        hop). The lowering and the search's bounds both read it."""
         dispatcher = self.rp.plan.moe_dispatcher
+        if name in ("dispatch", "combine") and dispatcher == "deepep" and ep_net_ranks > 1:
+            return self.deepep_domain_bytes
         if name in ("dispatch", "combine"):
             return self.gathered_tokens_bytes if dispatcher == "allgather" else self.dispatch_bytes
         if name in ("dispatch_net", "combine_net"):

@@ -47,8 +47,8 @@ def _tp(name: str, sp: bool) -> LayerStep:
 # and back. allgather (MoEAllGatherTokenDispatcher): the tokens all-gathered over ep, each rank keeping
 # its experts' rows, the outputs reduce-scattered back. deepep (MoEFlexTokenDispatcher over DeepEP's
 # internode kernels): a hop between same-index GPUs of the ep group's NVLink domains (`ep_net`,
-# each token once per destination domain) and a hop inside the domain (`ep_domain`); the combine
-# the same hops reversed.
+# each token once per destination domain) and a hop inside the domain (`ep_domain`, each token once
+# per rank holding one of its experts); the combine the same hops reversed, summing in the domain first.
 DISPATCH_STEPS = {
     "alltoall": ((("dispatch", "ep", "alltoall", "alltoall"),),
                  (("combine", "ep", "alltoall", "alltoall"),)),

@@ -76,6 +76,19 @@ class MoEBlocks:
         return self.tokens / self.sp_div * self.h * self.dt * reached * self.router_skew
 
     @cached_property
+    def deepep_domain_bytes(self) -> float:
+        """moe_dispatcher=deepep across NVLink domains: what one rank sends over the NVLink hop: the tokens
+        the network hop brought it, each once per rank of the domain that holds one of its top_k experts
+        (DeepEP's RDMA-and-NVLink forwarder, deepseek-ai/DeepEP@dd758ca csrc/kernels/legacy/internode.cu: a
+        rank's several experts of one token take one copy, which the rank permutes to its experts' rows).
+        Summed over the domains, each token of the ep group goes once to every ep rank its experts are on:
+        `destination_domains` over the ep ranks, each holding a contiguous block of experts. Under
+        `moe_router_skew` the busiest rank's share; its tokens as `deepep_network_bytes` counts them."""
+        moe = self.rp.model.moe
+        reached = destination_domains(moe.experts, moe.top_k, self.ep, moe.router_groups, moe.router_group_topk)
+        return self.tokens / self.sp_div * self.h * self.dt * reached * self.router_skew
+
+    @cached_property
     def moe_without_tp(self) -> bool:
         """MoE layers without tp collectives around their MLP: folded experts over tp > 1 (under sp, which
         folding needs there) and no shared expert, whose TP MLP would need the gathered sequence."""

@@ -235,7 +235,7 @@ class StageCosts:
         p = self.p
         if p.moe_a2a_overlap and step.axis in EP_AXES and p.moe_dispatcher != "allgather":
             return 0.0
-        net_ranks = len(self.comm.groups(rank, p.ep, p.dp_shard, p.etp)["ep_net"]) if step.axis == "ep_net" else 1
+        net_ranks = len(self.comm.groups(rank, p.ep, p.dp_shard, p.etp)["ep_net"]) if step.axis.startswith("ep_") else 1
         return self._coll(step.bwd if bwd else step.fwd, rank, step.axis, self.an.exchange_bytes(step.name, net_ranks))
 
     def _ring_attention(self, attn, bwd: int) -> float:

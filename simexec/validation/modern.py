@@ -21,7 +21,9 @@ nodes of it.
 Stack: the row's `stack` (megatron-core, torchtitan, torchtitan-compile, deepspeed are
 simexec.specs.stack.STACKS); `nemo` -> megatron-core; `other` (the Llama 3 paper's own framework) ->
 simexec's default; a torchtitan row of a source in `EAGER_LOSS_SOURCES` (a torchtitan commit that ran the
-loss eager under compile) gets `cross_entropy: eager`. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
+loss eager under compile) gets `cross_entropy: eager`; one in `SM100_CUDNN_SOURCES` (a torchtitan commit that ran
+cuDNN attention on sm100 and did not save it under per-op checkpointing) gets `cudnn_attention_from: (10, 0)` and
+`op_sac_saved_attention: (fa2, fa3)`. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
 current scaling); the stack's other FP8 traits (where it casts) stay.
 
 Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),

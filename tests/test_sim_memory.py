@@ -124,3 +124,47 @@ def test_torch_ddp_buckets_are_filled_before_and_emptied_after_their_all_reduce(
 def test_torch_ddp_buckets_need_zero_0():
     with pytest.raises(PlanError, match="grad_bucket_view=0 .* needs zero=0, got zero=1"):
         resolve(MODEL, get_cluster("local"), parse_plan(f"dp={N},gbs={N},zero=1,grad_bucket_view=0"), 256)
+
+
+def test_fsdp2_in_torchtitan_shards_fp32_master_weights_and_reserves_its_gradients_apart(monkeypatch):
+    """torchtitan builds its model in fp32 and FSDP2 casts each shard per all-gather: no bf16 shard, 12 B per
+    parameter before the gradients. FSDP2 allocates each reduce-scatter's output, the unit's gradient shard,
+    on the reduce-scatter stream (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py foreach_reduce):
+    the caching allocator keeps those pages in that stream's pool, beside the compute stream's high-water mark."""
+    import dataclasses
+
+    from simexec.specs import zero3_flavours
+    from simexec.specs.stack import STACKS
+
+    stack = STACKS["torchtitan-compile"]
+    P = get_model("llama3-8b").params
+
+    def run(**over):
+        return simulate("llama3-8b", "dgx-h100", "dp=8,zero=3,gbs=8", 8192, stack=stack.model_copy(update=over))
+
+    own = run()
+    b = own.memory_breakdown_bytes
+    assert b["params"] == 0 and b["optimizer"] == pytest.approx(12 * P / 8, rel=1e-3)
+    assert run(zero3_shards_are_master=False).memory_breakdown_bytes["params"] == pytest.approx(2 * P / 8, rel=1e-3)
+    rp = resolve(get_model("llama3-8b"), get_cluster("dgx-h100"), parse_plan("dp=8,zero=3,gbs=8"), 8192, stack)
+    shards = [i for i in lower(rp).ranks[0] if i.kind == "memory" and i.name.startswith("mem.alloc.grads.shard")]
+    assert shards and {i.stream for i in shards} == {"comm.dp"}
+    fsdp = zero3_flavours.ZERO3_FLAVOURS["fsdp"]
+    monkeypatch.setitem(zero3_flavours.ZERO3_FLAVOURS, "fsdp", dataclasses.replace(fsdp, grad_shards_on_reduce_stream=False))
+    one_pool = run()
+    assert one_pool.peak_tensor_bytes == pytest.approx(own.peak_tensor_bytes)
+    assert own.peak_memory_bytes > one_pool.peak_memory_bytes + 1 * GiB
+
+
+def test_an_eager_loss_leaves_its_logits_place_to_the_first_gradient_only():
+    """torchtitan's eager loss makes the bf16 logits and their fp32 copy, saves the fp32 log-softmax above them
+    and frees both: nll's fp32 gradient fits their place, log-softmax's gradient beside it does not, so the
+    allocator reserves 2 B per logit beyond the tensors (a compiled loss keeps the bf16 logits, no hole)."""
+    from simexec.specs.stack import STACKS
+
+    def run(kind):
+        r = simulate("llama3-8b", "dgx-h100", "dp=8,zero=3,gbs=8", 8192,
+                     stack=STACKS["torchtitan-compile"].model_copy(update={"cross_entropy": kind}))
+        return r.peak_memory_bytes - r.peak_tensor_bytes
+
+    assert run("eager") - run("compiled") == pytest.approx(2 * 8192 * 128256, rel=0.05)

@@ -43,3 +43,16 @@ def test_script_writes_json_for_one_row(tmp_path):
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["rows"]] == ["tt2412-h100-llama31-8b-fsdp-compile-8"]
     assert data["summary"]["rows"] == 1 and data["summary"]["wrong_verdicts"] == []
+
+
+def test_torchtitan_of_summer_2025_recomputes_cudnn_attention_on_b200():
+    """tao-train's B200 table ran torchtitan 6fc499f6f: cuDNN attention first on sm100, not in the per-op
+    _save_list (simexec.validation.modern.SM100_CUDNN_SOURCES); its MI300X table, the same era on ROCm, ran
+    flash, which the list saves."""
+    rows = {r["name"]: r for r in memory.memory_rows_from_files()}
+    b200, mi300x = (modern.map_row(rows[f"tao-{d}-llama3-8b-bf16-8"]) for d in ("b200", "mi300x"))
+    assert b200.stack.attention_kernel_on(b200.cluster.device) == "cudnn"
+    assert "cudnn" not in b200.stack.op_sac_saved_attention
+    assert mi300x.stack.attention_kernel_on(mi300x.cluster.device) in mi300x.stack.op_sac_saved_attention
+    tt2412 = modern.map_row(_row())  # December 2024: flash on H100, saved
+    assert tt2412.stack.attention_kernel_on(tt2412.cluster.device) == "fa2" and tt2412.stack.cudnn_attention_from is None

@@ -166,6 +166,16 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         kind = "native" if self.eager_kernels else self.rp.stack.cross_entropy
         return cross_entropy_cost(kind, self.dt, vocab_parallel=self.tp > 1)
 
+    @property
+    def loss_fwd_transient(self) -> float:
+        """What the loss's forward makes before what it saves and frees after (`CrossEntropyCost.fwd_transient`)."""
+        return self.cross_entropy.fwd_transient * self.n_logits
+
+    @property
+    def loss_grad_first(self) -> float:
+        """The loss backward's first gradient, held while it makes the rest (`CrossEntropyCost.bwd_first`)."""
+        return self.cross_entropy.bwd_first * self.n_logits
+
     @cached_property
     def logits_released(self) -> float:
         """What the loss saved of the logits (Megatron's fp32 exp(z)) that the backward lets go once it
@@ -511,7 +521,8 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         bb_head = (0.0 if self.sp else norm_b) + self.weight_grad_bytes(h * m.vocab / t)
         wgrad_tmp = self.wgrad_tmp(h * m.vocab / t)
         # the logits' gradient the GEMMs read, and what the loss's backward holds at its own peak
-        cast, loss_peak = ce.grad_out * n_logits, ce.bwd_workspace * n_logits
+        # (the loss backward's first gradient is the lowering's own allocation: `loss_grad_first`)
+        cast, loss_peak = ce.grad_out * n_logits, (ce.bwd_workspace - ce.bwd_first) * n_logits
         if self.sp:
             # the norm saves its input, the GEMM the norm's output (this rank's slices); backward: the
             # GEMM's input gradient (gathered), the norm's (this rank's slice)

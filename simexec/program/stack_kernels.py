@@ -25,6 +25,8 @@ class CrossEntropyCost:
     bwd_workspace: float  # held beyond `saved` at the loss backward's peak
     grad_out: float  # the logits' gradient the head's GEMMs read, beyond `saved`
     released: float  # of `saved`, what the loss backward frees before a weight-gradient pass
+    fwd_transient: float = 0.0  # made by the forward before what it saves, freed once the loss is computed
+    bwd_first: float = 0.0  # of `bwd_workspace`, what the backward makes first and holds while it makes the rest
 
 
 def cross_entropy_cost(kind: str, dt: float, vocab_parallel: bool = False) -> CrossEntropyCost:
@@ -40,7 +42,12 @@ def cross_entropy_cost(kind: str, dt: float, vocab_parallel: bool = False) -> Cr
     eager: torch's `cross_entropy(logits.float(), labels)` unfused (torchtitan's loss, uncompiled): the
       fp32 copy, a log-softmax that reads its input three times and writes its fp32 output (16 B), which
       it saves; the backward writes nll's dense fp32 gradient, log-softmax's fp32 input gradient beside
-      it and the saved output (8 B held beyond it), then casts to dt. Vocabulary-parallel (torchtitan
+      it and the saved output (8 B held beyond it), then casts to dt. The logits and their fp32 copy are
+      made before the saved output and freed after it (torchtitan's train.py: the copy is the loss's
+      argument, `del pred` follows the loss), so the backward's first gradient (nll's, 4 B) finds their
+      place free and its second does not: the caching allocator reserves beyond the tensors there
+      (`fwd_transient`, `bwd_first`; torch/nn/functional.py cross_entropy -> log_softmax, nll_loss;
+      nll_loss_backward's grad_input = zeros_like(self), then _log_softmax_backward_data's output). Vocabulary-parallel (torchtitan
       with tp: `loss_parallel()`, whose DTensor handlers replace the kernels,
       torch/distributed/tensor/parallel/loss.py): the backward `_nll_loss_and_log_softmax_backward`
       makes `(grad_input + torch.exp(x)) * grad_output` from the saved output x: the dense one-hot
@@ -57,7 +64,8 @@ def cross_entropy_cost(kind: str, dt: float, vocab_parallel: bool = False) -> Cr
         return CrossEntropyCost(0.0, 3 * dt, 2 * dt, dt, 0.0, 0.0, 0.0)
     if kind == "eager":
         return CrossEntropyCost(dt + 4 if low else 0.0, 16.0, 4.0 + 16.0 + (4.0 + dt if low else 0.0), 4.0,
-                                12.0 if vocab_parallel else 8.0, dt if low else 4.0, 4.0)
+                                12.0 if vocab_parallel else 8.0, dt if low else 4.0, 4.0,
+                                fwd_transient=dt + (4.0 if low else 0.0), bwd_first=4.0)
     if kind == "compiled":
         return CrossEntropyCost(0.0, 2 * dt, 2 * dt, dt, dt, dt, dt)
     raise ValueError(f"unknown cross entropy {kind!r}")
@@ -192,14 +200,22 @@ class FrameworkKernels:
             out[name] = replace(b, bytes=b.bytes + per_pair, bwd=b.bwd_bytes + per_pair)
         return out
 
+    @property
+    def op_saves_attention(self) -> bool:
+        """Whether `recompute=op` saves the attention kernel's outputs: the kernel the stack runs on this
+        device (`StackSpec.attention_kernel_on`) is one its policy names (`op_sac_saved_attention`)."""
+        stack = self.rp.stack
+        return stack.attention_kernel_on(self.rp.cluster.device) in stack.op_sac_saved_attention
+
     def op_recomputed(self, i: int) -> dict[str, Block]:
         """What `recompute=op` runs again before layer i's backward, per block: torchtitan's policy
         (torchtitan/distributed/activation_checkpoint.py, `_get_custom_policy`) saves the outputs of the
         attention kernel and of the matmuls, except every second matmul a block runs, and recomputes the
         rest. A Llama layer's matmuls run wq, wk, wv, wo, w1, w3, w2 (w1, w2 without gating): wk, wo and w3
-        (w2) are recomputed, with every element-wise kernel. Blocks whose matmuls do not follow that order
-        (MoE, MLA) recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks'
-        saved activations."""
+        (w2) are recomputed, with every element-wise kernel, and the attention kernel where the policy does
+        not name it (`op_saves_attention`). Blocks whose matmuls do not follow that order (MoE, MLA)
+        recompute half their FLOPs. What the kept matmul outputs hold is counted as the blocks' saved
+        activations."""
         m = self.rp.model
         q, kv, _ = m.attention_widths  # kv: K and V together
         shares = {"qkv": kv / 2 / (q + kv) if not m.is_mla else 0.5, "proj": 1.0,
@@ -211,19 +227,23 @@ class FrameworkKernels:
                 out[name] = Block("gemm", share * b.flops, b.bytes, 0.0)
             elif b.op == "elementwise":
                 out[name] = Block(b.op, 0.0, b.bytes, 0.0)
+            elif b.op == "attention" and not self.op_saves_attention:
+                out[name] = replace(b, saved=0.0)
         return out
 
     def op_kept(self, i: int) -> float:
         """What `recompute=op` keeps of layer i's activations from its forward to its backward: the layer's
-        input (the region's), the kept matmuls' outputs (wq's, wv's; w1's and w2's, or without gating fc1's)
-        and the attention kernel's output with its log-sum-exp; the recomputed blocks' outputs and every
-        element-wise output are made again. Blocks that do not follow a Llama layer's order (MoE, MLA)
-        keep half of what they save."""
+        input (the region's), the kept matmuls' outputs (wq's, wv's; w1's, or without gating fc1's; w2's,
+        which no backward reads, only where the stack keeps unread outputs: `op_sac_keeps_unread`) and,
+        where the policy saves it (`op_saves_attention`), the attention kernel's output with its
+        log-sum-exp; the recomputed blocks' outputs and every element-wise output are made again. Blocks
+        that do not follow a Llama layer's order (MoE, MLA) keep half of what they save."""
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
         blocks = self.layer(i)
         if m.is_moe_layer(i) or m.is_mla:
             return self.hidden_bytes + sum(b.saved for b in blocks.values()) / 2
         q, kv, _ = m.attention_widths
-        matmuls = T * (q + kv / 2) / t + (T * m.ffn / t + T * h if m.gated else T * m.ffn / t)
-        attention = T * m.heads * m.value_head_dim / t * dt + T * m.heads / t * 4
+        unread = T * h if m.gated and self.rp.stack.op_sac_keeps_unread else 0.0  # w2's output
+        matmuls = T * (q + kv / 2) / t + T * m.ffn / t + unread
+        attention = T * m.heads * m.value_head_dim / t * dt + T * m.heads / t * 4 if self.op_saves_attention else 0.0
         return self.hidden_bytes + matmuls * dt + attention

@@ -76,7 +76,7 @@ class ComputeModel:
         gemm = (c.gemm_eff, c.gemm_half_flops)
         if dtype == "fp8" and c.fp8_gemm_eff is not None:
             gemm = (c.fp8_gemm_eff, c.gemm_half_flops if c.fp8_gemm_half_flops is None else c.fp8_gemm_half_flops)
-        fwd, bwd, self.half_keys = attention_efficiency(c, d.name, stack.attention_kernel if stack else None)
+        fwd, bwd, self.half_keys = attention_efficiency(c, d.name, stack.attention_kernel_on(d) if stack else None)
         self.eff = {
             "gemm": gemm,
             "gemm_bf16": (c.gemm_eff, c.gemm_half_flops),

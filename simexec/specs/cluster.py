@@ -40,6 +40,9 @@ class DeviceSpec(_Spec):
         False, description="the FP8 tensor cores take operands in either layout (Blackwell, sm100; Transformer "
         "Engine's is_non_tn_fp8_gemm_supported, transformer_engine/pytorch/utils.py); False: TN only (Hopper, "
         "Ada), so an FP8 operand used transposed in the backward needs a transposed copy")
+    compute_capability: Optional[tuple[int, int]] = Field(
+        None, description="CUDA compute capability (major, minor), which frameworks read to pick kernels "
+        "(torch.cuda.get_device_capability; `StackSpec.cudnn_attention_from`); None: not a CUDA device")
 
     @field_validator("peak_flops")
     @classmethod
@@ -287,6 +290,7 @@ _A100 = dict(
     peak_flops={"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12, "tf32": 156e12},
     launch_overhead_s=4e-6,
     nccl_arch="ampere",  # SM80: NCCL's Ampere tuning row (src/graph/tuning.cc, compCapIndex)
+    compute_capability=(8, 0),
 )
 _DGX_A100_NODE = dict(
     # DGX A100 user guide: 8 GPUs, NVLink3 600 GB/s bidirectional per GPU over NVSwitch,
@@ -305,6 +309,7 @@ _H100 = dict(
     peak_flops={"bf16": 989e12, "fp16": 989e12, "fp32": 67e12, "tf32": 494e12, "fp8": 1979e12},
     launch_overhead_s=4e-6,
     nccl_arch="hopper",  # SM90 (src/graph/tuning.cc, compCapIndex)
+    compute_capability=(9, 0),
 )
 # Device memory as CUDA gives it to a process (total_memory), a little under the HBM's nominal size;
 # the runtime's context, cuBLAS and NCCL then take their share of it (`workspace_bytes`).
@@ -336,12 +341,14 @@ _B200 = dict(
     peak_flops={"bf16": 2250e12, "fp16": 2250e12, "fp8": 4500e12, "fp4": 9000e12, "tf32": 1100e12, "fp32": 75e12},
     launch_overhead_s=4e-6,  # not measured on Blackwell: the Hopper presets' value
     nccl_arch="blackwell",  # SM100 (src/graph/tuning.cc, compCapIndex)
+    compute_capability=(10, 0),
     fp8_gemm_any_layout=True,  # sm100: (10, 0) <= capability < (12, 0) (TE utils.is_non_tn_fp8_gemm_supported)
 )
 _GB200 = dict(
     peak_flops={"bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "tf32": 1250e12, "fp32": 80e12},
     launch_overhead_s=4e-6,  # as _B200
     nccl_arch="blackwell",
+    compute_capability=(10, 0),
     fp8_gemm_any_layout=True,  # as _B200 (GB200's B200 is sm100 as well)
 )
 # Device memory as CUDA reports it: B200 178.35 GiB (cudaDeviceProp.totalGlobalMem in pytorch/ao PR #4002,

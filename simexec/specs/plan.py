@@ -459,7 +459,8 @@ class ResolvedPlan:
         `grad_bucket_view=0` adds torch DDP's bucket copy of them to `grads`. The fp32
         copy of `master_grads` is not here: it lives only through the optimizer step (the lowering
         allocates it there, `master_grad_bytes`). Expert parameters are sharded by ZeRO over dp/ep
-        ranks, as Megatron's expert data parallel.
+        ranks, as Megatron's expert data parallel. Under ZeRO-3 a stack whose shards are the fp32 master
+        (`StackSpec.zero3_shards_are_master`: FSDP2 in torchtitan) keeps no low-precision shard: 0+4+12.
         """
         p = self.plan
         params = self.params_on_pp_rank(pp_rank)
@@ -471,8 +472,11 @@ class ResolvedPlan:
         grad_b = self.grad_bytes
         bucket_b = self.bucket_copy_bytes
 
+        # the shards themselves the optimizer's fp32 master (`StackSpec.zero3_shards_are_master`): no copy in w
+        no_copy = p.zero >= 3 and k == 12 and self.stack is not None and self.stack.zero3_shards_are_master
+
         def split(n: float, shard: int) -> tuple[float, float, float]:
-            wt = n * w / (shard if p.zero >= 3 else 1)
+            wt = 0.0 if no_copy else n * w / (shard if p.zero >= 3 else 1)
             gr = n * (grad_b + (bucket_b if shard > 1 else 0)) / (shard if p.zero >= 2 else 1)
             op = n * k / (shard if p.zero >= 1 else 1)
             return wt, gr, op

@@ -15,7 +15,7 @@ from typing import Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from simexec.errors import SpecError
-from simexec.specs.cluster import deep_merge, names_a_file, one_line, read_mapping, unknown_name
+from simexec.specs.cluster import DeviceSpec, deep_merge, names_a_file, one_line, read_mapping, unknown_name
 
 
 class _Spec(BaseModel):
@@ -97,6 +97,31 @@ class StackSpec(_Spec):
     layer_elementwise: ElementwiseTraffic = Field(
         description="the element-wise kernels of a layer; simexec's blocks count Megatron-Core's fused ones, and "
         "a stack that launches more moves the difference too")
+    cudnn_attention_from: Optional[tuple[int, int]] = Field(
+        None, description="the framework puts cuDNN attention first on CUDA devices of at least this compute "
+        "capability (`DeviceSpec.compute_capability`), whatever `attention_kernel` says elsewhere: torchtitan from "
+        "@3b85aa31f (2025-05-14, 'Use cudnn backend on B200') runs SDPA under sdpa_kernel([CUDNN_ATTENTION, "
+        "FLASH_ATTENTION, ...], set_priority=True) where has_cuda_capability(10, 0) (torchtitan@6fc499f6f "
+        "torchtitan/models/attention.py, ScaledDotProductAttention._init_backend); None: `attention_kernel` "
+        "everywhere")
+    op_sac_saved_attention: tuple[Literal["cudnn", "fa2", "fa3"], ...] = Field(
+        ("cudnn", "fa2", "fa3"), description="the attention kernels whose outputs `recompute=op` saves. torchtitan's "
+        "_save_list names SDPA's aten ops: the flash and efficient ones only until torchtitan@b39377f9f "
+        "(2025-12-01, 'add all SDPA backends to op_sac_save_list', which adds "
+        "_scaled_dot_product_cudnn_attention); a kernel not named is recomputed before the layer's backward, its "
+        "output and log-sum-exp not kept")
+    op_sac_keeps_unread: bool = Field(
+        True, description="`recompute=op` keeps every output its policy saves, also one no backward reads (a "
+        "Llama layer's w2 output: the residual add's backward reads neither operand). Eager: "
+        "torch/utils/checkpoint.py's _CachingTorchDispatchMode stores each MUST_SAVE op's outputs as it runs "
+        "them. False under torch.compile: the partitioner drops the saved values its backward graph does not use "
+        "(torch/_functorch/partitioners.py, _extract_fwd_bwd_modules)")
+    zero3_shards_are_master: bool = Field(
+        False, description="under ZeRO-3 the sharded parameters are the fp32 master weights the optimizer "
+        "steps, with no low-precision copy of the shard: the framework builds its model in fp32 and FSDP2's "
+        "MixedPrecisionPolicy casts the shard for each all-gather (FSDPParam.all_gather_inputs: "
+        "_to_dtype_if_needed(self._sharded_param_data, self.param_dtype)); False: a bf16 shard beside the "
+        "optimizer's fp32 copy (Megatron's distributed optimizer)")
     cross_entropy: Literal["native", "te", "eager", "compiled"] = Field(
         description="the loss kernels over the logits (simexec.program.stack_kernels.cross_entropy_cost): native "
         "(Megatron's vocab-parallel cross entropy in fp32), te (Transformer Engine's Triton kernel, the gradient "
@@ -127,6 +152,13 @@ class StackSpec(_Spec):
         "(`{zero: [0, 1], schedule: [1f1b, interleaved-1f1b]}`): the search enumerates only these; a user's --fix "
         "overrides a knob")
     source: str = ""
+
+    def attention_kernel_on(self, device: DeviceSpec) -> str:
+        """The fused attention kernel this framework runs on `device` (`cudnn_attention_from`)."""
+        cc = device.compute_capability
+        if self.cudnn_attention_from is not None and cc is not None and cc >= self.cudnn_attention_from:
+            return "cudnn"
+        return self.attention_kernel
 
 
 # Host seconds per eager operator: the host's own part measured on CPU tensors of one element
@@ -211,6 +243,9 @@ STACKS: dict[str, StackSpec] = {
         search_choices=TORCHTITAN_CHOICES,
         # run_train.sh exports PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True" (pytorch/torchtitan)
         expandable_segments=True,
+        # the model is built in fp32 on the meta device and materialised in fp32; apply_fsdp passes
+        # MixedPrecisionPolicy(param_dtype=bfloat16) (torchtitan@9dec370 parallelize_llama.py, train.py)
+        zero3_shards_are_master=True,
         sp_layout_copies=True,  # SequenceParallel() shards dim 1 (torchtitan/models/llama3/infra/parallelize.py)
         tp_async_local_reduce=True,  # enable_async_tensor_parallel: torch's micro-pipeline TP pass
         source="torchtitan, eager (torchao float8)",
@@ -235,7 +270,9 @@ STACKS: dict[str, StackSpec] = {
         host=HostLaunches(op_s=(6.8e-6, 6.8e-6), launch_s=6.8e-6, attention_ops=(8, 13), mlp_ops=(6, 12),
                           compiled=True, moe_dispatch_syncs=True),
         search_choices=TORCHTITAN_CHOICES,
+        op_sac_keeps_unread=False,  # the compiled blocks' partitioner keeps only what their backward reads
         expandable_segments=True,  # the same run_train.sh
+        zero3_shards_are_master=True,
         sp_layout_copies=True,  # the copies are extern-adjacent (a cuBLAS mm on one side): compile keeps them
         tp_async_local_reduce=True,
         source="torchtitan with torch.compile per block (torchao float8)",

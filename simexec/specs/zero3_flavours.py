@@ -50,6 +50,10 @@ class Zero3Flavour:
     # reduce-scatter of a step and dropped after the optimizer step (FSDP2's `.grad`, YaFSDP as
     # simexec runs it)
     holds_grad_shards: bool = False
+    # a reduce-scatter's output (the unit's gradient shard, or what is summed into it) is allocated on the
+    # reduce-scatter's stream, so the caching allocator keeps its pages in that stream's pool, apart from the
+    # compute stream's activations (FSDP2); False: on the compute stream
+    grad_shards_on_reduce_stream: bool = False
     # --- the collectives it issues (what decides the step at scale: per-call latency, overlap) ---
     # one unit's gathered parameters go out in calls of `gather_bucket_params` elements each, its
     # tensors taken in order until a call holds that many; None: one grouped call per unit; 0: one
@@ -128,8 +132,11 @@ ZERO3_FLAVOURS: dict[str, Zero3Flavour] = {f.name: f for f in (
     # all-gathered immediately": post_forward_mesh_info = None); torchtitan's apply_fsdp wraps the blocks,
     # then the whole model, whose own parameters are the embedding, the final norm and the output
     # (pytorch/torchtitan@ba2469780 torchtitan/parallelisms/parallelize_llama.py).
+    # foreach_reduce allocates the reduce-scatter's output under `device_handle.stream(reduce_scatter_stream)`
+    # and views the sharded gradients out of it ("The RS output is allocated in the RS stream and used in the
+    # default stream (for optimizer)", torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py @010ae4a8).
     Zero3Flavour("fsdp", gather_copy_in=1, gather_copy_out=1, reduce_copy_in=1, pipeline_defers_reduction=True,
-                 root_kept_through_backward=True),
+                 root_kept_through_backward=True, grad_shards_on_reduce_stream=True),
     # FSDP1 (FullyShardedDataParallel): one FlatParameter per wrapped unit, all-gathered from its
     # shard straight into the padded flat buffer the parameters are views of, and reduce-scattered
     # from the flat gradient, no copies (torch/distributed/fsdp/_flat_param.py: _all_gather_flat_param;

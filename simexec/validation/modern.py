@@ -21,7 +21,9 @@ nodes of it.
 Stack: the row's `stack` (megatron-core, torchtitan, torchtitan-compile, deepspeed are
 simexec.specs.stack.STACKS); `nemo` -> megatron-core; `other` (the Llama 3 paper's own framework) ->
 simexec's default; a torchtitan row of a source in `EAGER_LOSS_SOURCES` (a torchtitan commit that ran the
-loss eager under compile) gets `cross_entropy: eager`. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
+loss eager under compile) gets `cross_entropy: eager`; one in `SM100_CUDNN_SOURCES` (a torchtitan commit that ran
+cuDNN attention on sm100 and did not save it under per-op checkpointing) gets `cudnn_attention_from: (10, 0)` and
+`op_sac_saved_attention: (fa2, fa3)`. An FP8 row's `fp8_recipe` replaces the stack's FP8 scaling (torchao's `tensorwise` is
 current scaling); the stack's other FP8 traits (where it casts) stay.
 
 Plan: tp, sp, pp, vpp (interleaved-1f1b when vpp > 1), cp, ep (MoE rows), mbs, gbs, dtype (bf16 | fp8),
@@ -215,10 +217,22 @@ def eager_loss_source(r: dict) -> bool:
     return r["source"].startswith(EAGER_LOSS_SOURCES)
 
 
+# Sources that ran torchtitan between @3b85aa31f (2025-05-14, "Use cudnn backend on B200": SDPA under
+# sdpa_kernel([CUDNN_ATTENTION, FLASH_ATTENTION, EFFICIENT_ATTENTION, MATH], set_priority=True) where
+# has_cuda_capability(10, 0), flash first elsewhere; @6a3a9da95, 2025-10-09, put cuDNN first on every device)
+# whose per-op checkpointing _save_list names only the flash and efficient SDPA ops (until @b39377f9f,
+# 2025-12-01): tt-h200 at e7c0cae (2025-06-11) and tao-train's MI300X and B200 tables (2c8b59479, 6fc499f6f of
+# August 2025). On sm100 their attention is cuDNN's, and recompute=op recomputes it. Prefixes of `source`.
+SM100_CUDNN_SOURCES = ("tt-h200:", "tao-train:docs/source/workflows/training.md 'AMD MI300x'",
+                       "tao-train:docs/source/workflows/training.md 'Training e2e benchmarks on NVIDIA B200'")
+
+
 def row_stack(r: dict) -> StackSpec:
     stack = get_stack(STACK_ALIASES.get(r["stack"], r["stack"]))
     if is_torchtitan(r) and eager_loss_source(r):
         stack = stack.model_copy(update={"cross_entropy": "eager"})
+    if is_torchtitan(r) and r["source"].startswith(SM100_CUDNN_SOURCES):
+        stack = stack.model_copy(update={"cudnn_attention_from": (10, 0), "op_sac_saved_attention": ("fa2", "fa3")})
     if r["dtype"] == "fp8" and r["fp8_recipe"]:
         scaling = FP8_SCALING.get(r["fp8_recipe"], r["fp8_recipe"])
         stack = stack.model_copy(update={"fp8": stack.fp8.model_copy(update={"scaling": scaling})})

@@ -56,6 +56,8 @@ class LayerLowering(TensorParallel):
         if self.p.sp:
             self.compute("fwd", "norm", L, mb, c, head["norm"])
         self.tp("head_in", "fwd", L, mb, c, an.full_hidden_bytes)
+        transient = an.loss_fwd_transient  # the logits (and a copy) the loss frees once it has saved its own
+        self.memory("alloc", "activations", transient, f"act.logits_fwd.L{L}.m{mb}")
         self.compute("fwd", "head", L, mb, c, head["head"])
         ce_bytes = 4.0 * an.tokens
         self.coll(f"fwd.ce_max.L{L}.m{mb}", "allreduce", "tp", self.groups.tp, ce_bytes, (self.last_compute(),),
@@ -69,6 +71,7 @@ class LayerLowering(TensorParallel):
         self.memory("alloc", "activations", released, f"act.logits.L{L}.m{mb}")
         if self.p.sp:
             self.memory("alloc", "activations", head["norm"].saved, f"act.norm.L{L}.m{mb}")
+        self.memory("free", "activations", transient, f"act.logits_fwd.L{L}.m{mb}")
 
     # --- the exchanges between blocks ----------------------------------------------------------------
     def exchange(self, step: LayerStep, phase: str, l: int, mb: int, c: int) -> None:
@@ -247,11 +250,14 @@ class LayerLowering(TensorParallel):
     def head_backward(self, mb: int, c: int, unit: Optional[int] = None) -> None:
         unit, head = self.head_unit if unit is None else unit, self.an.head
         again = self.regather("head", unit, mb, c)
+        first = self.an.loss_grad_first  # the loss backward's first gradient, the rest is the head's workspace
+        self.memory("alloc", "activations", first, f"act.loss_grad.L{unit}.m{mb}")
         self.compute("bwd", "loss", unit, mb, c, head["loss"])
         self.compute("bwd", "xent", unit, mb, c, head["xent"])
         released = self.an.logits_released
         self.column_backward("head", unit, mb, c, head["head"], again, lambda: self.memory(
             "free", "activations", head["head"].saved - released, f"act.L{unit}.m{mb}"))
+        self.memory("free", "activations", first, f"act.loss_grad.L{unit}.m{mb}", defer=False)
         self.memory("free", "activations", released, f"act.logits.L{unit}.m{mb}", defer=False)
         self.tp("head_in", "bwd", unit, mb, c, self.an.full_hidden_bytes)
         if self.p.sp:

@@ -277,11 +277,12 @@ class Zero3Lowering(RankEmitter):
         tag = f"bwd.grads.L{unit}.m{mb}{suffix}"
         full, shard = self.z3_bytes(unit, gdt), self.z3_bytes(unit, gdt, shard=True)
         first = self.p.lazy_grad_shards and unit not in self.z3_shards
+        out_stream = f"comm.{zero_axis}" if self.p.zero3.grad_shards_on_reduce_stream else "compute"
         if first:  # the first reduce-scatter's output becomes the unit's gradient shard
             self.z3_shards.add(unit)
-            self.memory("alloc", "grads", shard, f"grads.shard.L{unit}", deps=(after,))
+            self.memory("alloc", "grads", shard, f"grads.shard.L{unit}", stream=out_stream, deps=(after,))
         else:  # a later one's output is summed into the shard once it lands
-            self.memory("alloc", "grads", shard, f"{tag}.out", deps=(after,))
+            self.memory("alloc", "grads", shard, f"{tag}.out", stream=out_stream, deps=(after,))
         calls = self.z3_reduce_calls(unit) if self.zero_size > 1 else []
         cdeps = self.z3_copy("bwd", "grads_in", unit, mb, c, dense * gdt * (self.zero_size > 1),
                              self.p.zero3.reduce_copy_in, (after,), f"L{unit}.m{mb}{suffix}")

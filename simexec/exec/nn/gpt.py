@@ -182,8 +182,8 @@ class GPT:
     def norm2(self, l: int, x: Tensor) -> Tensor:
         return self._norm(f"layers.{l}.norm2", x)
 
-    def final_norm(self, x: Tensor) -> Tensor:
-        return self._norm("head.norm", x)
+    def final_norm(self, x: Tensor, norm: str = "head.norm") -> Tensor:
+        return self._norm(norm, x)
 
     def _ffn_down(self, prefix: str, a: Tensor, lo: Optional[int] = None) -> Tensor:
         """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice (`lo`:
@@ -447,13 +447,24 @@ class GPT:
         return "head.norm" if d < 0 else f"mtp.{d}.norm"
 
     def mtp_in(self, d: int, h: Tensor, tokens: Tensor, pos: Tensor) -> Tensor:
-        """MTP depth d's input: h (B, T, C) the previous depth's residual stream (its final norm applied
-        here again, as the head applies it), tokens / pos the ids and positions one further ahead ->
-        eh_proj([enorm(embed(tokens)) | hnorm(h)]) (B, T, C). Megatron-Core concatenates the embedding
-        first."""
-        e = self._norm(f"mtp.{d}.enorm", self.embed(tokens, pos))
-        hn = self._norm(f"mtp.{d}.hnorm", self._norm(self.mtp_norm(d - 1), h))
-        return torch.cat([e, hn], -1) @ self.p[f"mtp.{d}.eh_proj"]
+        """MTP depth d's input, unsharded: h (B, T, C) the previous depth's residual stream, tokens / pos
+        the ids and positions one further ahead -> eh_proj([enorm(embed(tokens)) | hnorm(h)]) (B, T, C)."""
+        return self.mtp_proj(d, self.mtp_norms(d, self.embed(tokens, pos), h))
+
+    def mtp_norms(self, d: int, e: Tensor, h: Tensor) -> Tensor:
+        """enorm(e) | hnorm(h): e the shifted tokens' embedding (summed over tp), h the previous depth's
+        hidden state: its residual stream, whose final norm is applied here again as the head applies
+        it, or under sp that norm's output (this rank's slice of the sequence, as e). Megatron-Core
+        concatenates the embedding first."""
+        if not self.lay.sp:
+            h = self._norm(self.mtp_norm(d - 1), h)
+        return torch.cat([self._norm(f"mtp.{d}.enorm", e), self._norm(f"mtp.{d}.hnorm", h)], -1)
+
+    def mtp_proj(self, d: int, eh: Tensor, fetch=None) -> Tensor:
+        """eh_proj, column-parallel (Megatron-Core's gather_output=False): (B, T, 2C) -> (B, T, C/tp);
+        `fetch` given: eh is gathered over the sequence and not saved (sp)."""
+        W = self.p[f"mtp.{d}.eh_proj"]
+        return eh @ W if fetch is None else GatheredLinear.apply(eh, W, fetch)
 
     def mtp_scale(self, d: int, tokens: int) -> float:
         """Each kept token's weight in MTP depth d's loss: mtp_loss_scaling_factor / depths over the

@@ -138,8 +138,9 @@ class BlockCompute:
             return (M.norm1(l, xs[0]),)
         if block == "norm2":
             return (M.norm2(l, xs[0]),)
-        if block == "norm":
-            return (M.final_norm(xs[0]),)
+        if block == "norm":  # the main head's final norm, or an MTP depth's (its head: layer `mtp_head`)
+            d = l - self.L - 1 - self.m.mtp_layers
+            return (M.final_norm(xs[0], M.mtp_norm(d)),)
         if block == "attn":
             if self.heads:  # cp_impl=a2a: the whole sequence, in order, for this rank's share of the heads
                 return (M.attn(l, xs[0], xs[1], self.heads_pos, self.heads_pos),)
@@ -170,10 +171,13 @@ class BlockCompute:
             return (M.moe_out_weighted(l, *xs, self._fetch("xma", l, mb)),)
         if block == "moe_out":
             return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
+        if block == "mtp_embed":
+            sh = self.batch(mb).mtp[l - self.L - 1]
+            return (M.embed(sh.tokens, sh.pos),)
+        if block == "mtp_norm":
+            return (M.mtp_norms(l - self.L - 1, xs[0], xs[1]),)
         if block == "mtp_in":
-            d = l - self.L - 1
-            sh = self.batch(mb).mtp[d]
-            return (M.mtp_in(d, xs[0], sh.tokens, sh.pos),)
+            return (M.mtp_proj(l - self.L - 1, xs[0], self._fetch("eha", l, mb)),)
         d = l - self.L - 1 - self.m.mtp_layers  # an MTP depth's use of the head: layer `mtp_head`
         if block == "head":
             return M.head(xs[0], self._fetch("xh", l, mb), **({"norm": M.mtp_norm(d)} if d >= 0 else {}))
@@ -296,6 +300,9 @@ class BlockCompute:
         for n, o in zip(out_names, outs):
             if isinstance(o, Tensor) and o.requires_grad:
                 g = self.loss_seed(o) if ins.block == "loss" else self.take_grad((n, l, mb))
+                if g is not None and ins.block == "mtp_in" and self.plan.tp > 1 and not self.plan.sp:
+                    # without sp the output gather's backward is a split: this rank's hidden columns
+                    g = g[..., self.model.hlo : self.model.hhi].contiguous()
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
@@ -315,12 +322,28 @@ class BlockCompute:
             if isinstance(v, Tensor) and v.grad is not None:
                 self.add_grad((n, l, mb), v.grad)
                 v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
+        if ins.block == "mtp_norm":
+            self._whole_norm_grads(l)
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept:
-                continue  # the router's backward reads the re-gathered input after this one
+            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept or n == "hprev":
+                continue  # the router's backward reads the re-gathered input after this one; hprev is the head's
             k = self.resolve((n, l, mb))
             if k is not None:
                 del self.env[k]
+
+    def _whole_norm_grads(self, l: int) -> None:
+        """Without sp an MTP depth applies the previous head's final norm again (`GPT.mtp_norms`) and
+        gets that norm's gradient whole, where the head's own share is partial over tp, summed by its
+        head_in: the whole share goes straight to the summed gradients (`g`), past that sum."""
+        if self.plan.sp or self.plan.tp == 1:
+            return
+        prefix = self.model.mtp_norm(l - self.L - 2) + "."
+        for n in self.partial_by:
+            p = self.p[n]
+            if n.startswith(prefix) and p.grad is not None:
+                g = p.grad.to(self.gdtype, copy=True)
+                p.grad = None
+                self.g[n] = g if n not in self.g else self.g[n] + g
 
     def drop_layer(self, l: int, mb: int) -> None:
         """Full recompute: after the layer's forward keep only its input (recompute rebuilds the rest)."""

@@ -105,7 +105,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.coords = rp.mesh.coords(self.rank)
         self.lay = Layout.of(rp, self.rank)
         self.L = m.layers
-        self.aliases = mtp_aliases(m.layers, m.mtp_layers)  # the MTP depths' reads (empty without)
+        self.D = m.mtp_layers
+        self.aliases = mtp_aliases(m.layers, m.mtp_layers, p.sp, p.tp)  # the MTP depths' reads (empty without)
         self.step_no = -1
         self.slow_factor = 1.0  # a straggler's compute slowdown (`slowed_compute`)
         self.inflight: dict[str, InflightComm] = {}
@@ -132,7 +133,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.colls = COLLECTIVE_IO_SP if p.sp else COLLECTIVE_IO
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
-                           if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
+                           if p.sp else s.tp_partial for n, s in self.specs.items()
+                           if s.tp_partial or (p.sp and s.sp_partial)}
         if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
             # parallel folding without a shared expert: no mlp_in around the MoE layer, so the router's
             # partial gradient (each tp rank routed its own slice) rides the first norm's all-reduce
@@ -147,6 +149,12 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.split_analyses: dict[tuple, object] = {}  # (block, layer) -> where its parameters join
         if self.split or p.tp_overlap:
             self.partial_by = {n: "norm_grads" for n in self.partial_by}
+        # the layer of the collective that sums each: its unit's, but an MTP depth's final norm is its
+        # head's (layer unit + depths, the lowering's `mtp_head`), whose head_in or norm_grads carries it
+        self.partial_layer = {n: self.specs[n].unit + (self.D if self.specs[n].tp_partial == "head_in"
+                                                        and self.specs[n].unit > self.L and not self.split
+                                                        and not p.tp_overlap else 0)
+                              for n in self.partial_by}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
             n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()
@@ -185,7 +193,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
         k = self.alias(key)
         while k is not None and k not in self.env:
-            k = upstream(k, self.plan.sp)
+            k = upstream(k, self.plan.sp, self.L, self.D)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -206,7 +214,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = downstream(k, self.L, self.plan.sp)
+            k = downstream(k, self.L, self.plan.sp, self.D)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:

@@ -25,10 +25,6 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.mtp_layers and p.tp > 1:
-        missing.append(f"multi-token prediction with tp={p.tp} ({m.name}: mtp_layers={m.mtp_layers}; the depth's "
-                       "column-parallel eh_proj output must be all-gathered over tp, and under sp scattered back, "
-                       "as Megatron-Core's MultiTokenPredictionLayer does, and the lowering emits no such collective)")
     if m.mtp_layers and p.zero3 is not None:
         missing.append(f"multi-token prediction with zero=3 ({m.name}: an MTP depth reads the embedding's and the "
                        "head's parameters, whose units the lowering gathers for their own blocks only, not beside "

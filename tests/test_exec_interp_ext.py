@@ -574,6 +574,12 @@ MTP = [
     ("mtp-tiny", "tp=2"),
     ("mtp-tiny", "tp=2,sp=1"),
     ("mtp-moe-tiny", "dp=2,ep=2,tp=2,sp=1"),
+    # ZeRO-3: the embedding's and the head's units gathered beside a depth's, their gradient shares
+    # reduce-scattered after its backward; or kept gathered from the forward (reshard_after_forward=0)
+    ("mtp-tiny", "dp=2,zero=3"),
+    ("mtp-tiny", "dp=2,tp=2,sp=1,zero=3"),
+    ("mtp-moe-tiny", "dp=2,ep=2,zero=3"),
+    ("mtp-tiny", "dp=2,zero=3,reshard_after_forward=0,gbs=8"),
 ]
 
 
@@ -631,8 +637,28 @@ def test_multi_token_prediction_refused_where_the_lowering_lacks_what_it_reads()
 
     why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "pp=2,gbs=4"))
     assert why and "learned positions with pp=2" in why
-    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"), "dp=2,zero=3"))
-    assert why and "multi-token prediction with zero=3" in why
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"),
+                               "dp=2,zero=3,zero_impl=yafsdp"))
+    assert why and "multi-token prediction with zero_impl=yafsdp" in why
+
+
+def test_multi_token_prediction_gathers_the_shared_units_under_zero3():
+    """Under ZeRO-3 an MTP depth gathers the embedding's and the head's units beside its own (FSDP's
+    unshard of a module called again; one still gathered is used as it is) and reduce-scatters its
+    shares of their gradients after its backward."""
+    from simexec.program.lower import lower
+
+    rp = resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "dp=2,zero=3")
+    L, first, u = rp.model.layers, rp.model.mtp_block(0), rp.model.mtp_block(1)
+    names = {i.name: i for i in lower(rp).ranks[0] if i.kind == "collective"}
+    # forward: the head's unit is still gathered for the first depth, the embedding's gathered again;
+    # the backward starts with the last depth, which gathers both
+    assert names[f"fwd.gather.L{first}.m0.mtp-1"].layer == -1
+    assert names[f"bwd.gather.L{u}.m0.mtp-1"].layer == -1
+    assert names[f"bwd.gather.L{u}.m0.mtp{L}"].layer == L
+    for unit in (-1, L):
+        rs = names[f"bwd.grads.L{unit}.m0.mtp{u}"]
+        assert rs.collective == "reducescatter" and rs.layer == unit
 
 
 @pytest.mark.parametrize("model,plan,reason", [

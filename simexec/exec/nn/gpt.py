@@ -423,17 +423,19 @@ class GPT:
 
     # -- head and loss ------------------------------------------------------------------------------
 
-    def head(self, x: Tensor, fetch=None, norm: str = "head.norm") -> tuple[Tensor, Tensor]:
+    def head(self, x: Tensor, fetch=None, norm: str = "head.norm", normed: bool = False) -> tuple[Tensor, ...]:
         """Final norm (under sp: `final_norm`) + LM head (vocab-parallel): (B, T, C) -> logits
         (B, T, V/tp) in fp32 (the cross entropy's precision, whatever the model's) and their local max
         (B, T), which carries no gradient (softmax does not depend on the shift). `norm`: an MTP depth's
-        own final norm before the shared head (`mtp_norm`)."""
+        own final norm before the shared head (`mtp_norm`). `normed` (without sp, before an MTP depth):
+        also the normed hidden state the next depth reads (Megatron-Core's final_layernorm output)."""
         w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
         if self.lay.sp:
             logits = GatheredLinear.apply(x, w, fetch).float()
-        else:
-            logits = (self._norm(norm, x) @ w).float()
-        return logits, logits.detach().amax(-1)
+            return logits, logits.detach().amax(-1)
+        h = self._norm(norm, x)
+        logits = (h @ w).float()
+        return (logits, logits.detach().amax(-1)) + ((h,) if normed else ())
 
     # -- multi-token prediction ---------------------------------------------------------------------
     # DeepSeek-V3 §2.2 as Megatron-Core's MultiTokenPredictionLayer runs it: depth d (0-based) predicts
@@ -447,17 +449,15 @@ class GPT:
         return "head.norm" if d < 0 else f"mtp.{d}.norm"
 
     def mtp_in(self, d: int, h: Tensor, tokens: Tensor, pos: Tensor) -> Tensor:
-        """MTP depth d's input, unsharded: h (B, T, C) the previous depth's residual stream, tokens / pos
-        the ids and positions one further ahead -> eh_proj([enorm(embed(tokens)) | hnorm(h)]) (B, T, C)."""
+        """MTP depth d's input, unsharded: h (B, T, C) the previous depth's hidden state after its final
+        norm, tokens / pos the ids and positions one further ahead -> eh_proj([enorm(embed(tokens)) |
+        hnorm(h)]) (B, T, C)."""
         return self.mtp_proj(d, self.mtp_norms(d, self.embed(tokens, pos), h))
 
     def mtp_norms(self, d: int, e: Tensor, h: Tensor) -> Tensor:
         """enorm(e) | hnorm(h): e the shifted tokens' embedding (summed over tp), h the previous depth's
-        hidden state: its residual stream, whose final norm is applied here again as the head applies
-        it, or under sp that norm's output (this rank's slice of the sequence, as e). Megatron-Core
-        concatenates the embedding first."""
-        if not self.lay.sp:
-            h = self._norm(self.mtp_norm(d - 1), h)
+        hidden state after its final norm (the head's `normed` output, under sp the norm block's, on
+        this rank's slice of the sequence as e). Megatron-Core concatenates the embedding first."""
         return torch.cat([self._norm(f"mtp.{d}.enorm", e), self._norm(f"mtp.{d}.hnorm", h)], -1)
 
     def mtp_proj(self, d: int, eh: Tensor, fetch=None) -> Tensor:
@@ -508,9 +508,8 @@ class GPT:
                 x = self.moe_out(l, x, h, w, ys, route)
             else:
                 x = self.fc2(l, self.fc1(l, x), x)
-        logits, lmax = self.head(x)
+        logits, lmax, h = self.head(x, normed=True)
         total = self.loss(self.xent(logits, lmax, targets), 1.0 / targets.numel())
-        h = x
         for d, sh in enumerate(mtp):
             u = self.m.mtp_block(d)
             x = self.mtp_in(d, h, sh.tokens, sh.pos)
@@ -521,8 +520,7 @@ class GPT:
                 x = self.moe_out(u, x, hh, w, self.experts(u, xs, route.counts.view(1, -1)), route)
             else:
                 x = self.fc2(u, self.fc1(u, x), x)
-            logits, lmax = self.head(x, norm=self.mtp_norm(d))
+            logits, lmax, h = self.head(x, norm=self.mtp_norm(d), normed=True)
             scale = self.mtp_scale(d, int(sh.mask.sum()) * targets.shape[0])
             total = total + self.loss(self.xent(logits, lmax, sh.targets), scale, sh.mask)
-            h = x
         return total

@@ -104,10 +104,11 @@ class BlockCompute:
         if ins.block in ZERO3_COPY_BLOCKS:  # priced by the simulator; the flat buffers' copies are in z3_*
             return None
         if self.z3_pending:
-            for cls in ("dense", "expert"):
-                w = self.z3_pending.get((cls, ins.layer))
-                if w is not None:
-                    w.wait()
+            for unit in self.z3_units(ins.layer):
+                for cls in ("dense", "expert"):
+                    w = self.z3_pending.get((cls, unit))
+                    if w is not None:
+                        w.wait()
         record = (ins.phase == "recompute" or not self.recomputed
                   or (ins.block, ins.layer, ins.mb) not in self.recomputed)
         if self.ring and ins.block == "attn":
@@ -180,7 +181,7 @@ class BlockCompute:
             return (M.mtp_proj(l - self.L - 1, xs[0], self._fetch("eha", l, mb)),)
         d = l - self.L - 1 - self.m.mtp_layers  # an MTP depth's use of the head: layer `mtp_head`
         if block == "head":
-            return M.head(xs[0], self._fetch("xh", l, mb), **({"norm": M.mtp_norm(d)} if d >= 0 else {}))
+            return M.head(xs[0], self._fetch("xh", l, mb), M.mtp_norm(d), normed=len(self.blocks_io["head"][1]) > 2)
         if block == "xent":
             return (M.xent(xs[0], xs[1], self.batch(mb).mtp[d].targets if d >= 0 else self.batch(mb).targets),)
         if block == "loss" and d >= 0:
@@ -303,6 +304,10 @@ class BlockCompute:
                 if g is not None and ins.block == "mtp_in" and self.plan.tp > 1 and not self.plan.sp:
                     # without sp the output gather's backward is a split: this rank's hidden columns
                     g = g[..., self.model.hlo : self.model.hhi].contiguous()
+                if g is not None and n == "hn" and self.plan.tp > 1:
+                    # the next MTP depth's gradient of the normed hidden state, whole: head_in's backward
+                    # sums this block's input and norm gradients over tp, so each rank takes its 1/tp
+                    g = g / self.plan.tp
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
@@ -322,28 +327,12 @@ class BlockCompute:
             if isinstance(v, Tensor) and v.grad is not None:
                 self.add_grad((n, l, mb), v.grad)
                 v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
-        if ins.block == "mtp_norm":
-            self._whole_norm_grads(l)
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept or n == "hprev":
-                continue  # the router's backward reads the re-gathered input after this one; hprev is the head's
+            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept or (n == "hprev" and self.plan.sp):
+                continue  # the router's backward reads the re-gathered input after this one; sp: hprev, the head's
             k = self.resolve((n, l, mb))
             if k is not None:
                 del self.env[k]
-
-    def _whole_norm_grads(self, l: int) -> None:
-        """Without sp an MTP depth applies the previous head's final norm again (`GPT.mtp_norms`) and
-        gets that norm's gradient whole, where the head's own share is partial over tp, summed by its
-        head_in: the whole share goes straight to the summed gradients (`g`), past that sum."""
-        if self.plan.sp or self.plan.tp == 1:
-            return
-        prefix = self.model.mtp_norm(l - self.L - 2) + "."
-        for n in self.partial_by:
-            p = self.p[n]
-            if n.startswith(prefix) and p.grad is not None:
-                g = p.grad.to(self.gdtype, copy=True)
-                p.grad = None
-                self.g[n] = g if n not in self.g else self.g[n] + g
 
     def drop_layer(self, l: int, mb: int) -> None:
         """Full recompute: after the layer's forward keep only its input (recompute rebuilds the rest)."""

@@ -108,13 +108,16 @@ def mtp_aliases(layers: int, depths: int, sp: bool = False, tp: int = 1) -> dict
     """Where the MTP depths' reads meet the names the rest of the model writes: depth d (unit u =
     layers + 1 + d, `ModelSpec.mtp_block`) reads as `hprev` the hidden state of the head before it
     (the main head's, unit `layers`, for d = 0; else depth d - 1's head, unit u - 1 + depths, the
-    lowering's `mtp_head`): its input x, whose final norm `GPT.mtp_norms` applies again, or under sp
-    that norm's output on this rank's slice (Megatron-Core hands the depth the hidden state after the
-    final norm). Its gradient, whole (eh_proj's input gradient is summed over tp before the norms),
-    sums where the head's arrives whole: after head_in's backward, or with tp = 1 at the head's input
-    xh; so the block before takes both."""
-    name = "xh" if tp == 1 else "nf" if sp else "x"
+    lowering's `mtp_head`) after its final norm (Megatron-Core hands the depth the final_layernorm's
+    output): the head's normed output `hn` (`MTP_HEAD_IO`), or under sp the norm block's on this
+    rank's slice, whose gradient sums with what the head's reduce-scatter brings (at its input xh
+    with tp = 1, where there is none)."""
+    name = "hn" if not sp else "xh" if tp == 1 else "nf"
     return {("hprev", layers + 1 + d): (name, layers if d == 0 else layers + d + depths) for d in range(depths)}
+
+
+# without sp, where MTP depths follow: the head also writes its normed input, which the next depth reads
+MTP_HEAD_IO = {"head": (("xh",), ("logits", "lmax", "hn"))}
 
 
 def is_mtp_block(layer: int, layers: int, depths: int) -> bool:

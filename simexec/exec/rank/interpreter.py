@@ -58,7 +58,7 @@ from simexec.exec.rank.activation_collectives import ActivationCollectives
 from simexec.exec.rank.block_compute import BlockCompute
 from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
 from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
-                                        downstream, gathered_dispatch_io, mtp_aliases, upstream)
+                                        MTP_HEAD_IO, downstream, gathered_dispatch_io, mtp_aliases, upstream)
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
@@ -126,7 +126,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.gdtype = torch.float32 if self.main_grads else self.dtype
 
         self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
-        self.blocks_io = BLOCK_IO_SP if p.sp else BLOCK_IO
+        self.blocks_io = BLOCK_IO_SP if p.sp else {**BLOCK_IO, **(MTP_HEAD_IO if m.mtp_layers else {})}
         self.gathered_dispatch = p.moe_dispatcher == "allgather"
         if self.gathered_dispatch:
             self.blocks_io = gathered_dispatch_io(self.blocks_io)

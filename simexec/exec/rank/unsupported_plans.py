@@ -25,10 +25,10 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.mtp_layers and p.zero3 is not None:
-        missing.append(f"multi-token prediction with zero=3 ({m.name}: an MTP depth reads the embedding's and the "
-                       "head's parameters, whose units the lowering gathers for their own blocks only, not beside "
-                       "the depth's)")
+    if m.mtp_layers and p.zero3 is not None and p.zero3.preallocated_buffers:
+        missing.append(f"multi-token prediction with zero_impl={p.zero3.name} ({m.name}: an MTP depth needs its "
+                       "unit, the embedding's and the head's gathered at once, which the flavour's two alternating "
+                       "buffers cannot hold)")
     if m.mtp_layers and m.learned_pos and rp.head_pp_rank != 0:
         missing.append(f"multi-token prediction with learned positions with pp={p.pp} ({m.name}: the MTP depths "
                        "embed the shifted tokens on the last stage, whose copy of the embedding holds the word "

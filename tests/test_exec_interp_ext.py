@@ -574,6 +574,8 @@ MTP = [
     ("mtp-tiny", "tp=2"),
     ("mtp-tiny", "tp=2,sp=1"),
     ("mtp-moe-tiny", "dp=2,ep=2,tp=2,sp=1"),
+    ("mtp-tiny", "tp=2,sp=1,tp_overlap=1"),  # eh_proj's weight gradient under its input gradient's reduce-scatter
+    ("mtp-moe-tiny", "tp=2,pp=2,gbs=4,schedule=zb-h1"),  # the depth's weight pass: eh_proj, the norms, the lookup
     # ZeRO-3: the embedding's and the head's units gathered beside a depth's, their gradient shares
     # reduce-scattered after its backward; or kept gathered from the forward (reshard_after_forward=0)
     ("mtp-tiny", "dp=2,zero=3"),

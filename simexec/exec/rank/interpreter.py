@@ -148,7 +148,9 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.deferred: dict[tuple, DeferredWeights] = {}
         self.split_analyses: dict[tuple, object] = {}  # (block, layer) -> where its parameters join
         if self.split or p.tp_overlap:
-            self.partial_by = {n: "norm_grads" for n in self.partial_by}
+            # (tp_overlap alone leaves an MTP depth's input norms to their own sum after their backward)
+            self.partial_by = {n: v if v == "mtp_norm_grads" and not self.split else "norm_grads"
+                               for n, v in self.partial_by.items()}
         # the layer of the collective that sums each: its unit's, but an MTP depth's final norm is its
         # head's (layer unit + depths, the lowering's `mtp_head`), whose head_in or norm_grads carries it
         self.partial_layer = {n: self.specs[n].unit + (self.D if self.specs[n].tp_partial == "head_in"

@@ -51,7 +51,8 @@ class MtpLowering(LayerLowering):
         self.tp("mtp_eh_in", "bwd", unit, mb, c, 2 * full)
         self.compute("bwd", "mtp_norm", unit, mb, c, blocks["mtp_norm"])
         self.memory("free", "activations", blocks["mtp_norm"].saved, f"act.mtp_norm.L{unit}.m{mb}")
-        if self.p.sp:  # enorm's and hnorm's gradients, each rank's over its slice of the sequence
+        if self.p.sp and not self.split:  # enorm's and hnorm's gradients, each over its rank's slice of the
+            # sequence (split: made by the weight pass, summed with the unit's `tp_partial_grads`)
             self.norm_grads(unit, mb, c, 2 * self.rp.model.pre_norm_params(), block="mtp_norm_grads")
         self.tp("mtp_embed_out", "bwd", unit, mb, c, full)
         if not self.split:  # its backward is all weight gradient (the weight pass runs it)
@@ -64,5 +65,6 @@ class MtpLowering(LayerLowering):
             if b.wgrad_flops:
                 self.compute("wgrad", name, unit, mb, c, b)
         self.compute("wgrad", "mtp_in", unit, mb, c, blocks["mtp_in"])
+        self.compute("wgrad", "mtp_norm", unit, mb, c, blocks["mtp_norm"])  # enorm's and hnorm's weights
         e = blocks["mtp_embed"]
         self.compute("wgrad", "mtp_embed", unit, mb, c, replace(e, wgrad_bytes=e.bwd_bytes, wgrad_tmp=e.bwd_workspace))

@@ -131,6 +131,8 @@ class TensorParallel(RankEmitter):
         if unit == self.head_unit:
             return m.final_norm_params()
         params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
+        if self.is_mtp_unit(unit) and self.p.sp:  # an MTP depth's enorm and hnorm, on sequence slices
+            params += 2 * m.pre_norm_params()
         return params + (m.hidden * m.moe.experts if m.is_moe_layer(unit) else 0)
 
     def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:

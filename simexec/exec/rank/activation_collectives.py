@@ -24,8 +24,8 @@ class ActivationCollectives:
     `collective` dispatches one by block; the activation collectives, the norms' partial gradients
     under sp (`norm_grads`), the tied embedding's gradient sum and MoE's all-to-alls run here.
 
-    Reads of the rank: `rank`, `plan`, `L`, `comm`, `colls`, `specs`, `shapes`, `p`, `device`,
-    `gdtype`, `partial_by`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`, `deliver`,
+    Reads of the rank: `rank`, `plan`, `L`, `D`, `model`, `comm`, `colls`, `specs`, `shapes`, `p`, `device`,
+    `gdtype`, `partial_by`, `partial_layer`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`, `deliver`,
     `local_grad`, and the other mixins' collectives. Shares with it: `env`, `d`, `g`, `g_pending`,
     `reduced`."""
 

@@ -85,7 +85,7 @@ class BlockCompute:
     `drop_layer` is full recompute's drop after a layer's forward.
 
     Reads of the rank: `rp`, `plan`, `model`, `device`, `rank`, `xla`, `blocks_io`, `gathered_dispatch`, `token_weight`,
-    `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `ring`,
+    `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `z3_units`, `ring`,
     `ring_hop`, `heads`, `heads_pos`, `read`, `resolve`, `take_grad`, `add_grad`, `batch`, and the
     other mixins' compute (`optimizer_step`, `grad_norm`, `unscale`, `bucket_in`, `bucket_out`,
     `ring_forward`, `ring_backward`). Shares with it: `env`, `records`, `deferred`, `loss`."""
@@ -328,8 +328,10 @@ class BlockCompute:
                 self.add_grad((n, l, mb), v.grad)
                 v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept or (n == "hprev" and self.plan.sp):
-                continue  # the router's backward reads the re-gathered input after this one; sp: hprev, the head's
+            # the router's backward reads the re-gathered input after this one; under sp an MTP depth's
+            # hprev is the head's norm output, which the head's re-gather reads after this
+            if (n in ("xma", "hprev") and ins.block in ("moe_out", "mtp_norm") and self.plan.sp) or n == kept:
+                continue
             k = self.resolve((n, l, mb))
             if k is not None:
                 del self.env[k]

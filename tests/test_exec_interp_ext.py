@@ -648,6 +648,19 @@ MTP = [
     ("mtp-moe-tiny", "pp=2,gbs=4"),
     ("mtp-moe-tiny", "dp=2,ep=2"),
     ("mtp-moe-tiny", "dp=2,ep=2,zero=1"),
+    # tp: eh_proj column-parallel, its output gathered over the hidden dimension (under sp split over the
+    # sequence after), its input's gradient summed (under sp gathered, reduce-scattered, re-gathered)
+    ("mtp-tiny", "tp=2"),
+    ("mtp-tiny", "tp=2,sp=1"),
+    ("mtp-moe-tiny", "dp=2,ep=2,tp=2,sp=1"),
+    ("mtp-tiny", "tp=2,sp=1,tp_overlap=1"),  # eh_proj's weight gradient under its input gradient's reduce-scatter
+    ("mtp-moe-tiny", "tp=2,pp=2,gbs=4,schedule=zb-h1"),  # the depth's weight pass: eh_proj, the norms, the lookup
+    # ZeRO-3: the embedding's and the head's units gathered beside a depth's, their gradient shares
+    # reduce-scattered after its backward; or kept gathered from the forward (reshard_after_forward=0)
+    ("mtp-tiny", "dp=2,zero=3"),
+    ("mtp-tiny", "dp=2,tp=2,sp=1,zero=3"),
+    ("mtp-moe-tiny", "dp=2,ep=2,zero=3"),
+    ("mtp-tiny", "dp=2,zero=3,reshard_after_forward=0,gbs=8"),
 ]
 
 
@@ -674,15 +687,59 @@ def test_multi_token_prediction_adds_its_scaled_losses_to_the_reference():
     assert with_mtp - without == pytest.approx(0.3 * math.log(512), rel=0.05)
 
 
+@pytest.mark.parametrize("sp", [0, 1])
+def test_multi_token_prediction_lowers_megatron_tp_collectives(sp):
+    """Under tp an MTP depth communicates as Megatron-Core's MultiTokenPredictionLayer: the shifted
+    embedding summed (sp: reduce-scattered), eh_proj's input gradient summed (sp: the input gathered,
+    re-gathered for the weight gradient, its gradient reduce-scattered), its column-parallel output
+    gathered over the hidden dimension (sp: the gradient gathered over the sequence), each at the size
+    the simulator prices."""
+    from simexec.program.blocks import Anatomy
+    from simexec.program.lower import lower
+
+    rp = resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), f"tp=2,sp={sp}")
+    an = Anatomy(rp)
+    full = an.full_hidden_bytes
+    got = {(i.phase, i.block): (i.collective, i.bytes) for i in lower(rp).ranks[0]
+           if i.kind == "collective" and i.layer == rp.model.mtp_block(0) and i.mb == 0}
+    want = ({("fwd", "mtp_embed_out"): ("reducescatter", full), ("bwd", "mtp_embed_out"): ("allgather", full),
+             ("fwd", "mtp_eh_in"): ("allgather", 2 * full), ("bwd", "mtp_eh_regather"): ("allgather", 2 * full),
+             ("bwd", "mtp_eh_in"): ("reducescatter", 2 * full), ("fwd", "mtp_eh_out"): ("allgather", full),
+             ("bwd", "mtp_eh_out"): ("allgather", full)} if sp else
+            {("fwd", "mtp_embed_out"): ("allreduce", full), ("bwd", "mtp_eh_in"): ("allreduce", 2 * full),
+             ("fwd", "mtp_eh_out"): ("allgather", full)})
+    assert {k: v for k, v in got.items() if k[1].startswith("mtp_") and k[1] != "mtp_norm_grads"} == want
+    # under sp enorm's and hnorm's gradients, each over its rank's slice, summed over tp
+    assert (("bwd", "mtp_norm_grads") in got) == bool(sp)
+
+
 def test_multi_token_prediction_refused_where_the_lowering_lacks_what_it_reads():
     from simexec.exec.rank.unsupported_plans import unsupported
 
-    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "tp=2"))
-    assert why and "multi-token prediction with tp=2" in why and "eh_proj" in why
     why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "pp=2,gbs=4"))
     assert why and "learned positions with pp=2" in why
-    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"), "dp=2,zero=3"))
-    assert why and "multi-token prediction with zero=3" in why
+    why = unsupported(resolved(str(Path(__file__).resolve().parent / "data" / "mtp-moe-tiny.yaml"),
+                               "dp=2,zero=3,zero_impl=yafsdp"))
+    assert why and "multi-token prediction with zero_impl=yafsdp" in why
+
+
+def test_multi_token_prediction_gathers_the_shared_units_under_zero3():
+    """Under ZeRO-3 an MTP depth gathers the embedding's and the head's units beside its own (FSDP's
+    unshard of a module called again; one still gathered is used as it is) and reduce-scatters its
+    shares of their gradients after its backward."""
+    from simexec.program.lower import lower
+
+    rp = resolved(str(Path(__file__).resolve().parent / "data" / "mtp-tiny.yaml"), "dp=2,zero=3")
+    L, first, u = rp.model.layers, rp.model.mtp_block(0), rp.model.mtp_block(1)
+    names = {i.name: i for i in lower(rp).ranks[0] if i.kind == "collective"}
+    # forward: the head's unit is still gathered for the first depth, the embedding's gathered again;
+    # the backward starts with the last depth, which gathers both
+    assert names[f"fwd.gather.L{first}.m0.mtp-1"].layer == -1
+    assert names[f"bwd.gather.L{u}.m0.mtp-1"].layer == -1
+    assert names[f"bwd.gather.L{u}.m0.mtp{L}"].layer == L
+    for unit in (-1, L):
+        rs = names[f"bwd.grads.L{unit}.m0.mtp{u}"]
+        assert rs.collective == "reducescatter" and rs.layer == unit
 
 
 @pytest.mark.parametrize("model,plan,reason", [

@@ -547,18 +547,22 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         }
 
     @cached_property
-    def mtp_in(self) -> Block:
-        """An MTP depth's input (DeepSeek-V3 §2.2, Megatron-Core's MultiTokenPredictionLayer): the
-        shifted tokens' embedding lookup, the norms of it and of the hidden state, their concatenation
-        and the 2h->h projection; the backward also scatters into the embedding's gradient."""
-        t, T, dt, h = self.tp, self.tokens, self.dt, self.h
+    def mtp(self) -> dict[str, Block]:
+        """An MTP depth's input blocks (DeepSeek-V3 §2.2, Megatron-Core's MultiTokenPredictionLayer) in
+        forward order: `mtp_embed`, the shifted tokens' lookup in the shared embedding (this rank's
+        vocabulary shard, as `embed`; its backward scatters into the embedding's gradient); `mtp_norm`,
+        enorm and hnorm and their concatenation, embedding first (on this rank's slice under sp);
+        `mtp_in`, eh_proj, a column-parallel 2h -> h/tp GEMM (Megatron-Core's gather_output=False) that
+        saves its input (under sp its slice, re-gathered for the weight gradient)."""
+        t, T, dt, h, sp = self.tp, self.tokens, self.dt, self.h, self.sp_div
+        cat = 2 * dt * T * 2 * h / sp  # the concatenation: read both halves, write them side by side
+        norm = Block("elementwise", 0.0, 2 * self.norm_fwd() + cat, 2 * (self.hidden_bytes + self.norm_stats),
+                     2 * self.norm_bwd() + cat, bwd_workspace=2 * self.hidden_bytes)
         f, _ = gemm_cost(T, 2 * h, h / t, dt)
-        fwd = 2 * dt * T * h + 2 * self.norm_fwd() + 2 * dt * T * 2 * h
-        saved = 3 * dt * T * h  # the two norm inputs, the projection's (concatenated) input
-        embed = self.embed_params()
-        bwd = 2 * dt * T * h + 2 * self.norm_bwd() + 2 * dt * T * 2 * h + self.grad_dt * embed + self.weight_grad_bytes(embed)
-        b = Block("gemm", f, fwd, saved, bwd, bwd_workspace=dt * T * 2 * h + dt * embed)
-        return replace(b, **self._weight_pass(b, 2 * h * h / t, dt * T * h))
+        gemm = Block("gemm", f, 0.0, 2 * self.hidden_bytes, self.weight_grad_bytes(2 * h * h / t),
+                     bwd_workspace=2 * self.full_hidden_bytes + self.wgrad_tmp(2 * h * h / t))
+        gemm = replace(gemm, **self._weight_pass(gemm, 2 * h * h / t, dt * T * h / t))
+        return {"mtp_embed": self.embed, "mtp_norm": norm, "mtp_in": gemm}
 
     def mtp_in_params(self) -> float:
         """An MTP depth's own parameters outside its block: the projection (over tp) and three norms."""

@@ -18,6 +18,14 @@ TP_CONJUGATES = {
     "mlp_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
     "head_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    # an MTP depth (Megatron-Core's MultiTokenPredictionLayer): its embedding's sum as `embed_out`;
+    # eh_proj's column-parallel input as `attn_in` (the concatenated norms' gradient summed, under sp
+    # the input gathered over the sequence); its output gathered over the hidden dimension
+    # (gather_from_tensor_model_parallel_region, whose backward is a split) and under sp split over
+    # the sequence (scatter_to_sequence_parallel_region, whose backward gathers it)
+    "mtp_embed_out": (("allreduce", ""), ("reducescatter", "allgather")),
+    "mtp_eh_in": (("", "allreduce"), ("allgather", "reducescatter")),
+    "mtp_eh_out": (("allgather", ""), ("allgather", "allgather")),
 }
 
 

@@ -182,8 +182,8 @@ class GPT:
     def norm2(self, l: int, x: Tensor) -> Tensor:
         return self._norm(f"layers.{l}.norm2", x)
 
-    def final_norm(self, x: Tensor) -> Tensor:
-        return self._norm("head.norm", x)
+    def final_norm(self, x: Tensor, norm: str = "head.norm") -> Tensor:
+        return self._norm(norm, x)
 
     def _ffn_down(self, prefix: str, a: Tensor, lo: Optional[int] = None) -> Tensor:
         """Down projection, row-parallel: a partial sum; its bias on this rank's hidden slice (`lo`:
@@ -423,17 +423,19 @@ class GPT:
 
     # -- head and loss ------------------------------------------------------------------------------
 
-    def head(self, x: Tensor, fetch=None, norm: str = "head.norm") -> tuple[Tensor, Tensor]:
+    def head(self, x: Tensor, fetch=None, norm: str = "head.norm", normed: bool = False) -> tuple[Tensor, ...]:
         """Final norm (under sp: `final_norm`) + LM head (vocab-parallel): (B, T, C) -> logits
         (B, T, V/tp) in fp32 (the cross entropy's precision, whatever the model's) and their local max
         (B, T), which carries no gradient (softmax does not depend on the shift). `norm`: an MTP depth's
-        own final norm before the shared head (`mtp_norm`)."""
+        own final norm before the shared head (`mtp_norm`). `normed` (without sp, before an MTP depth):
+        also the normed hidden state the next depth reads (Megatron-Core's final_layernorm output)."""
         w = self.p["embed.wte"].t() if self.m.tied_embeddings else self.p["head.w"]  # tied: this rank's vocab rows
         if self.lay.sp:
             logits = GatheredLinear.apply(x, w, fetch).float()
-        else:
-            logits = (self._norm(norm, x) @ w).float()
-        return logits, logits.detach().amax(-1)
+            return logits, logits.detach().amax(-1)
+        h = self._norm(norm, x)
+        logits = (h @ w).float()
+        return (logits, logits.detach().amax(-1)) + ((h,) if normed else ())
 
     # -- multi-token prediction ---------------------------------------------------------------------
     # DeepSeek-V3 §2.2 as Megatron-Core's MultiTokenPredictionLayer runs it: depth d (0-based) predicts
@@ -447,13 +449,22 @@ class GPT:
         return "head.norm" if d < 0 else f"mtp.{d}.norm"
 
     def mtp_in(self, d: int, h: Tensor, tokens: Tensor, pos: Tensor) -> Tensor:
-        """MTP depth d's input: h (B, T, C) the previous depth's residual stream (its final norm applied
-        here again, as the head applies it), tokens / pos the ids and positions one further ahead ->
-        eh_proj([enorm(embed(tokens)) | hnorm(h)]) (B, T, C). Megatron-Core concatenates the embedding
-        first."""
-        e = self._norm(f"mtp.{d}.enorm", self.embed(tokens, pos))
-        hn = self._norm(f"mtp.{d}.hnorm", self._norm(self.mtp_norm(d - 1), h))
-        return torch.cat([e, hn], -1) @ self.p[f"mtp.{d}.eh_proj"]
+        """MTP depth d's input, unsharded: h (B, T, C) the previous depth's hidden state after its final
+        norm, tokens / pos the ids and positions one further ahead -> eh_proj([enorm(embed(tokens)) |
+        hnorm(h)]) (B, T, C)."""
+        return self.mtp_proj(d, self.mtp_norms(d, self.embed(tokens, pos), h))
+
+    def mtp_norms(self, d: int, e: Tensor, h: Tensor) -> Tensor:
+        """enorm(e) | hnorm(h): e the shifted tokens' embedding (summed over tp), h the previous depth's
+        hidden state after its final norm (the head's `normed` output, under sp the norm block's, on
+        this rank's slice of the sequence as e). Megatron-Core concatenates the embedding first."""
+        return torch.cat([self._norm(f"mtp.{d}.enorm", e), self._norm(f"mtp.{d}.hnorm", h)], -1)
+
+    def mtp_proj(self, d: int, eh: Tensor, fetch=None) -> Tensor:
+        """eh_proj, column-parallel (Megatron-Core's gather_output=False): (B, T, 2C) -> (B, T, C/tp);
+        `fetch` given: eh is gathered over the sequence and not saved (sp)."""
+        W = self.p[f"mtp.{d}.eh_proj"]
+        return eh @ W if fetch is None else GatheredLinear.apply(eh, W, fetch)
 
     def mtp_scale(self, d: int, tokens: int) -> float:
         """Each kept token's weight in MTP depth d's loss: mtp_loss_scaling_factor / depths over the
@@ -497,9 +508,8 @@ class GPT:
                 x = self.moe_out(l, x, h, w, ys, route)
             else:
                 x = self.fc2(l, self.fc1(l, x), x)
-        logits, lmax = self.head(x)
+        logits, lmax, h = self.head(x, normed=True)
         total = self.loss(self.xent(logits, lmax, targets), 1.0 / targets.numel())
-        h = x
         for d, sh in enumerate(mtp):
             u = self.m.mtp_block(d)
             x = self.mtp_in(d, h, sh.tokens, sh.pos)
@@ -510,8 +520,7 @@ class GPT:
                 x = self.moe_out(u, x, hh, w, self.experts(u, xs, route.counts.view(1, -1)), route)
             else:
                 x = self.fc2(u, self.fc1(u, x), x)
-            logits, lmax = self.head(x, norm=self.mtp_norm(d))
+            logits, lmax, h = self.head(x, norm=self.mtp_norm(d), normed=True)
             scale = self.mtp_scale(d, int(sh.mask.sum()) * targets.shape[0])
             total = total + self.loss(self.xent(logits, lmax, sh.targets), scale, sh.mask)
-            h = x
         return total

@@ -152,11 +152,16 @@ def param_specs(m: ModelSpec) -> list[ParamSpec]:
         add("head.w", (H, m.vocab), std, L, 1)  # vocab-parallel
     for d in range(m.mtp_layers):  # Megatron-Core's MultiTokenPredictionLayer, unit `mtp_block(d)`
         u = m.mtp_block(d)
-        norm(f"mtp.{d}.enorm", u, "")  # of the shifted tokens' embedding
-        norm(f"mtp.{d}.hnorm", u, "")  # of the previous depth's hidden state
+        # enorm of the shifted tokens' embedding, hnorm of the previous depth's hidden state: whole
+        # gradients (eh_proj's input gradient is summed over tp before them); under sp each rank's over
+        # its slice of the sequence, summed by `mtp_norm_grads`
+        norm(f"mtp.{d}.enorm", u, "", sp_partial="mtp_norm_grads")
+        norm(f"mtp.{d}.hnorm", u, "", sp_partial="mtp_norm_grads")
         add(f"mtp.{d}.eh_proj", (2 * H, H), std, u, 1)  # [embedding | hidden] -> hidden, column-parallel
         layer(u)  # a block like the last layer (`ModelSpec.block_kind_layer`)
-        norm(f"mtp.{d}.norm", u, "")  # its final norm, before the shared head
+        # its final norm, before the shared head: partial as the head's, summed by the depth's head's
+        # head_in (at layer u + mtp_layers, the lowering's `mtp_head`)
+        norm(f"mtp.{d}.norm", u, "head_in")
     return out
 
 

@@ -29,9 +29,9 @@ class ActivationCollectives:
     `collective` dispatches one by block; the activation collectives, the norms' partial gradients
     under sp (`norm_grads`), the tied embedding's gradient sum and MoE's all-to-alls run here.
 
-    Reads of the rank: `rp`, `rank`, `plan`, `L`, `comm`, `two_hops`, `colls`, `specs`, `shapes`, `p`, `device`,
-    `gdtype`, `partial_by`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`, `deliver`,
-    `local_grad`, and the other mixins' collectives. Shares with it: `env`, `d`, `g`, `g_pending`,
+    Reads of the rank: `rp`, `rank`, `plan`, `L`, `D`, `model`, `comm`, `two_hops`, `colls`, `specs`, `shapes`, `p`,
+    `device`, `gdtype`, `partial_by`, `partial_layer`, `full_recompute_layers`, `group`, `read`, `take_grad`, `issue`,
+    `deliver`, `local_grad`, and the other mixins' collectives. Shares with it: `env`, `d`, `g`, `g_pending`,
     `reduced`."""
 
     def collective(self, ins: Instr) -> None:
@@ -40,7 +40,7 @@ class ActivationCollectives:
         g = self.group(ins)
         if block in self.colls:
             return self.activation_collective(ins, verb, g)
-        if block == "norm_grads":
+        if block in ("norm_grads", "mtp_norm_grads"):
             return self.norm_grads(ins, g)
         if block in ("unscale", "grad_norm"):
             return self.step_reduction(ins, g)
@@ -61,7 +61,7 @@ class ActivationCollectives:
         raise ValueError(f"rank {self.rank}: {ins.name}: no executor for collective block {block!r}")
 
     def activation_collective(self, ins: Instr, verb: str, g) -> None:
-        src, dst = collective_keys(ins.block, ins.layer, ins.mb, self.colls)
+        src, dst = collective_keys(ins.block, ins.layer, ins.mb, self.colls, self.L, self.D)
         dim = self.colls[ins.block][2]
         n = len(ins.group)
         backward = ins.phase == "bwd" and ins.block not in SP_REGATHERS
@@ -77,6 +77,8 @@ class ActivationCollectives:
             self.gather_routes(ins, g)
         if ins.block in ("heads_in", "heads_out"):
             return self.heads_exchange(ins, g, backward)
+        if ins.block == "mtp_eh_out":
+            return self.mtp_eh_out(ins, g, src, dst, backward)
         if backward:
             x = self.take_grad(dst)
             extras = self._tp_partial_grads(ins) if ins.block in TP_PARTIAL_COLLECTIVES else []
@@ -123,6 +125,13 @@ class ActivationCollectives:
                 self._deliver_extras(extras, out[chunks[0].numel() :])
         else:
             raise ValueError(f"rank {self.rank}: {ins.name}: {verb} is not an activation collective")
+        held = self.d.pop(target, None) if backward else None
+        if isinstance(held, Tensor):  # a gradient that arrived whole there already (an MTP depth's, `mtp_aliases`)
+            summed = finish
+
+            def finish():
+                summed()
+                self.add_grad(target, held)
         w = self.issue(ins, [work], finish)
         if backward:
             self.d[target] = w
@@ -134,6 +143,33 @@ class ActivationCollectives:
                 self.env.pop(src, None)  # the slice's last reader
             else:
                 self.drop_consumed(src)
+
+    def mtp_eh_out(self, ins: Instr, g, src: tuple, dst: tuple, backward: bool) -> None:
+        """An MTP depth's eh_proj output, column-parallel (B, T, C/tp), gathered over the hidden dimension
+        (Megatron-Core's gather_from_tensor_model_parallel_region) and under sp split over the sequence
+        (scatter_to_sequence_parallel_region): each rank keeps its slice (B, T/tp, C). The backward
+        exists under sp only: the gradient's slices gathered over the sequence, each rank keeping its
+        hidden columns (without sp that split is `BlockCompute.backward`'s)."""
+        n, me = len(ins.group), ins.group.index(self.rank)
+        dim = 1 if backward else 2
+        x = (self.take_grad(dst) if backward else self.read(src)).detach()
+        xt = x.movedim(dim, 0).contiguous()
+        out = torch.empty((n * xt.shape[0],) + xt.shape[1:], dtype=x.dtype, device=x.device)
+        work = self.comm.all_gather(out, xt, group=g, async_op=True)
+        target = src if backward else dst
+
+        def finish():
+            t = out.movedim(0, dim)
+            if backward:
+                t = t[..., self.model.hlo : self.model.hhi]
+            elif self.plan.sp:
+                t = t.chunk(n, dim=1)[me]
+            self.deliver(target, t.contiguous(), backward)
+
+        w = self.issue(ins, [work], finish)
+        (self.d if backward else self.env)[target] = w
+        if not backward:
+            self.drop_consumed(src)
 
     def norm_grads(self, ins: Instr, g) -> None:
         """Under sp: sum over tp the partial gradients of the norms no activation collective
@@ -196,7 +232,7 @@ class ActivationCollectives:
         unit = ins.layer
         out = []
         for n, s in self.specs.items():
-            if s.unit == unit and self.partial_by.get(n) == ins.block:
+            if self.partial_by.get(n) == ins.block and self.partial_layer[n] == unit:
                 p = self.p[n]
                 g = p.grad if p.grad is not None else torch.zeros(self.shapes[n], dtype=p.dtype, device=self.device)
                 p.grad = None

@@ -85,7 +85,7 @@ class BlockCompute:
     `drop_layer` is full recompute's drop after a layer's forward.
 
     Reads of the rank: `rp`, `plan`, `model`, `device`, `rank`, `xla`, `blocks_io`, `gathered_dispatch`, `token_weight`,
-    `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `ring`,
+    `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `z3_units`, `ring`,
     `ring_hop`, `heads`, `heads_pos`, `read`, `resolve`, `take_grad`, `add_grad`, `batch`, and the
     other mixins' compute (`optimizer_step`, `grad_norm`, `unscale`, `bucket_in`, `bucket_out`,
     `ring_forward`, `ring_backward`). Shares with it: `env`, `records`, `deferred`, `loss`."""
@@ -104,10 +104,11 @@ class BlockCompute:
         if ins.block in ZERO3_COPY_BLOCKS:  # priced by the simulator; the flat buffers' copies are in z3_*
             return None
         if self.z3_pending:
-            for cls in ("dense", "expert"):
-                w = self.z3_pending.get((cls, ins.layer))
-                if w is not None:
-                    w.wait()
+            for unit in self.z3_units(ins.layer):
+                for cls in ("dense", "expert"):
+                    w = self.z3_pending.get((cls, unit))
+                    if w is not None:
+                        w.wait()
         record = (ins.phase == "recompute" or not self.recomputed
                   or (ins.block, ins.layer, ins.mb) not in self.recomputed)
         if self.ring and ins.block == "attn":
@@ -138,8 +139,9 @@ class BlockCompute:
             return (M.norm1(l, xs[0]),)
         if block == "norm2":
             return (M.norm2(l, xs[0]),)
-        if block == "norm":
-            return (M.final_norm(xs[0]),)
+        if block == "norm":  # the main head's final norm, or an MTP depth's (its head: layer `mtp_head`)
+            d = l - self.L - 1 - self.m.mtp_layers
+            return (M.final_norm(xs[0], M.mtp_norm(d)),)
         if block == "attn":
             if self.heads:  # cp_impl=a2a: the whole sequence, in order, for this rank's share of the heads
                 return (M.attn(l, xs[0], xs[1], self.heads_pos, self.heads_pos),)
@@ -170,13 +172,16 @@ class BlockCompute:
             return (M.moe_out_weighted(l, *xs, self._fetch("xma", l, mb)),)
         if block == "moe_out":
             return (M.moe_out(l, *xs, self.read(("route", l, mb)), self._fetch("xma", l, mb)),)
+        if block == "mtp_embed":
+            sh = self.batch(mb).mtp[l - self.L - 1]
+            return (M.embed(sh.tokens, sh.pos),)
+        if block == "mtp_norm":
+            return (M.mtp_norms(l - self.L - 1, xs[0], xs[1]),)
         if block == "mtp_in":
-            d = l - self.L - 1
-            sh = self.batch(mb).mtp[d]
-            return (M.mtp_in(d, xs[0], sh.tokens, sh.pos),)
+            return (M.mtp_proj(l - self.L - 1, xs[0], self._fetch("eha", l, mb)),)
         d = l - self.L - 1 - self.m.mtp_layers  # an MTP depth's use of the head: layer `mtp_head`
         if block == "head":
-            return M.head(xs[0], self._fetch("xh", l, mb), **({"norm": M.mtp_norm(d)} if d >= 0 else {}))
+            return M.head(xs[0], self._fetch("xh", l, mb), M.mtp_norm(d), normed=len(self.blocks_io["head"][1]) > 2)
         if block == "xent":
             return (M.xent(xs[0], xs[1], self.batch(mb).mtp[d].targets if d >= 0 else self.batch(mb).targets),)
         if block == "loss" and d >= 0:
@@ -296,6 +301,13 @@ class BlockCompute:
         for n, o in zip(out_names, outs):
             if isinstance(o, Tensor) and o.requires_grad:
                 g = self.loss_seed(o) if ins.block == "loss" else self.take_grad((n, l, mb))
+                if g is not None and ins.block == "mtp_in" and self.plan.tp > 1 and not self.plan.sp:
+                    # without sp the output gather's backward is a split: this rank's hidden columns
+                    g = g[..., self.model.hlo : self.model.hhi].contiguous()
+                if g is not None and n == "hn" and self.plan.tp > 1:
+                    # the next MTP depth's gradient of the normed hidden state, whole: head_in's backward
+                    # sums this block's input and norm gradients over tp, so each rank takes its 1/tp
+                    g = g / self.plan.tp
                 if g is not None:
                     ts.append(o)
                     gs.append(g)
@@ -316,8 +328,10 @@ class BlockCompute:
                 self.add_grad((n, l, mb), v.grad)
                 v.grad = None  # else the graph a deferred W keeps (which saved v) would keep it too
         for n in ins_names + out_names:  # forward values are no longer needed (records hold their own)
-            if (n == "xma" and ins.block == "moe_out" and self.plan.sp) or n == kept:
-                continue  # the router's backward reads the re-gathered input after this one
+            # the router's backward reads the re-gathered input after this one; under sp an MTP depth's
+            # hprev is the head's norm output, which the head's re-gather reads after this
+            if (n in ("xma", "hprev") and ins.block in ("moe_out", "mtp_norm") and self.plan.sp) or n == kept:
+                continue
             k = self.resolve((n, l, mb))
             if k is not None:
                 del self.env[k]

@@ -26,7 +26,11 @@ BLOCK_IO: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "head": (("xh",), ("logits", "lmax")),
     "xent": (("logits", "gmax"), ("ce",)),
     "loss": (("ceg",), ("loss",)),
-    "mtp_in": (("hprev",), ("x",)),  # an MTP depth's input projection: its block's input x (`mtp_aliases`)
+    # an MTP depth's input: the shifted tokens' embedding (partial over tp, as emb), the two norms and
+    # their concatenation eh, eh_proj's column-parallel output xp, gathered into its block's input x
+    "mtp_embed": ((), ("memb",)),
+    "mtp_norm": (("me", "hprev"), ("eh",)),  # hprev: the previous depth's hidden state (`mtp_aliases`)
+    "mtp_in": (("eha",), ("xp",)),
 }
 
 # blocks whose first act is to permute an all-to-all's tokens (the interpreter frees them after)
@@ -52,6 +56,9 @@ COLLECTIVE_IO: dict[str, tuple[str, str, Optional[int]]] = {
     "etp_in": ("xd", "xr", 0),  # parallel folding with etp > 1: the dispatched rows gathered over etp
     "etp_out": ("yr", "yd", 0),  # and the experts' partial outputs reduce-scattered back
     "combine": ("yd", "yc", 0),
+    "mtp_embed_out": ("memb", "me", 1),
+    "mtp_eh_in": ("eh", "eha", 1),
+    "mtp_eh_out": ("xp", "x", 2),  # over the hidden dimension (under sp then split over the sequence)
 }
 # Under sp the norms run on the sequence slice, between the g and f collectives (n1, n2, nf: their
 # outputs, kept as slices until the backward's re-gather); the residual is added on the sequence slice
@@ -88,15 +95,16 @@ def two_hop_io(colls: dict) -> dict:
 
 # sp: the f-conjugates gather a norm's output; the backward gathers it again for the GEMM after it
 # (`<sub-layer>_regather`, delivered as an activation, not a gradient)
-SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1)}
+SP_GATHERS = {"attn_in": ("n1", "xa", 1), "mlp_in": ("n2", "xma", 1), "head_in": ("nf", "xh", 1),
+              "mtp_eh_in": ("eh", "eha", 1)}
 SP_REGATHERS = {b.replace("_in", "_regather"): names for b, names in SP_GATHERS.items()}
 COLLECTIVE_IO_SP = {**COLLECTIVE_IO, **SP_GATHERS, **SP_REGATHERS}
 # sp: the block whose forward reads a gathered norm output last (it is freed after), and the name
-LAST_READER_OF_GATHERED = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh"}
+LAST_READER_OF_GATHERED = {"qkv": "xa", "fc1": "xma", "moe_out": "xma", "head": "xh", "mtp_in": "eha"}
 # sp: the re-gathered input each column-parallel GEMM's weight gradient reads (`*_regather`)
-REGATHERED_INPUT = {"qkv": "xa", "fc1": "xma", "router": "xma", "head": "xh"}
+REGATHERED_INPUT = {"qkv": "xa", "fc1": "xma", "router": "xma", "head": "xh", "mtp_in": "eha"}
 # the collectives whose backward also sums tp-replicated parameters' partial gradients
-TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
+TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads", "mtp_norm_grads")
 # sp: which backward collective sums a replicated parameter's partial gradient (ParamSpec.tp_partial
 # names the one without sp): a norm's backward now follows the f-conjugate's reduce-scatter, so the
 # second norm's rides the sub-layer's next one (attn_in) and the first and final norms', which no
@@ -104,26 +112,40 @@ TP_PARTIAL_COLLECTIVES = ("attn_in", "mlp_in", "head_in", "norm_grads")
 SP_PARTIAL_BY = {"attn_in": "norm_grads", "mlp_in": "attn_in", "head_in": "norm_grads"}
 # names whose one forward reader is the collective after them (when that collective exists)
 CONSUMED_BY_COLLECTIVE = frozenset(("emb", "yp", "y2p", "kv", "xs", "xn", "xd", "yr", "yd", "yn", "lmax", "q",
-                                    "oh"))  # their backward also sums replicated params' grads
+                                    "oh", "memb", "xp"))  # their backward also sums replicated params' grads
 
 
-def mtp_aliases(layers: int, depths: int) -> dict[tuple[str, int], tuple[str, int]]:
+def mtp_aliases(layers: int, depths: int, sp: bool = False, tp: int = 1) -> dict[tuple[str, int], tuple[str, int]]:
     """Where the MTP depths' reads meet the names the rest of the model writes: depth d (unit u =
-    layers + 1 + d, `ModelSpec.mtp_block`) reads as `hprev` the main head's input (d = 0) or the
-    previous depth's block output, and its head (layer u + depths, the lowering's `mtp_head`) reads
-    its block's output as `xh`. Gradients added to an alias sum where the name they stand for
-    collects the head's, so the block before takes both."""
-    out = {}
-    for d in range(depths):
-        u = layers + 1 + d
-        out[("hprev", u)] = ("xh", layers) if d == 0 else ("y2p", u - 1)
-        out[("xh", u + depths)] = ("y2p", u)
-    return out
+    layers + 1 + d, `ModelSpec.mtp_block`) reads as `hprev` the hidden state of the head before it
+    (the main head's, unit `layers`, for d = 0; else depth d - 1's head, unit u - 1 + depths, the
+    lowering's `mtp_head`) after its final norm (Megatron-Core hands the depth the final_layernorm's
+    output): the head's normed output `hn` (`MTP_HEAD_IO`), or under sp the norm block's on this
+    rank's slice, whose gradient sums with what the head's reduce-scatter brings (at its input xh
+    with tp = 1, where there is none)."""
+    name = "hn" if not sp else "xh" if tp == 1 else "nf"
+    return {("hprev", layers + 1 + d): (name, layers if d == 0 else layers + d + depths) for d in range(depths)}
 
 
-def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO) -> tuple[tuple, tuple]:
+# without sp, where MTP depths follow: the head also writes its normed input, which the next depth reads
+MTP_HEAD_IO = {"head": (("xh",), ("logits", "lmax", "hn"))}
+
+
+def is_mtp_block(layer: int, layers: int, depths: int) -> bool:
+    """Layer numbers layers + 1 .. layers + depths are the MTP depths' blocks (`ModelSpec.mtp_block`)."""
+    return layers < layer <= layers + depths
+
+
+def collective_keys(block: str, layer: int, mb: int, table: dict = COLLECTIVE_IO, layers: int = 0,
+                    depths: int = 0) -> tuple[tuple, tuple]:
+    """(what a collective reads, what it writes). A layer's `mlp_out` writes the next layer's input;
+    an MTP depth's block's writes its head's (layer + depths, the lowering's `mtp_head`)."""
     src, dst, _ = table[block]
-    out_layer = 0 if block == "embed_out" else layer + 1 if block == "mlp_out" else layer
+    out_layer = layer
+    if block == "embed_out":
+        out_layer = 0
+    elif block == "mlp_out":
+        out_layer = layer + depths if is_mtp_block(layer, layers, depths) else layer + 1
     return (src, layer, mb), (dst, out_layer, mb)
 
 
@@ -142,11 +164,19 @@ _UP_TWO_HOPS = {"xd": "xn", "xn": "xs", "yn": "yd"}
 _DOWN_TWO_HOPS = {"xs": "xn", "xn": "xd", "yd": "yn", "yn": "yc"}
 
 
-def upstream(key: tuple, sp: bool = False, two_hops: bool = False) -> Optional[tuple]:
-    """The name a collective turns into `key`, for reads where that collective is absent."""
+def upstream(key: tuple, sp: bool = False, layers: int = 0, depths: int = 0,
+             two_hops: bool = False) -> Optional[tuple]:
+    """The name a collective turns into `key`, for reads where that collective is absent. With MTP
+    depths: a depth's block reads eh_proj's output, a depth's head its block's output."""
     name, l, mb = key
     if name == "x":
-        return ("emb", -1, mb) if l == 0 else ("y2p", l - 1, mb)
+        if l == 0:
+            return ("emb", -1, mb)
+        if depths and is_mtp_block(l, layers, depths):
+            return ("xp", l, mb)
+        if depths and l > layers + depths:
+            return ("y2p", l - depths, mb)
+        return ("y2p", l - 1, mb)
     src = (two_hops and _UP_TWO_HOPS.get(name)) or (_UP_SP if sp else _UP).get(name)
     return None if src is None else (src, l, mb)
 
@@ -154,14 +184,15 @@ def upstream(key: tuple, sp: bool = False, two_hops: bool = False) -> Optional[t
 _DOWN_SP = {**_DOWN, **{src: dst for src, dst, _ in SP_GATHERS.values()}}
 
 
-def downstream(key: tuple, layers: int, sp: bool = False, two_hops: bool = False) -> Optional[tuple]:
+def downstream(key: tuple, layers: int, sp: bool = False, depths: int = 0,
+               two_hops: bool = False) -> Optional[tuple]:
     """The name `key` turns into through a collective, for gradient reads where it is absent."""
     name, l, mb = key
     if name == "emb":
         return ("x", 0, mb)
     if name == "y2p":
-        return ("x", l + 1, mb)
+        return ("x", l + depths if is_mtp_block(l, layers, depths) else l + 1, mb)
     if name == "x":
-        return ("xh", l, mb) if l == layers else ("xa", l, mb)
+        return ("xh", l, mb) if l == layers or l > layers + depths else ("xa", l, mb)
     dst = (two_hops and _DOWN_TWO_HOPS.get(name)) or (_DOWN_SP if sp else _DOWN).get(name)
     return None if dst is None else (dst, l, mb)

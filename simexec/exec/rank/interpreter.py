@@ -58,7 +58,8 @@ from simexec.exec.rank.activation_collectives import ActivationCollectives
 from simexec.exec.rank.block_compute import BlockCompute
 from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
 from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
-                                        downstream, gathered_dispatch_io, mtp_aliases, two_hop_io, upstream)
+                                        MTP_HEAD_IO, downstream, gathered_dispatch_io, mtp_aliases, two_hop_io,
+                                        upstream)
 from simexec.exec.rank.heads_exchange import HeadsExchange
 from simexec.exec.rank.optimizer_step import OptimizerStep
 from simexec.exec.rank.pipeline_messages import PipelineMessages
@@ -106,7 +107,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.coords = rp.mesh.coords(self.rank)
         self.lay = Layout.of(rp, self.rank)
         self.L = m.layers
-        self.aliases = mtp_aliases(m.layers, m.mtp_layers)  # the MTP depths' reads (empty without)
+        self.D = m.mtp_layers
+        self.aliases = mtp_aliases(m.layers, m.mtp_layers, p.sp, p.tp)  # the MTP depths' reads (empty without)
         self.step_no = -1
         self.slow_factor = 1.0  # a straggler's compute slowdown (`slowed_compute`)
         self.inflight: dict[str, InflightComm] = {}
@@ -126,7 +128,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.gdtype = torch.float32 if self.main_grads else self.dtype
 
         self.specs = {s.name: s for s in stage_specs(rp, self.coords["pp"]) if holds(s, m, self.lay)}
-        self.blocks_io = BLOCK_IO_SP if p.sp else BLOCK_IO
+        self.blocks_io = BLOCK_IO_SP if p.sp else {**BLOCK_IO, **(MTP_HEAD_IO if m.mtp_layers else {})}
         # moe_dispatcher=deepep across NVLink domains: DeepEP's two hops carry each token once with its
         # routing weights, as the allgather dispatcher's gather does (`ActivationCollectives.deepep_hop`)
         self.two_hops = deepep_two_hops(rp)
@@ -138,7 +140,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
             self.colls = two_hop_io(self.colls)
         # the backward collective that sums each tp-replicated parameter's partial gradient
         self.partial_by = {n: (s.sp_partial or (SP_PARTIAL_BY[s.tp_partial] if ".norm" in n else s.tp_partial))
-                           if p.sp else s.tp_partial for n, s in self.specs.items() if s.tp_partial}
+                           if p.sp else s.tp_partial for n, s in self.specs.items()
+                           if s.tp_partial or (p.sp and s.sp_partial)}
         if p.etp is not None and p.tp > 1 and m.moe is not None and not m.moe.shared_experts:
             # parallel folding without a shared expert: no mlp_in around the MoE layer, so the router's
             # partial gradient (each tp rank routed its own slice) rides the first norm's all-reduce
@@ -152,7 +155,15 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.deferred: dict[tuple, DeferredWeights] = {}
         self.split_analyses: dict[tuple, object] = {}  # (block, layer) -> where its parameters join
         if self.split or p.tp_overlap:
-            self.partial_by = {n: "norm_grads" for n in self.partial_by}
+            # (tp_overlap alone leaves an MTP depth's input norms to their own sum after their backward)
+            self.partial_by = {n: v if v == "mtp_norm_grads" and not self.split else "norm_grads"
+                               for n, v in self.partial_by.items()}
+        # the layer of the collective that sums each: its unit's, but an MTP depth's final norm is its
+        # head's (layer unit + depths, the lowering's `mtp_head`), whose head_in or norm_grads carries it
+        self.partial_layer = {n: self.specs[n].unit + (self.D if self.specs[n].tp_partial == "head_in"
+                                                        and self.specs[n].unit > self.L and not self.split
+                                                        and not p.tp_overlap else 0)
+                              for n in self.partial_by}
         full = init_full(m, seed)
         self.p: dict[str, Tensor] = {
             n: shard(s, full[n], self.lay).to(device=device, dtype=self.dtype).requires_grad_()
@@ -191,7 +202,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         """The key that holds `key`'s value: itself, or the name before an absent collective."""
         k = self.alias(key)
         while k is not None and k not in self.env:
-            k = upstream(k, self.plan.sp, self.two_hops)
+            k = upstream(k, self.plan.sp, self.L, self.D, self.two_hops)
         return k
 
     def read(self, key: tuple) -> Any:
@@ -212,7 +223,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 if isinstance(v, InflightComm):
                     v.wait()
                 return self.d.pop(k)
-            k = downstream(k, self.L, self.plan.sp, self.two_hops)
+            k = downstream(k, self.L, self.plan.sp, self.D, self.two_hops)
         return None
 
     def add_grad(self, key: tuple, t: Tensor) -> None:

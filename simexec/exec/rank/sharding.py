@@ -107,6 +107,7 @@ class Sharding:
         self.gshard: dict[tuple, Tensor] = {}  # reduce-scattered gradient shards
         self.gshard_pending: dict[tuple, InflightComm] = {}
         self.z3: dict[tuple, _Flat] = {}  # (cls, unit) -> layout
+        self.z3_tied_head = False  # a tied LM head gathers the embedding's unit beside its own (`.tied`)
         self.z3_pending: dict[tuple, InflightComm] = {}
         self.z3_free_after: dict[int, list[tuple]] = {}
         self.z3_buffers: dict[tuple, Tensor] = {}  # yafsdp: (cls, parity) -> preallocated parameter buffer
@@ -148,12 +149,14 @@ class Sharding:
                         self.z3_buffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.dtype)
                         self.z3_gbuffers[(cls, parity)] = torch.empty(size, device=self.device, dtype=self.gdtype)
             # a unit's buffer is released after its last compute before its next gather; a tied LM head
-            # reads the embedding's unit too, where the program gathers it for the head (`.tied`)
+            # reads the embedding's unit too, where the program gathers it for the head (`.tied`), and
+            # an MTP depth the embedding's and the head's (`z3_units`)
             last: dict[tuple, Optional[int]] = {}
-            tied_head = any(i.block == "gather" and i.layer == -1 and i.name.endswith(".tied") for i in self.instrs)
+            self.z3_tied_head = any(i.block == "gather" and i.layer == -1 and i.name.endswith(".tied")
+                                    for i in self.instrs)
 
             def uses(i: Instr, unit: int) -> bool:
-                return i.layer == unit or (tied_head and unit == -1 and i.layer == self.m.layers)
+                return unit in self.z3_units(i.layer)
 
             def close(key):
                 if last.get(key) is not None:
@@ -170,6 +173,18 @@ class Sharding:
                             last[key] = k
             for key in last:
                 close(key)
+
+    def z3_units(self, layer: int) -> tuple[int, ...]:
+        """The ZeRO-3 units a compute instruction of `layer` reads: its own; a tied LM head also the
+        embedding's; an MTP depth's (its block and its head, layer + depths) also the embedding's and the
+        head's (over a pipeline the head's unit holds the embedding's copy), its head also the depth's
+        (its final norm)."""
+        L, D = self.m.layers, self.m.mtp_layers
+        if D and layer > L:
+            return (layer - D if layer > L + D else layer, -1, L)
+        if layer == L and self.z3_tied_head:
+            return (L, -1)
+        return (layer,)
 
     def setup_grad_buffers(self) -> None:
         """One flat gradient buffer per bucket (`grads<k>`), each parameter's `.grad` a view into it:

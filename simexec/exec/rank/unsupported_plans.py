@@ -26,14 +26,10 @@ def unsupported(rp) -> Optional[str]:
     """None if this interpreter runs the plan; else what is missing, naming the plan feature."""
     m, p = rp.model, rp.plan
     missing = []
-    if m.mtp_layers and p.tp > 1:
-        missing.append(f"multi-token prediction with tp={p.tp} ({m.name}: mtp_layers={m.mtp_layers}; the depth's "
-                       "column-parallel eh_proj output must be all-gathered over tp, and under sp scattered back, "
-                       "as Megatron-Core's MultiTokenPredictionLayer does, and the lowering emits no such collective)")
-    if m.mtp_layers and p.zero3 is not None:
-        missing.append(f"multi-token prediction with zero=3 ({m.name}: an MTP depth reads the embedding's and the "
-                       "head's parameters, whose units the lowering gathers for their own blocks only, not beside "
-                       "the depth's)")
+    if m.mtp_layers and p.zero3 is not None and p.zero3.preallocated_buffers:
+        missing.append(f"multi-token prediction with zero_impl={p.zero3.name} ({m.name}: an MTP depth needs its "
+                       "unit, the embedding's and the head's gathered at once, which the flavour's two alternating "
+                       "buffers cannot hold)")
     if m.mtp_layers and m.learned_pos and rp.head_pp_rank != 0:
         missing.append(f"multi-token prediction with learned positions with pp={p.pp} ({m.name}: the MTP depths "
                        "embed the shifted tokens on the last stage, whose copy of the embedding holds the word "

@@ -51,60 +51,68 @@ class TensorParallel(RankEmitter):
             self.coll(tag, verb, "tp", group, first, (self.last_compute(),), **kw)
 
     def column_backward(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
-                        after: Callable[[], None], wait: bool = True, release: bool = True) -> None:
+                        after: Callable[[], None], wait: bool = True, release: bool = True,
+                        gathered: Optional[float] = None) -> None:
         """The backward of a column-parallel block whose input gradient the next tp collective sums,
         then `after` (the frees of what the block saved). Under tp_overlap the input gradients alone:
         the weight gradients wait for that collective to be issued (`tp`), as Megatron-LM's
         LinearWithGradAccumulationAndAsyncCommunication issues its all-reduce or reduce-scatter before
-        the weight-gradient GEMM, and what that GEMM reads is freed after it."""
+        the weight-gradient GEMM, and what that GEMM reads is freed after it. `gathered`: the bytes of
+        the re-gathered input (a hidden state's unless given)."""
+        gathered = self.an.full_hidden_bytes if gathered is None else gathered
         if not (self.p.tp_overlap and b.wgrad_flops):
-            self.compute_regathered(block, layer, mb, chunk, b, again, wait, release)
+            self.compute_regathered(block, layer, mb, chunk, b, again, wait, release, gathered=gathered)
             after()
             return
         self.compute_regathered(block, layer, mb, chunk, b, again, wait, release=False, input_only=True)
 
         def weights_done() -> None:
             if again and release:
-                self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(self.last_compute(),))
+                self.memory("free", "activations", gathered, again, deps=(self.last_compute(),))
             after()
 
         self.pending_weight_pass = PendingWeightPass(block, layer, mb, chunk, b, weights_done)
 
-    def regather(self, where: str, layer: int, mb: int, chunk: int) -> Optional[str]:
+    def regather(self, where: str, layer: int, mb: int, chunk: int, nbytes: Optional[float] = None) -> Optional[str]:
         """Under sp, the all-gather of a norm's output (saved as this rank's slice) that the
         column-parallel GEMM after it needs whole for its weight gradient (Megatron-LM's
         `LinearWithGradAccumulationAndAsyncCommunication`). Megatron issues it with the GEMM's backward
         and overlaps it with the input gradient; a block's backward here is one instruction, so it is
         issued as the sub-layer's backward starts, beside the blocks before the GEMM. Its buffer
         lives until the GEMM's backward ends. The compute stream allocates it as it issues the gather
-        (`torch.empty` before `all_gather_into_tensor`), so the caching allocator caches it there."""
+        (`torch.empty` before `all_gather_into_tensor`), so the caching allocator caches it there.
+        `nbytes`: the gathered input's bytes (a hidden state's unless given)."""
         if not self.p.sp:
             return None
+        nbytes = self.an.full_hidden_bytes if nbytes is None else nbytes
         name = f"bwd.{where}_regather.L{layer}.m{mb}"
         after = self.last_compute()
         if len(self.groups.tp) > 1:
-            self.memory("alloc", "activations", self.an.full_hidden_bytes, name)
-        return self.coll(name, "allgather", "tp", self.groups.tp, self.an.full_hidden_bytes, (after,),
+            self.memory("alloc", "activations", nbytes, name)
+        return self.coll(name, "allgather", "tp", self.groups.tp, nbytes, (after,),
                          phase="bwd", block=f"{where}_regather", layer=layer, mb=mb, chunk=chunk, wait=False)
 
     def compute_regathered(self, block: str, layer: int, mb: int, chunk: int, b: Block, again: Optional[str],
-                           wait: bool = True, release: bool = True, input_only: bool = False) -> None:
+                           wait: bool = True, release: bool = True, input_only: bool = False,
+                           gathered: Optional[float] = None) -> None:
         """A backward block that reads a re-gathered input (`regather`): it waits for the gather,
         and the last reader frees its buffer."""
         if again and wait:
             self.wait.append(again)
         name = self.compute("bwd", block, layer, mb, chunk, b, input_only=input_only)
         if again and release:
-            self.memory("free", "activations", self.an.full_hidden_bytes, again, deps=(name,))
+            self.memory("free", "activations", self.an.full_hidden_bytes if gathered is None else gathered, again,
+                        deps=(name,))
 
-    def norm_grads(self, unit: int, mb: int, chunk: int, params: float) -> None:
+    def norm_grads(self, unit: int, mb: int, chunk: int, params: float, block: str = "norm_grads") -> None:
         """Under sp a norm's weight gradient is a sum over this rank's slice of the sequence: a
         unit's last norm (the one no later backward collective carries) has it summed over tp here,
         before the unit's gradients are reduced over dp. Megatron-LM all-reduces every
         sequence-parallel norm's gradient once after the backward; per micro-batch, these few bytes
-        overlap the backward instead."""
-        self.coll(f"bwd.norm_grads.L{unit}.m{mb}", "allreduce", "tp", self.groups.tp, params * self.grad_dt,
-                  (self.last_compute(),), phase="bwd", block="norm_grads", layer=unit, mb=mb, chunk=chunk,
+        overlap the backward instead. `block`: another name where the unit has a second such sum (an MTP
+        depth's input norms beside its block's first norm)."""
+        self.coll(f"bwd.{block}.L{unit}.m{mb}", "allreduce", "tp", self.groups.tp, params * self.grad_dt,
+                  (self.last_compute(),), phase="bwd", block=block, layer=unit, mb=mb, chunk=chunk,
                   wait=False)
 
     def unsurrounded_router_params(self, unit: int) -> float:
@@ -123,6 +131,8 @@ class TensorParallel(RankEmitter):
         if unit == self.head_unit:
             return m.final_norm_params()
         params = 2 * m.pre_norm_params() + m.qk_norm_params() + m.latent_params()
+        if self.is_mtp_unit(unit) and self.p.sp:  # an MTP depth's enorm and hnorm, on sequence slices
+            params += 2 * m.pre_norm_params()
         return params + (m.hidden * m.moe.experts if m.is_moe_layer(unit) else 0)
 
     def tp_partial_grads(self, unit: int, mb: int, c: int) -> None:

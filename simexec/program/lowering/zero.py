@@ -151,8 +151,31 @@ class Zero3Lowering(RankEmitter):
         if self.tied_head_gathers_embedding(unit):
             names += self.gather_unit(-1, tag + ".tied", phase, mb, c, deps)
             buffers.append((-1, tag + ".tied"))
+        for extra in self.mtp_reads(unit):
+            holder = next((u for u, h in self.z3_held.items() if any(b[0] == extra for b in h.buffers)), None)
+            if holder is None:  # FSDP's pre-forward (pre-backward) unshard of a module called again
+                names += self.gather_unit(extra, f"{tag}.mtp{extra}", phase, mb, c, deps)
+                buffers.append((extra, f"{tag}.mtp{extra}"))
+                continue
+            # still gathered (for itself or an earlier depth): used as it is, and where that use would let
+            # it go first, let go after this depth's instead
+            held = self.z3_held[holder]
+            names += held.names
+            if self.reshards_after(phase, mb) and not self.root_kept(extra):
+                buffers += [b for b in held.buffers if b[0] == extra]
+                self.z3_held[holder] = held._replace(buffers=tuple(b for b in held.buffers if b[0] != extra))
         self.z3_gathers[(unit, phase, mb)] = names
         self.z3_held[unit] = HeldGather(tuple(buffers), names)
+
+    def mtp_reads(self, unit: int) -> tuple[int, ...]:
+        """The units an MTP depth reads besides its own (Megatron-Core's MultiTokenPredictionLayer calls
+        the shared embedding and output layer): the embedding's (over a pipeline the head unit's copy
+        of it, `ResolvedPlan.tied_copy`) and the head's, which ZeRO-3 gathers beside the depth's, and
+        whose gradient shares the depth's backward makes are reduce-scattered after it (`z3_grads_ready`)."""
+        if not (self.zero3_sharded and self.is_mtp_unit(unit)):
+            return ()
+        embed = -1 if -1 in self.all_stage_units() else self.head_unit
+        return tuple(dict.fromkeys((embed, self.head_unit)))
 
     def gather_unit(self, unit: int, tag: str, phase: str, mb: int, c: int, deps: tuple) -> list[str]:
         dense, expert = self.unit_params(unit)
@@ -247,7 +270,10 @@ class Zero3Lowering(RankEmitter):
     def z3_grads_ready(self, unit: int, mb: int, c: int, after: str) -> None:
         """A unit's unsharded gradients of micro-batch mb are complete: reduce-scatter them now, or
         after the backward (grad_overlap=0)."""
-        for u, suffix in [(unit, "")] + ([(-1, ".tied")] if self.tied_head_gathers_embedding(unit) else []):
+        shares = [(-1, ".tied")] if self.tied_head_gathers_embedding(unit) else []
+        if not self.z3_defer:  # (deferred: the units' own reductions take their accumulated gradients)
+            shares += [(u, f".mtp{unit}") for u in self.mtp_reads(unit)]
+        for u, suffix in [(unit, "")] + shares:
             if not self.p.zero3.preallocated_buffers and (u, suffix) not in self.z3_unsharded:
                 tag = f"bwd.grads.L{u}.m{mb}{suffix}.unsharded"
                 self.memory("alloc", "buffers", self.z3_bytes(u, self.grad_dt), tag, deps=(after,))

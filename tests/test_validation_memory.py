@@ -56,3 +56,15 @@ def test_torchtitan_of_summer_2025_recomputes_cudnn_attention_on_b200():
     assert mi300x.stack.attention_kernel_on(mi300x.cluster.device) in mi300x.stack.op_sac_saved_attention
     tt2412 = modern.map_row(_row())  # December 2024: flash on H100, saved
     assert tt2412.stack.attention_kernel_on(tt2412.cluster.device) == "fa2" and tt2412.stack.cudnn_attention_from is None
+
+
+def test_megatron_bridge_perf_recipes_keep_bf16_gradients():
+    """Megatron-Bridge@067f987df03b's 16-GPU Qwen3 30B recipe (and every perf recipe) sets
+    grad_reduce_in_fp32 = False: a bf16 gradient buffer, 2 bytes per parameter where fp32 main gradients hold 4
+    (simexec.validation.modern.BF16_GRAD_SOURCES); other Megatron-Core rows keep fp32."""
+    rows = {r["name"]: r for r in memory.memory_rows_from_files()}
+    qwen = rows["mbskill-h100-qwen3-30b-bf16-16"]
+    assert "grad_fp32" not in modern.map_row(qwen).plan
+    assert "grad_fp32=1" in modern.map_row({**qwen, "source": "mb-other:x"}).plan
+    out = memory.predict_memory(qwen)
+    assert out["breakdown_gib"]["grads"] == pytest.approx(out["breakdown_gib"]["params"], rel=0.01)

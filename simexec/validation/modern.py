@@ -41,7 +41,7 @@ first. What the framework does beyond the columns, by stack:
 
 | stack | settings |
 | --- | --- |
-| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
+| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default) except for `BF16_GRAD_SOURCES` (recipes with grad_reduce_in_fp32 off); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
 | torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1 or cp > 1 (it shards over dp_shard x cp: parallel_dims.py `fsdp_enabled`), else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op"); `reshard_after_forward=0` when pp > 1 (its FSDP policy: `not pp_enabled`) |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
@@ -227,6 +227,22 @@ SM100_CUDNN_SOURCES = ("tt-h200:", "tao-train:docs/source/workflows/training.md 
                        "tao-train:docs/source/workflows/training.md 'Training e2e benchmarks on NVIDIA B200'")
 
 
+# Megatron-Core sources whose recipe keeps the gradient buffer in bf16 (`ddp.grad_reduce_in_fp32 = False`), where
+# the other rows keep Megatron-LM's fp32 main gradients. Megatron-LM@2a75ac12c (the submodule of Megatron-Bridge@067f987df03b)
+# param_and_grad_buffer.py `group_params_for_buffers`: grad_dtype = torch.float if grad_reduce_in_fp32 else
+# param.dtype. mb-skill: Megatron-Bridge@067f987df03b recipes/qwen/h100/qwen3_moe.py
+# `qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config` sets it False (with `use_precision_aware_optimizer = True`, whose
+# distrib_optimizer.py `_copy_model_grads_to_main_grads` hands the bf16 shard over as `decoupled_grad`, no fp32 copy),
+# and its perf_recipes wrapper's `_perf_precision`/`_benchmark_common` (perf_recipes/_common.py) set it False
+# for every benchmark recipe; mb-gb200doc: the recipe's docstring ("BF16 grad accumulation"). Prefixes of `source`.
+BF16_GRAD_SOURCES = ("mb-skill:", "mb-gb200doc:")
+
+
+def row_grad_fp32(r: dict) -> bool:
+    """Whether a Megatron-Core row's run kept fp32 main gradients (not a `BF16_GRAD_SOURCES` recipe)."""
+    return not r["source"].startswith(BF16_GRAD_SOURCES)
+
+
 def row_stack(r: dict) -> StackSpec:
     stack = get_stack(STACK_ALIASES.get(r["stack"], r["stack"]))
     if is_torchtitan(r) and eager_loss_source(r):
@@ -300,7 +316,7 @@ def row_plan(r: dict) -> str:
     if stack == "megatron-core":
         fields.update(dict(zero=3) if fsdp else dict(zero=1, param_overlap=True))
         # Megatron-Bridge's recipes turn on --tp-comm-overlap wherever tp > 1 (recipes/llama/h100/llama3.py)
-        fields.update(grad_overlap=True, grad_fp32=True, tp_overlap=tp > 1, tp_async=tp > 1 and r["sp"] == "1")
+        fields.update(grad_overlap=True, grad_fp32=row_grad_fp32(r), tp_overlap=tp > 1, tp_async=tp > 1 and r["sp"] == "1")
         # Megatron-Bridge's FP8 current-scaling recipe sets fp8_param_gather=True (training/mixed_precision.py,
         # bf16_with_fp8_current_scaling_mixed)
         fields["fp8_param_gather"] = r["fp8_recipe"] == "current"

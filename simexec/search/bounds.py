@@ -173,7 +173,7 @@ class _StructureBounds:
         ws, dyn, a = self.b.workspace, self.b.dyn, self.b.slow
         t = mem = tr = 0.0
         pl, m = self.pipeline, self.m
-        lc, own, tl, act, wa = pl.last_compute, pl.own_last_compute, pl.tail, pl.act, pl.w_after
+        lc, own, tl, act, wa, wk = pl.last_compute, pl.own_last_compute, pl.tail, pl.act, pl.w_after, pl.work
         for r in range(self.pp):
             rank = ranks[r]
             red = rank.last_reduction
@@ -188,6 +188,11 @@ class _StructureBounds:
             # sequence E = own[r] + rest gains a * overlap, overlap >= work + z - T, so
             # T >= (E + a (work + z)) / (1 + a), a = 1 - 1/overlap_slowdown.
             y = (own[r] + rest + a * (wa[r] + z)) / (1.0 + a)
+            if y > x:
+                x = y
+            # the same over the whole step: the rank's compute C >= work + a * overlap, overlap >= work + z - T,
+            # T >= C: T >= work + a z / (1 + a) (under ZeRO-3 the stream is busy from the first forward)
+            y = wk[r] + a * z / (1.0 + a)
             if y > x:
                 x = y
             if x > t:

@@ -184,13 +184,14 @@ class PipelineTimes:
         back[V - 1] = reach[V - 1] + F[V - 1] - Fh[V - 1] + Bh[V - 1]
         for vs in range(V - 2, -1, -1):
             back[vs] = back[vs + 1] + B[vs + 1] - Bh[vs + 1] - Bt[vs + 1] + p2pB[vs]
-        end, self.act, self.w_after = [], [], []
+        end, self.act, self.w_after, self.work = [], [], [], []
         Fx, Bx, W = self.Fx, self.Bx, self.W
         for r in range(pp):
             st = self.stage[r]
             counts = self._forwards_before_first_backward(r)
             f_before = sum(n * F[st[c]] for c, n in enumerate(counts))
             work = m * sum(Fx[vs] + Bx[vs] + W[vs] for vs in st)
+            self.work.append(work)
             self.w_after.append(work - sum(n * Fx[st[c]] for c, n in enumerate(counts)))
             if self.split:  # every forward and input-gradient pass before the first weight pass
                 fwds, bwds = self._passes_before_first_weight_pass(r)

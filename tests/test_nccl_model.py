@@ -142,3 +142,31 @@ def test_sharp_halves_the_network_bytes_of_a_large_allreduce(cluster):
     # all-gather does not change
     ag = [net.estimate(net.collective("allgather", group, float(big))) for net in (plain, sharp)]
     assert ag[0] == pytest.approx(ag[1])
+
+
+# DeepEP V2 README (deepseek-ai/DeepEP@0297fc8, README.md "Performance"): SM90 + CX7 400 Gb/s, 8K tokens,
+# hidden 7168, top-8, FP8 dispatch; dispatch "logical bandwidth" (local share included) on 2 and 4 nodes.
+# NCCL-free kernels that saturate the NICs: the ceiling NCCL's grouped send/recv reaches at best.
+DEEPEP_SM90_DISPATCH_GBPS = {2: 90.0, 4: 61.0}
+
+
+@pytest.mark.parametrize("nodes", [2, 4, 8, 16])
+def test_cross_node_alltoall_runs_at_each_gpus_nic(nodes):
+    """NCCL's all-to-all is grouped send/recv; with PXN every GPU's off-node share leaves through one
+    NIC of its rail, so large-message busbw is the per-GPU NIC rate times (n-1)/(n-k): 2x on two nodes,
+    falling toward 1x with more (nccl-tests#130, sjeaugey: "N/(N-1)x the bandwidth per GPU")."""
+    c = get_cluster("dgx-h100")
+    n, k, S = 8 * nodes, 8, float(8 << 30)
+    t, _ = timed("dgx-h100", "alltoall", n, S)
+    nic = c.network.nic_bw * c.costs.inter_bw_eff
+    assert (n - 1) / n * S / t == pytest.approx(nic * (n - 1) / (n - k), rel=0.01)
+
+
+@pytest.mark.parametrize("nodes", sorted(DEEPEP_SM90_DISPATCH_GBPS))
+def test_cross_node_alltoall_at_most_deepeps_ceiling(nodes):
+    """Large all-to-alls across H100 nodes land at, not above, what NIC-saturating kernels reach."""
+    S = float(512 << 20)
+    t, _ = timed("dgx-h100", "alltoall", 8 * nodes, S)
+    algbw = S / t / 1e9
+    ceiling = DEEPEP_SM90_DISPATCH_GBPS[nodes]
+    assert 0.9 * ceiling < algbw <= 1.02 * ceiling

@@ -9,6 +9,8 @@ writes is `simexec.exec.rank.dataflow`'s table.
 """
 from __future__ import annotations
 
+from functools import cached_property
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -377,7 +379,7 @@ class ActivationCollectives:
         (the network hop) or by the member itself (the NVLink hop)."""
         l, mb = ins.layer, ins.mb
         experts = (self.read(("route", l, mb)).experts if net else self.env[("gathered_experts", l, mb)]).to(torch.int64)
-        owner = self.expert_owner().to(experts.device)[experts.clamp(min=0)]  # (rows, k) the rank holding each
+        owner = self.expert_owner.to(experts.device)[experts.clamp(min=0)]  # (rows, k) the rank holding each
         members = torch.tensor(ins.group, dtype=torch.int64, device=experts.device)
         if net:
             domain = self.rp.cluster.nvlink_domain or self.rp.world
@@ -394,14 +396,13 @@ class ActivationCollectives:
         self.env[("gathered_experts", l, mb)] = arrived  # the NVLink hop's input, or (absent) the experts'
         self.env[("hop_net" if net else "hop_domain", l, mb)] = (sel, send, recv, experts.shape[0])
 
+    @cached_property
     def expert_owner(self) -> Tensor:
         """The rank that holds each routed expert: contiguous blocks over this rank's ep group in its
         order (`local_experts`)."""
-        if getattr(self, "_expert_owner", None) is None:
-            ep, experts = rank_groups(self.rp, self.rank).ep, self.m.moe.experts
-            owner = torch.empty(experts, dtype=torch.int64)
-            for j, r in enumerate(ep):
-                lo, hi = split_range(experts, len(ep), j)
-                owner[lo:hi] = r
-            self._expert_owner = owner
-        return self._expert_owner
+        ep, experts = rank_groups(self.rp, self.rank).ep, self.m.moe.experts
+        owner = torch.empty(experts, dtype=torch.int64)
+        for j, r in enumerate(ep):
+            lo, hi = split_range(experts, len(ep), j)
+            owner[lo:hi] = r
+        return owner

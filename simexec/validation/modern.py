@@ -232,10 +232,13 @@ SM100_CUDNN_SOURCES = ("tt-h200:", "tao-train:docs/source/workflows/training.md 
 # param_and_grad_buffer.py `group_params_for_buffers`: grad_dtype = torch.float if grad_reduce_in_fp32 else
 # param.dtype. mb-skill: Megatron-Bridge@067f987df03b recipes/qwen/h100/qwen3_moe.py
 # `qwen3_30b_a3b_pretrain_16gpu_h100_bf16_config` sets it False (with `use_precision_aware_optimizer = True`, whose
-# distrib_optimizer.py `_copy_model_grads_to_main_grads` hands the bf16 shard over as `decoupled_grad`, no fp32 copy),
-# and its perf_recipes wrapper's `_perf_precision`/`_benchmark_common` (perf_recipes/_common.py) set it False
-# for every benchmark recipe; mb-gb200doc: the recipe's docstring ("BF16 grad accumulation"). Prefixes of `source`.
-BF16_GRAD_SOURCES = ("mb-skill:", "mb-gb200doc:")
+# distrib_optimizer.py `_copy_model_grads_to_main_grads` hands the bf16 shard over as `decoupled_grad`, no fp32 copy);
+# mb-gb200doc: the recipe's docstring ("BF16 grad accumulation"). mb-2511 and mb-newest: every Megatron-Bridge
+# performance configuration the published tables ran sets it False, from the first one on
+# (Megatron-Bridge@568b3a3ef, 2025-08-28, scripts/performance/llm/configs/*_pretrain_overrides.yaml
+# `mixed_precision.grad_reduce_in_fp32: false`; @cf457d8d3 scripts/performance/configs/*/*_llm_pretrain.py; @067f987df03b
+# perf_recipes/_common.py `_benchmark_common` and `_perf_precision`), and the oldest table is 25.09's. Prefixes of `source`.
+BF16_GRAD_SOURCES = ("mb-skill:", "mb-gb200doc:", "mb-2511:", "mb-newest:")
 
 
 def row_grad_fp32(r: dict) -> bool:

@@ -18,10 +18,9 @@ With L layers on the rank and N offloaded, for layer i < N:
   (`pop_tensor` waits each tensor's reload event).
 
 The copies share the device's host link (`Network.copy`: the `d2h` and `h2d` links an offloaded
-optimizer's copies also use). The pinned host buffers are not device memory. Simplifications: TE keeps
+optimizer's copies also use). The pinned host buffers are not device memory. Simplification: TE keeps
 tensors below 256K elements on the device (norm statistics and such, small beside a layer's saved
-activations) and frees a reloaded layer's tensors when the next layer's backward starts; here every
-saved byte moves and the backward frees them block by block as without offloading.
+activations); here every saved byte moves.
 """
 from __future__ import annotations
 
@@ -73,3 +72,10 @@ class ActivationOffload(RankEmitter):
                             deps=tuple(d for d in (self.last_compute(),) if d)))
         if self.offloaded(unit):
             self.wait.append(f"copy.act_h2d.L{unit}.m{mb}")
+
+    def release_reloaded(self, unit: int, mb: int) -> None:
+        """After an offloaded layer's backward its reloaded tensors go at once (TE's `release_all_memory`,
+        as the next layer's backward starts or the backward ends), not block by block."""
+        if self.offloaded(unit):
+            self.memory("free", "activations", self.forward_kept(unit, 0), f"act.reload.L{unit}.m{mb}",
+                        deps=tuple(d for d in (self.last_compute(),) if d))

@@ -56,6 +56,7 @@ class StagePasses(MtpLowering):
             else:
                 self.reload_before_backward(unit, mb)
                 self.layer_backward(unit, mb, c)
+                self.release_reloaded(unit, mb)
             self.defer_frees_to = None
             if not self.split:
                 if self.p.tp_overlap and not self.p.sp:

@@ -7,7 +7,7 @@ share theirs too, so cross-rank matching needs no extra bookkeeping.
 
 Streams run their instructions in order; `deps` add in-rank edges across streams. Streams:
 `compute`, `comm.<axis>` (one per process group, as each NCCL/gloo group has its own stream),
-`p2p.send`, `p2p.recv`, `copy.d2h`, `copy.h2d`, `host` (CPU optimizer).
+`p2p.send`, `p2p.recv`, `copy.d2h`, `copy.h2d`, `copy.act` (activation offload), `host` (CPU optimizer).
 """
 from __future__ import annotations
 

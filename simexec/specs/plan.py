@@ -99,6 +99,11 @@ class Plan(BaseModel):
         "(Megatron-LM); full, the layer's forward; op, torchtitan's per-operator selective checkpointing, which keeps "
         "the attention's output and every other matmul's and recomputes the other matmuls and the element-wise ops")
     recompute_layers: Optional[int] = Field(None, ge=0, description="layers per stage that recompute; None = all")
+    offload_layers: int = Field(
+        0, ge=0, description="activation CPU offloading: the saved activations of the first this many transformer"
+        " layers go to pinned host memory after their forward and come back before their backward, weights stay"
+        " (Megatron-Core's cpu_offloading=True, cpu_offloading_num_layers=N, cpu_offloading_weights=False over"
+        " Transformer Engine's cpu_offload.py); 0: none")
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")

@@ -149,6 +149,32 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: in
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
     if p.pp > 1 and n_stages > model.layers and p.layout is None:
         fail(f"pp*vpp = {n_stages} exceeds the model's {model.layers} layers")
+    if p.offload_layers:
+        _check_offload_layers(model, p, fail)
+
+
+def _check_offload_layers(model: ModelSpec, p: Plan, fail: Callable[[str], None]) -> None:
+    """Megatron-Core's rules for activation CPU offloading (TransformerConfig.__post_init__,
+    NVIDIA/Megatron-LM@d98e8a64 megatron/core/transformer/transformer_config.py: num_layers below the
+    model's, no pipeline parallelism, no recomputation; Transformer Engine's get_cpu_offload_context,
+    NVIDIA/TransformerEngine@d0067d0d transformer_engine/pytorch/cpu_offload.py, refuses offloading every
+    layer: the last one's is never copied). simexec's own: no schedule that splits the backward, which
+    Megatron-Core does not run (the lowering reloads a layer for its one backward)."""
+    n = p.offload_layers
+    if n >= model.layers:
+        fail(f"offload_layers={n} must be below the model's {model.layers} layers (Megatron-Core: CPU offloading "
+             "can be done only for layers less than num_layers)")
+    if p.pp > 1:
+        fail(f"offload_layers={n} needs pp=1, got pp={p.pp} (Megatron-Core has no pipeline parallelism with CPU "
+             "offloading)")
+    if p.vpp > 1:
+        fail(f"offload_layers={n} needs vpp=1, got vpp={p.vpp} (one model chunk: Megatron-Core's offload context "
+             "counts the whole model's layers)")
+    if p.recompute != "none":
+        fail(f"offload_layers={n} needs recompute=none, got recompute={p.recompute} (Megatron-Core: CPU offloading "
+             "does not work when activation recomputation is enabled)")
+    if p.pipeline_schedule.splits_backward:
+        fail(f"offload_layers={n} does not run with schedule={p.schedule_name} (a split backward)")
 
 
 def _check_moe_a2a_overlap(p: Plan, fail: Callable[[str], None]) -> None:

@@ -111,6 +111,13 @@ class BlockCompute:
                         w.wait()
         record = (ins.phase == "recompute" or not self.recomputed
                   or (ins.block, ins.layer, ins.mb) not in self.recomputed)
+        if self.act_offload is not None and self.act_offload.covers(ins):  # offload_layers: saved via the host
+            with self.act_offload.hooks(ins.layer, ins.mb, {t.untyped_storage().data_ptr() for t in self.p.values()}):
+                return self.block_pass(ins, record)
+        return self.block_pass(ins, record)
+
+    def block_pass(self, ins: Instr, record: bool) -> None:
+        """A model block's forward, recompute, backward or weight pass."""
         if self.ring and ins.block == "attn":
             hop = self.ring_hop[ins.name]
             return self.ring_backward(ins, hop) if ins.phase == "bwd" else self.ring_forward(ins, hop, record)
@@ -214,6 +221,18 @@ class BlockCompute:
         """A MoE layer no tp collective surrounds (`GPT.moe_on_slice`): moe_out reads the second norm's
         slice itself, which the router's matmul saved, so there is no gathered copy to let go of."""
         return block == "moe_out" and self.model.moe_on_slice
+
+    def release_offloaded_inputs(self, l: int, mb: int, moved: set[int]) -> None:
+        """offload_layers: once a layer's saved tensors are on the host (`copy.act_d2h`), its blocks'
+        records let go of the inputs that were among them (storages `moved`): each becomes a
+        one-element expansion of its shape, so the device copy dies as TE's release lets it."""
+        if not _DEALLOCATE or self.xla:
+            return
+        for (block, bl, bmb), rec in self.records.items():
+            if bl == l and bmb == mb:
+                for v in rec[1]:
+                    if isinstance(v, Tensor) and v.untyped_storage().data_ptr() in moved:
+                        _shrink_leaf(v)
 
     def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
         """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps

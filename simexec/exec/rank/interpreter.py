@@ -55,6 +55,7 @@ from simexec.exec.nn.param_layout import Layout, holds, init_full, shard, stage_
 from simexec.exec.nn.scaler import LossScaler
 from simexec.exec.nn.weight_grads import DeferredWeights
 from simexec.exec.rank.activation_collectives import ActivationCollectives
+from simexec.exec.rank.activation_offload import ActivationOffloader
 from simexec.exec.rank.block_compute import BlockCompute
 from simexec.exec.rank.collectives import InflightComm, SendWaiter, TorchComm
 from simexec.exec.rank.dataflow import (BLOCK_IO, BLOCK_IO_SP, COLLECTIVE_IO, COLLECTIVE_IO_SP, SP_PARTIAL_BY,
@@ -101,6 +102,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
 
             self.cut = cut
         self.tracer = tracer if tracer is not None else _NullTracer()
+        # offload_layers: the saved activations of the first layers go through host memory
+        self.act_offload = ActivationOffloader(rp.plan.offload_layers, device) if rp.plan.offload_layers else None
         self.rank = instrs[0].rank
         m, p = rp.model, rp.plan
         self.m, self.plan = m, p
@@ -314,6 +317,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self._pos: Optional[tuple[Tensor, Tensor]] = None  # this rank's positions (on the CPU, on the device)
         self.loss: Optional[Tensor] = None
         self.attach_grads()
+        if self.act_offload is not None:
+            self.act_offload.reset()
         inflight, tracer, cut = self.inflight, self.tracer, self.cut
         slow = self.slow_factor > 1.0
         begin, end = tracer.begin, tracer.end

@@ -149,7 +149,11 @@ class OptimizerStep:
 
     def copy(self, ins: Instr) -> None:
         """Offload: gradients to host buffers (d2h), updated parameters back to device (h2d)."""
-        if ins.block == "grads_d2h":
+        if ins.block in ("act_d2h", "act_h2d"):  # offload_layers (`simexec.exec.rank.activation_offload`)
+            moved = self.act_offload.copy(ins)
+            if moved:
+                self.release_offloaded_inputs(ins.layer, ins.mb, moved)
+        elif ins.block == "grads_d2h":
             self.wait_but_sends(ins)
             for h, gdev in zip(self.host_grads, self._optimizer_grads()):
                 h.copy_(gdev)

@@ -230,7 +230,7 @@ class LayerLowering(TensorParallel):
         """After a block's backward autograd lets go of what the block saved (under full recompute, of
         its recomputed copy; the layer's input goes with the block that saved it). Not under a
         zero-bubble schedule, whose input-gradient pass keeps the graph (`release_after_input_pass`)."""
-        if not self.split:
+        if not self.split and not self.offloaded(l):  # a reloaded layer's go together (`release_reloaded`)
             self.memory("free", "activations", b.saved, f"act.L{l}.m{mb}.{name}")
 
     def release_after_input_pass(self, lb: LayerBackward) -> None:

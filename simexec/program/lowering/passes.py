@@ -29,6 +29,7 @@ class StagePasses(MtpLowering):
             elif self.is_mtp_unit(unit):
                 self.mtp_forward(unit, mb, c)
             else:
+                self.offload_before_forward(unit, mb)
                 self.layer_forward(unit, mb, c, "fwd")
                 self.memory("alloc", "activations", self.forward_kept(unit, c), f"act.L{unit}.m{mb}")
             self.release_gather(unit, "fwd", mb)
@@ -53,7 +54,9 @@ class StagePasses(MtpLowering):
             elif unit == -1:
                 self.embed_backward(mb, c)
             else:
+                self.reload_before_backward(unit, mb)
                 self.layer_backward(unit, mb, c)
+                self.release_reloaded(unit, mb)
             self.defer_frees_to = None
             if not self.split:
                 if self.p.tp_overlap and not self.p.sp:

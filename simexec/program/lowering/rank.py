@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from simexec.program.blocks import Anatomy
+from simexec.program.lowering.offload import ActivationOffload
 from simexec.program.lowering.passes import StagePasses
 from simexec.program.lowering.pipeline import PipelineLowering
 from simexec.program.lowering.step import StepLowering
@@ -9,7 +10,7 @@ from simexec.program.schedules import Action
 from simexec.specs.plan import ResolvedPlan
 
 
-class RankLowering(PipelineLowering, StagePasses, StepLowering):
+class RankLowering(PipelineLowering, StagePasses, StepLowering, ActivationOffload):
     """Builds one rank's instruction list (`build`). The concerns, each a mixin over `RankEmitter`
     (`simexec.program.lowering.emit`: the instruction list, the plan, the rank's groups):
 
@@ -19,7 +20,8 @@ class RankLowering(PipelineLowering, StagePasses, StepLowering):
       (layers.py: a layer's, the head's and the embedding's blocks, cp and ep exchanges, recompute,
       the zero-bubble split) and `TensorParallel` (tensor_parallel.py: tp/sp collectives, tp_overlap);
     - `StepLowering` (step.py: model states, the step's end), over `GradientLowering`
-      (gradients.py: buckets, ZeRO-1/2, tied embeddings) and `Zero3Lowering` (zero.py: ZeRO-3).
+      (gradients.py: buckets, ZeRO-1/2, tied embeddings) and `Zero3Lowering` (zero.py: ZeRO-3);
+    - `ActivationOffload` (offload.py: `offload_layers`' copies to the host and back).
     """
 
     def __init__(self, rp: ResolvedPlan, an: Anatomy, rank: int, actions: list[Action]):

@@ -8,7 +8,7 @@ from simexec.validation.published import DATA, read_published_csv
 
 CSV = DATA / "modern_runs.csv"
 COLUMNS = ("name,source,device,gpus,stack,model,layers,hidden,ffn,heads,kv_heads,vocab,seq_len,moe_experts,moe_top_k,"
-           "moe_ffn,moe_shared,dtype,fp8_recipe,tp,sp,pp,vpp,cp,ep,etp,fsdp,mbs,gbs,recompute,cuda_graphs,metric,value,"
+           "moe_ffn,moe_shared,dtype,fp8_recipe,tp,sp,pp,vpp,cp,ep,etp,fsdp,mbs,gbs,recompute,offload_layers,cuda_graphs,metric,value,"
            "peak_mem_gib,moe_dispatcher,moe_a2a_overlap,superseded_by,layout,series,notes").split(",")
 REQUIRED = ("name", "source", "device", "gpus", "stack", "model", "layers", "hidden", "ffn", "heads", "kv_heads",
             "vocab", "seq_len", "dtype", "tp", "sp", "pp", "cp", "fsdp", "mbs", "gbs", "recompute", "metric", "value")

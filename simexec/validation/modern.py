@@ -298,6 +298,8 @@ def row_plan(r: dict) -> str:
     tp, pp, cp, vpp = _int(r, "tp"), _int(r, "pp"), _int(r, "cp"), _int(r, "vpp")
     fields: dict = dict(tp=tp, sp=r["sp"] == "1", pp=pp, vpp=vpp, cp=cp, mbs=int(r["mbs"]), gbs=int(r["gbs"]),
                         dtype=r["dtype"], flash_attention=True, **recompute_fields(r["recompute"]))
+    if (r.get("offload_layers") or "").strip():
+        fields["offload_layers"] = int(r["offload_layers"])
     if r["moe_experts"]:
         fields["ep"] = _int(r, "ep")
         if _int(r, "etp") != tp:  # Megatron-Core's parallel folding: the experts on their own (etp, ep, edp) mesh

@@ -193,3 +193,25 @@ def test_layer_steps_are_the_layers_blocks_in_the_order_the_lowering_emits(model
         elif not s.axis or (s.fwd and len(getattr(groups, s.axis)) > 1):
             expected.append(s.name)
     assert emitted == expected
+
+
+def test_transformer_engine_keeps_fp8_copies_of_linear_inputs_torchao_keeps_bf16():
+    """Under FP8, Transformer Engine's linear layers keep their input's FP8 copy for the weight gradient
+    (one byte an element): a Llama layer keeps 29 h per token where bf16 keeps 33.5 h. The projection keeps
+    its copy beside the context the fused attention's backward reads. torchao keeps the bf16 inputs."""
+    from simexec.specs.stack import get_stack
+
+    llama = get_model("llama3-8b")
+    T, h = 4096, llama.hidden
+
+    def saved(dtype: str, stack: str) -> dict[str, float]:
+        rp = resolve(llama, get_cluster("1xdgx-h100"), parse_plan(f"dp=8,dtype={dtype}"), seq_len=T,
+                     stack=get_stack(stack))
+        return {k: b.saved for k, b in Anatomy(rp).layer(0).items()}
+
+    bf16, te, tao = saved("bf16", "megatron-core"), saved("fp8", "megatron-core"), saved("fp8", "torchtitan")
+    assert tao == bf16
+    assert bf16["qkv"] - te["qkv"] == pytest.approx(T * h)  # the norm output: 2 bytes -> 1
+    assert te["proj"] - bf16["proj"] == pytest.approx(T * h)  # an FP8 copy beside the bf16 context
+    assert bf16["fc1"] - te["fc1"] == pytest.approx(T * h)
+    assert te["fc2"] == pytest.approx(bf16["fc2"] / 2)  # the activation's output, FP8

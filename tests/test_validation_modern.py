@@ -22,8 +22,8 @@ def rows():
 def test_megatron_core_row_maps_to_the_distributed_optimizer_and_tp_overlap(rows):
     r = rows["mb2511-h100-llama3-70b-fp8cs-64"]
     m = modern.map_row(r)
+    # Megatron-Bridge's performance configurations keep bf16 gradient buffers (grad_reduce_in_fp32 off)
     assert m.plan == ("tp=4,sp=1,pp=8,vpp=5,zero=1,gbs=128,dtype=fp8,tp_overlap=1,tp_async=1,fp8_param_gather=1,"
-                      "grad_fp32=1,"
                       "param_overlap=1")
     assert m.model is MODELS["llama3-70b"] and m.cluster.name == "8xdgx-h100" and m.cluster.world_size == 64
     assert m.stack.name == "megatron-core" and m.stack.fp8.scaling == "current"  # the row's FP8-CS recipe
@@ -46,7 +46,7 @@ def test_gb200_moe_row_maps_to_trays_and_a_built_model(rows):
     m = modern.map_row(r)
     # 94 layers on 8 x 3 virtual stages: the embedding and the loss count as a layer each
     assert m.plan == (
-        "pp=8,vpp=3,ep=32,moe_dispatcher=deepep,zero=1,gbs=8192,grad_fp32=1,param_overlap=1,stages=3," + "4," * 22 + "3")
+        "pp=8,vpp=3,ep=32,moe_dispatcher=deepep,zero=1,gbs=8192,param_overlap=1,stages=3," + "4," * 22 + "3")
     # 256 GPUs: Slurm's --segment 16 puts 16 trays (64 GPUs) in each NVLink domain; 8 GPUs: one rack
     assert m.cluster.nodes == 64 and m.cluster.world_size == 256 and m.cluster.node.nvlink_domain_gpus == 64
     assert modern.map_row(rows["mb2511-gb200-qwen3-30b-mxfp8-8"]).cluster.node.nvlink_domain_gpus == 72
@@ -56,7 +56,7 @@ def test_gb200_moe_row_maps_to_trays_and_a_built_model(rows):
 
 def test_megatron_fsdp_and_block_recompute(rows):
     m = modern.map_row(rows["mb2511-h100-llama3-8b-fp8cs-fsdp-8"])
-    assert m.plan == "zero=3,gbs=128,recompute=full,recompute_layers=5,dtype=fp8,fp8_param_gather=1,grad_fp32=1"
+    assert m.plan == "zero=3,gbs=128,recompute=full,recompute_layers=5,dtype=fp8,fp8_param_gather=1"
     assert modern.recompute_fields("selective:mla_up_proj") == {"recompute": "selective"}
 
 

@@ -383,7 +383,9 @@ class Anatomy(FrameworkKernels, MoEBlocks):
             rope = 2 * dt * T * (m.heads / t + (m.kv_heads / t if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk)
             b_qkv += rope
             bb_qkv += rope
-        saved_qkv = ln if self.sp else 2 * ln + self.norm_stats
+        # the norm's output is the GEMM's input: kept as the stack keeps a linear layer's input
+        ln_out = self.saved_linear_input(T * h / sp)
+        saved_qkv = ln_out if self.sp else ln + ln_out + self.norm_stats
         if m.is_mla:
             # the latents (whole on every tp rank): their norms read and write them and save their input
             # and 1/rms (fp32); the up projections save the normed latents. The rotary and non-rotary
@@ -392,7 +394,7 @@ class Anatomy(FrameworkKernels, MoEBlocks):
             cat = 2 * dt * T * m.heads * (3 * qk + v) / t
             b_qkv += 2 * dt * T * lat + cat
             bb_qkv += 3 * dt * T * lat + cat
-            saved_qkv += T * ((2 * lat + m.qk_rope_head_dim) * dt + 4 * norms)
+            saved_qkv += T * ((lat + m.qk_rope_head_dim) * dt + 4 * norms) + self.saved_linear_input(T * lat)
         if m.qk_norm:
             # a norm over each q and k head: read and write them; the backward reads the saved input
             # and the output gradient and writes the input gradient; it saves its input and 1/rms (fp32)
@@ -406,6 +408,9 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
             saved_attn += kv_local * (self.cp - 1)  # the attention keeps the gathered K/V for its backward
         ctx_bytes = T * m.heads * v * dt / t
+        # whether the attention's backward reads the output the projection saves as its input (a fused
+        # kernel's backward reads O) rather than a copy of its own
+        shares_output = self.rp.plan.flash_attention
         if self.rp.plan.flash_attention:
             # one fused kernel (FlashAttention): its q/k/v/o traffic is inside its efficiency; causal
             # attention skips the masked half of the scores, a sliding window all but its band. It
@@ -416,12 +421,14 @@ class Anatomy(FrameworkKernels, MoEBlocks):
             padded = m.is_mla and self.pads_value_heads and v != qk
             f_attn = 2.0 * T * ctx * m.heads * (qk + (qk if padded else v)) / t
             if padded:  # the padded V and the kernel's padded output, which the slice copies out of
+                shares_output = False
                 saved_attn += 2 * T * m.heads * qk * dt / t
             if self.cp > 1 and self.rp.plan.cp_impl == "ring" and self.ring_keeps_fp32_output:
                 saved_attn += T * m.heads * v * 4 / t
             if self.cp > 1 and self.rp.plan.cp_impl == "a2a" and not padded:
                 # the kernel keeps its output in the heads-split layout for its backward, while the output
                 # projection keeps the all-to-all's sequence-split copy (a padded output is counted above)
+                shares_output = False
                 saved_attn += ctx_bytes
             attn = Block("attention", f_attn, 0.0, saved_attn, 0.0, bwd_flop_ratio=self.attention_bwd_ratio,
                          keys=0.0 if self.eager_kernels else ctx)
@@ -444,11 +451,15 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         b_proj = self.residual_fwd()
         bb_proj = self.residual_bwd(m.bias) + self.weight_grad_bytes(o_params / t)
         mask = T * h / sp if self.dropout else 0.0  # dropout mask, 1 byte per element
+        # the projection's input: the context itself where the stack saves it as computed; where it saves an
+        # FP8 copy, that copy beside the context the attention's backward still reads
+        proj_in = self.saved_linear_input(T * m.heads * v / t)
+        saved_proj = ctx_bytes if proj_in == ctx_bytes else proj_in + (ctx_bytes if shares_output else 0.0)
         return {
             **self.sp_norm("norm1"),
             "qkv": self.with_fp8_casts(Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv), (T, h, qkv_rank / h, True)),
             "attn": attn,
-            "proj": self.with_fp8_casts(Block("gemm", f_proj, b_proj, ctx_bytes + mask, bb_proj, bwd_only=mask),
+            "proj": self.with_fp8_casts(Block("gemm", f_proj, b_proj, saved_proj + mask, bb_proj, bwd_only=mask),
                                          (T, m.heads * v / t, h)),
         }
 
@@ -483,14 +494,15 @@ class Anatomy(FrameworkKernels, MoEBlocks):
         f2, _ = gemm_cost(T, m.ffn / t, h, dt)
         a_f, a_b = self.activation(m.ffn / t)
         ln = T * h * dt / sp
+        ln_out = self.saved_linear_input(T * h / sp)
         norm_f, norm_b = self.opening_norm()
         return {
             **self.sp_norm("norm2"),
             "fc1": self.with_fp8_casts(
-                Block("gemm", f1, norm_f + a_f, (ln if self.sp else 2 * ln) + self.opening_stats + T * width * dt / t,
+                Block("gemm", f1, norm_f + a_f, (ln_out if self.sp else ln + ln_out) + self.opening_stats + T * width * dt / t,
                       norm_b + a_b + self.weight_grad_bytes(h * width / t), bwd_only=T * width * dt / t), (T, h, width / t, True)),
             "fc2": self.with_fp8_casts(
-                Block("gemm", f2, self.residual_fwd(), T * m.ffn * dt / t + self.residual_mask,
+                Block("gemm", f2, self.residual_fwd(), self.saved_linear_input(T * m.ffn / t) + self.residual_mask,
                       self.residual_bwd(m.bias) + self.weight_grad_bytes(m.ffn * h / t), bwd_only=self.residual_mask), (T, m.ffn / t, h)),
         }
 

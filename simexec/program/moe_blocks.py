@@ -135,7 +135,8 @@ class MoEBlocks:
                             + R * moe.experts * 4,
                             bb_router, bwd_only=R * moe.experts * 4),
             "experts": self.with_fp8_casts(
-                Block("gemm", fe1 + fe2, ea_f, slots * (h + width / et + moe.expert_ffn / et) * dt,
+                Block("gemm", fe1 + fe2, ea_f, self.saved_linear_input(slots * h) + slots * width / et * dt
+                      + self.saved_linear_input(slots * moe.expert_ffn / et),
                       ea_b + self.weight_grad_bytes(expert_w), gemm_groups=2 * local_experts),
                 (slots, h, width / et, False, local_experts * h * width / et),
                 (slots, moe.expert_ffn / et, h, False, local_experts * moe.expert_ffn * h / et)),

@@ -149,6 +149,15 @@ class FrameworkKernels:
             bwd += one * (m * k + w)
         return fwd, bwd
 
+    def saved_linear_input(self, elements: float) -> float:
+        """Bytes a linear layer keeps of its `elements`-element input for its weight gradient: the FP8 copy
+        in one layout with its scales where the stack keeps that (`Fp8Recipe.saves_fp8_input`), else the
+        input as computed."""
+        r = self.fp8
+        if r is None or not r.saves_fp8_input:
+            return elements * self.dt
+        return elements * (1.0 + fp8_scale_bytes(r))
+
     def with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
         """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""
         if self.fp8 is None:

@@ -46,6 +46,12 @@ class Fp8Recipe(_Spec):
     weights_cast_once_per_step: bool = Field(
         description="a weight's FP8 copy is made on the first micro-batch and reused by the rest (TE's "
         "is_first_microbatch, which Megatron-Core passes); False: cast on every micro-batch")
+    saves_fp8_input: bool = Field(
+        False, description="a linear layer keeps its input's FP8 copy for the weight gradient, in the one layout "
+        "that GEMM reads, not the bf16 tensor (TransformerEngine@d0067d0d module/linear.py and layernorm_linear.py: "
+        "`update_usage(rowwise_usage=False, columnwise_usage=True)`, then `saved_inputmat` / `ln_out` saved); "
+        "False: the bf16 input, cast again in the backward (torchao's matmul_with_hp_or_float8_args saves "
+        "input_hp)")
 
 
 class ElementwiseTraffic(_Spec):
@@ -188,7 +194,7 @@ STACKS: dict[str, StackSpec] = {
         # cast_transpose kernels write both layouts (transformer_engine/pytorch/module/base.py); Megatron-Core
         # passes is_first_microbatch so weight casts are cached (megatron/core/transformer/transformer_block.py).
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
-                      weights_cast_once_per_step=True),
+                      weights_cast_once_per_step=True, saves_fp8_input=True),
         # TE's backend selection gives FusedAttention (cuDNN) preference on compute capability >= 9.0
         # (transformer_engine/pytorch/attention/dot_product_attention/utils.py, get_attention_backend)
         attention_kernel="cudnn",
@@ -281,7 +287,7 @@ STACKS: dict[str, StackSpec] = {
         name="deepspeed",
         # Megatron-DeepSpeed runs Transformer Engine's layers for FP8 the way Megatron-LM does.
         fp8=Fp8Recipe(scaling="delayed", norm_cast_fused=True, cast_writes_transpose=True,
-                      weights_cast_once_per_step=True),
+                      weights_cast_once_per_step=True, saves_fp8_input=True),
         attention_kernel="fa2",  # Megatron-DeepSpeed's --use-flash-attn-v2 (megatron/model/transformer.py)
         # apex fused RMSNorm, unfused RoPE and SwiGLU, scripted bias-dropout-add (docs/stacks.md §1.4)
         layer_elementwise=ElementwiseTraffic(fwd_units=40, bwd_units=72),

@@ -490,6 +490,8 @@ def summary(rows: list[dict]) -> dict:
             "refused": sum(r["status"] == "refused" and SUPERSEDED not in r["families"] for r in rows),
             "not_comparable": sum(r["status"] == "not comparable" for r in rows),
             "superseded": len(ok) - len(current),
+            # every published run trained: a row simulated as not fitting is a wrong verdict
+            "wrong_fits": sorted(r["name"] for r in current if r.get("fits") is False),
             "families": families_}
 
 
@@ -508,6 +510,8 @@ def summary_lines(s: dict) -> list[str]:
     lines = [f"{s['rows']} rows compared ({s['refused']} refused, {s['not_comparable']} not comparable{apart}): "
              f"median |error| {100 * s['median_abs_error']:.1f}%, {100 * s['within_15pct']:.0f}% within 15%, "
              f"median error {100 * s['median_error']:+.1f}%"]
+    wrong = s.get("wrong_fits", [])
+    lines.append(f"  predicted not to fit, though each trained: {len(wrong)} rows" + (f" ({', '.join(wrong)})" if wrong else ""))
     for f, st in s["families"].items():
         trend_ = trend_text(st)
         lines.append(f"  {f:<13} {st['rows']:3d} rows: median |error| {100 * st['median_abs_error']:5.1f}%, "
@@ -533,7 +537,7 @@ def to_markdown(rows: list[dict], command: str) -> str:
                 f" | | {r['status']}: {r['reason']}"
         lines.append(f"| {r['name']} | {r['device']} | {r['stack']} | {plan} | {nums} |")
     if s:
-        lines += ["", summary_lines(s)[0] + ".", "",
+        lines += ["", summary_lines(s)[0] + ".", "", summary_lines(s)[1].strip() + ".", "",
                   "| family | rows | median abs error | within 15% | median error | trend (per-GPU throughput) |",
                   "| --- | ---: | ---: | ---: | ---: | ---: |"]
         for f, st in s["families"].items():

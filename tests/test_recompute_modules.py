@@ -41,6 +41,7 @@ def test_plan_string_round_trips():
     ("gpt-tiny", "recompute=selective,recompute_modules=moe", ["moe", "dense"]),
     ("gpt-tiny", "recompute=selective,recompute_modules=shared_experts", ["shared_experts", "dense"]),
     ("gpt-tiny", "recompute=full,recompute_modules=mlp", ["needs recompute=selective"]),
+    ("moe-tiny", "ep=2,gbs=8,moe_a2a_overlap=1,recompute=selective,recompute_modules=moe", ["moe_a2a_overlap"]),
     ("gpt-tiny", "recompute_modules=core_attn", ["needs recompute=selective"]),
 ])
 def test_bad_modules_fail_in_one_line(model, plan, words):

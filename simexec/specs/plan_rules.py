@@ -167,6 +167,9 @@ def _check_recompute_modules(model: ModelSpec, p: Plan, fail: Callable[[str], No
             fail(f"recompute_modules: {mod} needs multi-latent attention; {model.name} has none (allowed: {allowed})")
         if mod in ("moe", "moe_act", "shared_experts") and model.moe is None:
             fail(f"recompute_modules: {mod} needs an MoE model; {model.name} is dense (allowed: {allowed})")
+        if mod == "moe" and p.moe_a2a_overlap:  # transformer_config.py:3030-3032
+            fail("recompute_modules: moe cannot run with moe_a2a_overlap=1 (Megatron-Core disables moe recompute"
+                 f" under --overlap-moe-expert-parallel-comm; allowed: {allowed})")
         if mod == "shared_experts" and model.moe is not None and not model.moe.shared_experts:
             fail(f"recompute_modules: {mod} needs shared experts; {model.name}'s MoE has none (allowed: {allowed})")
 

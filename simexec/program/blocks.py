@@ -27,6 +27,7 @@ from typing import Optional
 from simexec.program.block import Block, gemm_cost
 from simexec.program.layer_order import LayerStep, layer_steps
 from simexec.program.moe_blocks import MoEBlocks
+from simexec.program.selective_recompute import SelectiveRecompute
 from simexec.program.stack_kernels import CrossEntropyCost, FrameworkKernels, cross_entropy_cost
 from simexec.specs.model import keys_per_query
 from simexec.specs.plan import ResolvedPlan
@@ -36,7 +37,7 @@ FUSED_ATTENTION_BWD_RATIO = 2.5
 HIGH_PRECISION_GEMM = "gemm_bf16"  # op class of a GEMM an FP8 recipe leaves in bf16
 
 
-class Anatomy(FrameworkKernels, MoEBlocks):
+class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
     """Per-rank block costs for one resolved plan (computed once, looked up per instruction)."""
 
     def __init__(self, rp: ResolvedPlan):
@@ -477,7 +478,7 @@ class Anatomy(FrameworkKernels, MoEBlocks):
 
     @property
     def _selective(self) -> bool:
-        return self.rp.plan.recompute == "selective"
+        return self.selective_recomputes_attention
 
     def activation(self, width: float) -> tuple[float, float]:
         """Activation function over `width` features per token on this rank: GeLU (fused with its

@@ -280,7 +280,7 @@ class StageCosts:
                 t += self._column_bwd(blocks[step.name], steps[i - 1].name, rank)
             elif step.name == "attn":
                 attn = blocks["attn"]
-                if rc and p.recompute == "selective":
+                if rc and self.an.selective_recomputes_attention:
                     t += self._ring_attention(attn, 0) if step.ring else self._fwd(attn)
                 t += self._ring_attention(attn, 1) if step.ring else self._bwd(attn)
             else:
@@ -293,7 +293,7 @@ class StageCosts:
         p = self.p
         moe, window = self.rp.model.is_moe_layer(l), self.rp.model.attention_window(l, self.rp.seq_len)
         key = (self.comm_key, p.tp, self.sp, p.cp, p.cp_impl, p.ep, p.etp, p.moe_dispatcher, p.moe_a2a_overlap,
-               p.moe_router_skew, p.mbs, p.dtype, p.flash_attention, p.recompute, rc,
+               p.moe_router_skew, p.mbs, p.dtype, p.flash_attention, p.recompute, p.recompute_modules, rc,
                moe, window, rank, self.split, p.tp_overlap, p.tp_async, self.rp.stack.name)
         out = self.b.layers.get(key)
         if out is not None:
@@ -307,9 +307,15 @@ class StageCosts:
         b = f if full else 0.0
         if rc and p.recompute == "op":
             b += sum(self._fwd(x) for x in an.op_recomputed(l).values())
+        selective = rc and p.recompute == "selective"
+        for step, x in an.selective_recomputed(l) if selective else ():
+            b += (self._fwd(x) if x is not None else self._tp(step.name, 0, rank) if step.axis == "tp"
+                  else self._exchange(step, 0, rank))
         self._k = kf if full else 0.0
         b += self._layer_backward(steps, blocks, rank, rc)
         saved = an.hidden_bytes if full else sum(x.saved for x in blocks.values())
+        if selective:
+            saved -= an.selective_discarded(l)
         kb = self._k
         w = sum(self._wgrad(x) for x in blocks.values())
         out = LayerCost(forward=f, backward=b, saved_bytes=saved, forward_closing=self._tp("mlp_out", 0, rank),

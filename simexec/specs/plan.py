@@ -28,6 +28,12 @@ AXES = ("tp", "cp", "dp", "pp")
 # bytes of the activations, weights and gradients a plan keeps: FP8 recipes keep them in bf16 and cast
 # only the linear GEMMs' operands (simexec.specs.stack.Fp8Recipe)
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8": 2}
+# Megatron-Core's --recompute-modules under selective recompute (TransformerConfig.recompute_modules,
+# NVIDIA/Megatron-LM@d98e8a6 megatron/core/transformer/transformer_config.py:560, checked at :1940);
+# the first four keep the submodule's input, the last three discard its output (`simexec.program.
+# selective_recompute`)
+RECOMPUTE_MODULES = ("core_attn", "mlp", "moe", "shared_experts", "moe_act", "layernorm", "mla_up_proj")
+DEFAULT_RECOMPUTE_MODULES = ("core_attn",)
 
 
 class Plan(BaseModel):
@@ -104,6 +110,11 @@ class Plan(BaseModel):
         " layers go to pinned host memory after their forward and come back before their backward, weights stay"
         " (Megatron-Core's cpu_offloading=True, cpu_offloading_num_layers=N, cpu_offloading_weights=False over"
         " Transformer Engine's cpu_offload.py); 0: none")
+    recompute_modules: Optional[tuple[str, ...]] = Field(
+        None, min_length=1, description="recompute=selective: the submodules it covers, in place of the default"
+        " core_attn (Megatron-Core's --recompute-modules): core_attn, mlp (dense layers), moe, shared_experts,"
+        " moe_act (the experts' activation), layernorm (the two pre-norms), mla_up_proj (MLA's q/kv up"
+        " projections and RoPE); written joined by '+', e.g. mla_up_proj+mlp; None = core_attn")
     dtype: Literal["bf16", "fp16", "fp32", "fp8"] = "bf16"
     flash_attention: bool = Field(True, description="fused attention kernel: no s x s scores kept for backward")
     bucket_mb: float = Field(25.0, gt=0, description="gradient bucket size in MB (DDP default 25)")
@@ -165,6 +176,28 @@ class Plan(BaseModel):
         " contents, e.g. 'Et|(tt|)*30mL' (E embedding, t transformer layer, m MTP layer, L head and loss, | between"
         " the pp*vpp stages, (..)*n repeats; `simexec.specs.pipeline_layout`); exclusive with stages")
 
+    @field_validator("recompute_modules", mode="before")
+    @classmethod
+    def _modules(cls, v: object) -> object:
+        if isinstance(v, str):
+            v = tuple(x.strip() for x in v.split("+") if x.strip())
+        if isinstance(v, (list, tuple)):
+            unknown = [x for x in v if x not in RECOMPUTE_MODULES]
+            if unknown:
+                raise ValueError(f"recompute_modules: unknown module {unknown[0]!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+            if len(set(v)) != len(v):
+                raise ValueError(f"recompute_modules {'+'.join(v)} names a module twice")
+            return tuple(v)
+        return v
+
+    @property
+    def selective_modules(self) -> tuple[str, ...]:
+        """The submodules selective recompute covers (`recompute_modules`, default core_attn); () unless
+        recompute=selective."""
+        if self.recompute != "selective":
+            return ()
+        return self.recompute_modules or DEFAULT_RECOMPUTE_MODULES
+
     @field_validator("rank_order")
     @classmethod
     def _order(cls, v: str) -> str:
@@ -216,6 +249,8 @@ class Plan(BaseModel):
                 continue
             if name == "stages":
                 parts.append("stages=" + ",".join(str(x) for x in val))
+            elif name == "recompute_modules":
+                parts.append(f"{name}=" + "+".join(val))
             elif isinstance(val, bool):
                 parts.append(f"{name}={int(val)}")
             elif isinstance(val, float):

@@ -145,6 +145,7 @@ def check_plan(model: ModelSpec, cluster: ClusterSpec, p: Plan, dp: int, gbs: in
         fail(f"loss_scale_hysteresis={p.loss_scale_hysteresis} needs dynamic loss scaling (loss_scale_window > 0)")
     if p.recompute_layers is not None and p.recompute == "none":
         fail(f"recompute_layers={p.recompute_layers} needs recompute=selective, full or op")
+    _check_recompute_modules(model, p, fail)
     if not cluster.device.supports(p.dtype):
         fail(f"dtype={p.dtype} not supported by {cluster.device.name} (has {', '.join(cluster.device.peak_flops)})")
     if p.pp > 1 and n_stages > model.layers and p.layout is None:
@@ -175,6 +176,28 @@ def _check_offload_layers(model: ModelSpec, p: Plan, fail: Callable[[str], None]
              "does not work when activation recomputation is enabled)")
     if p.pipeline_schedule.splits_backward:
         fail(f"offload_layers={n} does not run with schedule={p.schedule_name} (a split backward)")
+
+
+def _check_recompute_modules(model: ModelSpec, p: Plan, fail: Callable[[str], None]) -> None:
+    """Megatron-Core's checks of recompute_modules (TransformerConfig.__post_init__, NVIDIA/Megatron-LM@d98e8a6
+    megatron/core/transformer/transformer_config.py:1940-1995), and modules the model has no part for."""
+    mods = p.recompute_modules
+    if mods is None:
+        return
+    from simexec.specs.plan import RECOMPUTE_MODULES
+    allowed = ", ".join(RECOMPUTE_MODULES)
+    if p.recompute != "selective":
+        fail(f"recompute_modules={'+'.join(mods)} needs recompute=selective, got recompute={p.recompute}")
+    for mod in mods:
+        if mod == "mla_up_proj" and not model.is_mla:
+            fail(f"recompute_modules: {mod} needs multi-latent attention; {model.name} has none (allowed: {allowed})")
+        if mod in ("moe", "moe_act", "shared_experts") and model.moe is None:
+            fail(f"recompute_modules: {mod} needs an MoE model; {model.name} is dense (allowed: {allowed})")
+        if mod == "moe" and p.moe_a2a_overlap:  # transformer_config.py:3030-3032
+            fail("recompute_modules: moe cannot run with moe_a2a_overlap=1 (Megatron-Core disables moe recompute"
+                 f" under --overlap-moe-expert-parallel-comm; allowed: {allowed})")
+        if mod == "shared_experts" and model.moe is not None and not model.moe.shared_experts:
+            fail(f"recompute_modules: {mod} needs shared experts; {model.name}'s MoE has none (allowed: {allowed})")
 
 
 def _check_moe_a2a_overlap(p: Plan, fail: Callable[[str], None]) -> None:

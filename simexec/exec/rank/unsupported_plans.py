@@ -8,6 +8,11 @@ from simexec.program.blocks import Anatomy
 from simexec.program.groups import deepep_domains_even, deepep_two_hops
 from simexec.program.param_tensors import unit_tensors
 
+# selective recompute's modules that are whole blocks of the executor's model, which it recomputes by
+# replaying their forward; the others are parts of a block (a norm, an activation, MLA's up
+# projections), and moe re-runs the dispatch and combine, which the executor does not replay yet
+EXECUTED_RECOMPUTE_MODULES = ("core_attn", "mlp")
+
 
 def splits_a_unit(rp) -> bool:
     """Whether the plan's ZeRO-3 flavour gathers or reduces some unit of this model in more than one
@@ -69,6 +74,10 @@ def unsupported(rp) -> Optional[str]:
     if p.recompute == "op":
         missing.append("recompute=op (torchtitan's per-operator checkpointing; the executor recomputes whole layers "
                        "or the attention core)")
+    partial = [x for x in p.selective_modules if x not in EXECUTED_RECOMPUTE_MODULES]
+    if partial:
+        missing.append(f"recompute_modules {'+'.join(partial)} (the executor recomputes whole blocks: "
+                       f"{', '.join(EXECUTED_RECOMPUTE_MODULES)})")
     if not missing and (p.sp or p.cp > 1):
         missing += _lowering_gaps(rp)
     if not missing:

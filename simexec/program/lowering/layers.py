@@ -149,7 +149,10 @@ class LayerLowering(TensorParallel):
             return self.an.hidden_bytes
         if rc and self.p.recompute == "op":
             return self.an.op_kept(l)
-        return sum(b.saved for b in self.an.layer(l).values())
+        saved = sum(b.saved for b in self.an.layer(l).values())
+        if rc and self.p.recompute == "selective":
+            return saved - self.an.selective_discarded(l)
+        return saved
 
     def start_layer_backward(self, l: int, mb: int, c: int) -> LayerBackward:
         """Recompute before the backward: under full, the layer's forward again; under op, the blocks its
@@ -159,6 +162,7 @@ class LayerLowering(TensorParallel):
         rc = self.is_recompute_layer(l, c)
         full = rc and self.p.recompute == "full"
         op = rc and self.p.recompute == "op"
+        modules = an.selective_recomputed(l) if rc and self.p.recompute == "selective" else ()
         saved = sum(b.saved for b in blocks.values())
         kept = (an.hidden_bytes if full or op else blocks["norm1"].saved) if self.p.sp else 0.0
         kept_forward = self.forward_kept(l, c)
@@ -167,7 +171,14 @@ class LayerLowering(TensorParallel):
         elif op:
             for name, b in an.op_recomputed(l).items():
                 self.compute("recompute", name, l, mb, c, b)
-        if full or op:
+        for step, b in modules:  # selective recompute's modules other than the attention core
+            if b is not None:
+                self.compute("recompute", step.name, l, mb, c, b)
+            elif step.axis == "tp":
+                self.tp(step.name, "recompute", l, mb, c, an.full_hidden_bytes)
+            else:
+                self.exchange(step, "recompute", l, mb, c)
+        if full or op or (modules and saved > kept_forward):
             self.memory("alloc", "activations", saved - kept_forward, f"act.recompute.L{l}.m{mb}")
         return LayerBackward(l, mb, c, blocks, rc, full, saved, kept, kept_forward)
 
@@ -215,7 +226,7 @@ class LayerLowering(TensorParallel):
         """The attention core's backward (in cp parts under ring attention), after its selective
         recompute."""
         l, mb, c, attn = lb.layer, lb.mb, lb.chunk, lb.blocks["attn"]
-        if lb.recompute and self.p.recompute == "selective":
+        if lb.recompute and self.an.selective_recomputes_attention:
             if step.ring:
                 self.ring_attention("recompute", l, mb, c, attn)
             else:

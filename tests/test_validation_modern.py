@@ -57,7 +57,10 @@ def test_gb200_moe_row_maps_to_trays_and_a_built_model(rows):
 def test_megatron_fsdp_and_block_recompute(rows):
     m = modern.map_row(rows["mb2511-h100-llama3-8b-fp8cs-fsdp-8"])
     assert m.plan == "zero=3,gbs=128,recompute=full,recompute_layers=5,dtype=fp8,fp8_param_gather=1"
-    assert modern.recompute_fields("selective:mla_up_proj") == {"recompute": "selective"}
+    assert modern.recompute_fields("selective:mla_up_proj") == {"recompute": "selective",
+                                                                "recompute_modules": ("mla_up_proj",)}
+    assert modern.recompute_fields("selective:mla_up_proj,mlp")["recompute_modules"] == ("mla_up_proj", "mlp")
+    assert modern.recompute_fields("selective:core_attn") == {"recompute": "selective"}
 
 
 def test_unit_conversion():

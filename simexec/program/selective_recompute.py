@@ -73,18 +73,18 @@ class SelectiveRecompute:
         m, t, T, dt, h = self.rp.model, self.tp, self.tokens, self.dt, self.h
         mods, blocks = self._modules_of(i), self.layer(i)
         out = 0.0
-        if "layernorm" in mods:  # the two pre-norms' outputs (the GEMMs' inputs after them)
-            out += 2 * T * h * dt / self.sp_div
+        if "layernorm" in mods:  # the two pre-norms' outputs (the GEMMs' inputs after them, as those keep them)
+            out += 2 * self.saved_linear_input(T * h / self.sp_div)
         if "mla_up_proj" in mods:  # q, k and v the attention kernel saves: the up projections' outputs
             out += T * (m.heads * m.qk_head_dim + m.attention_widths[1]) * dt / t
         if "mlp" in mods:  # fc1's output (the activation's input) and the activation's output (fc2's input)
-            out += T * (m.ffn * (2 if m.gated else 1) + m.ffn) * dt / t
+            out += T * m.ffn * (2 if m.gated else 1) * dt / t + self.saved_linear_input(T * m.ffn / t)
         if "moe" in mods:  # all but the norm's input, its statistics and the MoE input (its output)
             e = m.moe
             out += self.routed_tokens * e.experts * 4 + blocks["experts"].saved
             out += blocks["moe_out"].saved - self.residual_mask
         if "moe_act" in mods:  # the activation's output, fc2's input
-            out += self.expert_rows * m.moe.expert_ffn / self.etp * dt
+            out += self.saved_linear_input(self.expert_rows * m.moe.expert_ffn / self.etp)
         if "shared_experts" in mods:  # their fc1's output and activation's output
             out += T * self.shared_ffn * (3 if m.gated else 2) / t * dt
         return out

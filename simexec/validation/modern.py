@@ -264,7 +264,8 @@ def row_stack(r: dict) -> StackSpec:
 
 
 def recompute_fields(text: str) -> dict:
-    """`none`, `selective`, `full`; `selective:<modules>` -> selective; `full:block N layers` -> full, N layers."""
+    """`none`, `selective`, `full`; `selective:<modules>` -> selective over those modules (Megatron-Core's
+    --recompute-modules, separated by `+` or `,`); `full:block N layers` -> full, N layers."""
     kind, _, detail = text.strip().partition(":")
     if kind not in ("none", "selective", "full"):
         raise SpecError(f"recompute {text!r}: expected none, selective or full")
@@ -272,6 +273,9 @@ def recompute_fields(text: str) -> dict:
     m = re.search(r"(\d+)\s+layers", detail)
     if kind == "full" and m:
         out["recompute_layers"] = int(m.group(1))
+    modules = tuple(x.strip() for x in re.split(r"[+,]", detail) if x.strip())
+    if kind == "selective" and modules and modules != ("core_attn",):
+        out["recompute_modules"] = modules
     return out
 
 

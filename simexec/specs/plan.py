@@ -184,7 +184,7 @@ class Plan(BaseModel):
         if isinstance(v, (list, tuple)):
             unknown = [x for x in v if x not in RECOMPUTE_MODULES]
             if unknown:
-                raise ValueError(f"recompute_modules: unknown module {unknown[0]!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
+                raise ValueError(f"unknown module {unknown[0]!r}; allowed: {', '.join(RECOMPUTE_MODULES)}")
             if len(set(v)) != len(v):
                 raise ValueError(f"recompute_modules {'+'.join(v)} names a module twice")
             return tuple(v)

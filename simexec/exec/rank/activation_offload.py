@@ -4,7 +4,9 @@ Megatron-Core (NVIDIA/TransformerEngine@d0067d0d transformer_engine/pytorch/cpu_
 each tensor autograd saves (TE's `push_tensor`; the weights stay, as TE's `_check_if_offload` keeps
 `nn.Parameter`s), the program's `copy.act_d2h` moves the layer's tensors to host memory (pinned on CUDA) and
 drops the device ones, `copy.act_h2d` brings them back, and the backward's unpack hook returns the
-reloaded tensor (TE's `pop_tensor`). The copies run where the program puts them, synchronously: the
+reloaded tensor (TE's `pop_tensor`); after the layer's backward the reloaded tensors go (TE's
+`release_all_memory`). The interpreter lets go of its own references to the moved storages
+(`BlockCompute.release_offloaded_inputs`). The copies run where the program puts them, synchronously: the
 simulator prices the overlap, the executor checks that the math is the same.
 """
 from __future__ import annotations
@@ -28,9 +30,33 @@ class ActivationOffloader:
         self.saved: dict[tuple[int, int], list[Tensor]] = {}
         self.versions: dict[tuple[int, int], list[int]] = {}
 
+        # under sp, the norm outputs a layer keeps as slices for its backward's re-gathers: the interpreter's
+        # environment holds them rather than autograd (Megatron's column-parallel linear saves that slice)
+        self.slices: dict[tuple[int, int], list[tuple[tuple, Tensor]]] = {}
+
     def reset(self) -> None:
         self.saved.clear()
         self.versions.clear()
+        self.slices.clear()
+
+    def stash(self, layer: int, mb: int, items: list[tuple[tuple, Tensor]]) -> None:
+        """With `copy.act_d2h`: environment values (key, device tensor) the backward reads, to the host."""
+        tracker = LIVE_TRACKER[0]
+        if tracker is not None:
+            tracker.on_host += 1
+        try:
+            host = _moved([t for _, t in items], torch.device("cpu"), pin=self.device.type == "cuda")
+            for h in host if tracker is not None else ():
+                tracker.ignore(h)
+        finally:
+            if tracker is not None:
+                tracker.on_host -= 1
+        self.slices[(layer, mb)] = [(k, h) for (k, _), h in zip(items, host)]
+
+    def unstash(self, layer: int, mb: int) -> list[tuple[tuple, Tensor]]:
+        """With `copy.act_h2d`: the stashed environment values, on the device again."""
+        items = self.slices.pop((layer, mb), [])
+        return [(k, d) for (k, _), d in zip(items, _moved([h for _, h in items], self.device, pin=False))]
 
     def covers(self, ins: Instr) -> bool:
         """Whether a compute instruction is the forward of an offloaded layer."""
@@ -78,15 +104,24 @@ class ActivationOffloader:
                 tracker.on_host += 1
             moved = {t.untyped_storage().data_ptr() for t in tensors}
             try:
-                self.saved[key] = _moved(tensors, torch.device("cpu"), pin=self.device.type == "cuda")
+                # in place: the pack hook's closure holds this list, and autograd keeps the hook alive
+                tensors[:] = _moved(tensors, torch.device("cpu"), pin=self.device.type == "cuda")
                 for h in self.saved[key] if tracker is not None else ():
                     tracker.ignore(h)  # host memory, also when the reload reads it
             finally:
                 if tracker is not None:
                     tracker.on_host -= 1
             return moved
-        self.saved[key] = _moved(tensors, self.device, pin=False)
+        tensors[:] = _moved(tensors, self.device, pin=False)
         return set()
+
+
+    def release(self, layer: int, mb: int) -> None:
+        """After layer `layer`'s backward for micro-batch `mb`: its reloaded tensors go (TE's
+        `release_all_memory`); the list is emptied in place, as the pack hook's closure holds it."""
+        t = self.saved.get((layer, mb))
+        if t is not None:
+            t.clear()
 
 
 def _moved(tensors: list[Tensor], device: torch.device, pin: bool) -> list[Tensor]:

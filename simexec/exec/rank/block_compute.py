@@ -14,11 +14,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from simexec.exec.nn import data
 from simexec.exec.nn.weight_grads import backward_inputs
 from simexec.exec.rank.collectives import InflightComm
-from simexec.exec.rank.dataflow import LAST_READER_OF_GATHERED, PERMUTED_INPUT, REGATHERED_INPUT
+from simexec.exec.rank.dataflow import (LAST_READER_OF_GATHERED, PERMUTED_INPUT, REGATHERED_INPUT, SP_REGATHERS,
+                                        collective_keys, upstream)
 from simexec.program.instructions import Instr
 from simexec.program.lowering.emit import ZERO3_COPY_BLOCKS
 
@@ -88,7 +90,9 @@ class BlockCompute:
     `scaler`, `recomputed`, `split`, `split_blocks`, `split_analyses`, `z3_pending`, `z3_units`, `ring`,
     `ring_hop`, `heads`, `heads_pos`, `read`, `resolve`, `take_grad`, `add_grad`, `batch`, and the
     other mixins' compute (`optimizer_step`, `grad_norm`, `unscale`, `bucket_in`, `bucket_out`,
-    `ring_forward`, `ring_backward`). Shares with it: `env`, `records`, `deferred`, `loss`."""
+    `ring_forward`, `ring_backward`), under offload_layers `act_offload`, `act_last_read`, `act_copy_pos`
+    and `act_reload_done` (`plan_offload_releases`'). Shares with it: `env`, `records`, `deferred`, `loss`,
+    `act_release_after`."""
 
     def compute(self, ins: Instr) -> None:
         if ins.block in ("optim", "cpu_optim"):
@@ -222,17 +226,85 @@ class BlockCompute:
         slice itself, which the router's matmul saved, so there is no gathered copy to let go of."""
         return block == "moe_out" and self.model.moe_on_slice
 
-    def release_offloaded_inputs(self, l: int, mb: int, moved: set[int]) -> None:
-        """offload_layers: once a layer's saved tensors are on the host (`copy.act_d2h`), its blocks'
-        records let go of the inputs that were among them (storages `moved`): each becomes a
-        one-element expansion of its shape, so the device copy dies as TE's release lets it."""
+    def plan_offload_releases(self) -> tuple[dict[tuple, tuple[int, str]], dict[str, int], dict[str, tuple[int, int]]]:
+        """offload_layers, once per run: (activation key -> (index, name) of its last forward reader in
+        the program, act_d2h copy name -> its index, the last backward compute of each offloaded layer
+        -> (layer, micro-batch)). A key counts as read by an instruction that reads it or a name it
+        stands for where a collective is absent (`upstream`), so the table errs late."""
+        last: dict[tuple, tuple[int, str]] = {}
+        copies: dict[str, int] = {}
+        done: dict[tuple[int, int], str] = {}
+        if self.act_offload is None:
+            return last, copies, {}
+        p = self.plan
+        for k, ins in enumerate(self.instrs):
+            if ins.block == "act_d2h":
+                copies[ins.name] = k
+            if ins.kind == "compute" and ins.phase in ("bwd", "wgrad") and 0 <= ins.layer < self.act_offload.layers:
+                done[(ins.layer, ins.mb)] = ins.name
+            if ins.phase != "fwd":
+                continue
+            if ins.kind == "compute" and ins.block in self.blocks_io:
+                reads = [(n, ins.layer, ins.mb) for n in self.blocks_io[ins.block][0]]
+            elif ins.kind == "collective" and ins.block in self.colls:
+                reads = [collective_keys(ins.block, ins.layer, ins.mb, self.colls, self.L, self.D)[0]]
+            else:
+                continue
+            for key in reads:
+                key = self.alias(key)
+                while key is not None:
+                    last[key] = (k, ins.name)
+                    key = upstream(key, p.sp, self.L, self.D, self.two_hops)
+        return last, copies, {name: lm for lm, name in done.items()}
+
+    def release_offloaded_inputs(self, ins: Instr, moved: set[int]) -> None:
+        """offload_layers: once a layer's saved tensors are on the host (`copy.act_d2h`), nothing on the
+        interpreter's side keeps their device storages (`moved`), as TE's release lets them die: the
+        layer's blocks' records turn the inputs among them into one-element expansions of their shape,
+        and the environment lets go of each activation on them now if its last forward reader has run,
+        else right after that reader (`release_after_reader`)."""
         if not _DEALLOCATE or self.xla:
             return
-        for (block, bl, bmb), rec in self.records.items():
+        l, mb = ins.layer, ins.mb
+        here = self.act_copy_pos[ins.name]
+        if self.plan.sp:  # the norm slices the backward re-gathers go to the host with the saved tensors
+            keys = [(src, l, mb) for src, _, _ in SP_REGATHERS.values()]
+            items = [(k, self.env.pop(k)) for k in keys if isinstance(self.env.get(k), Tensor)
+                     and self.act_last_read.get(k, (-1, ""))[0] < here]
+            if items:
+                self.act_offload.stash(l, mb, items)
+        for rk, rec in list(self.records.items()):
+            block, bl, bmb = rk
             if bl == l and bmb == mb:
                 for v in rec[1]:
                     if isinstance(v, Tensor) and v.untyped_storage().data_ptr() in moved:
                         _shrink_leaf(v)
+                if not self.split and rk not in self.split_blocks:
+                    # a view output (q of the projection, the attention's merged heads) keeps its base
+                    # alive, where `_deallocate` empties the others: its gradient edge is what the
+                    # backward starts from
+                    outs = tuple(get_gradient_edge(o) if isinstance(o, Tensor) and o._base is not None
+                                 and o.grad_fn is not None and o.untyped_storage().data_ptr() in moved else o
+                                 for o in rec[3])
+                    self.records[rk] = (*rec[:3], outs)
+        for key, v in list(self.env.items()):
+            if not (isinstance(v, Tensor) and v.untyped_storage().data_ptr() in moved):
+                continue
+            k, reader = self.act_last_read.get(key, (-1, ""))
+            if k < here:
+                del self.env[key]
+            else:
+                self.act_release_after.setdefault(reader, []).append(key)
+
+    def release_after_reader(self, name: str) -> None:
+        """offload_layers: the environment's offloaded activations whose last forward reader `name` was;
+        after an offloaded layer's backward, its reloaded tensors, all together (TE's
+        `release_all_memory`, the lowering's `release_reloaded`)."""
+        for key in self.act_release_after.pop(name):
+            self.env.pop(key, None)
+        done = self.act_reload_done.get(name)
+        if done is not None:
+            self.act_offload.release(*done)
 
     def _release_gathered(self, block: str, l: int, mb: int, vals: list) -> None:
         """Under sp, once the last forward reader of a gathered norm output has run: nothing keeps
@@ -318,7 +390,7 @@ class BlockCompute:
         ins_names, vals, out_names, outs = rec
         ts, gs = [], []
         for n, o in zip(out_names, outs):
-            if isinstance(o, Tensor) and o.requires_grad:
+            if (isinstance(o, Tensor) and o.requires_grad) or isinstance(o, GradientEdge):  # (offloaded view)
                 g = self.loss_seed(o) if ins.block == "loss" else self.take_grad((n, l, mb))
                 if g is not None and ins.block == "mtp_in" and self.plan.tp > 1 and not self.plan.sp:
                     # without sp the output gather's backward is a split: this rank's hidden columns

@@ -300,6 +300,7 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         codes = {"compute": 0, "collective": 1, "send": 2, "recv": 2, "copy": 3}
         self._ops = []
         self.send_release = self.plan_send_release()
+        self.act_last_read, self.act_copy_pos, self.act_reload_done = self.plan_offload_releases()
         for k, ins in enumerate(self.instrs):
             code = codes.get(ins.kind)
             if code is None:
@@ -319,6 +320,9 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
         self.attach_grads()
         if self.act_offload is not None:
             self.act_offload.reset()
+        # offload_layers: instruction -> the activations it lets go of (`release_after_reader`)
+        self.act_release_after: dict[str, list[tuple]] = {name: [] for name in self.act_reload_done}
+        release = self.act_release_after
         inflight, tracer, cut = self.inflight, self.tracer, self.cut
         slow = self.slow_factor > 1.0
         begin, end = tracer.begin, tracer.end
@@ -352,6 +356,8 @@ class RankInterpreter(BlockCompute, ActivationCollectives, Sharding, RingAttenti
                 end(ins, step)
             if drop is not None:
                 self.drop_layer(*drop)
+            if release and ins.name in release:
+                self.release_after_reader(ins.name)
         self.wait_all()
         return None if self.loss is None else float(self.loss)
 

@@ -151,8 +151,10 @@ class OptimizerStep:
         """Offload: gradients to host buffers (d2h), updated parameters back to device (h2d)."""
         if ins.block in ("act_d2h", "act_h2d"):  # offload_layers (`simexec.exec.rank.activation_offload`)
             moved = self.act_offload.copy(ins)
-            if moved:
-                self.release_offloaded_inputs(ins.layer, ins.mb, moved)
+            if ins.block == "act_d2h":
+                self.release_offloaded_inputs(ins, moved)
+            else:
+                self.env.update(self.act_offload.unstash(ins.layer, ins.mb))
         elif ins.block == "grads_d2h":
             self.wait_but_sends(ins)
             for h, gdev in zip(self.host_grads, self._optimizer_grads()):

@@ -215,3 +215,23 @@ def test_transformer_engine_keeps_fp8_copies_of_linear_inputs_torchao_keeps_bf16
     assert te["proj"] - bf16["proj"] == pytest.approx(T * h)  # an FP8 copy beside the bf16 context
     assert bf16["fc1"] - te["fc1"] == pytest.approx(T * h)
     assert te["fc2"] == pytest.approx(bf16["fc2"] / 2)  # the activation's output, FP8
+
+
+@pytest.mark.parametrize("ep, sorted_", [(2, True), (8, False)])
+def test_alltoall_sorts_received_rows_by_local_expert_and_back(ep, sorted_):
+    """Megatron-Core's alltoall dispatcher with more than one local expert sorts the received rows by
+    expert after the dispatch and back before the combine (`sort_chunks_by_idxs`): a read and a write of
+    the rows each way, forward and backward; DeepEP's dispatcher permutes once, which the router counts."""
+    mixtral = get_model("mixtral-8x7b")
+
+    def experts(dispatcher: str):
+        rp = resolve(mixtral, get_cluster("1xdgx-h100"), parse_plan(f"dp=8,ep={ep},moe_dispatcher={dispatcher}"),
+                     seq_len=1024)
+        an = Anatomy(rp)
+        return an, an.layer(0)["experts"]
+
+    an, a2a = experts("alltoall")
+    _, deepep = experts("deepep")
+    sort = 2 * 2 * an.dt * an.expert_rows * an.h if sorted_ else 0.0
+    assert a2a.bytes - deepep.bytes == pytest.approx(sort)
+    assert a2a.bwd_bytes - deepep.bwd_bytes == pytest.approx(sort)

@@ -48,6 +48,20 @@ class MoEBlocks:
         return rows * self.router_skew
 
     @cached_property
+    def local_expert_sort(self) -> float:
+        """Bytes of the alltoall dispatcher's second permutation, each way: with more than one local
+        expert the received rows arrive grouped by source rank and are sorted by local expert after the
+        dispatch, and back before the combine, each a read and a write of the rows (Megatron-Core's
+        MoEAlltoAllTokenDispatcher `dispatch_postprocess` / `combine_preprocess`, `sort_chunks_by_idxs`:
+        "Permutation 2", NVIDIA/Megatron-LM@d98e8a64 megatron/core/transformer/moe/token_dispatcher.py);
+        the backward runs both on the gradients. The allgather and DeepEP dispatchers permute once, on
+        the rows a rank keeps or receives, and have none."""
+        moe = self.rp.model.moe
+        if self.rp.plan.moe_dispatcher != "alltoall" or moe.experts / self.ep <= 1:
+            return 0.0
+        return 2 * 2 * self.dt * self.expert_rows * self.h
+
+    @cached_property
     def etp_gathered_bytes(self) -> float:
         """A folded plan's etp all-gather of the dispatched rows (and reduce-scatter of the outputs):
         the gathered size."""
@@ -135,9 +149,10 @@ class MoEBlocks:
                             + R * moe.experts * 4,
                             bb_router, bwd_only=R * moe.experts * 4),
             "experts": self.with_fp8_casts(
-                Block("gemm", fe1 + fe2, ea_f, self.saved_linear_input(slots * h) + slots * width / et * dt
+                Block("gemm", fe1 + fe2, ea_f + self.local_expert_sort,
+                      self.saved_linear_input(slots * h) + slots * width / et * dt
                       + self.saved_linear_input(slots * moe.expert_ffn / et),
-                      ea_b + self.weight_grad_bytes(expert_w), gemm_groups=2 * local_experts),
+                      ea_b + self.local_expert_sort + self.weight_grad_bytes(expert_w), gemm_groups=2 * local_experts),
                 (slots, h, width / et, False, local_experts * h * width / et),
                 (slots, moe.expert_ffn / et, h, False, local_experts * moe.expert_ffn * h / et)),
             "moe_out": self.with_fp8_casts(Block("gemm", fs1 + fs2, sa_f + combine + self.residual_fwd(),

@@ -141,3 +141,14 @@ def test_executor_peak_falls_as_the_simulator_says(plan):
         losses.append(next(res["losses"] for res in results if res["losses"]))
     assert peaks[0] > peaks[1] > peaks[2], peaks
     assert losses[1] == pytest.approx(losses[0], rel=1e-6) and losses[2] == pytest.approx(losses[0], rel=1e-6)
+
+
+def test_the_xla_backend_refuses_offload_before_starting_ranks(monkeypatch):
+    """Where PyTorch/XLA is installed the executor still refuses offload_layers on it, in one line, before Ray."""
+    import simexec.exec.rank.xla as xla
+    from simexec.errors import ExecError
+    from simexec.exec.api import execute
+
+    monkeypatch.setattr(xla, "unavailable", lambda: "")
+    with pytest.raises(ExecError, match=r"backend xla: offload_layers=1 runs on gloo and nccl ranks only"):
+        execute("gpt-tiny", "local", "dp=1,gbs=2,dtype=fp32,offload_layers=1", steps=1, seq_len=32, backend="xla")

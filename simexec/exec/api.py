@@ -134,6 +134,8 @@ def execute(model, cluster, plan, *, steps: int = 3, seq_len: Optional[int] = No
     if steps < 1:
         raise ExecError(f"steps must be at least 1, got {steps}")
     rp = resolve(*_specs(model, cluster, plan), seq_len)
+    if backend == "xla" and rp.plan.offload_layers:  # the saved-tensor hooks copy CUDA/CPU storages
+        raise ExecError(f"backend xla: offload_layers={rp.plan.offload_layers} runs on gloo and nccl ranks only")
     control, kill_at = _control(rp, steps, backend, runner, slow, checkpoint_dir, checkpoint_every, resume, kill)
     program = lower(rp, symmetric=False)
     if memory_plan:

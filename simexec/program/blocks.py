@@ -455,7 +455,7 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
         # the projection's input: the context itself where the stack saves it as computed; where it saves an
         # FP8 copy, that copy beside the context the attention's backward still reads
         proj_in = self.saved_linear_input(T * m.heads * v / t)
-        saved_proj = ctx_bytes if proj_in == ctx_bytes else proj_in + (ctx_bytes if shares_output else 0.0)
+        saved_proj = proj_in + (ctx_bytes if shares_output else 0.0) if self.keeps_fp8_inputs else ctx_bytes
         return {
             **self.sp_norm("norm1"),
             "qkv": self.with_fp8_casts(Block("gemm", f_qkv, b_qkv, saved_qkv, bb_qkv), (T, h, qkv_rank / h, True)),

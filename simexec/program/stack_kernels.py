@@ -153,10 +153,14 @@ class FrameworkKernels:
         """Bytes a linear layer keeps of its `elements`-element input for its weight gradient: the FP8 copy
         in one layout with its scales where the stack keeps that (`Fp8Recipe.saves_fp8_input`), else the
         input as computed."""
-        r = self.fp8
-        if r is None or not r.saves_fp8_input:
+        if not self.keeps_fp8_inputs:
             return elements * self.dt
-        return elements * (1.0 + fp8_scale_bytes(r))
+        return elements * (1.0 + fp8_scale_bytes(self.fp8))
+
+    @property
+    def keeps_fp8_inputs(self) -> bool:
+        """Linear layers keep FP8 copies of their inputs for the backward (`Fp8Recipe.saves_fp8_input`)."""
+        return self.fp8 is not None and self.fp8.saves_fp8_input
 
     def with_fp8_casts(self, block: Block, *gemms: tuple) -> Block:
         """`block` with the FP8 casts of its linear GEMMs (`fp8_casts` arguments each) added to its traffic."""

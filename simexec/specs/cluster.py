@@ -388,7 +388,7 @@ _GB200_CUDA_BYTES = 184.31 * GiB
 #   published sustained clock: B200's fraction, said so.
 BLACKWELL_SUSTAINED_CLOCK = round((1580 / 1965) / TRAINING_SHAPES, 3)
 _BLACKWELL_COSTS = dict(
-    gemm_half_flops=2.0e9, attention_half_flops=2.0e9,
+    attention_half_flops=2.0e9,
     # cuDNN attention on GB200 (cuDNN 9.22): forward 0.707, backward 0.564, causal 0.974, half at 498 keys
     # (NVIDIA/cudnn-frontend sdpa_benchmark_training results: docs/kernel_efficiency.md); B200 is the same
     # chip, so the same fractions of its own peak
@@ -400,10 +400,24 @@ _BLACKWELL_COSTS = dict(
 )
 # GEMMs: the best-shape figures times the training-shape ratio measured on H100 (`TRAINING_SHAPES`);
 # B200's best FP8 shape reaches 3432.5 of 4500 (0.763), within 2% of its bf16 fraction, so GB200's FP8
-# takes its bf16 fraction; all of them times the sustained-clock fraction (`BLACKWELL_SUSTAINED_CLOCK`)
+# takes its bf16 fraction; all of them times the sustained-clock fraction (`BLACKWELL_SUSTAINED_CLOCK`).
+# Half-efficiency sizes: no size sweep is published for Blackwell, so each GEMM kind keeps H100's fixed
+# per-kernel time (`GEMM_FIXED_S`) at its own best-shape rate, the rule the Hopper FP8 figures follow.
+GEMM_FIXED_S = 2.0e9 / 794.5e12  # H100 bf16: half efficiency at 2 GFLOP, best shape 794.5 TFLOP/s
+
+
+def half_flops_at(best_rate: float) -> float:
+    """The GEMM size at which a kernel with H100's fixed per-kernel time reaches half its efficiency."""
+    return round(GEMM_FIXED_S * best_rate, -8)
+
+
 _B200_COSTS = CostParams(gemm_eff=round(0.776 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
-                         fp8_gemm_eff=round(0.763 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3), **_BLACKWELL_COSTS)
-_GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3), **_BLACKWELL_COSTS)
+                         gemm_half_flops=half_flops_at(1745.0e12),
+                         fp8_gemm_eff=round(0.763 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
+                         fp8_gemm_half_flops=half_flops_at(3432.5e12), **_BLACKWELL_COSTS)
+_GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
+                          gemm_half_flops=half_flops_at(1822.0e12), fp8_gemm_half_flops=half_flops_at(2 * 1822.0e12),
+                          **_BLACKWELL_COSTS)
 _HGX_B200_NODE = dict(
     # DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 B200,
     # NVLink 5 1.8 TB/s bidirectional per GPU (900 GB/s each way) over NVSwitch, 2x Xeon 8570 (56 cores

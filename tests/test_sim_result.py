@@ -44,3 +44,18 @@ def test_trace_is_predicted_and_matches_the_program(result):
     assert len({e.id for e in t.events}) == len(t.events)
     peaks = t.peak_memory_per_rank()
     assert {0, 8} <= set(peaks)
+
+
+def test_busy_compute_splits_by_kernel_and_precision():
+    """The split of the slowest rank's busy compute adds up to its busy time; under FP8 the linear
+    layers' GEMMs run at the FP8 rate, the LM head in bf16, and no class runs above its peak."""
+    bf16 = simulate("llama3-8b", "dgx-h100", "tp=2,pp=2,gbs=8", seq_len=2048)
+    fp8 = simulate("llama3-8b", "dgx-h100", "tp=2,pp=2,gbs=8,dtype=fp8", seq_len=2048)
+    for res in (bf16, fp8):
+        busy = sum(v for k, v in res.breakdown_s.items() if k in ("compute", "recompute", "optimizer"))
+        assert sum(res.kernels_s.values()) == pytest.approx(busy, rel=1e-6)
+    assert set(bf16.kernels_s) == {"attention", "gemm.bf16", "memory-bound"}
+    assert {"gemm.fp8", "attention"} <= set(fp8.kernels_s)
+    assert fp8.kernels_tflops["gemm.fp8"] > 1.2 * bf16.kernels_tflops["gemm.bf16"]
+    assert fp8.kernels_tflops["gemm.fp8"] < 1979 and bf16.kernels_tflops["gemm.bf16"] < 989
+    assert "busy by kernel: attention" in fp8.format()

@@ -238,3 +238,15 @@ def test_script_reports_the_sharded_dp_family_with_a_trend(tmp_path):
     assert fam["trend"]["steps"] == 6 and 0 <= fam["trend"]["agree"] <= 1  # mpt-h100-13b series: 3 + 2 steps; yafsdp: 1
     assert "sharded-dp" in run.stdout and "trend agrees in" in run.stdout
     assert "trend (per-GPU throughput)" in md.read_text()
+
+
+def test_precision_pairs_compare_the_fp8_gain_published_and_predicted():
+    row = dict(status="ok", families=["moe"], breakdown={"compute": 0.8, "comm.ep": 0.2},
+               kernels={"gemm.fp8": 0.6, "gemm.bf16": 0.05}, kernel_tflops={"gemm.fp8": 900.0})
+    rows = [dict(row, name="x-h100-m-bf16-8", measured_s=12.0, predicted_s=10.0, error=-1 / 6),
+            dict(row, name="x-h100-m-fp8-8", measured_s=10.0, predicted_s=8.0, error=-0.2),
+            dict(row, name="y-h100-m-fp8-8", measured_s=10.0, predicted_s=8.0, error=-0.2)]
+    lines = modern.precision_pairs(rows)
+    assert lines[-1] == "| x-h100-m-bf16-8 | 1.200 | 1.250 | 1.042 |" and len(lines) == 6
+    table = "\n".join(modern.moe_parts(rows))
+    assert "| x-h100-m-fp8-8 | -20.0% | 80% | 0% | 20% | 0% | 0% | fp8 60% | 900 |" in table

@@ -8,9 +8,13 @@ wire) and `pipeline_bubble` (before the previous stage had sent it); a collectiv
 peers were ready adds `sync` (the tied-embedding all-reduce between the first and last stage: the
 pipeline drain). Before a dependency itself started, the wait follows what *it* waited on. After its
 last compute instruction the stream waits for the rank's other streams, then for other ranks (`idle`).
+
+`kernel_split` divides the same stream's busy time by the precision and class of its kernels, so that a
+step that lands near a measured one through fast GEMMs against slow communication shows which part is fast.
 """
 from __future__ import annotations
 
+from simexec.program.blocks import HIGH_PRECISION_GEMM
 from simexec.sim.engine import COLLECTIVE, COMPUTE, MEMORY, RECV, Engine
 
 _BUSY = {"fwd": "compute", "bwd": "compute", "wgrad": "compute", "recompute": "recompute", "optim": "optimizer"}
@@ -87,6 +91,29 @@ def breakdown(eng: Engine, rank: int, step_time: float) -> dict[str, float]:
     add("idle", step_time - max(rank_end, t))
     tiny = 1e-9 * step_time  # float dust from subtracting equal times
     return {k: v for k, v in out.items() if v > tiny}
+
+
+def kernel_split(eng: Engine, rank: int, dtype: str) -> dict[str, tuple[float, float]]:
+    """(busy seconds, FLOPs) on `rank`'s compute stream by kernel: the GEMMs at the plan's dtype
+    (`gemm.fp8` under an FP8 recipe), those a recipe leaves in bf16 (`gemm.bf16`: the LM head, the
+    router), attention, and the memory-bound rest (norms, activations, permutes, the loss, the
+    optimizer). A GEMM's seconds include the memory traffic priced with it (its FP8 casts)."""
+    out: dict[str, tuple[float, float]] = {}
+    for k in eng.streams.get((rank, "compute"), ()):
+        if eng.kind[k] != COMPUTE:
+            continue
+        ins = eng.instrs[k]
+        if ins.op == "gemm":
+            key = f"gemm.{dtype}"
+        elif ins.op == HIGH_PRECISION_GEMM:
+            key = "gemm.bf16"
+        elif ins.op == "attention":
+            key = "attention"
+        else:
+            key = "memory-bound"
+        s, f = out.get(key, (0.0, 0.0))
+        out[key] = (s + eng.end[k] - eng.start[k], f + ins.flops)
+    return dict(sorted(out.items()))
 
 
 def _waited(eng: Engine, d: int, a: float, b: float, prev: dict[int, int], add) -> None:

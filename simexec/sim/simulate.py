@@ -58,6 +58,10 @@ class SimResult:
     memory_model: str = ""
     planned_peak_bytes: float = 0.0  # the largest rank's
     planned_peak_bytes_per_rank: dict[int, float] = field(default_factory=dict)
+    # the slowest rank's busy compute by kernel (`simexec.sim.breakdown.kernel_split`): GEMMs at the
+    # plan's dtype and in bf16, attention, memory-bound; and the FLOP/s each reaches while busy (/1e12)
+    kernels_s: dict[str, float] = field(default_factory=dict)
+    kernels_tflops: dict[str, float] = field(default_factory=dict)
     # on request (`simexec.sim.variation`, `simexec.sim.goodput`): the step with named stragglers,
     # the step over seeds of GPU-to-GPU variation, and the days to train a number of tokens
     stragglers: Optional[object] = None
@@ -110,6 +114,10 @@ class SimResult:
         total = self.step_time_s or 1.0
         for k, v in sorted(self.breakdown_s.items(), key=lambda kv: -kv[1]):
             lines.append(f"    {k:<18} {v:10.4g} s  {100 * v / total:5.1f}%")
+        if self.kernels_s:
+            lines.append("    busy by kernel: " + ", ".join(
+                f"{k} {v:.4g} s" + (f" ({self.kernels_tflops[k]:.0f} TFLOP/s)" if k in self.kernels_tflops else "")
+                for k, v in self.kernels_s.items()))
         for extra in (self.stragglers, self.variation, self.time_to_train):
             if extra is not None:
                 lines.append(extra.format())
@@ -181,7 +189,7 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
     train_tokens = tokens
     if train_tokens is not None and not train_tokens > 0:
         raise PlanError(f"--tokens must be > 0, got {train_tokens:g}")
-    from simexec.sim.breakdown import breakdown, slowest_rank
+    from simexec.sim.breakdown import breakdown, kernel_split, slowest_rank
     from simexec.sim.engine import Engine
     from simexec.sim.machine import machine_for
     from simexec.sim.memory import memory_report
@@ -224,6 +232,9 @@ def simulate_program(rp: ResolvedPlan, program: Program, *, trace: bool = False,
         memory_model=mem.allocator, planned_peak_bytes=max(mem.planned_peak.values(), default=0.0),
         planned_peak_bytes_per_rank=dict(sorted(planned_per_rank.items())),
     )
+    split = kernel_split(eng, slow, rp.plan.dtype)
+    result.kernels_s = {k: sec for k, (sec, _) in split.items()}
+    result.kernels_tflops = {k: fl / sec / 1e12 for k, (sec, fl) in split.items() if k != "memory-bound" and sec > 0}
     _real_cluster(result, rp, program, stragglers, variation, seeds, train_tokens, goodput_params, link_variation)
     if memory_plan and reorder:
         from simexec.sim.reordered import simulate_reordered

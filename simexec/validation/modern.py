@@ -418,7 +418,9 @@ def record_result(out: dict, res, t0: float) -> dict:
     """`out` with the simulated step (`res`) compared with its measured one, and the simulation's wall time."""
     out.update(predicted_s=res.step_time_s, error=res.step_time_s / out["measured_s"] - 1.0, fits=res.fits,
                peak_memory_gib=res.peak_memory_bytes / 2**30, sim_wall_s=time.perf_counter() - t0,
-               breakdown={k: round(v / res.step_time_s, 4) for k, v in res.breakdown_s.items()})
+               breakdown={k: round(v / res.step_time_s, 4) for k, v in res.breakdown_s.items()},
+               kernels={k: round(v / res.step_time_s, 4) for k, v in res.kernels_s.items()},
+               kernel_tflops={k: round(v, 1) for k, v in res.kernels_tflops.items()})
     return out
 
 
@@ -558,21 +560,47 @@ def to_markdown(rows: list[dict], command: str) -> str:
 
 def moe_parts(rows: list[dict]) -> list[str]:
     """Markdown: where each compared MoE row's predicted step goes (shares of the slowest rank's compute
-    stream), so that a row near its published step by cancellation (compute too fast against
-    communication too slow) shows; rows of one workload in bf16 and FP8 sit side by side by name."""
+    stream), and the rate its GEMMs reach at the plan's precision while they run, so that a row near its
+    published step by cancellation (compute too fast against communication too slow) shows; rows of one
+    workload in bf16 and FP8 sit side by side by name."""
     moe = sorted((r for r in rows if r["status"] == "ok" and "moe" in r["families"] and r.get("breakdown")),
                  key=lambda r: r["name"])
     if not moe:
         return []
-    out = ["", "MoE rows, where the predicted step goes (shares of the slowest rank's step):", "",
-           "| row | error | compute | recompute | exposed ep | other comm | bubble |",
-           "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    out = ["", "MoE rows, where the predicted step goes (shares of the slowest rank's step; GEMMs: those at the "
+           "plan's precision, their casts included, and the TFLOP/s they reach while they run):", "",
+           "| row | error | compute | recompute | exposed ep | other comm | bubble | GEMMs | GEMM TFLOP/s |",
+           "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in moe:
-        b = r["breakdown"]
-        comm = sum(v for k, v in b.items() if k.startswith("comm.") and k != "comm.ep")
+        b, k, rate = r["breakdown"], r.get("kernels", {}), r.get("kernel_tflops", {})
+        comm = sum(v for key, v in b.items() if key.startswith("comm.") and key != "comm.ep")
+        gemm = next((key for key in k if key.startswith("gemm.") and key != "gemm.bf16"), "gemm.bf16")
         out.append(f"| {r['name']} | {100 * r['error']:+.1f}% | {100 * b.get('compute', 0):.0f}% | "
                    f"{100 * b.get('recompute', 0):.0f}% | {100 * b.get('comm.ep', 0):.0f}% | {100 * comm:.0f}% | "
-                   f"{100 * b.get('pipeline_bubble', 0):.0f}% |")
+                   f"{100 * b.get('pipeline_bubble', 0):.0f}% | {gemm.split('.')[1]} {100 * k.get(gemm, 0):.0f}% | "
+                   f"{rate.get(gemm, 0):.0f} |")
+    return out + precision_pairs(rows)
+
+
+def precision_pairs(rows: list[dict]) -> list[str]:
+    """Markdown: the FP8 speedup over bf16, published and predicted, for each pair of compared rows that
+    differ only in precision (names equal but for `bf16` / `fp8`): a predicted step near the published one
+    with an FP8 gain far from the published gain is right by cancellation."""
+    ok = {r["name"]: r for r in rows if r["status"] == "ok"}
+    pairs = []
+    for name, r in sorted(ok.items()):
+        parts = name.split("-")
+        if "bf16" in parts:
+            other = "-".join("fp8" if p == "bf16" else p for p in parts)
+            if other in ok:
+                pairs.append((r, ok[other]))
+    if not pairs:
+        return []
+    out = ["", "Rows in bf16 and FP8 of one workload: the FP8 speedup (bf16 step / FP8 step), published and "
+           "predicted:", "", "| bf16 row | published | predicted | predicted / published |", "| --- | ---: | ---: | ---: |"]
+    for b, f in pairs:
+        pub, pred = b["measured_s"] / f["measured_s"], b["predicted_s"] / f["predicted_s"]
+        out.append(f"| {b['name']} | {pub:.3f} | {pred:.3f} | {pred / pub:.3f} |")
     return out
 
 

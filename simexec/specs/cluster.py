@@ -398,9 +398,9 @@ _BLACKWELL_COSTS = dict(
     memory_eff=0.85, intra_bw_eff=0.93, inter_bw_eff=0.90, host_link_eff=0.80,
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
-# GEMMs: the best-shape figures times the training-shape ratio measured on H100 (`TRAINING_SHAPES`);
-# B200's best FP8 shape reaches 3432.5 of 4500 (0.763), within 2% of its bf16 fraction, so GB200's FP8
-# takes its bf16 fraction; all of them times the sustained-clock fraction (`BLACKWELL_SUSTAINED_CLOCK`).
+# GEMMs: the best-shape figures (mamf-finder: B200 bf16 1745.0 of 2250, fp8 3432.5 of 4500; GB200 bf16
+# 1822.0 of 2500, fp8 3615.6 of 5000) times the training-shape ratio measured on H100 (`TRAINING_SHAPES`)
+# and the sustained-clock fraction (`BLACKWELL_SUSTAINED_CLOCK`).
 # Half-efficiency sizes: no size sweep is published for Blackwell, so each GEMM kind keeps H100's fixed
 # per-kernel time (`GEMM_FIXED_S`) at its own best-shape rate, the rule the Hopper FP8 figures follow.
 GEMM_FIXED_S = 2.0e9 / 794.5e12  # H100 bf16: half efficiency at 2 GFLOP, best shape 794.5 TFLOP/s
@@ -416,8 +416,9 @@ _B200_COSTS = CostParams(gemm_eff=round(0.776 * TRAINING_SHAPES * BLACKWELL_SUST
                          fp8_gemm_eff=round(0.763 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
                          fp8_gemm_half_flops=half_flops_at(3432.5e12), **_BLACKWELL_COSTS)
 _GB200_COSTS = CostParams(gemm_eff=round(0.729 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
-                          gemm_half_flops=half_flops_at(1822.0e12), fp8_gemm_half_flops=half_flops_at(2 * 1822.0e12),
-                          **_BLACKWELL_COSTS)
+                          gemm_half_flops=half_flops_at(1822.0e12),
+                          fp8_gemm_eff=round(0.723 * TRAINING_SHAPES * BLACKWELL_SUSTAINED_CLOCK, 3),
+                          fp8_gemm_half_flops=half_flops_at(3615.6e12), **_BLACKWELL_COSTS)
 _HGX_B200_NODE = dict(
     # DGX B200 user guide (docs.nvidia.com/dgx/dgxb200-user-guide/introduction-to-dgxb200.html): 8 B200,
     # NVLink 5 1.8 TB/s bidirectional per GPU (900 GB/s each way) over NVSwitch, 2x Xeon 8570 (56 cores

@@ -210,7 +210,7 @@ def test_transformer_engine_keeps_fp8_copies_of_linear_inputs_torchao_keeps_bf16
         return {k: b.saved for k, b in Anatomy(rp).layer(0).items()}
 
     bf16, te, tao = saved("bf16", "megatron-core"), saved("fp8", "megatron-core"), saved("fp8", "torchtitan")
-    assert tao == bf16
+    assert tao == saved("bf16", "torchtitan")
     assert bf16["qkv"] - te["qkv"] == pytest.approx(T * h)  # the norm output: 2 bytes -> 1
     assert te["proj"] - bf16["proj"] == pytest.approx(T * h)  # an FP8 copy beside the bf16 context
     assert bf16["fc1"] - te["fc1"] == pytest.approx(T * h)
@@ -235,3 +235,19 @@ def test_alltoall_sorts_received_rows_by_local_expert_and_back(ep, sorted_):
     sort = 2 * 2 * an.dt * an.expert_rows * an.h if sorted_ else 0.0
     assert a2a.bytes - deepep.bytes == pytest.approx(sort)
     assert a2a.bwd_bytes - deepep.bwd_bytes == pytest.approx(sort)
+
+
+def test_repeated_kv_heads_are_gathered_and_saved_at_the_query_heads_count():
+    """torchtitan's repeat_kv (StackSpec.expands_kv_heads): context parallel all-gathers K/V for every
+    query head, and the kernel saves them so; a stack that takes the grouped heads moves n_kv / n_heads."""
+    from simexec.specs.stack import get_stack
+
+    llama = get_model("llama3-70b")  # 64 query heads, 8 K/V heads
+    plan = parse_plan("tp=8,sp=1,cp=2,gbs=4")
+    grouped, repeated = (Anatomy(resolve(llama, get_cluster("4xdgx-h100"), plan, stack=get_stack(s)))
+                         for s in ("megatron-core", "torchtitan"))
+    assert repeated.kv_bytes == pytest.approx(grouped.kv_bytes * 8)
+    tokens = grouped.tokens
+    kv_row = tokens * llama.attention_widths[1] * 2 / 8  # K and V of the rank's grouped heads, bf16
+    assert repeated.dense["attn"].saved - grouped.dense["attn"].saved == pytest.approx(7 * kv_row * 2)
+    assert repeated.dense["qkv"].bytes - grouped.dense["qkv"].bytes >= 9 * kv_row

@@ -189,10 +189,19 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
         return sum(b.saved - b.kept_for_weight_pass for b in self.layer(i).values())
 
     @cached_property
+    def attended_kv_width(self) -> float:
+        """Elements per token of K and V together as the attention kernel takes them: the model's grouped
+        heads, or one per query head where the stack repeats them first (`StackSpec.expands_kv_heads`)."""
+        m = self.rp.model
+        kv = m.attention_widths[1]
+        if self.rp.stack.expands_kv_heads and not m.is_mla and m.kv_head_count < m.heads:
+            return kv * m.heads / m.kv_head_count
+        return kv
+
+    @cached_property
     def kv_bytes(self) -> float:
-        """K and V of the whole sequence for this rank's KV heads (what cp all-gathers)."""
-        _, kv, _ = self.rp.model.attention_widths
-        return self.rp.plan.mbs * self.seq * kv * self.dt / self.tp
+        """K and V of the whole sequence for this rank's heads, as the kernel takes them (what cp all-gathers)."""
+        return self.rp.plan.mbs * self.seq * self.attended_kv_width * self.dt / self.tp
 
     @cached_property
     def heads_exchange_bytes(self) -> tuple[float, float]:
@@ -264,6 +273,7 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
         ctx = T * m.heads * v * dt / t
         w_q, w_kv, _ = m.attention_widths
         qkv = T * (w_q + w_kv) * dt / t
+        attended = T * (w_q + self.attended_kv_width) * dt / t  # the kernel's dQ, dK, dV
         o_params = m.heads * v * h
         qkv_params = m.attention_matmul_params() - o_params
         latent = m.latent_matmul_params()
@@ -280,14 +290,14 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
         if self.sp:  # a norm on the sequence slice: its input gradient
             ws["norm1"] = ws["norm2"] = n_s + self.norm_bwd_temps(T * h / self.sp_div)
         if self.rp.plan.flash_attention:
-            ws["attn"] = n_s + ctx + qkv + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
+            ws["attn"] = n_s + ctx + attended + T * m.heads * (qk + 2) * 4 / t  # dO, dQ/dK/dV, fp32 dQ accumulator, delta
         else:
-            ws["attn"] = n_s + ctx + qkv + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
+            ws["attn"] = n_s + ctx + attended + 2 * T * self.seq * m.heads * dt / t  # dP and dS over the scores
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
             # the gathered K/V's gradients, whole, until their reduce-scatter; on CPU ranks twice: the
             # executor's gathered K/V is a strided view (the all-gather's output moved back to the
             # sequence dimension), so autograd copies the kernel's gradient into that layout
-            ws["attn"] += T * w_kv * dt / t * ((self.cp - 1) + (self.cp if self.eager_kernels else 0))
+            ws["attn"] += T * self.attended_kv_width * dt / t * ((self.cp - 1) + (self.cp if self.eager_kernels else 0))
         if not moe:
             width = m.ffn * (2 if m.gated else 1) / t
             ffn = m.ffn / t
@@ -384,6 +394,11 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
             rope = 2 * dt * T * (m.heads / t + (m.kv_heads / t if not m.is_mla else 1)) * (m.qk_rope_head_dim or qk)
             b_qkv += rope
             bb_qkv += rope
+        if self.attended_kv_width > m.attention_widths[1]:
+            # repeat_kv: read K and V, write the repeated copies; the backward sums the copies' gradients back
+            repeat = dt * T * (m.attention_widths[1] + self.attended_kv_width) / t
+            b_qkv += repeat
+            bb_qkv += repeat
         # the norm's output is the GEMM's input: kept as the stack keeps a linear layer's input
         ln_out = self.saved_linear_input(T * h / sp)
         saved_qkv = ln_out if self.sp else ln + ln_out + self.norm_stats
@@ -404,7 +419,7 @@ class Anatomy(FrameworkKernels, MoEBlocks, SelectiveRecompute):
             bb_qkv += 3 * dt * heads_qk * qk
             saved_qkv += heads_qk * (qk * dt + 4)
         q_bytes = T * m.heads * qk * dt / t
-        kv_local = T * m.attention_widths[1] * dt / t
+        kv_local = T * self.attended_kv_width * dt / t
         saved_attn = q_bytes + kv_local
         if self.cp > 1 and self.rp.plan.cp_impl == "allgather":
             saved_attn += kv_local * (self.cp - 1)  # the attention keeps the gathered K/V for its backward

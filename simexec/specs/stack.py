@@ -133,6 +133,12 @@ class StackSpec(_Spec):
         "(Megatron's vocab-parallel cross entropy in fp32), te (Transformer Engine's Triton kernel, the gradient "
         "written into the logits in the forward), eager (torch's cross_entropy on an fp32 copy, unfused), "
         "compiled (the same under torch.compile)")
+    expands_kv_heads: bool = Field(
+        False, description="the model repeats each K/V head for the query heads that share it before the attention "
+        "kernel (torchtitan's repeat_kv, up to torchtitan@ff0829c10, 2026-01-27, 'GQA without kv repeats'): the "
+        "kernel reads, saves and (context parallel with all-gather) gathers K and V at the query heads' count, "
+        "and a copy kernel writes them, forward, and sums their gradients back, backward; False: the kernel "
+        "takes the grouped heads as they are (Transformer Engine, FlashAttention, SDPA's enable_gqa)")
     fp8_attention: bool = Field(
         False, description="fused attention in FP8 too (FlashAttention-3 / cuDNN FP8); the published recipes "
         "keep it in bf16")
@@ -254,6 +260,9 @@ STACKS: dict[str, StackSpec] = {
         zero3_shards_are_master=True,
         sp_layout_copies=True,  # SequenceParallel() shards dim 1 (torchtitan/models/llama3/infra/parallelize.py)
         tp_async_local_reduce=True,  # enable_async_tensor_parallel: torch's micro-pipeline TP pass
+        # keys = repeat_kv(xk, self.n_rep) before F.scaled_dot_product_attention (torchtitan@9dec370
+        # torchtitan/models/llama/model.py; removed by @ff0829c10, 2026-01-27: a stack file says so)
+        expands_kv_heads=True,
         source="torchtitan, eager (torchao float8)",
     ),
     "torchtitan-compile": StackSpec(
@@ -281,6 +290,7 @@ STACKS: dict[str, StackSpec] = {
         zero3_shards_are_master=True,
         sp_layout_copies=True,  # the copies are extern-adjacent (a cuBLAS mm on one side): compile keeps them
         tp_async_local_reduce=True,
+        expands_kv_heads=True,  # repeat_kv, as eager: SDPA takes materialised K/V tensors
         source="torchtitan with torch.compile per block (torchao float8)",
     ),
     "deepspeed": StackSpec(

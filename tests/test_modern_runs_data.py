@@ -8,8 +8,8 @@ from simexec.validation.published import DATA, read_published_csv
 
 CSV = DATA / "modern_runs.csv"
 COLUMNS = ("name,source,device,gpus,stack,model,layers,hidden,ffn,heads,kv_heads,vocab,seq_len,moe_experts,moe_top_k,"
-           "moe_ffn,moe_shared,dtype,fp8_recipe,tp,sp,pp,vpp,cp,ep,etp,fsdp,mbs,gbs,recompute,offload_layers,cuda_graphs,metric,value,"
-           "peak_mem_gib,moe_dispatcher,moe_a2a_overlap,superseded_by,layout,series,notes").split(",")
+           "moe_ffn,moe_shared,dtype,fp8_recipe,tp,sp,pp,vpp,cp,ep,etp,fsdp,mbs,gbs,recompute,offload_layers,cuda_graphs,tp_overlap,metric,"
+           "value,peak_mem_gib,moe_dispatcher,moe_a2a_overlap,moe_capacity,superseded_by,layout,series,notes").split(",")
 REQUIRED = ("name", "source", "device", "gpus", "stack", "model", "layers", "hidden", "ffn", "heads", "kv_heads",
             "vocab", "seq_len", "dtype", "tp", "sp", "pp", "cp", "fsdp", "mbs", "gbs", "recompute", "metric", "value")
 DEVICES = {"h100", "h200", "b200", "gb200", "mi300x", "a100"}

@@ -138,6 +138,16 @@ def test_moe_dispatcher_and_overlap_columns_become_plan_knobs():
         modern.moe_fields({"name": "r", "moe_dispatcher": "nccl"})
 
 
+def test_tp_overlap_and_capacity_columns(rows):
+    """NeMo 25.04's DeepSeek-V3 script turns TP overlap off and drops tokens at capacity 1.0 (the columns)."""
+    r = rows["dgxcnew-h100-dsv3-bf16-512"]
+    m = modern.map_row(r)
+    assert "tp_overlap" not in m.plan and "tp_async" not in m.plan and m.model.moe.capacity_factor == 1.0
+    assert m.plan.split("layout=")[1].startswith("Ettttttt|") and m.plan.endswith("|ttttttL")
+    on = modern.map_row(dict(r, tp_overlap="", moe_capacity=""))
+    assert "tp_overlap=1" in on.plan and on.model.moe.capacity_factor is None
+
+
 def test_script_end_to_end_on_one_small_row(tmp_path):
     out, md = tmp_path / "out.json", tmp_path / "v.md"
     run = subprocess.run([sys.executable, str(ROOT / "scripts" / "validate_modern.py"), "--only",

@@ -7,7 +7,8 @@ Model: the simexec preset when `model` names one (simexec.specs.model_presets.MO
 from the row's fields built as the Llama 3 / Mixtral / DeepSeek-V3 presets are: RMSNorm, gated SwiGLU
 FFN, RoPE, no biases, untied embeddings; MoE rows every layer sparse, `moe_experts` routed experts of
 `moe_ffn` picking `moe_top_k`, `moe_shared` shared experts, dropless (capacity None: the Megatron-Bridge
-tables force balanced, dropless routing). Two facts of a non-preset model that the columns do not carry
+tables force balanced, dropless routing) unless the row's `moe_capacity` gives the capacity factor its run
+dropped and padded to (`MoESpec.capacity_factor`; a preset model takes it too). Two facts of a non-preset model that the columns do not carry
 come from its Hugging Face config.json (`CONFIG_EXTRAS`): Qwen3-MoE's head_dim 128 (not hidden/heads)
 and its per-head q/k RMSNorm. The sequence length is the row's `seq_len`.
 
@@ -41,7 +42,7 @@ first. What the framework does beyond the columns, by stack:
 
 | stack | settings |
 | --- | --- |
-| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default) except for `BF16_GRAD_SOURCES` (recipes with grad_reduce_in_fp32 off); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
+| megatron-core | distributed optimizer `zero=1,param_overlap=1`; `grad_overlap=1`; `grad_fp32=1` (Megatron's bf16 default) except for `BF16_GRAD_SOURCES` (recipes with grad_reduce_in_fp32 off); `tp_overlap=1` and `tp_async=1` (Megatron-Bridge's recipes set --tp-comm-overlap) when tp > 1 and the row's `tp_overlap` is not 0; `fp8_param_gather=1` under the FP8 current-scaling recipe (which sets it); `cp_impl=ring` when cp > 1 (Transformer Engine's p2p context parallel); Megatron-FSDP rows (fsdp = 1): `zero=3` instead of the distributed optimizer |
 | torchtitan, torchtitan-compile | `zero=3` (FSDP2) when fsdp = 1 or cp > 1 (it shards over dp_shard x cp: parallel_dims.py `fsdp_enabled`), else `zero=0`; `grad_fp32=1` (FSDP2 reduces in fp32: `--training.mixed_precision_reduce` default float32); `cp_impl=allgather` when cp > 1 (`--experimental.context_parallel_rotate_method` default allgather); both pytorch/torchtitan@9dec370 torchtitan/config_manager.py; `tp_async=1` where the row says async TP (enable_async_tensor_parallel); `recompute=op` for its selective AC (its llama3 configs' selective_ac_option = "op"); `reshard_after_forward=0` when pp > 1 (its FSDP policy: `not pp_enabled`) |
 | other (Llama 3 paper) | `cp_impl=allgather` when cp > 1 (the paper's all-gather context parallelism) |
 
@@ -156,15 +157,23 @@ def dsv3_layout(pp: int, vpp: int, mtp: int) -> Optional[str]:
     return "|".join(["E" + "t" * first] + ["t" * middle] * (stages - 2) + ["t" * last + "m" * mtp + "L"])
 
 
+def row_capacity(r: dict) -> Optional[float]:
+    """The row's expert capacity factor (token dropping, each expert's input padded to capacity); None: dropless."""
+    text = (r.get("moe_capacity") or "").strip()
+    return float(text) if text else None
+
+
 def row_model(r: dict) -> ModelSpec:
     if r["model"] in MODELS:
         m = MODELS[r["model"]]
+        if row_capacity(r) is not None and m.moe is not None:
+            m = m.model_copy(update={"moe": m.moe.model_copy(update={"capacity_factor": row_capacity(r)})})
         return m.model_copy(update={"mtp_layers": row_mtp(r)}) if row_mtp(r) else m
     hidden, heads = int(r["hidden"]), int(r["heads"])
     moe = None
     if r["moe_experts"]:
         moe = MoESpec(experts=int(r["moe_experts"]), top_k=int(r["moe_top_k"]), expert_ffn=int(r["moe_ffn"]),
-                      shared_experts=int(r["moe_shared"]), first_dense_layers=0, capacity_factor=None)
+                      shared_experts=int(r["moe_shared"]), first_dense_layers=0, capacity_factor=row_capacity(r))
     fields = dict(name=r["model"], layers=int(r["layers"]), hidden=hidden, heads=heads, kv_heads=int(r["kv_heads"]),
                   head_dim=hidden // heads, ffn=int(r["ffn"]), gated=True, vocab=int(r["vocab"]),
                   seq_len=int(r["seq_len"]), tied_embeddings=False, norm="rmsnorm", bias=False, learned_pos=False,
@@ -324,8 +333,10 @@ def row_plan(r: dict) -> str:
     stack = STACK_ALIASES.get(r["stack"], r["stack"])
     if stack == "megatron-core":
         fields.update(dict(zero=3) if fsdp else dict(zero=1, param_overlap=True))
-        # Megatron-Bridge's recipes turn on --tp-comm-overlap wherever tp > 1 (recipes/llama/h100/llama3.py)
-        fields.update(grad_overlap=True, grad_fp32=row_grad_fp32(r), tp_overlap=tp > 1, tp_async=tp > 1 and r["sp"] == "1")
+        # Megatron-Bridge's recipes turn on --tp-comm-overlap wherever tp > 1 (recipes/llama/h100/llama3.py);
+        # a row's tp_overlap column says where its script turns it off
+        overlap = tp > 1 and (r.get("tp_overlap") or "").strip() != "0"
+        fields.update(grad_overlap=True, grad_fp32=row_grad_fp32(r), tp_overlap=overlap, tp_async=overlap and r["sp"] == "1")
         # Megatron-Bridge's FP8 current-scaling recipe sets fp8_param_gather=True (training/mixed_precision.py,
         # bf16_with_fp8_current_scaling_mixed)
         fields["fp8_param_gather"] = r["fp8_recipe"] == "current"

@@ -19,10 +19,12 @@ from simexec.specs.cluster import get_cluster
 from simexec.errors import PlanError
 from simexec.specs.model import get_model
 from simexec.specs.plan import Plan, parse_plan, resolve
+from simexec.specs.stack import get_stack
 from simexec.search.driver import SearchResult, parse_fix, search
 from simexec.search.bounds import Bounds
 from simexec.search.report import explain, pareto_front
-from simexec.search.space import AnyOf, SpaceStats, STATE_KEYS, state_variants, structure_fields, plans, structures
+from simexec.search.space import (Allowed, AnyOf, SpaceStats, STATE_KEYS, heavier_recompute_modules, state_variants,
+                                  structure_fields, plans, structures)
 from simexec.sim.simulate import simulate
 from simexec.validation import plan_search, sweeps, topologies
 
@@ -151,7 +153,78 @@ def test_space_covers_every_knob():
     assert seen["dp_shard"] - {None} and seen["offload"] == {"none", "optimizer", "optimizer+params"}
     assert seen["mbs"] == {1, 2, 4, 8, 16} and seen["recompute"] == {"none", "selective", "full"}
     assert seen["recompute_layers"] - {None}
+    assert seen["offload_layers"] == {0, 16} and seen["recompute_modules"] == {None, ("core_attn", "layernorm", "moe_act")}
     assert None in seen["stages"] and seen["stages"] - {None}  # the even split and the balanced one
+
+
+def test_space_tries_offload_layers_and_recompute_modules_where_megatron_core_runs_them():
+    model = get_model("gpt3-1.3b")
+    ps = list(plans(model, get_cluster("dgx-a100-80g"), 16, 2048))
+    off = [p for p in ps if p.offload_layers]
+    assert {p.offload_layers for p in off} == {12}  # half of the 24 layers
+    assert all(p.pp == 1 and p.vpp == 1 and p.recompute == "none" for p in off)
+    mods = [p for p in ps if p.recompute_modules]
+    assert {p.recompute_modules for p in mods} == {("core_attn", "mlp")}
+    assert all(p.recompute == "selective" and p.recompute_layers is None for p in mods)
+    assert heavier_recompute_modules(get_model("mixtral-8x7b")) == ("core_attn", "layernorm", "moe_act")
+    assert heavier_recompute_modules(get_model("deepseek-v3")) == ("mla_up_proj", "mlp", "layernorm", "moe_act")
+    # stacks that do not run them: torchtitan has no activation offload, Megatron-DeepSpeed's selective
+    # recompute is the attention core alone
+    for name in ("torchtitan", "deepspeed"):
+        fix = {k: Allowed(tuple(v)) for k, v in get_stack(name).search_choices.items()}
+        ps = list(plans(model, get_cluster("dgx-a100-80g"), 16, 2048, {**fix, "tp": 1, "mbs": 2}))
+        assert ps and not any(p.offload_layers or p.recompute_modules for p in ps)
+
+
+def test_fix_pins_offload_layers_and_recompute_modules():
+    model, cl = get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g")
+    ps = list(plans(model, cl, 16, 2048, parse_fix("offload_layers=4,tp=1")))
+    assert ps and {p.offload_layers for p in ps} == {4} and {(p.pp, p.recompute) for p in ps} == {(1, "none")}
+    ps = list(plans(model, cl, 16, 2048, parse_fix("offload_layers=0|16,tp=1,mbs=2")))
+    assert {p.offload_layers for p in ps} == {0, 16}
+    fix = parse_fix("recompute_modules=core_attn+layernorm,tp=1,mbs=2")
+    ps = list(plans(model, cl, 16, 2048, fix))
+    assert ps and {(p.recompute_modules, p.recompute) for p in ps} == {(("core_attn", "layernorm"), "selective")}
+    assert {p.recompute_layers for p in ps} > {None}  # a pin holds under every recompute_layers
+    ps = list(plans(model, cl, 16, 2048, parse_fix("recompute_modules=none|mlp,tp=1,mbs=2,recompute=selective")))
+    assert {p.recompute_modules for p in ps} == {None, ("mlp",)}
+    assert not [p for p in plans(model, cl, 16, 2048, parse_fix("recompute_modules=none,offload_layers=0,tp=1"))
+                if p.recompute_modules or p.offload_layers]
+
+
+@pytest.mark.parametrize("knob,fix", [
+    ("offload_layers", {"recompute": "none"}),
+    ("recompute_modules", {"recompute": "selective", "recompute_layers": None}),
+])
+def test_search_finds_a_plan_that_fits_only_with_offload_or_recompute_modules(knob, fix):
+    """Device memory between the plan with the knob and the one without: only the first fits, the
+    search finds it (its bounds leave it in), and without the knob nothing fits."""
+    model, cl = get_model("gpt3-1.3b"), get_cluster("dgx-a100-80g")
+    fix = {"tp": 1, "pp": 1, "cp": 1, "mbs": 2, "zero": 0, "offload": "none", **fix}
+    ps = list(plans(model, cl, 16, 2048, fix))
+    assert len(ps) == 2
+    light, heavy = sorted(ps, key=lambda p: bool(getattr(p, knob)))
+    peak = {p: simulate(model, cl, p.to_string(), 2048).peak_memory_bytes for p in (light, heavy)}
+    assert peak[heavy] < peak[light]
+    margin = cl.device.memory_bytes - (peak[heavy] + peak[light]) / 2
+    kw = dict(seq_len=2048, workers=1, progress=False, memory_margin_bytes=margin)
+    res = search(model, cl, 16, fix=fix, **kw)
+    assert [p["plan"] for p in res.plans] == [heavy.to_string()] and getattr(heavy, knob)
+    hidden = search(model, cl, 16, fix={**fix, knob: getattr(light, knob)}, **kw)
+    assert hidden.plans == []
+
+
+def test_bounds_never_exceed_the_simulation_of_offload_and_recompute_modules():
+    """Offloaded layers' activations leave the memory bound (they are on the host by the first backward);
+    heavier selective recompute frees more and recomputes more."""
+    model, cl, cands = _candidates("gpt3-1.3b", "dgx-a100-80g", 16, 2048, {"tp": 1})
+    picked = [c for c in cands if "offload_layers=" in c.plan_string or "recompute_modules=" in c.plan_string]
+    assert picked
+    _below_the_simulation(model, cl, 2048, picked, 11, 12)
+    model, cl, cands = _candidates("mixtral-8x7b", "2xdgx-h100", 32, 4096, {"tp": 2, "cp": 1, "zero": 1})
+    picked = [c for c in cands if "offload_layers=" in c.plan_string or "recompute_modules=" in c.plan_string]
+    assert picked
+    _below_the_simulation(model, cl, 4096, picked, 12, 6)
 
 
 def test_space_splits_layers_unevenly_where_pp_does_not_divide_them():

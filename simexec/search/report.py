@@ -80,6 +80,8 @@ def _fmt_val(v) -> str:
         return "none"
     if isinstance(v, bool):
         return str(int(v))
+    if isinstance(v, tuple) and v and all(isinstance(x, str) for x in v):  # recompute_modules, as plans write it
+        return "+".join(map(str, v))
     return str(v)
 
 
@@ -277,12 +279,12 @@ class SearchResult:
 
 
 def _fix_str(fix: dict) -> str:
-    """As --fix takes it: stages as a list, alternatives joined by |."""
-    def val(v) -> str:
+    """As --fix takes it: stages as a list, recompute_modules joined by +, alternatives by |."""
+    def val(k: str, v) -> str:
         if isinstance(v, AnyOf):
             return "|".join(_fmt_val(x) for x in v)
-        return ",".join(map(str, v)) if isinstance(v, tuple) else _fmt_val(v)
-    return ",".join(f"{k}={val(v)}" for k, v in fix.items())
+        return ",".join(map(str, v)) if isinstance(v, tuple) and k == "stages" else _fmt_val(v)
+    return ",".join(f"{k}={val(k, v)}" for k, v in fix.items())
 
 
 def _table(rows: list[dict], rank: bool = True) -> str:

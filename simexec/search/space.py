@@ -49,6 +49,15 @@ mbs                1, 2, 4, 8, 16 (dividing gbs/dp; Megatron-LM ran its smaller 
 recompute          none, selective, full (op, torchtitan's per-operator policy, where the stack allows it)
 recompute_layers   all layers, or half of the layers of a virtual stage (recompute only as much
                    as memory needs, as YaFSDP advises; the lowering counts them per stage)
+recompute_modules  selective only: the default (core_attn) and, over all layers, one heavier set
+                   (`heavier_recompute_modules`), as Megatron-Bridge's recipes pick: mla_up_proj in
+                   place of core_attn on MLA models, + mlp for dense layers, + layernorm+moe_act for
+                   MoE layers: between the default and full recompute in memory and time, and one
+                   set only (every subset would multiply the structures)
+offload_layers     0, and half the layers where Megatron-Core offloads activations (pp = 1, vpp = 1,
+                   no recompute, a whole backward): Megatron-Bridge's Llama 3 70B recipe offloads 40
+                   of 80; the copies run under the compute, so it trades host-link time for the
+                   memory that recompute would buy with FLOPs
 =================  ============================================================================
 
 Kept at the plan's defaults (they change the arithmetic, not just the split): dtype (bf16),
@@ -60,10 +69,11 @@ traffic), grad_allreduce (DeepSpeed's bf16 ZeRO-1: twice the gradient traffic); 
 (Megatron-LM's parameter all-gathers in the next forward), which, like grad_overlap, stays as the plan
 has it unless `fix` sets it. `fix` pins any field of `Plan` to one value, inside or
 outside these lists (tp=16 across nodes, mbs=3, stages=..., dtype=fp8, ...), and leaves an enumerated knob
-but gbs and stages a choice of its own values instead (`AnyOf`: `tp=4|8`, `zero=0|1`, `recompute_layers=none|8`).
+but gbs and stages a choice of its own values instead (`AnyOf`: `tp=4|8`, `zero=0|1`, `recompute_layers=none|8`,
+`offload_layers=0|16`, `recompute_modules=none|core_attn+mlp`).
 
 The space factors into *structures* (everything that shapes the compute and the activations: tp,
-sp, cp, pp, vpp, schedule, ep, mbs, recompute) times *state variants* (how model states are kept:
+sp, cp, pp, vpp, schedule, ep, mbs, recompute, recompute_modules, offload_layers) times *state variants* (how model states are kept:
 zero, its flavour, dp_shard, offload). Search bounds a structure once and each variant cheaply.
 
 Validation: every structure is checked by `resolve` with its first state variant that passes; every
@@ -87,7 +97,7 @@ from simexec.specs.cluster import ClusterSpec
 from simexec.errors import PlanError
 from simexec.specs.model import ModelSpec
 from simexec.specs.stack import StackSpec
-from simexec.specs.plan import Plan, ResolvedPlan, balanced_stages, resolve
+from simexec.specs.plan import DEFAULT_RECOMPUTE_MODULES, Plan, ResolvedPlan, balanced_stages, resolve
 from simexec.specs.plan_rules import heads_unsplit
 from simexec.program.schedules import SCHEDULES, default_schedule, schedule
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, ZERO3_FLAVOURS
@@ -110,7 +120,7 @@ STATE_KEYS = ("zero", "zero_impl", "dp_shard", "offload", "reshard_after_forward
 ENUMERATED = {
     "tp", "sp", "cp", "cp_impl", "pp", "vpp", "schedule", "dp", "ep", "etp", "zero", "zero_impl", "dp_shard",
     "offload", "mbs", "recompute", "recompute_layers", "gbs", "stages", "dualpipe_overlap", "tp_overlap",
-    "moe_dispatcher", "moe_a2a_overlap", "reshard_after_forward",
+    "moe_dispatcher", "moe_a2a_overlap", "reshard_after_forward", "recompute_modules", "offload_layers",
 }
 
 
@@ -337,11 +347,15 @@ def _knob_fields(model, gbs, fix, split: dict, scheds: list, per_stage: int, dom
                                 half = per_stage // 2
                                 rls = [None] + ([half] if 1 <= half < per_stage else [])
                             a2a = moe_a2a_overlaps(fix, ep, dispatcher, sched, split["pp"], split["vpp"], recompute)
+                            offloads = offload_layer_counts(model, fix, sched, split["pp"], split["vpp"], recompute)
                             for rl, moe_overlap in product(rls, a2a):
-                                yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp, mbs=mbs,
-                                           gbs=gbs, recompute=recompute, recompute_layers=rl,
-                                           dualpipe_overlap=overlap, tp_overlap=tp_overlap,
-                                           moe_dispatcher=dispatcher, moe_a2a_overlap=moe_overlap)
+                                for mods in recompute_module_sets(model, fix, recompute, rl):
+                                    for n_off in offloads:
+                                        yield dict(split, sp=sp, cp_impl=cp_impl, schedule=schedule_name, ep=ep, etp=etp,
+                                                   mbs=mbs, gbs=gbs, recompute=recompute, recompute_layers=rl,
+                                                   recompute_modules=mods, offload_layers=n_off,
+                                                   dualpipe_overlap=overlap, tp_overlap=tp_overlap,
+                                                   moe_dispatcher=dispatcher, moe_a2a_overlap=moe_overlap)
 
 
 def _cp_impls(model: ModelSpec, tp: int, cp: int) -> list[str]:
@@ -405,6 +419,52 @@ def moe_a2a_overlaps(fix: dict, ep: int, dispatcher: str, sched, pp: int, vpp: i
     runs = (ep > 1 and dispatcher != "allgather" and recompute != "full" and not sched.splits_backward
             and (pp == 1 or vpp > 1))
     return _choices(fix, "moe_a2a_overlap", [False, True] if runs else [False])
+
+
+def heavier_recompute_modules(model: ModelSpec) -> tuple[str, ...]:
+    """The one set of Megatron-Core's --recompute-modules the space tries beside the default (core_attn):
+    the attention's module (core_attn; mla_up_proj on MLA models, as Megatron-Bridge's DeepSeek-V3 recipe),
+    plus mlp where the model has dense layers and layernorm+moe_act where it has MoE layers (the pair
+    Megatron-Bridge's MoE recipes recompute: element-wise work that frees whole saved tensors)."""
+    mods = ["mla_up_proj" if model.is_mla else "core_attn"]
+    moe_layers = [model.is_moe_layer(i) for i in range(model.layers)]
+    if not all(moe_layers):
+        mods.append("mlp")
+    if any(moe_layers):
+        mods += ["layernorm", "moe_act"]
+    return tuple(mods)
+
+
+def _module_names(v) -> str:
+    """A recompute_modules value as one string, None standing for the default (core_attn)."""
+    if v is None:
+        return "+".join(DEFAULT_RECOMPUTE_MODULES)
+    return v if isinstance(v, str) else "+".join(v)
+
+
+def recompute_module_sets(model: ModelSpec, fix: dict, recompute: str, recompute_layers: Optional[int]) -> list:
+    """recompute_modules to try: None (the default, core_attn) and, under selective recompute of all
+    layers, `heavier_recompute_modules`; what `fix` pins or allows instead (a stack's list names sets
+    joined by '+', None standing for core_attn)."""
+    own = [None]
+    if recompute == "selective" and recompute_layers is None:
+        own.append(heavier_recompute_modules(model))
+    if "recompute_modules" not in fix:
+        return own
+    val = fix["recompute_modules"]
+    if isinstance(val, Allowed):
+        names = {_module_names(v) for v in val}
+        return [m for m in own if _module_names(m) in names] or own[:1]
+    return _choices(fix, "recompute_modules", own)
+
+
+def offload_layer_counts(model: ModelSpec, fix: dict, sched, pp: int, vpp: int, recompute: str) -> list[int]:
+    """offload_layers to try: 0, and half the layers where Megatron-Core runs activation offloading
+    (`simexec.specs.plan_rules`: pp = 1, vpp = 1, no recompute, a whole backward; fewer than all layers)."""
+    half = model.layers // 2
+    runs = pp == 1 and vpp == 1 and recompute == "none" and not sched.splits_backward and 1 <= half < model.layers
+    own = [0] + ([half] if runs else [])
+    return _choices(fix, "offload_layers", own)
 
 
 def _pinned(fix: dict, key: str) -> bool:

@@ -98,6 +98,9 @@ class StageCosts:
             layers = rp.stage_layers[vs]
             n = len(layers)
             n_rc = self.n_recomputed(n)
+            # offload_layers (pp = 1): the first layers' saved activations are on the host by the first
+            # backward (`simexec.program.lowering.offload`), so they leave the device's held bytes
+            n_off = p.offload_layers if self.V == 1 else 0
             if n == 0:  # a stage of the embedding or the head alone (a `layout`)
                 f = b_ = w = saved = kf = kb = ft = bt = 0.0
             elif model.moe is None and model.sliding_window is None:  # every layer alike
@@ -109,6 +112,7 @@ class StageCosts:
                 w = n * ln.weight_pass
                 b_ = n_rc * lr.backward + (n - n_rc) * ln.backward
                 saved = n_rc * lr.saved_bytes + (n - n_rc) * ln.saved_bytes
+                saved -= min(n_off, n) * ln.saved_bytes  # offload_layers needs recompute=none: n_rc = 0
                 kf = n * ln.forward_collectives
                 kb = n_rc * lr.backward_collectives + (n - n_rc) * ln.backward_collectives
                 ft, bt = ln.forward_closing, ln.backward_closing
@@ -119,7 +123,8 @@ class StageCosts:
                     f += c.forward
                     w += c.weight_pass
                     b_ += c.backward
-                    saved += c.saved_bytes
+                    if pos >= n_off:
+                        saved += c.saved_bytes
                     kf += c.forward_collectives
                     kb += c.backward_collectives
                 ft, bt = c.forward_closing, self._layer(layers[0], 0 < n_rc, r).backward_closing

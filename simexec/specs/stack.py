@@ -188,7 +188,7 @@ MCORE_MOE_OPS = (15, 15)
 TORCHTITAN_CHOICES = dict(zero=[0, 3], zero_impl=["fsdp"], cp_impl=["allgather"], recompute=["none", "op", "full"],
                           schedule=["1f1b", "gpipe", "interleaved-1f1b", "interleaved-zb", "zb-v"], offload=["none"],
                           tp_overlap=[False], moe_dispatcher=["alltoall"], moe_a2a_overlap=[False],
-                          reshard_after_forward=[True, False])
+                          reshard_after_forward=[True, False], offload_layers=[0])
 
 # --- presets ------------------------------------------------------------------------------------
 STACKS: dict[str, StackSpec] = {
@@ -309,7 +309,10 @@ STACKS: dict[str, StackSpec] = {
         # engine runs 1F1B (deepspeed/runtime/pipe/schedule.py, TrainSchedule)
         search_choices=dict(zero=[0, 1, 2, 3], zero_impl=["deepspeed"], cp_impl=["a2a"],
                             recompute=["none", "selective", "full"], schedule=["1f1b"], tp_overlap=[False],
-                            moe_dispatcher=["alltoall"], moe_a2a_overlap=[False]),
+                            moe_dispatcher=["alltoall"], moe_a2a_overlap=[False],
+                            # Megatron-DeepSpeed's selective recompute is the attention core alone; its
+                            # activation offload (cpu_checkpointing) is not Megatron-Core's offload_layers
+                            recompute_modules=["core_attn"], offload_layers=[0]),
         source="Megatron-DeepSpeed / DeepSpeed ZeRO with Transformer Engine",
     ),
 }

@@ -15,7 +15,7 @@ the lowering itself builds:
   all-to-all) and the pipeline messages; then the last gradient reduction, the optimizer step
   (or its offload round trip) and the ZeRO-1/2 parameter all-gather. Also: the ZeRO stream's
   collectives take at least their summed time over its `collective_threads`, and compute runs
-  `overlap_slowdown` slower while they are in flight. At least total FLOPs / (world x peak x best efficiency).
+  slower while they are in flight, by the SMs an NCCL collective holds (`simexec.sim.overlap`). At least total FLOPs / (world x peak x best efficiency).
 - refined time (for plans the first bound does not rule out): the schedule replayed action by
   action (`simexec.program.schedules.pipeline_order`), under ZeRO-3 unit by unit with the parameter
   gathers (two ahead) and gradient reduce-scatters taking turns on their stream's threads.
@@ -37,6 +37,7 @@ from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
 from simexec.specs.stack import StackSpec
 from simexec.search.comm_costs import CommCosts
+from simexec.sim.overlap import OverlapShares
 from simexec.search.pipeline import PipelineTimes, ReplayEnd
 from simexec.search.space import Structure
 from simexec.search.stage_costs import LayerCost, StageCosts
@@ -85,7 +86,8 @@ class Bounds:
         # GPU ranks: the simulator's peak is the caching allocator's reserve, at least the tensors it holds
         # (simexec.sim.allocator); a bound counts the tensors alone. CPU ranks keep the overhead share.
         self.dyn = 1.0 + (cluster.costs.allocator_overhead if cluster.device.name == "cpu" else 0.0)
-        self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
+        # the ZeRO stream's collectives are NCCL's: compute beside one runs at least this much slower
+        self.slow = 1.0 - 1.0 / OverlapShares(cluster).nccl_slowdown()
         self.threads = cluster.costs.collective_threads
 
     def cm(self, dtype: str, stack: StackSpec):
@@ -183,10 +185,11 @@ class _StructureBounds:
             z = (rank.stream_fixed + m * rank.stream_per_micro_batch) / self.b.threads
             if z > x:
                 x = z
-            # Compute runs 1/overlap_slowdown slower while a transfer of the rank is in flight, and the
+            # Compute runs at most 1/s as fast while an NCCL collective of the rank is in flight (s:
+            # `OverlapShares.nccl_slowdown`; more transfers only hold more SMs), and the
             # ZeRO stream keeps one in flight for z seconds: after its first backward the rank's own
             # sequence E = own[r] + rest gains a * overlap, overlap >= work + z - T, so
-            # T >= (E + a (work + z)) / (1 + a), a = 1 - 1/overlap_slowdown.
+            # T >= (E + a (work + z)) / (1 + a), a = 1 - 1/s.
             y = (own[r] + rest + a * (wa[r] + z)) / (1.0 + a)
             if y > x:
                 x = y

@@ -134,7 +134,8 @@ def test_uniform_overlap_slowdown_for_every_transfer():
 
 def test_userbuffers_gather_on_copy_engines_reduce_scatter_on_sms():
     """tp_async (Transformer Engine's userbuffers): the ring-exchange all-gather holds no SM, the
-    pipelined reduce-scatter `userbuffers_sms`, DeepEP's hops `deepep_sms`, other collectives NCCL's."""
+    pipelined reduce-scatter `userbuffers_sms`, DeepEP's hops `deepep_sms`, other collectives NCCL's
+    channels, a send NCCL's channels per peer."""
     from simexec.sim.overlap import OverlapShares
 
     shares = OverlapShares(A100, tp_async=True)
@@ -149,6 +150,8 @@ def test_userbuffers_gather_on_copy_engines_reduce_scatter_on_sms():
     assert shares.held(coll("reducescatter", "tp", "fc2")) == c.userbuffers_sms
     assert shares.held(coll("allreduce", "tp", "norm_grads")) == c.nccl_channels
     assert shares.held(coll("alltoall", "ep_net")) == c.deepep_sms
+    send = Instr(rank=0, name="s", kind="send", stream="p2p.send", op="send", peer=1)
+    assert shares.held(send) == c.nccl_p2p_channels
     assert OverlapShares(A100).held(coll("allgather", "tp", "fc1")) == c.nccl_channels
     assert shares.rate(0) == 1.0 and shares.rate(10_000) == pytest.approx(1 / 108)
 

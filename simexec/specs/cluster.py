@@ -144,6 +144,9 @@ class CostParams(_Spec):
         " (`nccl_channels`, `deepep_sms`, `userbuffers_sms`; copy-engine copies none: `simexec.sim.overlap`)")
     nccl_channels: int = Field(
         16, gt=0, description="SMs an NCCL collective or send/recv holds while in flight: one CTA per channel")
+    nccl_p2p_channels: int = Field(
+        4, gt=0, description="SMs an NCCL send/recv between two ranks holds: the channels per peer NCCL gives"
+        " a peer across the network (one per NIC, or a channel per 14 GB/s of NIC bandwidth)")
     deepep_sms: int = Field(20, gt=0, description="SMs DeepEP's dispatch and combine kernels hold (Buffer.num_sms)")
     userbuffers_sms: int = Field(
         16, ge=0, description="SMs Transformer Engine's userbuffers reduce-scatters and bulk all-gathers hold"
@@ -272,7 +275,11 @@ class ClusterSpec(_Spec):
 #   (`simexec.sim.overlap`; docs/validation.md, finding 9). NCCL runs one CTA per channel, each on
 #   an SM of its own (src/device/common.h, ncclKernelMain: blockIdx.x picks the channel); its logs
 #   show 16 collective channels on 8-GPU H800 and multi-node H100 systems (NVIDIA/nccl issues #892,
-#   #1453): `nccl_channels` 16. DeepEP's kernels take Buffer.num_sms = 20 SMs
+#   #1453): `nccl_channels` 16. A send/recv (pipeline messages) runs on the channels NCCL gives one
+#   peer: across the network max(NICs, ceil(NIC GB/s / 14)) = 4 for one 400 Gb/s NIC per GPU, a power
+#   of two (NVIDIA/nccl@5067397c src/graph/paths.cc, ncclTopoGetNchannels and
+#   ncclTopoComputeP2pChannels; NCCL_P2P_PER_CHANNEL_NET_BW 14): `nccl_p2p_channels` 4 (NVLink
+#   peers get more, 2 per NVLink's bandwidth, not priced). DeepEP's kernels take Buffer.num_sms = 20 SMs
 #   (deepseek-ai/DeepEP@b306af0^ deep_ep/buffer.py; Megatron-Core's moe_deepep_num_sms leaves it
 #   unset by default). Transformer Engine's userbuffers (tp_async): all-gathers by ring_exchange
 #   over the copy engines (use_ce, num_sm 1, no SM margin), reduce-scatters (pipeline) and bulk

@@ -252,3 +252,17 @@ def test_clipping_holds_every_pipeline_stage_until_the_last_backward_ends():
     assert step_free < last_free  # the last stage does not wait for stage 0
     assert step_clip > last_clip
     assert t_clip > t_free
+
+
+def test_nccl_channels_follow_the_groups_ranks_per_node():
+    """Inside a node a collective holds `nccl_channels`; across nodes two per NIC its ranks on a node
+    use (DGX H100: a NIC per GPU): one rank per node 2, two 4, eight 16."""
+    from simexec.sim.overlap import OverlapShares
+
+    shares = OverlapShares(get_cluster("4xdgx-h100"))
+    assert shares.channels(tuple(range(8))) == 16
+    assert shares.channels((0, 8, 16, 24)) == 2
+    assert shares.channels((0, 1, 8, 9)) == 4
+    assert shares.channels(tuple(range(32))) == 16
+    assert shares.fewest_channels() == 2
+    assert shares.nccl_slowdown((0, 8)) == pytest.approx(132 / 130)

@@ -798,7 +798,7 @@ _TP_TOO_LARGE = pytest.mark.xfail(strict=True, reason="a smaller tp fits and sav
 
 @pytest.mark.parametrize("name", [
     "megatron-1.7b",
-    pytest.param("megatron-3.6b", marks=_TP_TOO_LARGE),
+    "megatron-3.6b",  # ranks among the top since compute beside NCCL collectives loses their SMs
     pytest.param("megatron-7.5b", marks=_TP_TOO_LARGE),
 ])
 def test_megatron_table1_plan_ranks_among_the_top(name):

@@ -9,7 +9,8 @@ from simexec.sim.machine import Machine
 
 A100 = get_cluster("dgx-a100-80g")
 NVL = A100.node.intra_bw * A100.costs.intra_bw_eff
-SLOW = A100.costs.overlap_slowdown
+# an NCCL kernel holds one SM per channel: compute beside it runs on the rest
+SLOW = A100.device.sms / (A100.device.sms - A100.costs.nccl_channels)
 
 
 def gemm(rank, name, flops=1e13, **kw):
@@ -56,8 +57,8 @@ def test_memory_instructions_take_no_time():
 
 
 def test_compute_slows_while_a_transfer_overlaps_it():
-    """Compute overlapped by communication of its rank runs `overlap_slowdown` times slower, only
-    for the overlapped part: the chain is re-rated when the transfer starts and ends."""
+    """Compute overlapped by an NCCL collective of its rank runs SMs / (SMs - channels) times slower
+    (108 / 92 on an A100), only for the overlapped part: the chain is re-rated when the transfer starts and ends."""
     S = 2e9  # long enough to start and end inside the compute
     ranks = {}
     for r in (0, 1):
@@ -76,6 +77,94 @@ def test_compute_slows_while_a_transfer_overlaps_it():
     expected_end = ar_end + (work_b - overlap / SLOW)
     assert ar_start == a_end
     assert times["0:b"][1] == pytest.approx(expected_end, rel=1e-12)
+
+
+def overlapped(transfer_of, cluster=A100):
+    """A long GEMM on rank 0 with `transfer_of(rank)` of both ranks running under it from its start:
+    the GEMM's end, the transfer's span and the GEMM's idle time."""
+    ranks = {r: [transfer_of(r), gemm(r, "b", 1e15)] for r in (0, 1)}
+    _, times = engine(ranks, cluster)
+    return times["0:b"][1], times["0:x"], ComputeModel(cluster, "bf16").time("gemm", 1e15, 0.0)
+
+
+def test_nccl_allgather_takes_its_channels_sms():
+    """An NCCL all-gather under a GEMM slows it by SMs / (SMs - channels) while in flight."""
+    def ag(r):
+        return Instr(rank=r, name="x", kind="collective", stream="comm.dp", op="allgather@dp", bytes=2e9,
+                     group=(0, 1), axis="dp")
+
+    end, (s, e), work = overlapped(ag)
+    assert SLOW == pytest.approx(108 / 92)
+    assert end == pytest.approx(e + work - (e - s) * (92 / 108), rel=1e-12)
+
+
+def test_host_copy_leaves_compute_alone():
+    """A host copy runs on a copy engine: the GEMM beside it keeps every SM."""
+    def d2h(r):
+        return Instr(rank=r, name="x", kind="copy", stream="copy.d2h", op="d2h", bytes=2e9)
+
+    end, (s, e), work = overlapped(d2h)
+    assert e > s
+    assert end == pytest.approx(work, rel=1e-12)
+
+
+def test_concurrent_transfers_add_their_sms():
+    """Two NCCL collectives in flight at once hold twice the channels."""
+    ranks = {}
+    for r in (0, 1):
+        ranks[r] = [Instr(rank=r, name=f"x{a}", kind="collective", stream=f"comm.{a}", op=f"allreduce@{a}",
+                          bytes=2e9, group=(0, 1), axis=a) for a in ("dp", "tp")] + [gemm(r, "b", 1e15)]
+    _, times = engine(ranks)
+    (s, e), work = times["0:xdp"], t_gemm(1e15)
+    assert times["0:xtp"] == (s, e)
+    assert times["0:b"][1] == pytest.approx(e + work - (e - s) * (108 - 32) / 108, rel=1e-12)
+
+
+def test_uniform_overlap_slowdown_for_every_transfer():
+    """A cluster with a uniform `overlap_slowdown` (CPU ranks, old cluster files) slows compute by it
+    under any transfer, copies included, as before per-kind charging."""
+    cluster = A100.model_copy(update={"costs": A100.costs.model_copy(update={"overlap_slowdown": 1.3})})
+
+    def d2h(r):
+        return Instr(rank=r, name="x", kind="copy", stream="copy.d2h", op="d2h", bytes=2e9)
+
+    end, (s, e), work = overlapped(d2h, cluster)
+    assert end == pytest.approx(e + work - (e - s) / 1.3, rel=1e-12)
+
+
+def test_userbuffers_gather_on_copy_engines_reduce_scatter_on_sms():
+    """tp_async (Transformer Engine's userbuffers): the ring-exchange all-gather holds no SM, the
+    pipelined reduce-scatter `userbuffers_sms`, DeepEP's hops `deepep_sms`, other collectives NCCL's
+    channels, a send NCCL's channels per peer."""
+    from simexec.sim.overlap import OverlapShares
+
+    shares = OverlapShares(A100, tp_async=True)
+    c = A100.costs
+
+    def coll(verb, axis, block=""):
+        return Instr(rank=0, name="x", kind="collective", stream=f"comm.{axis}", op=f"{verb}@{axis}",
+                     axis=axis, block=block, group=(0, 1))
+
+    assert shares.held(coll("allgather", "tp", "fc1")) == 0
+    assert shares.held(coll("allgather", "tp", "attn_regather")) == c.userbuffers_sms
+    assert shares.held(coll("reducescatter", "tp", "fc2")) == c.userbuffers_sms
+    assert shares.held(coll("allreduce", "tp", "norm_grads")) == c.nccl_channels
+    assert shares.held(coll("alltoall", "ep_net")) == c.deepep_sms
+    send = Instr(rank=0, name="s", kind="send", stream="p2p.send", op="send", peer=1)
+    assert shares.held(send) == c.nccl_p2p_channels
+    assert OverlapShares(A100).held(coll("allgather", "tp", "fc1")) == c.nccl_channels
+    assert shares.rate(0) == 1.0 and shares.rate(10_000) == pytest.approx(1 / 108)
+
+
+def test_gpu_cluster_needs_sms_or_a_uniform_slowdown():
+    from simexec.specs.cluster import ClusterSpec
+
+    bad = A100.model_dump()
+    bad["device"]["sms"] = None
+    with pytest.raises(ValueError, match="overlap_slowdown is unset and device.sms"):
+        ClusterSpec.model_validate(bad)
+    bad["costs"]["overlap_slowdown"] = 1.05
+    assert ClusterSpec.model_validate(bad).costs.overlap_slowdown == 1.05
 
 
 def test_deadlock_names_the_stuck_instructions():
@@ -163,3 +252,17 @@ def test_clipping_holds_every_pipeline_stage_until_the_last_backward_ends():
     assert step_free < last_free  # the last stage does not wait for stage 0
     assert step_clip > last_clip
     assert t_clip > t_free
+
+
+def test_nccl_channels_follow_the_groups_ranks_per_node():
+    """Inside a node a collective holds `nccl_channels`; across nodes two per NIC its ranks on a node
+    use (DGX H100: a NIC per GPU): one rank per node 2, two 4, eight 16."""
+    from simexec.sim.overlap import OverlapShares
+
+    shares = OverlapShares(get_cluster("4xdgx-h100"))
+    assert shares.channels(tuple(range(8))) == 16
+    assert shares.channels((0, 8, 16, 24)) == 2
+    assert shares.channels((0, 1, 8, 9)) == 4
+    assert shares.channels(tuple(range(32))) == 16
+    assert shares.fewest_channels() == 2
+    assert shares.nccl_slowdown((0, 8)) == pytest.approx(132 / 130)

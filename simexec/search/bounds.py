@@ -15,7 +15,7 @@ the lowering itself builds:
   all-to-all) and the pipeline messages; then the last gradient reduction, the optimizer step
   (or its offload round trip) and the ZeRO-1/2 parameter all-gather. Also: the ZeRO stream's
   collectives take at least their summed time over its `collective_threads`, and compute runs
-  `overlap_slowdown` slower while they are in flight. At least total FLOPs / (world x peak x best efficiency).
+  slower while they are in flight, by the SMs an NCCL collective holds (`simexec.sim.overlap`). At least total FLOPs / (world x peak x best efficiency).
 - refined time (for plans the first bound does not rule out): the schedule replayed action by
   action (`simexec.program.schedules.pipeline_order`), under ZeRO-3 unit by unit with the parameter
   gathers (two ahead) and gradient reduce-scatters taking turns on their stream's threads.
@@ -37,6 +37,7 @@ from simexec.specs.model import ModelSpec
 from simexec.specs.plan import ResolvedPlan
 from simexec.specs.stack import StackSpec
 from simexec.search.comm_costs import CommCosts
+from simexec.sim.overlap import OverlapShares
 from simexec.search.pipeline import PipelineTimes, ReplayEnd
 from simexec.search.space import Structure
 from simexec.search.stage_costs import LayerCost, StageCosts
@@ -85,7 +86,9 @@ class Bounds:
         # GPU ranks: the simulator's peak is the caching allocator's reserve, at least the tensors it holds
         # (simexec.sim.allocator); a bound counts the tensors alone. CPU ranks keep the overhead share.
         self.dyn = 1.0 + (cluster.costs.allocator_overhead if cluster.device.name == "cpu" else 0.0)
-        self.slow = 1.0 - 1.0 / cluster.costs.overlap_slowdown
+        # the ZeRO stream's collectives are NCCL's: compute beside one runs at least this much slower
+        # (its channels depend on the group: `zero_slow`)
+        self.shares = OverlapShares(cluster)
         self.threads = cluster.costs.collective_threads
 
     def cm(self, dtype: str, stack: StackSpec):
@@ -141,6 +144,7 @@ class _StructureBounds:
         self.state_costs = StateCosts(b, stages)
         self.p, self.comm, self.pp, self.m = stages.p, stages.comm, stages.pp, stages.m
         self._replayed: Optional[list[ReplayEnd]] = None
+        self._zero_slow: dict[tuple, float] = {}
         self._zero3_replays: dict[tuple, list[ReplayEnd]] = {}  # (dp_shard, zero_impl, raf) -> its replay
 
     def replay_bound(self, state: tuple) -> float:
@@ -167,10 +171,24 @@ class _StructureBounds:
             t = max(t, e.last_compute + (red if red > tail else tail) + rank.after_reduction)
         return t * (1.0 - 1e-9)
 
+    def zero_slow(self, state: tuple) -> float:
+        """a = 1 - 1/s, s the least slowdown one collective of the ZeRO stream (its gathers and
+        reductions over the ZeRO and expert-data groups, HSDP's replica all-reduce) causes."""
+        a = self._zero_slow.get(state)
+        if a is None:
+            shares, dp_shard = self.b.shares, state[2]
+            g = self.comm.groups(self.comm.rank_of_stage[0], self.p.ep, dp_shard, self.p.etp)
+            s = min((shares.nccl_slowdown(g[k]) for k in ("zero", "edp") if len(g[k]) > 1),
+                    default=shares.nccl_slowdown())
+            if (dp_shard or self.p.ep > 1) and shares.uniform is None:  # replicas of a shard, experts' groups
+                s = min(s, 1.0 / shares.rate(shares.fewest_channels()))
+            a = self._zero_slow[state] = 1.0 - 1.0 / s
+        return a
+
     def bounds(self, state: tuple) -> tuple[float, float, float]:
         """(ordering estimate, time lower bound, memory lower bound) of this structure with `state`."""
         ranks = self.state_costs.state(state)
-        ws, dyn, a = self.b.workspace, self.b.dyn, self.b.slow
+        ws, dyn, a = self.b.workspace, self.b.dyn, self.zero_slow(state)
         t = mem = tr = 0.0
         pl, m = self.pipeline, self.m
         lc, own, tl, act, wa, wk = pl.last_compute, pl.own_last_compute, pl.tail, pl.act, pl.w_after, pl.work
@@ -183,16 +201,20 @@ class _StructureBounds:
             z = (rank.stream_fixed + m * rank.stream_per_micro_batch) / self.b.threads
             if z > x:
                 x = z
-            # Compute runs 1/overlap_slowdown slower while a transfer of the rank is in flight, and the
-            # ZeRO stream keeps one in flight for z seconds: after its first backward the rank's own
-            # sequence E = own[r] + rest gains a * overlap, overlap >= work + z - T, so
-            # T >= (E + a (work + z)) / (1 + a), a = 1 - 1/overlap_slowdown.
-            y = (own[r] + rest + a * (wa[r] + z)) / (1.0 + a)
+            # Compute runs at most 1 - a as fast while an NCCL collective of the rank is in flight
+            # (a = 1 - 1/s, s: `OverlapShares.nccl_slowdown`; more transfers only hold more SMs), and
+            # the ZeRO stream keeps one in flight for z seconds. After its first backward the rank's
+            # compute is busy C >= work + a * overlap and its own sequence E = own[r] + rest gains
+            # a * overlap; both C and z lie within T, so overlap >= C + z - T, overlap (1 - a) >=
+            # work + z - T, and T >= E + a (work + z - T) / (1 - a): T >= E + a (work + z - E)
+            # (where work + z < T, T >= E covers it).
+            e = own[r] + rest
+            y = e + a * (wa[r] + z - e)
             if y > x:
                 x = y
-            # the same over the whole step: the rank's compute C >= work + a * overlap, overlap >= work + z - T,
-            # T >= C: T >= work + a z / (1 + a) (under ZeRO-3 the stream is busy from the first forward)
-            y = wk[r] + a * z / (1.0 + a)
+            # the same over the whole step (under ZeRO-3 the stream is busy from the first forward):
+            # T >= C >= work + a (C + z - T) gives T >= work + a z
+            y = wk[r] + a * z
             if y > x:
                 x = y
             if x > t:

@@ -6,10 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
+from simexec.program.instructions import Instr
 from simexec.program.layer_order import TP_CONJUGATES, LayerStep
 from simexec.program.param_tensors import unit_tensors
 from simexec.specs.zero3_flavours import DEFAULT_ZERO3_FLAVOUR, Zero3Flavour, zero3_flavour
 from simexec.search.space import Structure
+from simexec.sim.overlap import OverlapShares
 
 if TYPE_CHECKING:
     from simexec.search.bounds import Bounds
@@ -72,6 +74,7 @@ class StageCosts:
         self.rp = rp = st.rp
         self.p = p = rp.plan
         self.cm = b.cm(p.dtype, rp.stack)
+        self.shares = OverlapShares(b.cluster, p.tp_async)
         self.comm_key, self.comm = b.comm(rp)
         self.an = an = Anatomy(rp)
         self.pp, self.vpp, self.m = p.pp, p.vpp, rp.micro_batches
@@ -209,14 +212,24 @@ class StageCosts:
             return self._bwd(blk) + c
         w = self._weight_pass(blk)
         self._k -= min(c, w)  # the collective's seconds under the weight pass are not waited for
-        return self._input_pass(blk) + max(w, c)
+        # the weight pass loses a share of its SMs to the collective while both run (`tp_lost`)
+        return self._input_pass(blk) + max(w + self._tp_lost(block, rank) * c, c)
 
     def _closing(self, blk, block: str, rank: int) -> float:
         """What of the tp collective after a column-parallel block's backward outlasts its compute."""
         c = self._tp(block, 1, rank)
         if not (self.p.tp_overlap and blk.wgrad_flops):
             return c
-        return max(0.0, c - self._weight_pass(blk))
+        return max(0.0, c - self._weight_pass(blk) - self._tp_lost(block, rank) * c)
+
+    def _tp_lost(self, block: str, rank: int) -> float:
+        """The share of compute a column-parallel block's backward tp collective takes while in flight
+        (`simexec.sim.overlap`): the weight pass beside it for c seconds does at least a * c less."""
+        verb = TP_CONJUGATES[block][self.sp][1]
+        group = self.comm.groups(rank, self.p.ep, self.p.dp_shard, self.p.etp)["tp"]
+        ins = Instr(rank, "", "collective", "comm.tp", f"{verb}@tp", axis="tp", block=block, group=group)
+        held = self.shares.held(ins)
+        return 1.0 - self.shares.rate(held) if held else 0.0
 
     def _tp(self, block: str, bwd: int, rank: int) -> float:
         if block in ("mlp_in", "mlp_out") and self.an.moe_without_tp:

@@ -20,8 +20,9 @@ rank by its factor after the machine has priced it: a straggler, or a GPU slower
 Speed, without approximation:
 - a chain of compute instructions that nothing on another stream waits on, and whose own
   cross-stream deps have already finished, runs as one timeout; each instruction's times follow by
-  arithmetic. Compute slows by the machine's `overlap_slowdown` while a transfer of the same rank is
-  in flight: the running chain is re-rated in place (its timeout swapped), so the times stay exact;
+  arithmetic. Compute slows while transfers of the same rank are in flight, by the SMs they hold
+  (the machine's `transfer_sms` and `compute_rate`): the running chain is re-rated in place (its
+  timeout swapped) whenever that changes, so the times stay exact;
 - memory instructions that wait on nothing are not visited: they happen when their stream
   predecessor ends;
 - an instruction's completion wakes the processes waiting on it at once, at the same simulated
@@ -105,7 +106,8 @@ class MachineModel(Protocol):
 
     Prices: `work` (a compute instruction at full speed), `host_work` (a CPU optimizer step), then
     `reprice` once the whole program is known, in place. Compute runs on the rank's device at
-    `compute_rate` while the rank has transfers in flight, unless the machine hands out `cores`
+    `compute_rate(held)` while the rank's transfers in flight hold `held` SMs in all (each
+    `transfer_sms`), unless the machine hands out `cores`
     (set by `bind`): then every compute, copy and host step waits for a core. `issue_clock` is an
     eager host's seconds to issue each instruction and whether it waits for the device first.
     Transfers: `start_*` run one and call `finish()` when it is over."""
@@ -118,7 +120,8 @@ class MachineModel(Protocol):
     def host_work(self, ins: Instr) -> float: ...
     def reprice(self, instrs: list[Instr], work: list[float]) -> None: ...
     def issue_clock(self) -> Optional[tuple[list[float], list[bool]]]: ...
-    def compute_rate(self, transfers_in_flight: int) -> float: ...
+    def transfer_sms(self, ins: Instr) -> int: ...
+    def compute_rate(self, held: int) -> float: ...
     def comm_ranks(self, ins: Instr) -> tuple[int, ...]: ...
     def p2p_ranks(self, ins: Instr) -> tuple[int, ...]: ...
     def start_collective(self, ins: Instr, ranks: tuple[int, ...], finish: Callable[[], None]) -> None: ...
@@ -281,7 +284,6 @@ class Engine:
         """Simulate; return the time the last instruction ends."""
         env = self.env
         self.machine.bind(env)
-        self._slow = self.machine.compute_rate(1)
         self.cores = self.machine.cores
         for (rank, _), seq in sorted(self.streams.items()):
             if seq:
@@ -322,7 +324,7 @@ class Engine:
         signals, waiters, matches, match = self.signals, self._waiters, self.matches, self.match
         machine, instrs, work, inflight = self.machine, self.instrs, self.work, self._inflight
         runs = self._runs[rank]
-        slow = self._slow
+        rate_of = self.machine.compute_rate
         cores = self.cores
         proc = holder[0]
         slots = self.slots if self.instrs[seq[0]].stream.startswith("comm.") else 1
@@ -379,7 +381,7 @@ class Engine:
                 run = _Run()
                 run.proc = proc
                 run.t = t0 = env.now
-                run.rate = rate0 = slow if inflight[rank] else 1.0
+                run.rate = rate0 = rate_of(inflight[rank]) if inflight[rank] else 1.0
                 run.left = total
                 run.marks = None
                 run.timer = Timeout(env, total / rate0)
@@ -417,8 +419,9 @@ class Engine:
                 if mid < 0:  # the only present member
                     done = Event(env)
                     ranks = (rank,)
-                    self._comm_begin(ranks)
-                    machine.start_collective(ins, ranks, self._finisher(ranks, done))
+                    held = machine.transfer_sms(ins)
+                    self._comm_begin(ranks, held)
+                    machine.start_collective(ins, ranks, self._finisher(ranks, done, held))
                 else:
                     mt = matches[mid]
                     done = mt.done
@@ -428,8 +431,9 @@ class Engine:
                     if mt.arrived == mt.needed:
                         mt.xfer_start = now
                         ranks = machine.comm_ranks(ins)
-                        self._comm_begin(ranks)
-                        machine.start_collective(ins, ranks, self._finisher(ranks, done))
+                        held = machine.transfer_sms(ins)
+                        self._comm_begin(ranks, held)
+                        machine.start_collective(ins, ranks, self._finisher(ranks, done, held))
                 if flight is not None:  # the next one may start while this one runs
                     flight.add(done, lambda k=k: self._finished(k))
                     if flight.n >= slots:
@@ -450,18 +454,20 @@ class Engine:
                     mt.xfer_start = now
                     src, dst = (ins.rank, ins.peer) if kd == SEND else (ins.peer, rank)
                     ranks = machine.p2p_ranks(ins) if mt.needed == 2 else (rank,)
-                    self._comm_begin(ranks)
-                    machine.start_p2p(ins, src, dst, ranks, self._finisher(ranks, done))
+                    held = machine.transfer_sms(ins)
+                    self._comm_begin(ranks, held)
+                    machine.start_p2p(ins, src, dst, ranks, self._finisher(ranks, done, held))
                 i += 1
                 continue
             elif kd == COPY:
                 done = Event(env)
                 ranks = (rank,)
-                self._comm_begin(ranks)
-                machine.start_copy(ins, self._finisher(ranks, done))
+                held = machine.transfer_sms(ins)
+                self._comm_begin(ranks, held)
+                machine.start_copy(ins, self._finisher(ranks, done, held))
             else:  # HOST
                 done = Event(env)
-                machine.start_cpu_step(ins, work[k], self._finisher((), done))
+                machine.start_cpu_step(ins, work[k], self._finisher((), done, 0))
             yield done
             self._finished(k)
             i += 1
@@ -491,10 +497,11 @@ class Engine:
             end[k] = at(done)
 
     def _rerate(self, rank: int) -> None:
-        """The rank's transfers in flight changed: chains running there continue at the new rate."""
+        """The SMs the rank's transfers in flight hold changed: chains running there continue at the new rate."""
         env = self.env
         now = env.now
-        rate = self._slow if self._inflight[rank] else 1.0
+        held = self._inflight[rank]
+        rate = self.machine.compute_rate(held) if held else 1.0
         for run in self._runs[rank]:
             if run.rate == rate:
                 continue
@@ -517,26 +524,30 @@ class Engine:
 
     # --- transfers -------------------------------------------------------------------------------
 
-    def _finisher(self, ranks, done: Event) -> Callable[[], None]:
-        """What a transfer among `ranks` does when it is over: their compute speeds up again, and
-        whoever waits on it goes on."""
+    def _finisher(self, ranks, done: Event, held: int) -> Callable[[], None]:
+        """What a transfer among `ranks` holding `held` SMs on each does when it is over: their compute
+        gets those SMs back, and whoever waits on it goes on."""
 
         def finish() -> None:
-            self._comm_end(ranks)
+            self._comm_end(ranks, held)
             _fire(done)
 
         return finish
 
-    def _comm_begin(self, ranks) -> None:
+    def _comm_begin(self, ranks, held: int) -> None:
+        if not held:
+            return
         inflight, runs = self._inflight, self._runs
         for r in ranks:
-            inflight[r] += 1
-            if inflight[r] == 1 and runs[r]:
+            inflight[r] += held
+            if runs[r]:
                 self._rerate(r)
 
-    def _comm_end(self, ranks) -> None:
+    def _comm_end(self, ranks, held: int) -> None:
+        if not held:
+            return
         inflight, runs = self._inflight, self._runs
         for r in ranks:
-            inflight[r] -= 1
-            if inflight[r] == 0 and runs[r]:
+            inflight[r] -= held
+            if runs[r]:
                 self._rerate(r)

@@ -3,7 +3,7 @@
 The engine asks a machine (`simexec.sim.engine.MachineModel`) what an instruction costs, how fast
 compute runs while transfers are in flight, and to run transfers. Two machines answer:
 - `Machine`, ranks that each own a device (GPUs, or one CPU each): compute priced by the roofline of
-  `simexec.sim.compute`, slowed while the rank's transfers run, the host issuing operators ahead of
+  `simexec.sim.compute`, slowed by the SMs the rank's transfers in flight hold (`simexec.sim.overlap`), the host issuing operators ahead of
   the device unless `costs.host_dispatch_s` makes it eager (`simexec.sim.host.model.dispatch_clock`);
   transfers as phases over the network's shared links;
 - `SharedCoresMachine`, CPU ranks whose threads share one host's cores (`costs.cores_shared`): every
@@ -20,6 +20,7 @@ from simexec.program.instructions import Instr, Program, exchanges_counts
 from simexec.sim.compute import ComputeModel
 from simexec.sim.host.model import HostCosts, dispatch_clock, shares_cores
 from simexec.sim.network import Fluid, Network
+from simexec.sim.overlap import OverlapShares
 
 
 class FluidTransfer:
@@ -52,7 +53,7 @@ class Machine:
         resolved = program.resolved
         self.compute = ComputeModel(cluster, dtype, resolved.stack if resolved is not None else None)
         self.network = Network(cluster, program.ranks, program.represents or {})
-        self.slow_rate = 1.0 / cluster.costs.overlap_slowdown
+        self.overlap = OverlapShares(cluster, bool(resolved is not None and resolved.plan.tp_async))
         self.fluid: Fluid | None = None
         self._members: dict[tuple[int, ...], tuple[int, ...]] = {}
         self._phases: dict[tuple, tuple] = {}
@@ -68,10 +69,13 @@ class Machine:
         """Seconds of a compute instruction on an idle device, after the host time it waits for."""
         return self.compute.time(ins.op, ins.flops, ins.bytes, ins.phase, ins.keys, ins.gemm_groups) + ins.host_s
 
-    def compute_rate(self, transfers_in_flight: int) -> float:
-        """Compute speed (1 = idle device) while `transfers_in_flight` transfers of the rank run:
-        communication kernels take SMs and memory bandwidth from compute (`overlap_slowdown`)."""
-        return self.slow_rate if transfers_in_flight else 1.0
+    def transfer_sms(self, ins: Instr) -> int:
+        """SMs transfer `ins` takes from its ranks' compute while in flight (`simexec.sim.overlap`)."""
+        return self.overlap.held(ins)
+
+    def compute_rate(self, held: int) -> float:
+        """Compute speed (1 = idle device) while the rank's transfers in flight hold `held` SMs."""
+        return self.overlap.rate(held)
 
     def host_work(self, ins: Instr) -> float:
         """Parameters a CPU optimizer step updates."""

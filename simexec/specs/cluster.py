@@ -43,6 +43,10 @@ class DeviceSpec(_Spec):
     compute_capability: Optional[tuple[int, int]] = Field(
         None, description="CUDA compute capability (major, minor), which frameworks read to pick kernels "
         "(torch.cuda.get_device_capability; `StackSpec.cudnn_attention_from`); None: not a CUDA device")
+    sms: Optional[int] = Field(
+        None, gt=0, description="streaming multiprocessors (cudaDeviceProp.multiProcessorCount): a transfer whose "
+        "kernels hold some of them leaves compute the rest (`simexec.sim.overlap`); None: not known, the "
+        "cluster then needs a uniform `costs.overlap_slowdown`")
 
     @field_validator("peak_flops")
     @classmethod
@@ -134,7 +138,19 @@ class CostParams(_Spec):
     inter_bw_eff: float = Field(gt=0, le=1, description="inter-node bus-bandwidth efficiency (nccl-tests)")
     host_link_eff: float = Field(gt=0, le=1, description="achieved fraction of PCIe bandwidth for pinned copies")
     collective_latency_s: float = Field(ge=0, description="fixed software cost per collective call")
-    overlap_slowdown: float = Field(ge=1.0, description="compute slowdown while communication overlaps it")
+    overlap_slowdown: Optional[float] = Field(
+        None, ge=1.0, description="uniform compute slowdown while any transfer of the rank is in flight (CPU"
+        " ranks, devices without `sms`); None: charged per kind of transfer by the SMs its kernels hold"
+        " (`nccl_channels`, `deepep_sms`, `userbuffers_sms`; copy-engine copies none: `simexec.sim.overlap`)")
+    nccl_channels: int = Field(
+        16, gt=0, description="SMs an NCCL collective or send/recv holds while in flight: one CTA per channel")
+    nccl_p2p_channels: int = Field(
+        4, gt=0, description="SMs an NCCL send/recv between two ranks holds: the channels per peer NCCL gives"
+        " a peer across the network (one per NIC, or a channel per 14 GB/s of NIC bandwidth)")
+    deepep_sms: int = Field(20, gt=0, description="SMs DeepEP's dispatch and combine kernels hold (Buffer.num_sms)")
+    userbuffers_sms: int = Field(
+        16, ge=0, description="SMs Transformer Engine's userbuffers reduce-scatters and bulk all-gathers hold"
+        " under tp_async (num_sm; the GEMM beside them runs on the rest, set_sm_margin)")
     compute_contention: float = Field(
         1.0, ge=1.0, description="ranks per core-set sharing compute (CPU ranks on shared cores); 1 on GPUs"
     )
@@ -206,6 +222,9 @@ class ClusterSpec(_Spec):
                 f"nodes={self.nodes} needs a network: network.nics_per_node and network.nic_bw must be positive,"
                 f" got {self.network.nics_per_node} and {self.network.nic_bw:g}"
             )
+        if self.costs.overlap_slowdown is None and self.device.sms is None:
+            raise ValueError("costs.overlap_slowdown is unset and device.sms is unknown: give one of them, e.g."
+                             " device.sms: 132 or costs.overlap_slowdown: 1.05")
         return self
 
     @property
@@ -252,12 +271,27 @@ class ClusterSpec(_Spec):
 #   (nccl-tests all_reduce_perf, 8 GPUs, 1 GiB messages) -> ~0.78-0.82.
 # - InfiniBand: ~90% of line rate (nccl-tests busbw across nodes, ~23 GB/s per HDR 200 Gb/s NIC).
 # - PCIe pinned copies ~80% of link rate (cudaMemcpy bandwidthTest).
-# - Compute beside communication (`overlap_slowdown` 1.05): not from a measurement; NCCL's share of
-#   the SMs suggests 1.14-1.22 (docs/validation.md, finding 9).
+# - Compute beside communication: charged per kind of transfer by the SMs its kernels hold
+#   (`simexec.sim.overlap`; docs/validation.md, finding 9). NCCL runs one CTA per channel, each on
+#   an SM of its own (src/device/common.h, ncclKernelMain: blockIdx.x picks the channel); its logs
+#   show 16 collective channels on 8-GPU H800 and multi-node H100 systems (NVIDIA/nccl issues #892,
+#   #1453): `nccl_channels` 16. A send/recv (pipeline messages) runs on the channels NCCL gives one
+#   peer: across the network max(NICs, ceil(NIC GB/s / 14)) = 4 for one 400 Gb/s NIC per GPU, a power
+#   of two (NVIDIA/nccl@5067397c src/graph/paths.cc, ncclTopoGetNchannels and
+#   ncclTopoComputeP2pChannels; NCCL_P2P_PER_CHANNEL_NET_BW 14): `nccl_p2p_channels` 4 (NVLink
+#   peers get more, 2 per NVLink's bandwidth, not priced). DeepEP's kernels take Buffer.num_sms = 20 SMs
+#   (deepseek-ai/DeepEP@b306af0^ deep_ep/buffer.py; Megatron-Core's moe_deepep_num_sms leaves it
+#   unset by default). Transformer Engine's userbuffers (tp_async): all-gathers by ring_exchange
+#   over the copy engines (use_ce, num_sm 1, no SM margin), reduce-scatters (pipeline) and bulk
+#   overlaps on num_sm = 16 SMs with the GEMM on the rest (set_sm_margin) (NVIDIA/TransformerEngine
+#   @d0067d0 transformer_engine/pytorch/module/base.py, get_default_config; MLPerf v3.1 GPT-3 on
+#   Eos: 16 and 24 for the pipelined reduce-scatters, 4-16 for the bulk ones,
+#   mlcommons/training_results_v3.1@d06288b NVIDIA/benchmarks/gpt3/implementations/pytorch/conf/
+#   tp_overlap/h100tp8pp8mbs2.yaml). Host copies run on the copy engines and hold none.
 _A100_COSTS = CostParams(
     gemm_eff=0.75, gemm_half_flops=1.0e9, attention_eff=0.62, attention_half_flops=1.0e9,
     memory_eff=0.85, intra_bw_eff=0.78, inter_bw_eff=0.90, host_link_eff=0.80,
-    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+    collective_latency_s=10e-6, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
 # H100: cuBLAS bf16 large GEMMs reach ~700-750 of 989 TFLOP/s (~0.72); NVLink4 busbw ~370/450.
 # - GEMM shapes of a training step against the best shape: 0.72 of the best shape's 0.803 (794.5 of
@@ -275,7 +309,7 @@ _H100_COSTS = CostParams(
     attention_eff=round(0.659 * 0.876, 3), attention_bwd_eff=round(0.504 * 0.876, 3), attention_half_flops=2.0e9,
     attention_half_keys=215, attention_kernel="cudnn",
     memory_eff=0.85, intra_bw_eff=0.82, inter_bw_eff=0.90, host_link_eff=0.80,
-    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+    collective_latency_s=10e-6, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
 # H200: the H100's SMs and clocks. FP8 GEMM 1453.4 of 1979 best shape (mamf-finder) -> 0.658, half at
 # 3.7 GFLOP; cuDNN 9.19 attention forward 0.750, backward 0.622, causal 0.965, half at 499 keys
@@ -291,6 +325,7 @@ _A100 = dict(
     launch_overhead_s=4e-6,
     nccl_arch="ampere",  # SM80: NCCL's Ampere tuning row (src/graph/tuning.cc, compCapIndex)
     compute_capability=(8, 0),
+    sms=108,  # A100 datasheet / whitepaper: 108 SMs
 )
 _DGX_A100_NODE = dict(
     # DGX A100 user guide: 8 GPUs, NVLink3 600 GB/s bidirectional per GPU over NVSwitch,
@@ -310,6 +345,7 @@ _H100 = dict(
     launch_overhead_s=4e-6,
     nccl_arch="hopper",  # SM90 (src/graph/tuning.cc, compCapIndex)
     compute_capability=(9, 0),
+    sms=132,  # H100 SXM5 (H200 the same die): 132 SMs (NVIDIA H100 Tensor Core GPU architecture whitepaper)
 )
 # Device memory as CUDA gives it to a process (total_memory), a little under the HBM's nominal size;
 # the runtime's context, cuBLAS and NCCL then take their share of it (`workspace_bytes`).
@@ -343,6 +379,7 @@ _B200 = dict(
     nccl_arch="blackwell",  # SM100 (src/graph/tuning.cc, compCapIndex)
     compute_capability=(10, 0),
     fp8_gemm_any_layout=True,  # sm100: (10, 0) <= capability < (12, 0) (TE utils.is_non_tn_fp8_gemm_supported)
+    sms=148,  # B200: 148 SMs (multiProcessorCount), two dies
 )
 _GB200 = dict(
     peak_flops={"bf16": 2500e12, "fp16": 2500e12, "fp8": 5000e12, "fp4": 10000e12, "tf32": 1250e12, "fp32": 80e12},
@@ -350,6 +387,7 @@ _GB200 = dict(
     nccl_arch="blackwell",
     compute_capability=(10, 0),
     fp8_gemm_any_layout=True,  # as _B200 (GB200's B200 is sm100 as well)
+    sms=148,  # as _B200, per GPU
 )
 # Device memory as CUDA reports it: B200 178.35 GiB (cudaDeviceProp.totalGlobalMem in pytorch/ao PR #4002,
 # and "GPU 0 has a total capacity of 178.35 GiB" in public out-of-memory reports; nvidia-smi shows
@@ -396,7 +434,7 @@ _BLACKWELL_COSTS = dict(
     attention_bwd_eff=round(0.564 * 0.974 * BLACKWELL_SUSTAINED_CLOCK, 3), attention_half_keys=498,
     attention_kernel="cudnn",
     memory_eff=0.85, intra_bw_eff=0.93, inter_bw_eff=0.90, host_link_eff=0.80,
-    collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
+    collective_latency_s=10e-6, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
 # GEMMs: the best-shape figures (mamf-finder: B200 bf16 1745.0 of 2250, fp8 3432.5 of 4500; GB200 bf16
 # 1822.0 of 2500, fp8 3615.6 of 5000) times the training-shape ratio measured on H100 (`TRAINING_SHAPES`)
@@ -466,6 +504,7 @@ _MI300X_NODE = dict(
 _MI300X_COSTS = CostParams(
     gemm_eff=round(0.514 * TRAINING_SHAPES, 3), gemm_half_flops=2.0e9, attention_eff=0.40, attention_half_flops=2.0e9,
     memory_eff=0.85, intra_bw_eff=0.75, inter_bw_eff=0.90, host_link_eff=0.80,
+    # RCCL's channels on MI300X are not sourced here: the former uniform guess stays
     collective_latency_s=10e-6, overlap_slowdown=1.05, workspace_bytes=2.0 * GiB, allocator_overhead=0.05,
 )
 
